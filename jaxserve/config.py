@@ -1,0 +1,104 @@
+"""Engine configuration: one flat, frozen dataclass whose field names follow vLLM's engine arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import yaml
+
+VALID_PAGE_SIZES = (8, 16, 32)
+VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
+VALID_POLICIES = ("fcfs", "priority")
+VALID_ATTENTION_BACKENDS = ("auto", "xla")  # Pallas backends arrive with the kernels
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs; plain values so the scheduler never imports jax."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option. `model=None` means the small model that ships with jaxserve."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 0.5
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    min_token_bucket: int = 8
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    attention_backend: str = "auto"
+    seed: int = 0
+    compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
+
+    def __post_init__(self):
+        _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
+        _check_choice("dtype", self.dtype, VALID_DTYPES)
+        _check_choice("scheduling_policy", self.scheduling_policy, VALID_POLICIES)
+        _check_choice("attention_backend", self.attention_backend, VALID_ATTENTION_BACKENDS)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {self.num_pages}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): every scheduled sequence takes at least one token"
+            )
+
+    @classmethod
+    def from_yaml(cls, path: str, **overrides) -> "EngineConfig":
+        """Load a YAML file whose keys are this dataclass's fields; `overrides` win over the file."""
+        with open(path) as f:
+            values = yaml.safe_load(f) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: a config file must be a mapping of option: value")
+        return cls.from_dict({**values, **overrides}, source=path)
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> "EngineConfig":
+        """Build from a dict; unknown keys are an error that lists the valid ones."""
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(valid))
+        if unknown:
+            raise ValueError(f"{source}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
+        return cls(**values)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's slice of the config, with the resolved max_model_len."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+        )
+
+
+def _check_choice(name: str, value, choices: tuple) -> None:
+    """ValueError naming the option and its valid values."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")

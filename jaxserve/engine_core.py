@@ -1,0 +1,187 @@
+"""EngineCore: schedule -> build batch -> run -> update. Token ids in, token ids out (no tokenizer)."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.batch import BucketLadders, build_batch, build_sampling_batch
+from jaxserve.config import EngineConfig
+from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
+from jaxserve.kv.page_pool import PagePool
+from jaxserve.model.loader import load_params, resolve_dtype
+from jaxserve.model.sharding import cache_kv_heads, make_mesh
+from jaxserve.model.spec import ModelSpec
+from jaxserve.request import Logprob, Request, RequestStatus
+from jaxserve.runner import CompileCounter, Runner, StepOutput
+from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
+
+MAX_STOP_TOKEN_IDS = 64  # stop ids a request may name (they widen the sampler's ban list)
+
+
+class EngineCore:
+    """Owns the scheduler, the page pool and the runner of one model."""
+
+    def __init__(self, config: EngineConfig, model_path: str, show_progress: bool = True):
+        self.config = config
+        enable_compilation_cache(config.compilation_cache_dir)
+        self.spec = ModelSpec.from_pretrained(model_path)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        tp = config.tensor_parallel_size
+        self.mesh = make_mesh(tp)
+        kv_heads = cache_kv_heads(self.spec, tp)
+        dtype = resolve_dtype(config.dtype, self.spec)
+        params = load_params(model_path, self.spec, self.mesh, dtype, kv_heads)
+        self.num_pages = resolve_num_pages(config, self.spec, kv_heads, dtype, self.max_model_len)
+        self.ladders = BucketLadders.build(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            page_size=config.page_size,
+            min_token_bucket=config.min_token_bucket,
+            max_aux_extra=MAX_STOP_TOKEN_IDS + len(self.spec.eos_token_ids),
+        )
+        self.runner = Runner(
+            self.spec, params, self.mesh,
+            num_pages=self.num_pages, page_size=config.page_size, num_cache_kv_heads=kv_heads,
+            cache_dtype=dtype, ladders=self.ladders, attention_backend=config.attention_backend,
+        )
+        self.runner.warmup(show_progress)
+        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size)
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv)
+        self._compiles_after_warmup_base = CompileCounter.count()
+        self.counters = collections.Counter()
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request."""
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); their pages go back at once."""
+        for request_id in request_ids:
+            self.scheduler.finish_request(request_id, status)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while anything waits or runs."""
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that got a new token or finished."""
+        output = self.scheduler.schedule()
+        self.counters["preemptions"] += len(output.preempted_ids)
+        if output.is_empty:
+            return []
+        batch = build_batch(output, self.config.page_size, self.ladders)
+        sampling = build_sampling_batch(output, batch.page_table.shape[0], self.ladders)
+        result = self.runner.step(batch, sampling)
+        changed = self.scheduler.update(output, self._sampled_tokens(output, result))
+        self.counters["steps"] += 1
+        self.counters["scheduled_tokens"] += output.total_num_tokens
+        self.counters["padded_tokens"] += batch.input_ids.shape[0]
+        return changed
+
+    def _sampled_tokens(self, output: SchedulerOutput, result: StepOutput) -> list[SampledToken | None]:
+        """Pair each scheduled chunk with its sample (None for a chunk that stops mid-prompt)."""
+        sampled: list[SampledToken | None] = []
+        for row, item in enumerate(output.scheduled):
+            if not item.samples:
+                sampled.append(None)
+                continue
+            token_id = int(result.token_ids[row])
+            num_logprobs = item.request.sampling_params.logprobs
+            logprobs = None if num_logprobs is None else _logprob_dict(result, row, token_id, num_logprobs)
+            sampled.append(SampledToken(token_id, logprobs))
+        return sampled
+
+    def stats(self) -> dict:
+        """Engine counters for monitoring and tests."""
+        return {
+            "steps": self.counters["steps"],
+            "scheduled_tokens": self.counters["scheduled_tokens"],
+            "padded_tokens": self.counters["padded_tokens"],
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_pages_total": self.kv.pool.num_usable,
+            "kv_pages_free": self.kv.pool.num_free,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "compilations_after_warmup": CompileCounter.count() - self._compiles_after_warmup_base,
+            "lazy_bucket_compilations": self.runner.num_lazy_compiles,
+        }
+
+
+def _logprob_dict(result: StepOutput, row: int, token_id: int, num_logprobs: int) -> dict[int, Logprob]:
+    """vLLM's per-token logprobs: the chosen token plus the top `num_logprobs`, with ranks."""
+    top_ids = result.top_token_ids[row, :num_logprobs].tolist()
+    top_lps = result.top_logprobs[row, :num_logprobs].tolist()
+    entries = {tid: Logprob(lp, rank=rank + 1) for rank, (tid, lp) in enumerate(zip(top_ids, top_lps))}
+    if token_id not in entries:
+        full_top = result.top_token_ids[row].tolist()
+        rank = full_top.index(token_id) + 1 if token_id in full_top else None
+        entries = {token_id: Logprob(float(result.logprobs[row]), rank=rank), **entries}
+    return entries
+
+
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    """Turn on JAX's persistent compilation cache so a restart skips compilation."""
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    """The configured length, bounded by what the model was trained for."""
+    if config.max_model_len is None:
+        length = spec.max_position_embeddings
+    elif config.max_model_len > spec.max_position_embeddings:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
+            f"({spec.max_position_embeddings})"
+        )
+    else:
+        length = config.max_model_len
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < length:
+        raise ValueError(
+            f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+            f"max_model_len ({length}); enable chunked prefill or lower max_model_len"
+        )
+    return length
+
+
+def page_bytes(spec: ModelSpec, num_kv_heads: int, page_size: int, dtype: jnp.dtype) -> int:
+    """Bytes of one page across all layers, K and V (whole model, before sharding)."""
+    return 2 * spec.num_layers * page_size * num_kv_heads * spec.head_dim * jnp.dtype(dtype).itemsize
+
+
+def resolve_num_pages(config: EngineConfig, spec: ModelSpec, num_kv_heads: int, dtype, max_model_len: int) -> int:
+    """Pages from `num_pages`, or the device's free memory times the utilisation, or the CPU default."""
+    per_page = page_bytes(spec, num_kv_heads, config.page_size, dtype)
+    if config.num_pages is not None:
+        num_pages = config.num_pages
+    elif jax.default_backend() == "cpu":
+        num_pages = int(config.cpu_kv_cache_gib * 2**30 // per_page)
+    else:
+        num_pages = _pages_from_device_memory(config, per_page)
+    needed = pages_for_tokens(max_model_len, config.page_size) + 1
+    if num_pages < needed:
+        raise ValueError(
+            f"the KV pool of {num_pages} pages cannot hold one request of max_model_len={max_model_len} "
+            f"({needed - 1} pages of {config.page_size} tokens plus the null page): raise num_pages or the "
+            f"memory for the cache, or lower max_model_len"
+        )
+    return num_pages
+
+
+def _pages_from_device_memory(config: EngineConfig, per_page: int) -> int:
+    """The share of device memory left after the weights, times the utilisation, in pages."""
+    tp = config.tensor_parallel_size
+    stats = [d.memory_stats() or {} for d in jax.devices()[:tp]]
+    free = min(s.get("bytes_limit", 0) * config.gpu_memory_utilization - s.get("bytes_in_use", 0) for s in stats)
+    if free <= 0:
+        raise ValueError("no device memory left for the KV cache: raise gpu_memory_utilization or set num_pages")
+    return int(free * tp // per_page)

@@ -1,0 +1,1 @@
+"""Llama-family models: spec parsing, weight loading, sharding rules and the pure forward pass."""

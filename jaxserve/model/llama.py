@@ -1,0 +1,135 @@
+"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) as pure functions over a params pytree.
+
+Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`):
+    embed        (V, H)
+    lm_head      (H, V)            absent when embeddings are tied
+    final_norm   (H,)
+    layers/input_norm (L, H)       layers/post_norm (L, H)
+    layers/wq (L, H, Hq*D)         layers/wk, wv (L, H, Hkv*D)       layers/wo (L, Hq*D, H)
+    layers/bq (L, Hq*D)            layers/bk, bv (L, Hkv*D)          Qwen2 only
+    layers/q_norm, k_norm (L, D)   Qwen3 only
+    layers/w_gate, w_up (L, H, I)  layers/w_down (L, I, H)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.model.spec import ModelSpec
+
+
+class AttentionFn(Protocol):
+    """Paged attention over the stacked KV cache for one layer (see pallas_kernels/)."""
+
+    def __call__(
+        self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, batch: BatchDescriptor
+    ) -> jax.Array: ...
+
+
+class WriteKVFn(Protocol):
+    """Writes the step's new K/V into the pages of one layer, returning the updated caches."""
+
+    def __call__(
+        self, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, batch: BatchDescriptor
+    ) -> tuple[jax.Array, jax.Array]: ...
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF does)."""
+    # x: (..., H); weight: (H,)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for the given absolute positions."""
+    # positions: (T,) int32 -> cos, sin: (T, D // 2) float32
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half rotary embedding (HF's non-interleaved layout), in float32."""
+    # x: (T, heads, D); cos, sin: (T, D // 2)
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def forward(
+    params: dict,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    batch: BatchDescriptor,
+    *,
+    spec: ModelSpec,
+    num_kv_heads: int,
+    attention: AttentionFn,
+    write_kv: WriteKVFn,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One model step over a padded ragged batch: returns (logits (R, V) float32, k_cache, v_cache).
+
+    `num_kv_heads` is the number of KV heads held in the cache, which is the checkpoint's count
+    or, when tensor parallelism is wider than that, the replicated count.
+    """
+    # k_cache, v_cache: (L, P, S, Hkv, D)
+    inv_freq = spec.rope.inv_freq()
+    cos, sin = rope_cos_sin(batch.positions, inv_freq)  # (T, D // 2) each
+    x = params["embed"][batch.input_ids]  # (T, H)
+
+    def layer_step(carry, layer_inputs):
+        x, k_cache, v_cache = carry
+        layer_params, layer = layer_inputs
+        h = rms_norm(x, layer_params["input_norm"], spec.rms_norm_eps)  # (T, H)
+        q, k, v = _qkv(h, layer_params, spec, num_kv_heads)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, batch)
+        attn = attention(q, k_cache, v_cache, layer, batch)  # (T, Hq, D)
+        x = x + attn.reshape(attn.shape[0], -1) @ layer_params["wo"]  # (T, H)
+        h = rms_norm(x, layer_params["post_norm"], spec.rms_norm_eps)
+        gate = jax.nn.silu(h @ layer_params["w_gate"])  # (T, I)
+        x = x + (gate * (h @ layer_params["w_up"])) @ layer_params["w_down"]  # (T, H)
+        return (x, k_cache, v_cache), None
+
+    layers = jnp.arange(spec.num_layers, dtype=jnp.int32)  # (L,)
+    (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, (x, k_cache, v_cache), (params["layers"], layers))
+
+    last = rms_norm(x[batch.logits_indices], params["final_norm"], spec.rms_norm_eps)  # (R, H)
+    lm_head = params["embed"].T if spec.tie_word_embeddings else params["lm_head"]  # (H, V)
+    logits = jnp.dot(last, lm_head, preferred_element_type=jnp.float32)  # (R, V)
+    return logits, k_cache, v_cache
+
+
+def _qkv(h: jax.Array, p: dict, spec: ModelSpec, num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Project to per-head q, k, v, with Qwen2's biases and Qwen3's per-head RMSNorm."""
+    # h: (T, H)
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
+    if spec.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    num_tokens, head_dim = h.shape[0], spec.head_dim
+    q = q.reshape(num_tokens, spec.num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    if spec.qk_norm:
+        q = rms_norm(q, p["q_norm"], spec.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], spec.rms_norm_eps)
+    return q, k, v
+
+
+def make_forward(spec: ModelSpec, num_kv_heads: int, attention: AttentionFn, write_kv: WriteKVFn) -> Callable:
+    """Bind the static model configuration; the result maps (params, k, v, batch) to (logits, k, v)."""
+
+    def bound(params, k_cache, v_cache, batch):
+        return forward(
+            params, k_cache, v_cache, batch, spec=spec, num_kv_heads=num_kv_heads, attention=attention, write_kv=write_kv
+        )
+
+    return bound

@@ -1,0 +1,178 @@
+"""ModelSpec: the hyper-parameters of a Llama-family checkpoint, parsed from its config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding settings; `inv_freq()` gives the per-pair frequencies."""
+
+    theta: float
+    head_dim: int
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self) -> np.ndarray:
+        """Inverse frequencies, as Hugging Face computes them for this rope type."""
+        # inv_freq: (head_dim // 2,) float64
+        inv_freq = 1.0 / (self.theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        if self.rope_type == "llama3":
+            return _llama3_inv_freq(inv_freq, self)
+        return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeSpec) -> np.ndarray:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths slowed by `factor`, smooth in between."""
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything the forward pass needs to know about an architecture instance."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    torch_dtype: str = "float32"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelSpec":
+        """Read `config.json` (and `generation_config.json` for EOS ids) from a Hugging Face folder."""
+        config_path = os.path.join(path, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"no config.json in model folder {path!r}: is this a Hugging Face checkpoint folder?")
+        with open(config_path) as f:
+            config = json.load(f)
+        generation_config = {}
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                generation_config = json.load(f)
+        return cls.from_hf_config(config, generation_config)
+
+    @classmethod
+    def from_hf_config(cls, config: dict, generation_config: dict | None = None) -> "ModelSpec":
+        """Build a spec from a Hugging Face config dict; a clear ValueError for anything unsupported."""
+        architectures = config.get("architectures") or []
+        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {architectures!r}; jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}: only 'silu' is supported")
+        if config.get("mlp_bias"):
+            raise ValueError("mlp_bias=True is not supported")
+        if arch == "LlamaForCausalLM" and config.get("attention_bias"):
+            raise ValueError("attention_bias=True is not supported for LlamaForCausalLM")
+        num_heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        return cls(
+            architecture=arch,
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            intermediate_size=config["intermediate_size"],
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope=_parse_rope(config, head_dim),
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=_parse_sliding_window(arch, config),
+            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_parse_eos(config, generation_config or {}),
+        )
+
+
+def _parse_rope(config: dict, head_dim: int) -> RopeSpec:
+    """Accept both transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`) layouts."""
+    params = dict(config.get("rope_parameters") or {})
+    scaling = config.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    return RopeSpec(
+        theta=float(theta),
+        head_dim=head_dim,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _parse_sliding_window(arch: str, config: dict) -> int | None:
+    """Mistral uses `sliding_window` when set; Qwen only when `use_sliding_window` is true."""
+    window = config.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if config.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=True is not supported for Qwen models")
+        return None
+    if arch == "LlamaForCausalLM":
+        return None
+    return int(window) if window else None
+
+
+def _parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (preferred) or config.json; an int or a list."""
+    eos = generation_config.get("eos_token_id", config.get("eos_token_id"))
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(int(e) for e in eos)

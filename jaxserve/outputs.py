@@ -1,0 +1,46 @@
+"""User-facing results, shaped like vLLM's RequestOutput / CompletionOutput."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.request import Logprob
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One sample of a request (`index` among its `n`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # 'stop', 'length', 'abort' or None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        """True once this sample has a finish reason."""
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Monotonic timestamps of a request's life (seconds)."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """Everything generated so far for one request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics

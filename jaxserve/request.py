@@ -1,0 +1,96 @@
+"""Request: the host-side state of one sequence being generated."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from jaxserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle states; every status above PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request will never be scheduled again."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI/vLLM finish_reason: 'stop', 'length', 'abort', or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """Log-probability of one token (vLLM's shape)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One sequence: its tokens so far and how many of them have K/V in the cache.
+
+    The scheduler's one rule: each step a request is given tokens so that `num_computed_tokens`
+    catches up with `num_tokens`. A decode is simply a request one token behind.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    seed: int  # resolved per-request seed: the user's, or one drawn by the engine
+    max_tokens: int  # resolved: sampling_params.max_tokens or what fits in max_model_len
+    arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.output_token_ids)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Token ids at positions [start, stop) of prompt + output."""
+        prompt_len = len(self.prompt_token_ids)
+        if stop <= prompt_len:
+            return self.prompt_token_ids[start:stop]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : stop - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request will never be scheduled again."""
+        return self.status.is_finished

@@ -1,0 +1,176 @@
+"""Runner: owns params and the KV pages, compiles every bucket ahead of time, runs one step.
+
+The runner never sees a Request: it takes a BatchDescriptor and a SamplingBatch (numpy, padded)
+and returns numpy samples. The KV pages are donated to the forward executable, so the pool is
+updated in place.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from jaxserve.attention import make_attention
+from jaxserve.batch import BucketLadders, padded_batch_arrays, padded_sampling_arrays
+from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.model.llama import make_forward
+from jaxserve.model.sharding import KV_CACHE_SPEC, named, param_partition_specs
+from jaxserve.model.spec import ModelSpec
+from jaxserve.sampler import SamplingBatch, sample
+
+
+class CompileCounter:
+    """Counts XLA backend compilations in this process (all engines together)."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _registered = False
+
+    @classmethod
+    def install(cls) -> None:
+        """Register the jax.monitoring listener once per process."""
+        with cls._lock:
+            if not cls._registered:
+                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+                cls._registered = True
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            with cls._lock:
+                cls._count += 1
+
+    @classmethod
+    def count(cls) -> int:
+        """Backend compilations so far."""
+        return cls._count
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """Samples for the real rows of one step (numpy, on the host)."""
+
+    token_ids: np.ndarray  # (num_seqs,) int32
+    logprobs: np.ndarray  # (num_seqs,) float32 raw log-prob of each chosen token
+    top_token_ids: np.ndarray  # (num_seqs, K) int32
+    top_logprobs: np.ndarray  # (num_seqs, K) float32
+
+
+class Runner:
+    """Holds the device state of one engine and the compiled step executables."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        params: dict,
+        mesh: Mesh,
+        *,
+        num_pages: int,
+        page_size: int,
+        num_cache_kv_heads: int,
+        cache_dtype: jnp.dtype,
+        ladders: BucketLadders,
+        attention_backend: str,
+    ):
+        self.spec = spec
+        self.params = params
+        self.mesh = mesh
+        self.page_size = page_size
+        self.ladders = ladders
+        self._replicated = NamedSharding(mesh, P())
+        kv_sharding = NamedSharding(mesh, KV_CACHE_SPEC)
+        cache_shape = (spec.num_layers, num_pages, page_size, num_cache_kv_heads, spec.head_dim)
+        zeros = jax.jit(lambda: jnp.zeros(cache_shape, cache_dtype), out_shardings=kv_sharding)
+        self.k_cache = zeros()  # (L, P, S, Hkv, D)
+        self.v_cache = zeros()  # (L, P, S, Hkv, D)
+
+        attention, write_kv = make_attention(spec, attention_backend)
+        forward = make_forward(spec, num_cache_kv_heads, attention, write_kv)
+        param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
+        self._forward = jax.jit(
+            forward,
+            in_shardings=(param_shardings, kv_sharding, kv_sharding, self._replicated),
+            out_shardings=(self._replicated, kv_sharding, kv_sharding),
+            donate_argnums=(1, 2),
+        )
+        self._sample = jax.jit(sample, in_shardings=(self._replicated, self._replicated), out_shardings=self._replicated)
+        self._forward_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
+        self._sample_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (R, P) -> executable
+        self.num_lazy_compiles = 0
+        CompileCounter.install()
+
+    # ---- compilation -------------------------------------------------------------------------
+
+    def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Every (T, W) forward shape and (R, P) sampler shape the ladders allow."""
+        forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
+        sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths))
+        return forward, sampler
+
+    def warmup(self, show_progress: bool = True) -> None:
+        """AOT-compile every bucket, tracing here and compiling on a thread pool (XLA releases the GIL).
+
+        With the persistent compilation cache on, a restart loads these instead of compiling.
+        """
+        forward_shapes, sampler_shapes = self.shapes()
+        lowered = [((self._forward_exec, key), self._lower_forward(*key)) for key in forward_shapes]
+        lowered += [((self._sample_exec, key), self._lower_sampler(*key)) for key in sampler_shapes]
+        bar = tqdm(total=len(lowered), desc="compiling step buckets", disable=not show_progress, leave=False)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            futures = {pool.submit(low.compile): target for target, low in lowered}
+            for future in concurrent.futures.as_completed(futures):
+                table, key = futures[future]
+                table[key] = future.result()
+                bar.update()
+        bar.close()
+
+    def _lower_forward(self, num_tokens: int, width: int) -> jax.stages.Lowered:
+        example = BatchDescriptor(
+            **padded_batch_arrays(num_tokens, self.ladders.rows_for(num_tokens), width, self.page_size)
+        )
+        return self._forward.lower(self.params, self.k_cache, self.v_cache, self._abstract(example))
+
+    def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
+        example = SamplingBatch(**padded_sampling_arrays(num_rows, aux_width))
+        logits = jax.ShapeDtypeStruct((num_rows, self.spec.vocab_size), jnp.float32, sharding=self._replicated)
+        return self._sample.lower(logits, self._abstract(example))
+
+    def _abstract(self, tree):
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._replicated), tree
+        )
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self, batch: BatchDescriptor, sampling: SamplingBatch) -> StepOutput:
+        """Run the model and the sampler; only the real rows come back to the host."""
+        num_tokens, (num_rows, width) = batch.input_ids.shape[0], batch.page_table.shape
+        forward = self._executable(self._forward_exec, (num_tokens, width), self._lower_forward)
+        logits, self.k_cache, self.v_cache = forward(self.params, self.k_cache, self.v_cache, batch)
+        sampler = self._executable(
+            self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
+        )
+        out = jax.device_get(sampler(logits, sampling))
+        num_seqs = int(batch.num_seqs)
+        return StepOutput(
+            token_ids=out.token_ids[:num_seqs],
+            logprobs=out.logprobs[:num_seqs],
+            top_token_ids=out.top_token_ids[:num_seqs],
+            top_logprobs=out.top_logprobs[:num_seqs],
+        )
+
+    def _executable(self, table: dict, key: tuple[int, int], lower_fn) -> jax.stages.Compiled:
+        """Look up a compiled bucket; compiling here means warm-up missed a shape (counted)."""
+        if key not in table:
+            self.num_lazy_compiles += 1
+            table[key] = lower_fn(*key).compile()
+        return table[key]
