@@ -1,0 +1,125 @@
+"""LLM: the offline batch API, shaped like vLLM's so code can switch between the two."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine, Prompt
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+PromptInput = str | list[int] | dict
+
+
+class LLM:
+    """Generate for a batch of prompts with continuous batching, returning results in input order.
+
+    Keyword arguments are EngineConfig fields, named as vLLM's engine arguments
+    (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `page_size`, `num_pages`,
+    `tensor_parallel_size`, `dtype`, `seed`, ...).
+    """
+
+    def __init__(self, model: str | None = None, *, show_progress: bool = True, **engine_args):
+        config = EngineConfig.from_dict({"model": model, **engine_args}, source="LLM()")
+        self.engine = LLMEngine(config, show_progress=show_progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer of the model."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; a prompt is text, token ids, or {'prompt' | 'prompt_token_ids': ...}."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
+        made = []
+        for prompt, params in zip(prompt_list, params_list):
+            request_id = str(next(self._ids))
+            made.append((request_id, self.engine.make_requests(request_id, _prompt_of(prompt), params)))
+        for request_id, requests in made:
+            self.engine.submit(request_id, requests)
+        return self._run([request_id for request_id, _ in made], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of one conversation under the chat template."""
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        ids = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {})
+        )
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def stats(self) -> dict:
+        """Engine counters: steps, scheduled tokens, preemptions, KV pages total/free, compilations after warm-up."""
+        return self.engine.stats()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm) as bar:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        results[output.request_id] = output
+                        pending.discard(output.request_id)
+                        bar.update()
+        return [results[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptInput]:
+    """One prompt or a list of prompts; a flat list of ints is one tokenized prompt."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt")
+    return params
+
+
+def _prompt_of(prompt: PromptInput) -> Prompt:
+    """Text or token ids out of vLLM's prompt forms."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
+    if isinstance(prompt, (str, list, tuple)):
+        return prompt if isinstance(prompt, str) else list(prompt)
+    raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")

@@ -1,0 +1,166 @@
+"""OutputProcessor: token ids -> text, stop strings, finish reasons, vLLM-shaped RequestOutputs.
+
+A user request with `n` samples is `n` engine requests (its children); this module folds them
+back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.request import Logprob, Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.stop_checker import StopStringChecker
+from jaxserve.tokenizer import IncrementalDetokenizer
+
+
+@dataclasses.dataclass
+class _SampleState:
+    """One child request's text and finish state."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    stop_checker: StopStringChecker
+    num_tokens_seen: int = 0
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class _RequestState:
+    """A user request and its children."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: dict[str, _SampleState]  # child request id -> state
+    metrics: RequestMetrics
+
+    def output(self) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob,
+                logprobs=None if s.logprobs is None else list(s.logprobs),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in sorted(self.samples.values(), key=lambda s: s.index)
+        ]
+        finished = all(c.finished() for c in completions)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, self.metrics)
+
+
+class OutputProcessor:
+    """Keeps per-request detokenizers and turns engine updates into RequestOutputs."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}  # user request id -> state
+        self._parent_of: dict[str, str] = {}  # child request id -> user request id
+
+    def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
+        """Start tracking a user request whose samples are `children` (in sample order)."""
+        first = children[0]
+        samples = {
+            child.request_id: self._new_sample(index, child.prompt_token_ids, child.sampling_params)
+            for index, child in enumerate(children)
+        }
+        self._requests[request_id] = _RequestState(
+            request_id, prompt, first.prompt_token_ids, samples, RequestMetrics(first.arrival_time)
+        )
+        for child in children:
+            self._parent_of[child.request_id] = request_id
+
+    def _new_sample(self, index: int, prompt_ids: list[int], params: SamplingParams) -> _SampleState:
+        detokenizer = None
+        if params.detokenize:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+        return _SampleState(
+            index=index,
+            detokenizer=detokenizer,
+            stop_checker=StopStringChecker(params.stop, params.include_stop_str_in_output),
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+        )
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """Engine request ids of a user request's samples."""
+        state = self._requests.get(request_id)
+        return list(state.samples) if state else []
+
+    def process(self, changed: list[Request]) -> tuple[list[RequestOutput], list[str]]:
+        """Fold engine updates in; returns (outputs of the user requests that moved, child ids a stop
+        string finished, which the caller must end in the scheduler)."""
+        stopped: list[str] = []
+        touched: dict[str, _RequestState] = {}
+        for request in changed:
+            parent_id = self._parent_of.get(request.request_id)
+            if parent_id is None:
+                continue
+            state = self._requests[parent_id]
+            if self._update_sample(state.samples[request.request_id], request):
+                stopped.append(request.request_id)
+            state.metrics.first_token_time = state.metrics.first_token_time or request.first_token_time
+            state.metrics.num_preemptions = max(state.metrics.num_preemptions, request.num_preemptions)
+            touched[parent_id] = state
+        outputs = []
+        for parent_id, state in touched.items():
+            output = state.output()
+            if output.finished:
+                state.metrics.finished_time = time.monotonic()
+                self._forget(parent_id)
+            outputs.append(output)
+        return outputs, stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Mark every unfinished sample of a user request aborted; returns its final output."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        for sample in state.samples.values():
+            sample.finish_reason = sample.finish_reason or "abort"
+        self._forget(request_id)
+        return state.output()
+
+    def _forget(self, request_id: str) -> None:
+        state = self._requests.pop(request_id)
+        for child_id in state.samples:
+            self._parent_of.pop(child_id, None)
+
+    def _update_sample(self, sample: _SampleState, request: Request) -> bool:
+        """Take the request's new tokens; True when a stop string ended the sample here."""
+        if sample.finish_reason is not None:
+            return False
+        new_ids = request.output_token_ids[sample.num_tokens_seen :]
+        new_logprobs = request.output_logprobs[sample.num_tokens_seen :]
+        sample.num_tokens_seen = len(request.output_token_ids)
+        sample.token_ids.extend(new_ids)
+        if sample.logprobs is not None:
+            for token_id, entry in zip(new_ids, new_logprobs):
+                sample.logprobs.append(entry)
+                sample.cumulative_logprob += entry[token_id].logprob
+        if sample.detokenizer is not None:
+            delta = sample.detokenizer.add_tokens(new_ids)
+            if request.is_finished:
+                delta += sample.detokenizer.finish()
+            sample.text += delta
+            match = sample.stop_checker.check(sample.text, len(delta))
+            if match is not None:
+                sample.text = sample.text[: match.truncate_to]
+                sample.finish_reason, sample.stop_reason = "stop", match.stop
+                return not request.is_finished
+        if request.is_finished:
+            sample.finish_reason = request.status.finish_reason
+            sample.stop_reason = request.stop_reason
+        return False
