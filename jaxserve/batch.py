@@ -15,11 +15,10 @@ from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.buckets import pick_bucket, power_of_two_ladder
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE
-from jaxserve.sampler import SamplingBatch
+from jaxserve.sampler import KIND_BANNED, KIND_OUTPUT, KIND_PAD, KIND_PROMPT, SamplingBatch
 from jaxserve.scheduler import SchedulerOutput
 
 PAD_TOKEN_ID = 0
-AUX_PAD, AUX_PROMPT, AUX_OUTPUT, AUX_BANNED = 0, 1, 2, 3  # SamplingBatch.aux_token_kind values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +138,7 @@ def padded_sampling_arrays(num_rows: int, aux_width: int) -> dict[str, np.ndarra
         "seeds": np.zeros((num_rows,), np.uint32),  # (R,)
         "sample_index": np.zeros((num_rows,), np.int32),  # (R,)
         "aux_token_ids": np.full((num_rows, aux_width), -1, np.int32),  # (R, P)
-        "aux_token_kind": np.full((num_rows, aux_width), AUX_PAD, np.int8),  # (R, P)
+        "aux_token_kind": np.full((num_rows, aux_width), KIND_PAD, np.int8),  # (R, P)
         "need_logprobs": np.asarray(False),  # ()
     }
 
@@ -151,9 +150,9 @@ def _aux_tokens(request) -> tuple[list[int], list[int]]:
     kinds: list[int] = []
     if params.needs_penalties:
         ids += request.prompt_token_ids + request.output_token_ids
-        kinds += [AUX_PROMPT] * len(request.prompt_token_ids) + [AUX_OUTPUT] * request.num_output_tokens
+        kinds += [KIND_PROMPT] * len(request.prompt_token_ids) + [KIND_OUTPUT] * request.num_output_tokens
     if request.num_output_tokens < params.min_tokens:
         banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
         ids += banned
-        kinds += [AUX_BANNED] * len(banned)
+        kinds += [KIND_BANNED] * len(banned)
     return ids, kinds

@@ -1,0 +1,224 @@
+"""Jittable next-token sampling, following vLLM V1's sampler.
+
+Order per step: banned tokens -> repetition penalty -> frequency/presence
+penalties -> greedy argmax, or temperature -> min-p -> top-k -> top-p ->
+Gumbel-max sampling. Logprobs are always those of the raw model distribution
+(vLLM's default "raw_logprobs").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.sampling_params import GREEDY_TEMPERATURE_EPS, SamplingParams
+
+MAX_LOGPROBS = SamplingParams.MAX_LOGPROBS
+
+# Values of SamplingBatch.aux_token_kind.
+KIND_PAD = 0
+KIND_PROMPT = 1
+KIND_OUTPUT = 2
+KIND_BANNED = 3
+
+# How many of each row's largest logits top-k/top-p filtering looks at before
+# falling back to a full sort of the vocabulary (a full sort is slow on CPU).
+SORT_PREFIX = 1024
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling settings for a batch of R requests, as device arrays."""
+
+    temperature: jax.Array  # (R,) float32; < GREEDY_TEMPERATURE_EPS means greedy
+    top_k: jax.Array  # (R,) int32; 0 means no limit
+    top_p: jax.Array  # (R,) float32 in (0, 1]
+    min_p: jax.Array  # (R,) float32 in [0, 1]
+    presence_penalty: jax.Array  # (R,) float32
+    frequency_penalty: jax.Array  # (R,) float32
+    repetition_penalty: jax.Array  # (R,) float32
+    seeds: jax.Array  # (R,) uint32 per-request seed
+    sample_index: jax.Array  # (R,) int32 output tokens already produced
+    aux_token_ids: jax.Array  # (R, P) int32 penalty/ban token ids; pad -1; P may be 0
+    aux_token_kind: jax.Array  # (R, P) int8 KIND_* of each aux token
+    need_logprobs: jax.Array  # () bool whether any row asked for logprobs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """Sampled tokens and (when requested) raw-distribution logprobs."""
+
+    token_ids: jax.Array  # (R,) int32
+    logprobs: jax.Array  # (R,) float32 raw logprob of the chosen token; 0 if not needed
+    top_token_ids: jax.Array  # (R, K) int32, K = min(MAX_LOGPROBS, V), logprob desc
+    top_logprobs: jax.Array  # (R, K) float32; 0 if not needed
+
+
+def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
+    """Pick one token per row of `logits` (R, V) according to `batch`; jittable."""
+    # logits: (R, V) float32
+    processed = logits
+    if batch.aux_token_ids.shape[1] > 0:
+        processed = apply_penalties(logits, batch)  # (R, V) float32
+    is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # (R,) bool
+    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # (R,) int32
+    token_ids = jax.lax.cond(  # (R,) int32
+        jnp.all(is_greedy),
+        lambda: greedy_ids,
+        lambda: jnp.where(is_greedy, greedy_ids, _random_sample(processed, batch)),
+    )
+    chosen, top_ids, top_lps = jax.lax.cond(
+        batch.need_logprobs, _raw_logprobs, _zero_logprobs, logits, token_ids
+    )
+    return SamplerOutput(token_ids, chosen, top_ids, top_lps)
+
+
+def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """Ban kind-3 tokens, then apply repetition, frequency and presence penalties."""
+    # logits: (R, V) float32
+    output_counts, seen, banned = _token_stats(batch, logits.shape[1])
+    logits = jnp.where(banned, -jnp.inf, logits)  # (R, V) float32
+    rep = jnp.where(seen, batch.repetition_penalty[:, None], 1.0)  # (R, V) float32
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)  # (R, V) float32
+    logits = logits - batch.frequency_penalty[:, None] * output_counts
+    return logits - batch.presence_penalty[:, None] * (output_counts > 0)
+
+
+def _token_stats(
+    batch: SamplingBatch, vocab_size: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Scatter the aux tokens into per-row output counts, seen mask and ban mask."""
+    num_rows = batch.aux_token_ids.shape[0]
+    rows = jnp.arange(num_rows)[:, None]  # (R, 1) int32
+    # Padding (-1) goes to bin V, which is out of range and dropped by the scatter.
+    ids = jnp.where(batch.aux_token_ids < 0, vocab_size, batch.aux_token_ids)  # (R, P)
+    kind = batch.aux_token_kind  # (R, P) int8
+    is_output = kind == KIND_OUTPUT  # (R, P) bool
+    counts = jnp.zeros((num_rows, vocab_size), jnp.int32)
+    output_counts = counts.at[rows, ids].add(is_output.astype(jnp.int32), mode="drop")
+    empty = jnp.zeros((num_rows, vocab_size), jnp.bool_)
+    seen = empty.at[rows, ids].max(is_output | (kind == KIND_PROMPT), mode="drop")
+    banned = empty.at[rows, ids].max(kind == KIND_BANNED, mode="drop")
+    return output_counts, seen, banned  # (R, V) int32, (R, V) bool, (R, V) bool
+
+
+def _random_sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """Sample every row with temperature, min-p, top-k, top-p and Gumbel-max."""
+    # logits: (R, V) float32 (penalties applied)
+    temperature = jnp.where(  # (R,) float32; greedy rows get 1 to stay finite
+        batch.temperature < GREEDY_TEMPERATURE_EPS, 1.0, batch.temperature
+    )
+    scaled = _apply_min_p(logits / temperature[:, None], batch.min_p)  # (R, V)
+    any_filter = jnp.any(batch.top_k > 0) | jnp.any(batch.top_p < 1.0)  # () bool
+    scaled = jax.lax.cond(  # (R, V) float32
+        any_filter, apply_top_k_top_p, lambda x, k, p: x, scaled, batch.top_k, batch.top_p
+    )
+    noise = _gumbel_noise(batch.seeds, batch.sample_index, logits.shape[1])  # (R, V)
+    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # (R,) int32
+
+
+def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
+    """Mask tokens whose probability is below min_p times the row's top probability."""
+    # logits: (R, V) float32; min_p: (R,) float32
+    row_max = jnp.max(logits, axis=-1, keepdims=True)  # (R, 1) float32
+    # p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p); log(0) = -inf keeps all.
+    drop = logits - row_max < jnp.log(min_p)[:, None]  # (R, V) bool
+    return jnp.where(drop, -jnp.inf, logits)
+
+
+def apply_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask tokens outside each row's top-k, then outside its top-p nucleus.
+
+    top_k <= 0 means no limit. Top-p works on the top-k renormalised
+    distribution and drops a token when the probability mass strictly before it
+    (in descending order) already reaches top_p, as vLLM does; the top-1 token is
+    always kept. Both filters reduce to a per-row logit threshold (ties with it
+    are kept), read off the row's largest SORT_PREFIX logits; only when some
+    row's cutoff lies beyond them is the whole vocabulary sorted, and only those
+    rows use the full sort, so a row's result never depends on the other rows.
+    """
+    # logits: (R, V) float32; top_k: (R,) int32; top_p: (R,) float32
+    prefix = jax.lax.top_k(logits, min(SORT_PREFIX, logits.shape[1]))[0]  # (R, C)
+    threshold, exact = _sorted_threshold(prefix, logits, top_k, top_p)  # (R, 1), (R,)
+    threshold = jax.lax.cond(  # (R, 1) float32
+        jnp.all(exact),
+        lambda: threshold,
+        lambda: jnp.where(exact[:, None], threshold, _full_sort_threshold(logits, top_k, top_p)),
+    )
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+def _full_sort_threshold(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Per-row top-k/top-p threshold from a sort of the whole vocabulary."""
+    # logits: (R, V) float32
+    ordered = jnp.sort(logits, axis=-1, descending=True)  # (R, V) float32
+    return _sorted_threshold(ordered, logits, top_k, top_p)[0]  # (R, 1) float32
+
+
+def _sorted_threshold(
+    ordered: jax.Array, logits: jax.Array, top_k: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Top-k/top-p logit threshold from each row's C largest logits, sorted desc.
+
+    Returns the threshold and whether those C values were enough to find it.
+    """
+    # ordered: (R, C) float32 descending; logits: (R, V) float32
+    num_sorted, vocab_size = ordered.shape[1], logits.shape[1]
+    no_k = (top_k <= 0) | (top_k >= vocab_size)  # (R,) bool
+    k_index = jnp.clip(top_k, 1, num_sorted)[:, None] - 1  # (R, 1) int32
+    kth = jnp.take_along_axis(ordered, k_index, axis=-1)  # (R, 1) float32
+    k_threshold = jnp.where(no_k[:, None], -jnp.inf, kth)  # (R, 1) float32
+    top_k_logits = jnp.where(logits < k_threshold, -jnp.inf, logits)  # (R, V) float32
+    log_norm = jax.nn.logsumexp(top_k_logits, axis=-1, keepdims=True)  # (R, 1) float32
+    probs = jnp.exp(jnp.where(ordered < k_threshold, -jnp.inf, ordered) - log_norm)  # (R, C)
+    mass_before = jnp.pad(jnp.cumsum(probs, axis=-1)[:, :-1], ((0, 0), (1, 0)))  # (R, C)
+    num_kept = jnp.sum(mass_before < top_p[:, None], axis=-1)  # (R,) int32, >= 1
+    last_kept = jnp.take_along_axis(ordered, num_kept[:, None] - 1, axis=-1)  # (R, 1)
+    no_p = top_p >= 1.0  # (R,) bool
+    p_threshold = jnp.where(no_p[:, None], -jnp.inf, last_kept)  # (R, 1) float32
+    exact = (no_k | (top_k <= num_sorted)) & (no_p | (num_kept < num_sorted))  # (R,) bool
+    return jnp.maximum(k_threshold, p_threshold), exact
+
+
+def _gumbel_noise(seeds: jax.Array, sample_index: jax.Array, vocab_size: int) -> jax.Array:
+    """Per-row Gumbel noise keyed only by (seed, sample_index), so rows are independent."""
+    # seeds: (R,) uint32; sample_index: (R,) int32
+
+    def row_noise(seed: jax.Array, index: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.key(seed), index)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)  # (V,) float32
+
+    return jax.vmap(row_noise)(seeds, sample_index)  # (R, V) float32
+
+
+def _raw_logprobs(
+    logits: jax.Array, token_ids: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Chosen-token and top-K logprobs under log_softmax of the raw logits."""
+    # logits: (R, V) float32; token_ids: (R,) int32
+    logprobs = jax.nn.log_softmax(logits, axis=-1)  # (R, V) float32
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]  # (R,)
+    top_lps, top_ids = jax.lax.top_k(logprobs, _num_top(logits))  # (R, K) each
+    return chosen, top_ids.astype(jnp.int32), top_lps
+
+
+def _zero_logprobs(
+    logits: jax.Array, token_ids: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Zero placeholders shaped like _raw_logprobs' results."""
+    # logits: (R, V) float32; token_ids: (R,) int32
+    shape = (logits.shape[0], _num_top(logits))
+    return (
+        jnp.zeros(token_ids.shape, jnp.float32),  # (R,) float32
+        jnp.zeros(shape, jnp.int32),  # (R, K) int32
+        jnp.zeros(shape, jnp.float32),  # (R, K) float32
+    )
+
+
+def _num_top(logits: jax.Array) -> int:
+    """Static K: MAX_LOGPROBS, or V when the vocabulary is smaller."""
+    return min(MAX_LOGPROBS, logits.shape[1])
