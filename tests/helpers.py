@@ -1,0 +1,43 @@
+"""Shared helpers for engine tests: fixture checkpoints, their HF outputs, small engine configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+
+CHECKPOINTS = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoints")
+ARCHITECTURES = ("llama", "llama-linear", "mistral", "qwen2", "qwen3")
+# One compilation cache for the whole test session, so engines with equal shapes compile once.
+TEST_CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
+
+
+def checkpoint(name: str) -> str:
+    """Path of a fixture checkpoint folder."""
+    return os.path.join(CHECKPOINTS, name)
+
+
+def expected(name: str) -> dict:
+    """HF greedy outputs of a fixture checkpoint: prompts, outputs (20 tokens each), logits."""
+    with open(os.path.join(checkpoint(name), "expected.json")) as f:
+        data = json.load(f)
+    data["logits"] = np.load(os.path.join(checkpoint(name), "expected_logits.npy"))  # (12, V) float32
+    return data
+
+
+def small_engine_args(**overrides) -> dict:
+    """Engine options with small bucket ladders so tests compile quickly."""
+    args = dict(
+        max_model_len=128,
+        page_size=16,
+        num_pages=64,
+        max_num_seqs=32,
+        max_num_batched_tokens=64,
+        min_token_bucket=16,
+        compilation_cache_dir=TEST_CACHE_DIR,
+        show_progress=False,
+    )
+    args.update(overrides)
+    return args
