@@ -22,11 +22,7 @@ class ScheduledRequest:
     num_new_tokens: int
     num_computed_tokens: int
     page_ids: tuple[int, ...]
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens, so its last logits sample a token."""
-        return self.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    samples: bool  # the chunk reaches the end of the request's tokens, so its last logits sample a token
 
 
 @dataclasses.dataclass
@@ -102,8 +98,17 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._grow_or_preempt(request, num_new, preempted):
-                break  # the request preempted itself
+            victims = self._grow_or_preempt(request, num_new)
+            preempted += [victim.request_id for victim, _ in victims]
+            # A victim already given tokens this step leaves the batch and gives its tokens back.
+            for victim, victim_index in victims:
+                if victim_index < index:
+                    index -= 1
+                    entry = next(s for s in scheduled if s.request is victim)
+                    scheduled.remove(entry)
+                    budget += entry.num_new_tokens
+            if any(victim is request for victim, _ in victims):
+                continue  # the request preempted itself; the list has shifted under `index`
             scheduled.append(self._schedule_one(request, num_new))
             budget -= num_new
             index += 1
@@ -158,17 +163,22 @@ class Scheduler:
             num_new_tokens=num_new,
             num_computed_tokens=request.num_computed_tokens,
             page_ids=tuple(self.kv.page_ids(request.request_id)),
+            samples=request.num_computed_tokens + num_new == request.num_tokens,
         )
 
-    def _grow_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
-        """Allocate pages for `request`, preempting victims until it fits; False if it was the victim."""
+    def _grow_or_preempt(self, request: Request, num_new: int) -> list[tuple[Request, int]]:
+        """Allocate pages for `request`, preempting victims until it fits (or it is the victim).
+
+        Returns each victim with the index it had in `running` when it was preempted.
+        """
+        victims = []
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
             victim = self._pick_victim()
+            victims.append((victim, self.running.index(victim)))
             self._preempt(victim)
-            preempted.append(victim.request_id)
             if victim is request:
-                return False
-        return True
+                break
+        return victims
 
     def _pick_victim(self) -> Request:
         """FCFS: the most recently admitted running request; priority: the lowest-priority, latest one."""

@@ -48,7 +48,7 @@ class PagePool:
     def release(self, pages: list[int]) -> None:
         """Drop one reference from each page; pages nobody holds go back on the free queue."""
         for page in pages:
-            if page == NULL_PAGE or self._ref_counts[page] <= 0:
+            if not NULL_PAGE < page < self.num_pages or self._ref_counts[page] <= 0:
                 raise RuntimeError(f"page {page} released more often than it was taken")
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:

@@ -1,0 +1,269 @@
+"""A pure-Python stand-in for the model runner, and an engine-like loop that checks the scheduler.
+
+Nothing here imports jax. The fake "model" makes the token sampled at position `p` of request
+`r` a fixed function of `(r, p)`, so a request's output does not depend on batching, chunking or
+preemption: running it alone, in any workload, or after any number of recomputes must give the
+same tokens. `oracle_output` applies the stop rules to those tokens directly, independent of the
+scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+from jaxserve.config import SchedulerConfig
+from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
+from jaxserve.kv.page_pool import NULL_PAGE, PagePool
+from jaxserve.request import Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
+
+VOCAB = 1000
+
+
+def fake_token(request_id: str, position: int) -> int:
+    """The token the fake model produces for `request_id` at sequence position `position`."""
+    digest = hashlib.blake2b(f"{request_id}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % VOCAB
+
+
+def fake_step(output: SchedulerOutput) -> list[SampledToken | None]:
+    """One runner step: a token for every chunk that reaches the end of its request, else None.
+
+    The new token goes at position `request.num_tokens` (the request's length before the append).
+    """
+    return [
+        SampledToken(fake_token(item.request.request_id, item.request.num_tokens)) if item.samples else None
+        for item in output.scheduled
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    """Everything needed to build one request, so it can be built twice (workload and alone)."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int  # SamplingParams.max_tokens
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    priority: int = 0
+    arrival_step: int = 0
+    arrival_time: float = 0.0
+    resolve_max_tokens: bool = True  # cap max_tokens at max_model_len - prompt_len, as the engine does
+    abort_step: int | None = None  # steps after arrival at which the request is aborted
+    abort_mid_step: bool = False  # abort between schedule() and update() rather than before schedule()
+
+    def build(self, max_model_len: int) -> Request:
+        params = SamplingParams(
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+        )
+        max_tokens = self.max_tokens
+        if self.resolve_max_tokens:
+            max_tokens = min(max_tokens, max_model_len - self.prompt_len)
+        return Request(
+            request_id=self.request_id,
+            prompt_token_ids=[(7 * i + len(self.request_id)) % VOCAB for i in range(self.prompt_len)],
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            seed=0,
+            max_tokens=max_tokens,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+        )
+
+
+def oracle_output(spec: RequestSpec, max_model_len: int) -> tuple[list[int], str, int | None]:
+    """The tokens, finish reason and stop_reason the stop rules give, computed without any scheduler."""
+    max_tokens = min(spec.max_tokens, max_model_len - spec.prompt_len) if spec.resolve_max_tokens else spec.max_tokens
+    out: list[int] = []
+    while True:
+        token = fake_token(spec.request_id, spec.prompt_len + len(out))
+        out.append(token)
+        if len(out) >= spec.min_tokens:
+            if not spec.ignore_eos and token in spec.eos_token_ids:
+                return out, "stop", None
+            if token in spec.stop_token_ids:
+                return out, "stop", token
+        if len(out) >= max_tokens or spec.prompt_len + len(out) >= max_model_len:
+            return out, "length", None
+
+
+def make_scheduler(
+    *,
+    page_size: int,
+    num_pages: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    enable_chunked_prefill: bool = True,
+    policy: str = "fcfs",
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=enable_chunked_prefill,
+        policy=policy,
+    )
+    return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size))
+
+
+# ---- invariants ------------------------------------------------------------------------------
+
+
+def check_pages(scheduler: Scheduler) -> None:
+    """Running requests hold disjoint pages (ref count 1, never the null page); waiting ones hold none;
+    the free count plus the held pages is every usable page."""
+    kv, pool = scheduler.kv, scheduler.kv.pool
+    held: list[int] = []
+    for request in scheduler.running:
+        pages = kv.page_ids(request.request_id)
+        assert pages, f"running request {request.request_id} holds no pages"
+        held.extend(pages)
+    for request in scheduler.waiting:
+        assert kv.page_ids(request.request_id) == [], f"waiting request {request.request_id} holds pages"
+    assert NULL_PAGE not in held
+    assert len(held) == len(set(held)), f"a page is held twice: {sorted(held)}"
+    for page in held:
+        assert 0 < page < pool.num_pages
+        assert pool.ref_count(page) == 1, f"page {page} has ref count {pool.ref_count(page)}"
+    assert pool.ref_count(NULL_PAGE) == 0
+    assert pool.num_free + len(held) == pool.num_usable
+    assert kv.num_requests == len(scheduler.running)
+    assert 0.0 <= pool.usage() <= 1.0
+
+
+def check_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
+    """What must hold for a schedule() decision, checked before the runner sees it."""
+    config, kv = scheduler.config, scheduler.kv
+    assert output.total_num_tokens <= config.max_num_batched_tokens
+    assert len(output.scheduled) <= config.max_num_seqs
+    assert len(scheduler.running) <= config.max_num_seqs
+    ids = [item.request.request_id for item in output.scheduled]
+    assert len(ids) == len(set(ids)), f"a request is scheduled twice: {ids}"
+    assert not set(ids) & set(output.preempted_ids), (
+        f"requests {sorted(set(ids) & set(output.preempted_ids))} are both in the batch and preempted"
+    )
+    seen_pages: set[int] = set()
+    for item in output.scheduled:
+        request = item.request
+        assert item.num_new_tokens >= 1
+        assert item.num_computed_tokens == request.num_computed_tokens
+        assert item.num_computed_tokens + item.num_new_tokens <= request.num_tokens
+        assert request.status == RequestStatus.RUNNING
+        assert request in scheduler.running
+        assert NULL_PAGE not in item.page_ids
+        assert len(item.page_ids) * kv.page_size >= item.num_computed_tokens + item.num_new_tokens, (
+            f"{request.request_id}: {len(item.page_ids)} pages for "
+            f"{item.num_computed_tokens + item.num_new_tokens} tokens"
+        )
+        assert item.page_ids == tuple(kv.page_ids(request.request_id)), (
+            f"{request.request_id} is scheduled with pages {item.page_ids} but holds {kv.page_ids(request.request_id)}"
+        )
+        assert not seen_pages & set(item.page_ids), f"page(s) {seen_pages & set(item.page_ids)} in two batch rows"
+        seen_pages.update(item.page_ids)
+        if not config.enable_chunked_prefill:
+            assert item.samples, "without chunked prefill every scheduled chunk runs to the end of its request"
+    for request_id in output.preempted_ids:
+        request = scheduler.requests[request_id]
+        assert request.status == RequestStatus.PREEMPTED and request in scheduler.waiting
+    check_pages(scheduler)
+
+
+def check_after_update(scheduler: Scheduler) -> None:
+    for request in scheduler.waiting:
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert request.num_computed_tokens == 0, (
+            f"waiting request {request.request_id} has {request.num_computed_tokens} computed tokens but no pages"
+        )
+    for request in scheduler.running:
+        assert request.status == RequestStatus.RUNNING
+        assert request.num_computed_tokens < request.num_tokens
+        assert len(scheduler.kv.page_ids(request.request_id)) * scheduler.kv.page_size >= request.num_computed_tokens
+    assert set(scheduler.requests) == {r.request_id for r in scheduler.waiting + scheduler.running}
+    check_pages(scheduler)
+
+
+# ---- an engine-like loop -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class WorkloadResult:
+    requests: dict[str, Request]
+    arrival_step: dict[str, int]
+    finish_step: dict[str, int]
+    num_steps: int
+    num_preemptions: int
+    max_running: int
+
+
+def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int) -> WorkloadResult:
+    """Add requests at their arrival steps, abort some, step until nothing is left; check every step."""
+    max_model_len = scheduler.config.max_model_len
+    by_step: dict[int, list[RequestSpec]] = {}
+    for spec in specs:
+        by_step.setdefault(spec.arrival_step, []).append(spec)
+    last_arrival = max(by_step) if by_step else 0
+    oracle = {spec.request_id: oracle_output(spec, max_model_len)[0] for spec in specs}
+    requests: dict[str, Request] = {}
+    arrival_step: dict[str, int] = {}
+    finish_step: dict[str, int] = {}
+    aborts_before: dict[int, list[str]] = {}
+    aborts_mid: dict[int, list[str]] = {}
+    preempted_seen = 0
+    max_running = 0
+
+    step = 0
+    while step <= last_arrival or scheduler.has_unfinished_requests():
+        assert step < max_steps, f"no progress after {max_steps} steps: {len(scheduler.running)} running, " \
+            f"{len(scheduler.waiting)} waiting"
+        for spec in by_step.get(step, []):
+            request = spec.build(max_model_len)
+            requests[spec.request_id] = request
+            arrival_step[spec.request_id] = step
+            scheduler.add_request(request)
+            if spec.abort_step is not None:
+                target = aborts_mid if spec.abort_mid_step else aborts_before
+                target.setdefault(step + spec.abort_step, []).append(spec.request_id)
+        for request_id in aborts_before.get(step, []):
+            scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        check_pages(scheduler)
+
+        output = scheduler.schedule()
+        check_schedule(scheduler, output)
+        preempted_seen += len(output.preempted_ids)
+        max_running = max(max_running, len(scheduler.running))
+        sampled = fake_step(output)
+        for request_id in aborts_mid.get(step, []):
+            scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        scheduler.update(output, sampled)
+        check_after_update(scheduler)
+
+        for request_id, request in requests.items():
+            assert request.output_token_ids == oracle[request_id][: request.num_output_tokens], (
+                f"{request_id} produced {request.output_token_ids}, expected a prefix of {oracle[request_id]}"
+            )
+            if request.is_finished and request_id not in finish_step:
+                finish_step[request_id] = step
+        step += 1
+
+    assert scheduler.num_preemptions == preempted_seen
+    assert scheduler.num_preemptions == sum(r.num_preemptions for r in requests.values())
+    return WorkloadResult(requests, arrival_step, finish_step, step, scheduler.num_preemptions, max_running)
+
+
+def run_alone(spec: RequestSpec, config: SchedulerConfig, page_size: int) -> Request:
+    """Run one request (never aborted) through a fresh scheduler whose pool holds it many times over."""
+    num_pages = 4 * pages_for_tokens(config.max_model_len, page_size) + 1
+    scheduler = Scheduler(config, KVCacheManager(PagePool(num_pages), page_size))
+    alone = dataclasses.replace(spec, arrival_step=0, abort_step=None)
+    result = run_workload(scheduler, [alone], max_steps=spec.prompt_len + spec.max_tokens + 2)
+    assert result.num_preemptions == 0
+    return result.requests[spec.request_id]
