@@ -60,9 +60,10 @@ class StepOutput:
     """Samples for the real rows of one step (numpy, on the host)."""
 
     token_ids: np.ndarray  # (num_seqs,) int32
-    logprobs: np.ndarray  # (num_seqs,) float32 raw log-prob of each chosen token
-    top_token_ids: np.ndarray  # (num_seqs, K) int32
-    top_logprobs: np.ndarray  # (num_seqs, K) float32
+    logprobs: np.ndarray | None = None  # (num_seqs,) float32 raw log-prob of each chosen token
+    top_token_ids: np.ndarray | None = None  # (num_seqs, K) int32
+    top_logprobs: np.ndarray | None = None  # (num_seqs, K) float32
+    # The logprob fields are fetched only when some row asked for logprobs.
 
 
 class Runner:
@@ -159,8 +160,11 @@ class Runner:
         sampler = self._executable(
             self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
         )
-        out = jax.device_get(sampler(logits, sampling))
+        out = sampler(logits, sampling)
         num_seqs = int(batch.num_seqs)
+        if not sampling.need_logprobs:
+            return StepOutput(token_ids=np.asarray(out.token_ids)[:num_seqs])
+        out = jax.device_get(out)
         return StepOutput(
             token_ids=out.token_ids[:num_seqs],
             logprobs=out.logprobs[:num_seqs],

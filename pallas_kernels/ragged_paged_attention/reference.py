@@ -7,10 +7,13 @@ and its K/V live in pages `page_table[r, :]` of the pool. The new tokens' K/V mu
 written into the pages (see `write_kv`).
 
 Work scales with the page-table width the caller passes (`W`), not with the pool or with
-`max_model_len`: the batch builder sizes `W` to the longest sequence in the step.
+`max_model_len`: the batch builder sizes `W` to the longest sequence in the step. Each query
+token gathers its own row's pages; tiling the queries keeps that gather in cache on the CPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -55,33 +58,53 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    query_tile: int | None = None,
 ) -> jax.Array:
     """Causal attention of every query token over its own request's paged K/V.
 
     A query at absolute position `p` sees the keys at positions `0..p` of its request (and only
     the last `sliding_window` of them when a window is set). Softmax runs in float32.
+
+    `query_tile` processes the queries `query_tile` tokens at a time (a sequential `lax.map`), so
+    each tile's gathered K/V stays in the CPU's caches; None does all tokens at once.
     """
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); positions: (T,) int32
     # query_start_loc: (R + 1,) int32; page_table: (R, W) int32
+    num_tokens = q.shape[0]
+    token_pages = page_table[token_request_index(query_start_loc, num_tokens)]  # (T, W)
+    attend = functools.partial(
+        _attend_tokens, k_cache=k_cache, v_cache=v_cache, layer=layer, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    if query_tile is None or query_tile >= num_tokens:
+        return attend(q, positions, token_pages)
+    num_tiles = -(-num_tokens // query_tile)
+    pad = num_tiles * query_tile - num_tokens
+    tiles = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, positions, token_pages)]
+    tiles = [x.reshape(num_tiles, query_tile, *x.shape[1:]) for x in tiles]
+    out = jax.lax.map(lambda tile: attend(*tile), tiles)  # (num_tiles, tile, Hq, D)
+    return out.reshape(num_tiles * query_tile, *q.shape[1:])[:num_tokens]
+
+
+def _attend_tokens(q, positions, token_pages, *, k_cache, v_cache, layer, sm_scale, sliding_window, soft_cap):
+    """Attention of a set of query tokens, each over the pages listed in its row of `token_pages`."""
+    # q: (N, Hq, D); positions: (N,) int32; token_pages: (N, W) int32
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
-    width = page_table.shape[1]
+    num_keys = token_pages.shape[1] * page_size
+    k = k_cache[layer, token_pages].reshape(num_tokens, num_keys, num_kv_heads, head_dim)  # (N, K, Hkv, D)
+    v = v_cache[layer, token_pages].reshape(num_tokens, num_keys, num_kv_heads, head_dim)  # (N, K, Hkv, D)
 
-    rows = token_request_index(query_start_loc, num_tokens)  # (T,)
-    token_pages = page_table[rows]  # (T, W)
-    k = k_cache[layer, token_pages].reshape(num_tokens, width * page_size, num_kv_heads, head_dim)
-    v = v_cache[layer, token_pages].reshape(num_tokens, width * page_size, num_kv_heads, head_dim)
-
-    q = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # (T, Hkv, G, D)
+    q = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # (N, Hkv, G, D)
     scores = jnp.einsum("thgd,tkhd->thgk", q, k, preferred_element_type=jnp.float32) * sm_scale
     if soft_cap is not None:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    key_pos = jnp.arange(width * page_size, dtype=jnp.int32)  # (W * S,)
-    visible = key_pos[None, :] <= positions[:, None]  # (T, W * S)
+    key_pos = jnp.arange(num_keys, dtype=jnp.int32)  # (K,)
+    visible = key_pos[None, :] <= positions[:, None]  # (N, K)
     if sliding_window is not None:
         visible &= key_pos[None, :] > positions[:, None] - sliding_window
-    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)  # (T, Hkv, G, W * S)
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)  # (N, Hkv, G, K)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("thgk,tkhd->thgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
