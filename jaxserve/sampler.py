@@ -65,7 +65,7 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     if batch.aux_token_ids.shape[1] > 0:
         processed = apply_penalties(logits, batch)  # (R, V) float32
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # (R,) bool
-    greedy_ids = jnp.argmax(processed, axis=-1).astype(jnp.int32)  # (R,) int32
+    greedy_ids = first_argmax(processed)  # (R,) int32
     token_ids = jax.lax.cond(  # (R,) int32
         jnp.all(is_greedy),
         lambda: greedy_ids,
@@ -75,6 +75,19 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
         batch.need_logprobs, _raw_logprobs, _zero_logprobs, logits, token_ids
     )
     return SamplerOutput(token_ids, chosen, top_ids, top_lps)
+
+
+def first_argmax(x: jax.Array) -> jax.Array:
+    """Index of each row's maximum (the first on ties), as a max and a min reduction.
+
+    Same result as `jnp.argmax` for finite rows, about twice as fast on the XLA CPU backend,
+    whose variadic (value, index) reduction does not vectorise.
+    """
+    # x: (R, V) float32 -> (R,) int32
+    vocab = x.shape[-1]
+    is_max = x == jnp.max(x, axis=-1, keepdims=True)  # (R, V) bool
+    first = jnp.min(jnp.where(is_max, jnp.arange(vocab, dtype=jnp.int32), vocab), axis=-1)  # (R,)
+    return jnp.minimum(first, vocab - 1)
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -118,7 +131,7 @@ def _random_sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
         any_filter, apply_top_k_top_p, lambda x, k, p: x, scaled, batch.top_k, batch.top_p
     )
     noise = _gumbel_noise(batch.seeds, batch.sample_index, logits.shape[1])  # (R, V)
-    return jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # (R,) int32
+    return first_argmax(scaled + noise)  # (R,) int32
 
 
 def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
