@@ -156,11 +156,12 @@ class Runner:
         """Run the model and the sampler; only the real rows come back to the host."""
         num_tokens, (num_rows, width) = batch.input_ids.shape[0], batch.page_table.shape
         forward = self._executable(self._forward_exec, (num_tokens, width), self._lower_forward)
-        logits, self.k_cache, self.v_cache = forward(self.params, self.k_cache, self.v_cache, batch)
         sampler = self._executable(
             self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
         )
-        out = sampler(logits, sampling)
+        device_batch, device_sampling = jax.device_put((batch, sampling), self._replicated)  # one transfer
+        logits, self.k_cache, self.v_cache = forward(self.params, self.k_cache, self.v_cache, device_batch)
+        out = sampler(logits, device_sampling)
         num_seqs = int(batch.num_seqs)
         if not sampling.need_logprobs:
             return StepOutput(token_ids=np.asarray(out.token_ids)[:num_seqs])
