@@ -1,0 +1,118 @@
+"""Checkpoint parsing and loading: supported configs, clear errors for everything else."""
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine_core import resolve_num_pages
+from jaxserve.model.loader import SafetensorsFolder
+from jaxserve.model.spec import ModelSpec
+from helpers import ARCHITECTURES, checkpoint
+
+
+def _config(name):
+    with open(os.path.join(checkpoint(name), "config.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_every_fixture_parses(name):
+    spec = ModelSpec.from_pretrained(checkpoint(name))
+    assert spec.num_layers == 2 and spec.vocab_size == 512
+    assert spec.eos_token_ids == (1,)
+
+
+def test_architecture_specific_fields():
+    assert ModelSpec.from_pretrained(checkpoint("qwen2")).qkv_bias
+    qwen3 = ModelSpec.from_pretrained(checkpoint("qwen3"))
+    assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.hidden_size // qwen3.num_heads == 16
+    assert ModelSpec.from_pretrained(checkpoint("mistral")).sliding_window == 16
+    assert ModelSpec.from_pretrained(checkpoint("llama-linear")).tie_word_embeddings
+
+
+def test_transformers4_rope_layout_equals_transformers5_layout():
+    new = _config("llama")
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    params = dict(new["rope_parameters"])
+    old["rope_theta"] = params.pop("rope_theta")
+    old["rope_scaling"] = params
+    assert ModelSpec.from_hf_config(old) == ModelSpec.from_hf_config(new)
+
+
+def test_llama3_rope_scales_low_frequencies_only():
+    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    scaled = spec.rope.inv_freq()
+    plain = 1.0 / (spec.rope.theta ** (np.arange(0, spec.head_dim, 2) / spec.head_dim))
+    assert scaled[0] == pytest.approx(plain[0])  # high frequency untouched
+    assert scaled[-1] == pytest.approx(plain[-1] / spec.rope.factor)  # low frequency slowed by factor
+    linear = ModelSpec.from_pretrained(checkpoint("llama-linear"))
+    np.testing.assert_allclose(linear.rope.inv_freq() * 2, plain)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type"),
+        ({"mlp_bias": True}, "mlp_bias"),
+    ],
+)
+def test_unsupported_configs_are_value_errors(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config({**_config("llama"), **change})
+
+
+def test_missing_files_are_value_errors(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        ModelSpec.from_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="safetensors"):
+        SafetensorsFolder(str(tmp_path))
+    sharded = tmp_path / "sharded"
+    shutil.copytree(checkpoint("llama"), sharded)
+    os.remove(sharded / "model-00002-of-00002.safetensors")
+    with pytest.raises(ValueError, match="model-00002-of-00002.safetensors"):
+        SafetensorsFolder(str(sharded))
+    folder = SafetensorsFolder(checkpoint("llama"))
+    with pytest.raises(ValueError, match="not found"):
+        folder.get("model.layers.99.mlp.up_proj.weight")
+
+
+def test_sharded_checkpoint_reads_every_tensor():
+    folder = SafetensorsFolder(checkpoint("llama"))
+    assert folder.get("model.embed_tokens.weight").shape == (512, 64)
+    assert folder.get("lm_head.weight").shape == (512, 64)
+
+
+def test_pool_too_small_for_one_request_is_a_value_error():
+    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    config = EngineConfig(model=checkpoint("llama"), page_size=16, num_pages=8)
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        resolve_num_pages(config, spec, spec.num_kv_heads, jnp.float32, max_model_len=128)
+    assert resolve_num_pages(config, spec, spec.num_kv_heads, jnp.float32, max_model_len=112) == 8
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"page_size": 12}, "page_size"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"num_pages": 1}, "num_pages"),
+        ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "max_num_seqs"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ],
+)
+def test_bad_engine_options_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown option.*valid options: model"):
+        EngineConfig.from_dict({"max_num_seq": 4})
