@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from jaxserve.batch_descriptor import BatchDescriptor
-from jaxserve.buckets import pick_bucket, power_of_two_ladder
+from jaxserve.buckets import pick_bucket, geometric_ladder
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.sampler import KIND_BANNED, KIND_OUTPUT, KIND_PAD, KIND_PROMPT, SamplingBatch
@@ -35,9 +35,10 @@ class BucketLadders:
               min_token_bucket: int, max_aux_extra: int) -> "BucketLadders":
         """Powers of two up to each limit. Rows are tied to tokens: R = min(T, max_num_seqs)."""
         return cls(
-            tokens=power_of_two_ladder(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens),
-            page_widths=power_of_two_ladder(1, pages_for_tokens(max_model_len, page_size)),
-            aux_widths=(0,) + power_of_two_ladder(min(64, max_model_len), max_model_len + max_aux_extra),
+            tokens=geometric_ladder(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens),
+            page_widths=geometric_ladder(1, pages_for_tokens(max_model_len, page_size)),
+            # Penalty histories are rare and cheap to pad, so their ladder is coarser (x4).
+            aux_widths=(0,) + geometric_ladder(min(64, max_model_len), max_model_len + max_aux_extra, ratio=4),
             max_num_seqs=max_num_seqs,
         )
 

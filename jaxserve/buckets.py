@@ -1,19 +1,19 @@
-"""Bucket ladders: the padded sizes every executable is compiled for."""
+"""Bucket ladders: the padded sizes every executable is compiled for (geometric, powers of two by default)."""
 
 from __future__ import annotations
 
 import bisect
 
 
-def power_of_two_ladder(smallest: int, largest: int) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to `largest`, with `largest` itself always the top rung."""
+def geometric_ladder(smallest: int, largest: int, ratio: int = 2) -> tuple[int, ...]:
+    """`smallest` times powers of `ratio` up to `largest`, with `largest` itself always the top rung."""
     if smallest < 1 or largest < 1:
         raise ValueError(f"ladder bounds must be >= 1, got {smallest}..{largest}")
     rungs = []
     size = smallest
     while size < largest:
         rungs.append(size)
-        size *= 2
+        size *= ratio
     rungs.append(largest)
     return tuple(rungs)
 
