@@ -68,7 +68,9 @@ class LLMEngine:
         children = self.make_requests(request_id, prompt, params or SamplingParams(), priority)
         self.submit(request_id, children)
 
-    def make_requests(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> tuple:
+    def make_requests(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
+    ) -> tuple[str | None, list[Request]]:
         """Validate a request and build its engine requests without queueing them; returns (text, children)."""
         text, token_ids = self.tokenize_prompt(prompt)
         if len(token_ids) >= self.max_model_len:
@@ -91,7 +93,7 @@ class LLMEngine:
             ))
         return text, children
 
-    def submit(self, request_id: str, made: tuple) -> None:
+    def submit(self, request_id: str, made: tuple[str | None, list[Request]]) -> None:
         """Queue engine requests built by `make_requests`."""
         text, children = made
         self.output_processor.add_request(request_id, text, children)
