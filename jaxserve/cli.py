@@ -24,9 +24,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         "seed": args.seed,
     }
     flags = {key: value for key, value in flags.items() if value is not None}
-    if args.config:
-        return EngineConfig.from_yaml(args.config, **flags)
-    return EngineConfig.from_dict(flags)
+    return EngineConfig.for_model(flags.pop("model", None), args.config, **flags)
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:

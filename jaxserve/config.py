@@ -12,6 +12,8 @@ VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_POLICIES = ("fcfs", "priority")
 VALID_ATTENTION_BACKENDS = ("auto", "xla")  # Pallas backends arrive with the kernels
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
+CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
+DEFAULT_MODEL_CONFIG = os.path.join(CONFIGS_DIR, "tiny-cpu.yaml")  # settings for the bundled model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +88,18 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"{source}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
         return cls(**values)
+
+    @classmethod
+    def for_model(cls, model: str | None, config_path: str | None = None, **overrides) -> "EngineConfig":
+        """The config a user asked for: a YAML file (the bundled model's when no model is given) with
+        explicit options on top."""
+        if model is not None:
+            overrides["model"] = model
+        if config_path is None and overrides.get("model") is None:
+            config_path = DEFAULT_MODEL_CONFIG
+        if config_path is None:
+            return cls.from_dict(overrides)
+        return cls.from_yaml(config_path, **overrides)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's slice of the config, with the resolved max_model_len."""

@@ -20,11 +20,12 @@ class LLM:
 
     Keyword arguments are EngineConfig fields, named as vLLM's engine arguments
     (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `page_size`, `num_pages`,
-    `tensor_parallel_size`, `dtype`, `seed`, ...).
+    `tensor_parallel_size`, `dtype`, `seed`, ...). With no model, the bundled tiny model runs with
+    the settings of `configs/tiny-cpu.yaml`.
     """
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **engine_args):
-        config = EngineConfig.from_dict({"model": model, **engine_args}, source="LLM()")
+        config = EngineConfig.for_model(model, **engine_args)
         self.engine = LLMEngine(config, show_progress=show_progress)
         self._ids = itertools.count()
 

@@ -266,8 +266,10 @@ def make_prompts() -> list[list[int]]:
 
 
 @torch.no_grad()
-def greedy_decode(model, prompt: list[int]) -> tuple[list[int], float, np.ndarray]:
-    """Greedy-decode ``NUM_NEW_TOKENS`` tokens, ignoring EOS, without KV cache.
+def greedy_decode(
+    model, prompt: list[int], num_new_tokens: int = NUM_NEW_TOKENS
+) -> tuple[list[int], float, np.ndarray]:
+    """Greedy-decode ``num_new_tokens`` tokens, ignoring EOS, without KV cache.
 
     Every step runs the full sequence through the model and takes the argmax of
     the last position. Returns (new tokens, min top1-top2 logit margin, float32
@@ -275,7 +277,7 @@ def greedy_decode(model, prompt: list[int]) -> tuple[list[int], float, np.ndarra
     """
     ids = list(prompt)
     new_tokens, margins, first_logits = [], [], None
-    for _ in range(NUM_NEW_TOKENS):
+    for _ in range(num_new_tokens):
         out = model(input_ids=torch.tensor([ids]), use_cache=False)
         logits = out.logits[0, -1].to(torch.float32)
         if first_logits is None:
