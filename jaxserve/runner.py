@@ -25,6 +25,7 @@ from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.model.llama import make_forward
 from jaxserve.model.sharding import KV_CACHE_SPEC, named, param_partition_specs
 from jaxserve.model.spec import ModelSpec
+from jaxserve.packing import Layout, pack, unpack
 from jaxserve.sampler import SamplingBatch, sample
 
 
@@ -97,13 +98,24 @@ class Runner:
         attention, write_kv = make_attention(spec, attention_backend)
         forward = make_forward(spec, num_cache_kv_heads, attention, write_kv)
         param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
+
+        def forward_packed(params, k_cache, v_cache, buffer, layout: Layout):
+            return forward(params, k_cache, v_cache, unpack(buffer, layout, BatchDescriptor))
+
+        def sample_packed(logits, buffer, layout: Layout):
+            return sample(logits, unpack(buffer, layout, SamplingBatch))
+
         self._forward = jax.jit(
-            forward,
+            forward_packed,
             in_shardings=(param_shardings, kv_sharding, kv_sharding, self._replicated),
             out_shardings=(self._replicated, kv_sharding, kv_sharding),
             donate_argnums=(1, 2),
+            static_argnums=(4,),
         )
-        self._sample = jax.jit(sample, in_shardings=(self._replicated, self._replicated), out_shardings=self._replicated)
+        self._sample = jax.jit(
+            sample_packed, in_shardings=(self._replicated, self._replicated), out_shardings=self._replicated,
+            static_argnums=(2,),
+        )
         self._forward_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
         self._sample_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (R, P) -> executable
         self.num_lazy_compiles = 0
@@ -138,17 +150,16 @@ class Runner:
         example = BatchDescriptor(
             **padded_batch_arrays(num_tokens, self.ladders.rows_for(num_tokens), width, self.page_size)
         )
-        return self._forward.lower(self.params, self.k_cache, self.v_cache, self._abstract(example))
+        buffer, layout = pack(example)
+        return self._forward.lower(self.params, self.k_cache, self.v_cache, self._abstract(buffer), layout)
 
     def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
-        example = SamplingBatch(**padded_sampling_arrays(num_rows, aux_width))
+        buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width)))
         logits = jax.ShapeDtypeStruct((num_rows, self.spec.vocab_size), jnp.float32, sharding=self._replicated)
-        return self._sample.lower(logits, self._abstract(example))
+        return self._sample.lower(logits, self._abstract(buffer), layout)
 
-    def _abstract(self, tree):
-        return jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=self._replicated), tree
-        )
+    def _abstract(self, buffer: np.ndarray) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self._replicated)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -159,9 +170,9 @@ class Runner:
         sampler = self._executable(
             self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
         )
-        device_batch, device_sampling = jax.device_put((batch, sampling), self._replicated)  # one transfer
-        logits, self.k_cache, self.v_cache = forward(self.params, self.k_cache, self.v_cache, device_batch)
-        out = sampler(logits, device_sampling)
+        batch_words, sampling_words = jax.device_put((pack(batch)[0], pack(sampling)[0]), self._replicated)
+        logits, self.k_cache, self.v_cache = forward(self.params, self.k_cache, self.v_cache, batch_words)
+        out = sampler(logits, sampling_words)
         num_seqs = int(batch.num_seqs)
         if not sampling.need_logprobs:
             return StepOutput(token_ids=np.asarray(out.token_ids)[:num_seqs])
