@@ -194,6 +194,7 @@ def run_jaxserve(args, folder: str, prompts, out_lens, max_num_seqs: int, log) -
     import jax
     import jaxserve.engine_core as engine_core_mod
     from jaxserve import LLM
+    from jaxserve.packing import pack
     from jaxserve.sampling_params import SamplingParams
 
     log(f"[jaxserve max_num_seqs={max_num_seqs}] building engine (AOT warm-up, compilation cache "
@@ -308,10 +309,11 @@ def run_jaxserve(args, folder: str, prompts, out_lens, max_num_seqs: int, log) -
             fwd = runner._forward_exec[(num_tokens, width)]
             smp = runner._sample_exec[(num_rows, sampling.aux_token_ids.shape[1])]
             t = time.perf_counter()
-            logits, runner.k_cache, runner.v_cache = fwd(runner.params, runner.k_cache, runner.v_cache, batch)
+            logits, runner.k_cache, runner.v_cache = fwd(
+                runner.params, runner.k_cache, runner.v_cache, pack(batch)[0])
             logits.block_until_ready()
             t1 = time.perf_counter()
-            jax.device_get(smp(logits, sampling))
+            jax.device_get(smp(logits, pack(sampling)[0]))
             t2 = time.perf_counter()
             split[index] = (t1 - t, t2 - t1)
 
