@@ -213,3 +213,12 @@ def test_stats_report_engine_counters(llm):
                 "compilations_after_warmup"):
         assert key in stats
     assert stats["steps"] > 0 and stats["scheduled_tokens"] >= stats["steps"]
+
+
+def test_kv_pages_are_updated_in_place(llm, want):
+    runner = llm.engine.core.runner
+    before = (runner.k_cache.unsafe_buffer_pointer(), runner.v_cache.unsafe_buffer_pointer())
+    outputs = llm.generate(_ids(want["prompts"][:4]), GREEDY.clone(max_tokens=6), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [w[:6] for w in want["outputs"][:4]]
+    # Donation aliases the step's output pages to its input pages: no copy of the pool per step.
+    assert (runner.k_cache.unsafe_buffer_pointer(), runner.v_cache.unsafe_buffer_pointer()) == before
