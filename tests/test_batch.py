@@ -1,0 +1,72 @@
+"""The batch builder: padding rules of the BatchDescriptor and SamplingBatch."""
+
+import numpy as np
+
+from jaxserve.batch import BucketLadders, build_batch, build_sampling_batch
+from jaxserve.buckets import geometric_ladder, pick_bucket
+from jaxserve.kv.page_pool import NULL_PAGE
+from jaxserve.request import Request
+from jaxserve.sampler import KIND_BANNED, KIND_OUTPUT, KIND_PROMPT
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import ScheduledRequest, SchedulerOutput
+
+LADDERS = BucketLadders.build(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, page_size=8,
+                              min_token_bucket=8, max_aux_extra=4)
+
+
+def _request(request_id, prompt, outputs=(), **params):
+    request = Request(request_id, list(prompt), SamplingParams(**params), eos_token_ids=(1,), seed=7,
+                      max_tokens=16)
+    request.output_token_ids = list(outputs)
+    return request
+
+
+def test_ladders_and_buckets():
+    assert geometric_ladder(8, 64) == (8, 16, 32, 64)
+    assert geometric_ladder(8, 100) == (8, 16, 32, 64, 100)
+    assert geometric_ladder(64, 1100, ratio=4) == (64, 256, 1024, 1100)
+    assert pick_bucket((8, 16, 32), 9) == 16
+    assert LADDERS.rows_for(64) == 8 and LADDERS.rows_for(8) == 8
+
+
+def test_prefill_chunk_and_decode_are_flattened_and_padded():
+    prefill = _request("a", range(10, 22))  # 12 prompt tokens, first chunk of 5
+    decode = _request("b", range(30, 39), outputs=[40])  # 9 prompt + 1 output, one token behind
+    output = SchedulerOutput(
+        scheduled=[
+            ScheduledRequest(prefill, num_new_tokens=5, num_computed_tokens=0, page_ids=(3,), samples=False),
+            ScheduledRequest(decode, num_new_tokens=1, num_computed_tokens=9, page_ids=(5, 6), samples=True),
+        ],
+        preempted_ids=[],
+    )
+    batch = build_batch(output, page_size=8, ladders=LADDERS)
+    assert batch.input_ids.shape == (8,) and batch.page_table.shape == (8, 2)  # T=8, R=8, W=2
+    assert batch.input_ids[:6].tolist() == [10, 11, 12, 13, 14, 40]
+    assert batch.positions[:6].tolist() == [0, 1, 2, 3, 4, 9]
+    assert batch.slot_mapping[:6].tolist() == [24, 25, 26, 27, 28, 6 * 8 + 1]
+    assert (batch.slot_mapping[6:] == NULL_PAGE * 8).all(), "padded tokens write to the null page"
+    assert batch.query_start_loc.tolist() == [0, 5, 6, 6, 6, 6, 6, 6, 6]
+    assert batch.seq_lens.tolist() == [5, 10, 0, 0, 0, 0, 0, 0]
+    assert batch.page_table[:2].tolist() == [[3, NULL_PAGE], [5, 6]] and (batch.page_table[2:] == NULL_PAGE).all()
+    assert batch.logits_indices[:2].tolist() == [4, 5] and int(batch.num_seqs) == 2
+
+
+def test_sampling_rows_carry_history_only_when_needed():
+    plain = _request("a", [5, 6], outputs=[7])
+    penalised = _request("b", [5, 6], outputs=[7, 8], presence_penalty=0.5, min_tokens=4, stop_token_ids=[9],
+                         temperature=0.7, top_k=-1, seed=3)
+    output = SchedulerOutput(
+        scheduled=[ScheduledRequest(r, 1, r.num_tokens - 1, (2,), True) for r in (plain, penalised)],
+        preempted_ids=[],
+    )
+    sampling = build_sampling_batch(output, num_rows=8, ladders=LADDERS)
+    assert sampling.aux_token_ids.shape == (8, 64)
+    assert sampling.aux_token_ids[0, 0] == -1, "a row without penalties has no history"
+    ids, kinds = sampling.aux_token_ids[1, :7].tolist(), sampling.aux_token_kind[1, :7].tolist()
+    assert ids == [5, 6, 7, 8, 9, 1, -1]
+    assert kinds == [KIND_PROMPT, KIND_PROMPT, KIND_OUTPUT, KIND_OUTPUT, KIND_BANNED, KIND_BANNED, 0]
+    assert sampling.top_k[1] == 0 and np.isclose(sampling.temperature[1], 0.7)
+    assert sampling.sample_index[:2].tolist() == [1, 2]
+    assert (sampling.temperature[2:] == 0).all(), "padded rows are greedy"
+    none = SchedulerOutput([ScheduledRequest(plain, 1, 2, (2,), True)], [])
+    assert build_sampling_batch(none, num_rows=8, ladders=LADDERS).aux_token_ids.shape == (8, 0)
