@@ -85,7 +85,6 @@ class Runner:
     ):
         self.spec = spec
         self.params = params
-        self.mesh = mesh
         self.page_size = page_size
         self.ladders = ladders
         self._replicated = NamedSharding(mesh, P())

@@ -82,11 +82,12 @@ def ragged_paged_attention(
     pad = num_tiles * query_tile - num_tokens
     tiles = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, positions, token_pages)]
     tiles = [x.reshape(num_tiles, query_tile, *x.shape[1:]) for x in tiles]
-    out = jax.lax.map(lambda tile: _attend_tile(attend, *tile), tiles)  # (num_tiles, tile, Hq, D)
+    page_size = k_cache.shape[2]
+    out = jax.lax.map(lambda tile: _attend_tile(attend, page_size, *tile), tiles)  # (num_tiles, tile, Hq, D)
     return out.reshape(num_tiles * query_tile, *q.shape[1:])[:num_tokens]
 
 
-def _attend_tile(attend, q, positions, token_pages):
+def _attend_tile(attend, page_size: int, q, positions, token_pages):
     """Attend one tile over only the leading pages its furthest query can see.
 
     Keys past a query's position are masked anyway, so cutting the page table to W/4 or W/2
@@ -94,7 +95,6 @@ def _attend_tile(attend, q, positions, token_pages):
     otherwise spend on the width the step's longest row needs.
     """
     # q: (N, Hq, D); positions: (N,) int32; token_pages: (N, W) int32
-    page_size = attend.keywords["k_cache"].shape[2]
     width = token_pages.shape[1]
     widths = sorted({max(width // 4, 1), max(width // 2, 1), width})
     pages_needed = jnp.max(positions) // page_size + 1  # () int32
