@@ -1,43 +1,49 @@
-"""Command line: `jaxserve generate` streams a completion from a local model."""
+"""Command line: `jaxserve generate` streams a completion; `jaxserve serve` runs the OpenAI-compatible server."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.config import VALID_ATTENTION_BACKENDS, VALID_DTYPES, VALID_PAGE_SIZES, VALID_POLICIES, EngineConfig
+from jaxserve.engine import DEFAULT_MODEL_NAME, LLMEngine
 from jaxserve.sampling_params import SamplingParams
+
+
+# Engine options that have a command-line flag (`--max-num-seqs` for `max_num_seqs`, ...).
+ENGINE_FLAGS = (
+    "model", "tokenizer", "dtype", "max_model_len", "page_size", "num_pages", "gpu_memory_utilization",
+    "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
+    "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
+)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from --config (YAML) with the explicitly given flags on top."""
-    flags = {
-        "model": args.model,
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "page_size": args.page_size,
-        "num_pages": args.num_pages,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "seed": args.seed,
-    }
-    flags = {key: value for key, value in flags.items() if value is not None}
+    flags = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
     return EngineConfig.for_model(flags.pop("model", None), args.config, **flags)
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="Hugging Face model folder (default: the bundled tiny model)")
     parser.add_argument("--config", help="YAML file whose keys are engine options; flags override it")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
+    parser.add_argument("--dtype", choices=list(VALID_DTYPES))
     parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--page-size", type=int, choices=[8, 16, 32])
+    parser.add_argument("--page-size", type=int, choices=list(VALID_PAGE_SIZES))
     parser.add_argument("--num-pages", type=int)
+    parser.add_argument("--gpu-memory-utilization", type=float)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--scheduling-policy", choices=list(VALID_POLICIES))
     parser.add_argument("--tensor-parallel-size", type=int)
+    parser.add_argument("--attention-backend", choices=list(VALID_ATTENTION_BACKENDS))
     parser.add_argument("--seed", type=int)
+    parser.add_argument("--compilation-cache-dir", help="JAX's persistent compilation cache folder")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -60,6 +66,38 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    """Load the engine (compiling every step shape), then serve HTTP until interrupted."""
+    try:
+        import uvicorn
+
+        from jaxserve.server.app import build_app
+        from jaxserve.server.config import ServerConfig
+    except ImportError as error:
+        raise ValueError(f"`jaxserve serve` needs the server packages ({error.name} is missing): "
+                         f"pip install 'jaxserve[serve]'") from error
+    engine_config = _engine_config(args)
+    server_config = ServerConfig(
+        host=args.host, port=args.port, served_model_name=args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME,
+        api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+        max_waiting_requests=args.max_waiting_requests, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+        metrics_prefix=args.metrics_prefix,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    engine = LLMEngine(engine_config, show_progress=True)
+    app = build_app(engine, server_config)
+    logging.getLogger("jaxserve").info(
+        "serving %r from %s on http://%s:%d (max_model_len %d, %d KV pages of %d tokens, max_num_seqs %d, "
+        "tensor_parallel_size %d, API key %s)",
+        server_config.served_model_name, engine.model_path, server_config.host, server_config.port,
+        engine.max_model_len, engine.core.num_pages, engine_config.page_size, engine_config.max_num_seqs,
+        engine_config.tensor_parallel_size, "required" if server_config.api_key else "off",
+    )
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxserve` argument parser."""
     parser = argparse.ArgumentParser(prog="jaxserve", description="A JAX LLM serving engine.")
@@ -73,6 +111,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.set_defaults(handler=generate)
+    srv = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_flags(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (or set JAXSERVE_API_KEY)")
+    srv.add_argument("--served-model-name", help="the model name clients send (default: --model, or the bundled model's)")
+    srv.add_argument("--max-waiting-requests", type=int, default=1024,
+                     help="requests accepted but not started before the server answers 503 with Retry-After")
+    srv.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt) a request may ask for")
+    srv.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body")
+    srv.add_argument("--metrics-prefix", default="jaxserve", help="prefix of the Prometheus metric names (vllm for drop-in dashboards)")
+    srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    srv.set_defaults(handler=serve)
     return parser
 
 

@@ -43,6 +43,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     min_token_bucket: int = 8
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
@@ -65,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching: automatic prefix caching is not implemented yet; leave it off")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "

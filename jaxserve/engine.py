@@ -69,10 +69,15 @@ class LLMEngine:
         self.submit(request_id, children)
 
     def make_requests(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+        prompt_text: str | None = None,
     ) -> tuple[str | None, list[Request]]:
-        """Validate a request and build its engine requests without queueing them; returns (text, children)."""
+        """Validate a request and build its engine requests without queueing them; returns (text, children).
+
+        `prompt_text` is the text of a prompt given as token ids that the caller tokenized itself.
+        """
         text, token_ids = self.tokenize_prompt(prompt)
+        text = prompt_text if text is None else text
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: it must be "

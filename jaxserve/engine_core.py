@@ -103,6 +103,8 @@ class EngineCore:
             "scheduled_tokens": self.counters["scheduled_tokens"],
             "padded_tokens": self.counters["padded_tokens"],
             "preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.scheduler.num_prompt_tokens,
+            "generation_tokens": self.scheduler.num_generation_tokens,
             "kv_pages_total": self.kv.pool.num_usable,
             "kv_pages_free": self.kv.pool.num_free,
             "num_requests_running": len(self.scheduler.running),

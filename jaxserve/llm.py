@@ -11,6 +11,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, Prompt
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import render_chat
 
 PromptInput = str | list[int] | dict
 
@@ -67,13 +68,8 @@ class LLM:
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                     chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of one conversation under the chat template."""
-        tokenizer = self.engine.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        ids = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {})
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return render_chat(self.engine.tokenizer, conversation, add_generation_prompt,
+                           chat_template_kwargs=chat_template_kwargs)
 
     def stats(self) -> dict:
         """Engine counters: steps, scheduled tokens, preemptions, KV pages total/free, compilations after warm-up."""

@@ -111,6 +111,7 @@ class OutputProcessor:
             state = self._requests[parent_id]
             if self._update_sample(state.samples[request.request_id], request):
                 stopped.append(request.request_id)
+            state.metrics.first_scheduled_time = state.metrics.first_scheduled_time or request.first_scheduled_time
             state.metrics.first_token_time = state.metrics.first_token_time or request.first_token_time
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, request.num_preemptions)
             touched[parent_id] = state
@@ -130,6 +131,7 @@ class OutputProcessor:
             return None
         for sample in state.samples.values():
             sample.finish_reason = sample.finish_reason or "abort"
+        state.metrics.finished_time = time.monotonic()
         self._forget(request_id)
         return state.output()
 

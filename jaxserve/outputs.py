@@ -29,6 +29,7 @@ class RequestMetrics:
     """Monotonic timestamps of a request's life (seconds)."""
 
     arrival_time: float
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0

@@ -61,6 +61,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the last is preempted first (FCFS)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompt tokens of requests that produced their first token
+        self.num_generation_tokens = 0  # sampled tokens appended to outputs
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -123,6 +125,7 @@ class Scheduler:
                 break
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
+            request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
             self.running.append(request)
             scheduled.append(self._schedule_one(request, num_new))
             budget -= num_new
@@ -146,8 +149,10 @@ class Scheduler:
             request.output_token_ids.append(sample.token_id)
             if sample.logprobs is not None:
                 request.output_logprobs.append(sample.logprobs)
+            self.num_generation_tokens += 1
             if request.first_token_time is None:
                 request.first_token_time = now
+                self.num_prompt_tokens += len(request.prompt_token_ids)
             status = self._stop_status(request, sample.token_id)
             if status is not None:
                 self.running.remove(request)

@@ -1,0 +1,241 @@
+"""AsyncLLMEngine: one background thread drives LLMEngine.step(); asyncio code adds, streams and aborts.
+
+Threads: the engine thread owns the LLMEngine (scheduler, pages, detokenizers) and is the only one
+that touches it after start-up, apart from `make_requests` (validation, which reads only constant
+state). Commands reach it through one FIFO queue; outputs come back to the event loop with one
+`call_soon_threadsafe` per step. A request's outputs are cumulative, so a consumer that falls
+behind simply takes the latest one: slow clients never make the engine wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from jaxserve.engine import LLMEngine, Prompt
+from jaxserve.outputs import RequestOutput
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("jaxserve")
+
+_STOP = ("stop",)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can run."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting to start; the caller should retry later."""
+
+
+class RequestStream:
+    """The outputs of one request, as they arrive; `close()` aborts it unless it finished.
+
+    Lives on the event loop. Each item is the request's cumulative RequestOutput; when several
+    arrive between two reads, the reader gets only the latest.
+    """
+
+    def __init__(self, request_id: str, on_close: Callable[["RequestStream"], None]):
+        self.request_id = request_id
+        self.started = False  # an output has arrived
+        self.finished = False  # the final output has been read
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+        self._on_close = on_close
+        self._closed = False
+
+    def put(self, output: RequestOutput) -> None:
+        """Hand a newer output to the reader (event loop only)."""
+        self._latest = output
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with an error once the outputs already here are read."""
+        self._error = error
+        self._ready.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        await self._ready.wait()
+        self._ready.clear()
+        output, self._latest = self._latest, None
+        if output is None:
+            self.close()
+            raise self._error
+        if self._error is not None:
+            self._ready.set()  # the error follows this output
+        self.finished = output.finished
+        if self.finished:
+            self.close()
+        return output
+
+    def close(self) -> None:
+        """Stop reading; an unfinished request is aborted and its pages go back to the pool."""
+        if not self._closed:
+            self._closed = True
+            self._on_close(self)
+
+
+class AsyncLLMEngine:
+    """Serve an LLMEngine to asyncio code.
+
+    `on_finished(output)` is called on the engine thread with the final output of every request,
+    whatever ended it (metrics hook). `max_waiting_requests` bounds the requests accepted but not
+    yet started; past it `submit` raises EngineOverloadedError.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_waiting_requests: int = 1024,
+        on_finished: Callable[[RequestOutput], None] | None = None,
+    ):
+        self.engine = engine
+        # The engine thread detokenizes with engine.tokenizer; the event loop gets its own copy, since a
+        # Hugging Face tokenizer may not be used from two threads at once.
+        self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.model_path)
+        self.max_waiting_requests = max_waiting_requests
+        self._on_finished = on_finished
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._num_unstarted = 0  # event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+        self.error: BaseException | None = None
+
+    # ---- life cycle (event loop) ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the engine thread; requests still running end with EngineDeadError."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+        self._fail_streams(EngineDeadError("the engine was shut down"))
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def stats(self) -> dict:
+        """The engine counters as of the last step (see EngineCore.stats), plus the waiting requests."""
+        return {**self._stats, "num_requests_unstarted": self._num_unstarted}
+
+    # ---- requests (event loop) -----------------------------------------------------------------
+
+    def make_requests(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
+    ) -> tuple[str | None, list[Request]]:
+        """Validate one request (ValueError when invalid) without queueing it; text is tokenized here,
+        with this thread's own tokenizer."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return self.engine.make_requests(request_id, self.tokenizer.encode(prompt), params, priority, prompt)
+        return self.engine.make_requests(request_id, prompt, params, priority)
+
+    def check_capacity(self, num_requests: int = 1) -> None:
+        """EngineDeadError when the engine is down, EngineOverloadedError when `num_requests` more would
+        exceed max_waiting_requests."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error else "the engine is not running")
+        if self._num_unstarted + num_requests > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"{self._num_unstarted} requests are already waiting to start "
+                f"(max_waiting_requests={self.max_waiting_requests}); retry later"
+            )
+
+    def submit(self, request_id: str, made: tuple[str | None, list[Request]]) -> RequestStream:
+        """Queue a request validated by `make_requests`; returns the stream of its outputs."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, self._close_stream)
+        self._streams[request_id] = stream
+        self._num_unstarted += 1
+        self._commands.put(("add", request_id, made))
+        return stream
+
+    def _close_stream(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.request_id, None)
+        if not stream.started:
+            stream.started = True
+            self._num_unstarted -= 1
+        if not stream.finished:
+            self._commands.put(("abort", stream.request_id))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if not stream.started:
+                stream.started = True
+                self._num_unstarted -= 1
+            stream.put(output)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.fail(error)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Apply commands, step while there is work, block on the queue when idle."""
+        try:
+            while self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._publish(self.engine.step())
+                self._stats = self.engine.stats()
+        except BaseException as error:  # the loop must never die silently: fail every request
+            logger.exception("the engine loop failed")
+            self.error = error
+            self._loop.call_soon_threadsafe(self._fail_streams, EngineDeadError(f"the engine failed: {error!r}"))
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False on stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            if command[0] == "add":
+                self.engine.submit(command[1], command[2])
+            else:
+                final = self.engine.abort_request(command[1])
+                if final is not None:
+                    self._publish([final])
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        if self._on_finished is not None:
+            for output in outputs:
+                if output.finished:
+                    self._on_finished(output)
+        self._loop.call_soon_threadsafe(self._deliver, outputs)

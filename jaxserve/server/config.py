@@ -1,0 +1,30 @@
+"""Options of the HTTP server (the engine's own options are jaxserve.EngineConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Where to listen and how to guard the API."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = "tiny-stdlib-llama"
+    api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer <key>`
+    max_waiting_requests: int = 1024  # accepted but not started; past it: 503 with Retry-After
+    retry_after_s: int = 1
+    max_n: int = 16  # largest `n` (samples per prompt) a request may ask for
+    max_prompts: int = 64  # largest number of prompts in one completions request
+    max_body_bytes: int = 4 * 2**20
+    metrics_prefix: str = "jaxserve"
+
+    def __post_init__(self):
+        for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.metrics_prefix.replace("_", "").isalnum():
+            raise ValueError(f"metrics_prefix must be letters, digits and underscores, got {self.metrics_prefix!r}")
