@@ -50,12 +50,18 @@ async def _api_error(_: Request, error: APIError) -> JSONResponse:
 async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
     """Pydantic's errors as one 400 that names the first offending field."""
     first = error.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         return error_response(400, f"the request body is not valid JSON: {first.get('msg')}", None)
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     return error_response(400, message, param)
+
+
+def _is_union_tag(part) -> bool:
+    """True for the union-branch names pydantic puts in an error's location (`str`, `list[int]`, ...)."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part
+                                       or "-" in part)
 
 
 async def _http_error(_: Request, error: HTTPException) -> JSONResponse:

@@ -1,0 +1,92 @@
+"""`jaxserve serve`: config files and flags, clear errors for bad options, and a real launch."""
+
+import glob
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+from helpers import TEST_CACHE_DIR, small_engine_args
+
+from jaxserve.cli import main
+from jaxserve.config import CONFIGS_DIR, EngineConfig
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIGS_DIR, "*.yaml"))), ids=os.path.basename)
+def test_shipped_configs_are_valid(path):
+    config = EngineConfig.from_yaml(path)
+    assert config.max_num_seqs <= config.max_num_batched_tokens
+
+
+def test_the_gpu_configs_ship():
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS_DIR, "*.yaml"))}
+    assert {"tiny-cpu.yaml", "llama-3.1-8b-1xh200.yaml", "llama-3.1-70b-8xh200.yaml", "qwen2.5-7b-1xh100.yaml"} <= names
+    assert EngineConfig.from_yaml(os.path.join(CONFIGS_DIR, "llama-3.1-70b-8xh200.yaml")).tensor_parallel_size == 8
+
+
+def test_unknown_config_key_is_an_error_listing_the_valid_ones(tmp_path, capsys):
+    path = tmp_path / "bad.yaml"
+    path.write_text("max_num_seq: 4\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--config", str(path)])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err
+    assert "unknown option(s) max_num_seq" in message and "max_num_seqs" in message and "page_size" in message
+
+
+def test_bad_flags_exit_with_a_message(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--enable-prefix-caching"])
+    assert exit_info.value.code == 2
+    assert "prefix caching is not implemented" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--page-size", "12"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
+    options = small_engine_args(max_num_seqs=4)  # the file says 4; the flag below says 32
+    options.pop("show_progress")
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(options))
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "JAXSERVE_API_KEY": "env-key", "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--max-num-seqs", "32",
+               "--port", str(port), "--compilation-cache-dir", TEST_CACHE_DIR]
+    with open(log, "w") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        text = log.read_text()
+        assert f"serving 'tiny-stdlib-llama'" in text and f"http://127.0.0.1:{port}" in text
+        assert "max_num_seqs 32" in text and "API key required" in text
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer env-key"}).json()
+        assert models["data"][0]["id"] == "tiny-stdlib-llama" and models["data"][0]["max_model_len"] == 128
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            assert process.wait(timeout=30) == 0
+        finally:
+            process.kill()
