@@ -34,6 +34,7 @@ class FakeEngine:
         self.steps = 0
         self.running: dict[str, list[int]] = {}  # request id -> [max tokens, tokens so far]
         self.aborted: list[str] = []
+        self.completed: list[str] = []
 
     def make_requests(self, request_id, prompt, params, priority=0, prompt_text=None):
         return prompt_text, params.max_tokens
@@ -62,6 +63,7 @@ class FakeEngine:
             outputs.append(self._output(request_id, state[1], "length" if finished else None))
             if finished:
                 del self.running[request_id]
+                self.completed.append(request_id)
         return outputs
 
     def stats(self):
@@ -188,3 +190,17 @@ def test_http_engine_failure_turns_health_503_and_fails_requests():
         assert response.status_code == 503 and "device lost" in response.json()["error"]["message"]
         assert httpx.get(f"{url}/health").status_code == 503
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 503
+
+
+def test_http_client_leaving_a_non_streamed_request_aborts_it():
+    fake = FakeEngine()
+    fake.gate.clear()
+    with running_server(build_app(fake, ServerConfig())) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 50}, timeout=0.5)
+        time.sleep(0.2)  # the server notices the disconnect and queues the abort
+        fake.gate.set()  # the step in progress ends; then the abort applies
+        deadline = time.monotonic() + 10
+        while not fake.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(fake.aborted) == 1 and not fake.running and not fake.completed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -16,6 +18,8 @@ ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+logger = logging.getLogger("jaxserve")
 
 
 class APIError(Exception):
@@ -68,13 +72,15 @@ async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
     return error_response(error.status_code, str(error.detail), headers=getattr(error, "headers", None))
 
 
-async def _value_error(_: Request, error: ValueError) -> JSONResponse:
-    return error_response(400, str(error))
+async def _internal_error(_: Request, error: Exception) -> JSONResponse:
+    """A bug, not bad input: 500, still in OpenAI's shape."""
+    logger.exception("internal error while serving a request", exc_info=error)
+    return error_response(500, f"internal error: {type(error).__name__}: {error}")
 
 
 EXCEPTION_HANDLERS = {
     APIError: _api_error,
     RequestValidationError: _validation_error,
     HTTPException: _http_error,
-    ValueError: _value_error,
+    Exception: _internal_error,
 }
