@@ -46,15 +46,21 @@ class RequestStream:
         self.started = False  # an output has arrived
         self.finished = False  # the final output has been read
         self._latest: RequestOutput | None = None
+        self._tokens_woken = 0  # tokens in the output the reader was last woken for
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self._on_close = on_close
         self._closed = False
 
-    def put(self, output: RequestOutput) -> None:
-        """Hand a newer output to the reader (event loop only)."""
+    def put(self, output: RequestOutput, stream_interval: int = 1) -> None:
+        """Hand a newer output to the reader (event loop only); the reader wakes for the first output,
+        the last, and whenever `stream_interval` more tokens have arrived since it last woke."""
         self._latest = output
-        self._ready.set()
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if not self.started or output.finished or num_tokens - self._tokens_woken >= stream_interval:
+            self.started = True
+            self._tokens_woken = num_tokens
+            self._ready.set()
 
     def fail(self, error: BaseException) -> None:
         """End the stream with an error once the outputs already here are read."""
@@ -92,7 +98,9 @@ class AsyncLLMEngine:
 
     `on_finished(output)` is called on the engine thread with the final output of every request,
     whatever ended it (metrics hook). `max_waiting_requests` bounds the requests accepted but not
-    yet started; past it `submit` raises EngineOverloadedError.
+    yet started; past it `submit` raises EngineOverloadedError. A reader wakes every
+    `stream_interval` tokens (and for the first and the last output): vLLM's option, which trades
+    streaming smoothness for less host work per token.
     """
 
     def __init__(
@@ -100,7 +108,11 @@ class AsyncLLMEngine:
         engine: LLMEngine,
         max_waiting_requests: int = 1024,
         on_finished: Callable[[RequestOutput], None] | None = None,
+        stream_interval: int = 1,
     ):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self.engine = engine
         # The engine thread detokenizes with engine.tokenizer; the event loop gets its own copy, since a
         # Hugging Face tokenizer may not be used from two threads at once.
@@ -189,9 +201,8 @@ class AsyncLLMEngine:
             if stream is None:
                 continue
             if not stream.started:
-                stream.started = True
                 self._num_unstarted -= 1
-            stream.put(output)
+            stream.put(output, self.stream_interval)
 
     def _fail_streams(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):

@@ -81,7 +81,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, served_model_name=args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME,
         api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
         max_waiting_requests=args.max_waiting_requests, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
-        metrics_prefix=args.metrics_prefix,
+        metrics_prefix=args.metrics_prefix, stream_interval=args.stream_interval,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config, show_progress=True)
@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt) a request may ask for")
     srv.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body")
     srv.add_argument("--metrics-prefix", default="jaxserve", help="prefix of the Prometheus metric names (vllm for drop-in dashboards)")
+    srv.add_argument("--stream-interval", type=int, default=1,
+                     help="stream every N tokens (vLLM's option): larger values cost less host work per token")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.set_defaults(handler=serve)
     return parser

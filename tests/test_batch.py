@@ -40,14 +40,16 @@ def test_prefill_chunk_and_decode_are_flattened_and_padded():
         preempted_ids=[],
     )
     batch = build_batch(output, page_size=8, ladders=LADDERS)
-    assert batch.input_ids.shape == (8,) and batch.page_table.shape == (8, 2)  # T=8, R=8, W=2
+    assert LADDERS.page_widths == (1, 4, 8)  # x4 rungs up to the widest
+    assert batch.input_ids.shape == (8,) and batch.page_table.shape == (8, 4)  # T=8, R=8, W=4 (2 pages needed)
     assert batch.input_ids[:6].tolist() == [10, 11, 12, 13, 14, 40]
     assert batch.positions[:6].tolist() == [0, 1, 2, 3, 4, 9]
     assert batch.slot_mapping[:6].tolist() == [24, 25, 26, 27, 28, 6 * 8 + 1]
     assert (batch.slot_mapping[6:] == NULL_PAGE * 8).all(), "padded tokens write to the null page"
     assert batch.query_start_loc.tolist() == [0, 5, 6, 6, 6, 6, 6, 6, 6]
     assert batch.seq_lens.tolist() == [5, 10, 0, 0, 0, 0, 0, 0]
-    assert batch.page_table[:2].tolist() == [[3, NULL_PAGE], [5, 6]] and (batch.page_table[2:] == NULL_PAGE).all()
+    assert batch.page_table[:2].tolist() == [[3, NULL_PAGE, NULL_PAGE, NULL_PAGE], [5, 6, NULL_PAGE, NULL_PAGE]]
+    assert (batch.page_table[2:] == NULL_PAGE).all()
     assert batch.logits_indices[:2].tolist() == [4, 5] and int(batch.num_seqs) == 2
 
 

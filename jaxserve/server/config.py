@@ -19,9 +19,11 @@ class ServerConfig:
     max_prompts: int = 64  # largest number of prompts in one completions request
     max_body_bytes: int = 4 * 2**20
     metrics_prefix: str = "jaxserve"
+    stream_interval: int = 1  # tokens per streamed chunk (vLLM's --stream-interval)
 
     def __post_init__(self):
-        for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s"):
+        for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s",
+                     "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
