@@ -80,11 +80,12 @@ def serve(args: argparse.Namespace) -> int:
     server_config = ServerConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME,
         api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
-        max_waiting_requests=args.max_waiting_requests, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+        max_waiting_requests=args.max_waiting_requests, max_n=args.max_n, max_prompts=args.max_prompts,
+        max_body_bytes=args.max_body_bytes,
         metrics_prefix=args.metrics_prefix, stream_interval=args.stream_interval,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config, show_progress=True)
+    engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
     app = build_app(engine, server_config)
     logging.getLogger("jaxserve").info(
         "serving %r from %s on http://%s:%d (max_model_len %d, %d KV pages of %d tokens, max_num_seqs %d, "
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests accepted but not started before the server answers 503 with Retry-After")
     srv.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt) a request may ask for")
+    srv.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
     srv.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body")
     srv.add_argument("--metrics-prefix", default="jaxserve", help="prefix of the Prometheus metric names (vllm for drop-in dashboards)")
     srv.add_argument("--stream-interval", type=int, default=1,

@@ -14,10 +14,23 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.stop_checker import StopStringChecker
 
 
-def sse(data: dict | str) -> str:
+def sse(data: dict | str) -> bytes:
     """One server-sent event."""
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    return f"data: {payload}\n\n"
+    return f"data: {payload}\n\n".encode()
+
+
+class ChunkEncoder:
+    """The SSE events of one streamed response: the fields every chunk repeats (id, object, created,
+    model) are encoded once, and each chunk adds only its choice."""
+
+    def __init__(self, head: dict):
+        self.head = head
+        self._prefix = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":['
+
+    def choice(self, choice: dict) -> bytes:
+        """An event carrying one choice."""
+        return (self._prefix + json.dumps(choice, separators=(",", ":")) + "]}\n\n").encode()
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -29,6 +29,7 @@ from jaxserve.server.protocol import (
 )
 from jaxserve.server.responses import (
     ChoiceStream,
+    ChunkEncoder,
     TokenText,
     chat_logprobs,
     completion_logprobs,
@@ -42,7 +43,7 @@ class EngineStreamingResponse(StreamingResponse):
     """A streamed response that closes (and so aborts) its requests however the response ends,
     even when the client leaves before the first byte."""
 
-    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]):
+    def __init__(self, content: AsyncIterator[bytes], streams: list[RequestStream]):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.streams = streams
 
@@ -215,9 +216,10 @@ class OpenAIServing:
         return chat_logprobs(self.token_text, token_ids, logprobs, params.logprobs)
 
     async def _completion_chunks(self, request_id: str, created: int, streams: list[RequestStream],
-                                 params: SamplingParams, include_usage: bool) -> AsyncIterator[str]:
+                                 params: SamplingParams, include_usage: bool) -> AsyncIterator[bytes]:
         """SSE chunks of a streamed completion; the last is `[DONE]`."""
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.config.served_model_name}
+        encoder = ChunkEncoder(head)
         choices = [[ChoiceStream(params) for _ in range(params.n)] for _ in streams]
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
@@ -233,9 +235,9 @@ class OpenAIServing:
                         offset = choices[prompt_index][c.index].num_chars - len(text)
                         logprobs = completion_logprobs(self.token_text, c.token_ids[first_token:],
                                                        c.logprobs[first_token:], offset)
-                    choice = {"index": prompt_index * params.n + c.index, "text": text, "logprobs": logprobs,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                    yield sse({**head, "choices": [choice]})
+                    yield encoder.choice({"index": prompt_index * params.n + c.index, "text": text,
+                                          "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                          "stop_reason": c.stop_reason})
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage_of(finals)})
         except EngineDeadError as error:
@@ -243,14 +245,15 @@ class OpenAIServing:
         yield sse("[DONE]")
 
     async def _chat_chunks(self, request_id: str, created: int, stream: RequestStream, params: SamplingParams,
-                           include_usage: bool) -> AsyncIterator[str]:
+                           include_usage: bool) -> AsyncIterator[bytes]:
         """SSE chunks of a streamed chat completion: the role first, then content; the last is `[DONE]`."""
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.config.served_model_name}
+        encoder = ChunkEncoder(head)
         choices = [ChoiceStream(params) for _ in range(params.n)]
         for index in range(params.n):
-            yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
+            yield encoder.choice({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None})
         final = None
         try:
             async for final in stream:
@@ -265,7 +268,7 @@ class OpenAIServing:
                               "finish_reason": c.finish_reason}
                     if c.finish_reason is not None:
                         choice["stop_reason"] = c.stop_reason
-                    yield sse({**head, "choices": [choice]})
+                    yield encoder.choice(choice)
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage_of([final])})
         except EngineDeadError as error:
