@@ -204,6 +204,11 @@ class AsyncLLMEngine:
                 self._num_unstarted -= 1
             stream.put(output, self.stream_interval)
 
+    def _fail_stream(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.fail(error)
+
     def _fail_streams(self, error: BaseException) -> None:
         for stream in list(self._streams.values()):
             stream.fail(error)
@@ -232,7 +237,10 @@ class AsyncLLMEngine:
             if command is _STOP:
                 return False
             if command[0] == "add":
-                self.engine.submit(command[1], command[2])
+                try:
+                    self.engine.submit(command[1], command[2])
+                except ValueError as error:  # this request is bad; the engine is fine
+                    self._loop.call_soon_threadsafe(self._fail_stream, command[1], error)
             else:
                 final = self.engine.abort_request(command[1])
                 if final is not None:
@@ -248,5 +256,8 @@ class AsyncLLMEngine:
         if self._on_finished is not None:
             for output in outputs:
                 if output.finished:
-                    self._on_finished(output)
+                    try:
+                        self._on_finished(output)
+                    except Exception:  # a metrics hook must not take serving down
+                        logger.exception("the on_finished hook failed")
         self._loop.call_soon_threadsafe(self._deliver, outputs)

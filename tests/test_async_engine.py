@@ -40,6 +40,8 @@ class FakeEngine:
         return prompt_text, params.max_tokens
 
     def submit(self, request_id, made):
+        if made[1] == 13:
+            raise ValueError("unlucky request")
         self.running[request_id] = [made[1], 0]
 
     def abort_request(self, request_id):
@@ -114,6 +116,19 @@ def test_closing_a_stream_aborts_its_request():
         stream.close()
         await _wait_for(lambda: fake.aborted == ["a"])
         assert not fake.running
+        await engine.stop()
+
+    asyncio.run(run())
+
+
+def test_a_request_the_engine_refuses_fails_alone():
+    async def run():
+        engine = AsyncLLMEngine(FakeEngine())
+        engine.start()
+        with pytest.raises(ValueError, match="unlucky"):
+            async for _ in _submit(engine, "bad", max_tokens=13):
+                pass
+        assert [o async for o in _submit(engine, "good", max_tokens=3)][-1].finished and engine.is_running
         await engine.stop()
 
     asyncio.run(run())
