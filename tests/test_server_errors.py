@@ -33,13 +33,13 @@ BAD_COMPLETIONS = [
     pytest.param({**GOOD, "stop": 5}, "stop", "stop", id="stop-int"),
     pytest.param({key: value for key, value in GOOD.items() if key != "prompt"}, "prompt", "field required",
                  id="missing-prompt"),
-    pytest.param({**GOOD, "temperature": -1}, None, "temperature", id="negative-temperature"),
-    pytest.param({**GOOD, "top_p": 1.5}, None, "top_p", id="top_p-over-1"),
-    pytest.param({**GOOD, "max_tokens": 0}, None, "max_tokens", id="zero-max_tokens"),
+    pytest.param({**GOOD, "temperature": -1}, "temperature", "temperature", id="negative-temperature"),
+    pytest.param({**GOOD, "top_p": 1.5}, "top_p", "top_p", id="top_p-over-1"),
+    pytest.param({**GOOD, "max_tokens": 0}, "max_tokens", "max_tokens", id="zero-max_tokens"),
     pytest.param({**GOOD, "n": 0}, "n", "n must be", id="zero-n"),
     pytest.param({**GOOD, "n": 5}, "n", "n must be", id="n-over-limit"),
-    pytest.param({**GOOD, "logprobs": 21}, None, "logprobs", id="too-many-logprobs"),
-    pytest.param({**GOOD, "presence_penalty": 3}, None, "presence_penalty", id="presence_penalty-range"),
+    pytest.param({**GOOD, "logprobs": 21}, "logprobs", "logprobs", id="too-many-logprobs"),
+    pytest.param({**GOOD, "presence_penalty": 3}, "presence_penalty", "presence_penalty", id="presence_penalty-range"),
     pytest.param({**GOOD, "prompt": ""}, "prompt", "empty", id="empty-prompt"),
     pytest.param({**GOOD, "prompt": [1, 2, 10**9]}, "prompt", "vocabulary", id="token-outside-vocabulary"),
     pytest.param({**GOOD, "prompt": "x " * 400}, "prompt", "max_model_len", id="prompt-over-max_model_len"),
@@ -47,7 +47,7 @@ BAD_COMPLETIONS = [
     pytest.param({**GOOD, "echo": True}, "echo", "not supported", id="echo"),
     pytest.param({**GOOD, "logit_bias": {"5": 10}}, "logit_bias", "not supported", id="logit_bias"),
     pytest.param({**GOOD, "priority": 3}, "priority", "scheduling-policy", id="priority-under-fcfs"),
-    pytest.param({**GOOD, "min_tokens": 9}, None, "min_tokens", id="min_tokens-over-max_tokens"),
+    pytest.param({**GOOD, "min_tokens": 9}, "min_tokens", "min_tokens", id="min_tokens-over-max_tokens"),
 ]
 
 

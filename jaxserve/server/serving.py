@@ -168,8 +168,9 @@ class OpenAIServing:
             raise APIError(400, "priority needs the server to run with --scheduling-policy priority", "priority")
         try:
             return body.to_sampling_params()
-        except ValueError as error:
-            raise APIError(400, str(error)) from error
+        except ValueError as error:  # SamplingParams' messages start with the field they are about
+            field = str(error).split(" ", 1)[0]
+            raise APIError(400, str(error), field if field in type(body).model_fields else None) from error
 
     def _submit(self, request_id: str, prompts: list, params: SamplingParams, priority: int) -> list[RequestStream]:
         """Validate every prompt, then queue them all (or none)."""
