@@ -1,27 +1,54 @@
-"""Attention backend selection: binds the paged-attention implementation the model calls."""
+"""Attention backend selection: binds the paged-attention implementation the model calls.
+
+Backends:
+- `xla`: the plain-jnp reference (gathers each query tile's pages); the CPU default.
+- `pallas`: the Pallas kernels (ragged attention and KV write), compiled for the accelerator.
+- `pallas-interpret`: the same kernels run by Pallas's interpreter (CPU tests).
+- `auto`: `pallas` on GPU, `xla` elsewhere (the kernels are written for the GPU lowerings; TPU
+  Mosaic kernels are not written yet).
+
+The Pallas kernels run inside `shard_map` over the `model` mesh axis: every device attends its own
+query heads over its own KV heads (the cache is split on the KV-head axis), so no collective is
+needed. Page tables and lengths are replicated.
+"""
 
 from __future__ import annotations
 
+import functools
 
 import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.model.sharding import KV_CACHE_SPEC, MODEL_AXIS
 from jaxserve.model.spec import ModelSpec
+from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
+from pallas_kernels.ragged_paged_attention import kernel as attention_kernel
 from pallas_kernels.ragged_paged_attention import reference
 
-
 CPU_QUERY_TILE = 8  # measured: 3-4x faster than untiled on a 2-core CPU (docs/benchmarks.md)
+HEADS_SPEC = P(None, MODEL_AXIS, None)  # (T, heads, D): heads split over the mesh
 
 
 def resolve_backend(name: str) -> str:
-    """'auto' is the XLA reference path until the Pallas kernels land for this platform."""
-    return "xla" if name == "auto" else name
+    """The backend `name` stands for on this platform ('auto' -> 'pallas' on GPU, else 'xla')."""
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return name
 
 
-def make_attention(spec: ModelSpec, backend: str):
+def make_attention(spec: ModelSpec, backend: str, mesh: Mesh):
     """Return (attention, write_kv) callables with the model's static options bound."""
-    if resolve_backend(backend) != "xla":
-        raise ValueError(f"attention_backend {backend!r} is not available; use 'auto' or 'xla'")
+    backend = resolve_backend(backend)
+    if backend == "xla":
+        return _xla_attention(spec)
+    if backend in ("pallas", "pallas-interpret"):
+        return _pallas_attention(spec, mesh, interpret=backend == "pallas-interpret")
+    raise ValueError(f"unknown attention_backend {backend!r}; use auto, xla, pallas or pallas-interpret")
+
+
+def _xla_attention(spec: ModelSpec):
     sm_scale = spec.head_dim**-0.5
     query_tile = CPU_QUERY_TILE if jax.default_backend() == "cpu" else None
 
@@ -33,5 +60,30 @@ def make_attention(spec: ModelSpec, backend: str):
 
     def write_kv(k_cache, v_cache, layer, k, v, batch: BatchDescriptor):
         return reference.write_kv(k_cache, v_cache, layer, k, v, batch.slot_mapping)
+
+    return attention, write_kv
+
+
+def _pallas_attention(spec: ModelSpec, mesh: Mesh, interpret: bool):
+    ragged = functools.partial(
+        attention_kernel.ragged_paged_attention, sm_scale=spec.head_dim**-0.5,
+        sliding_window=spec.sliding_window, interpret=interpret,
+    )
+    sharded_attention = jax.shard_map(
+        ragged, mesh=mesh,
+        in_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, P(), P(), P(), P()),
+        out_specs=HEADS_SPEC, check_vma=False,
+    )
+    sharded_write = jax.shard_map(
+        functools.partial(kv_write_kernel.write_kv, interpret=interpret), mesh=mesh,
+        in_specs=(KV_CACHE_SPEC, KV_CACHE_SPEC, P(), HEADS_SPEC, HEADS_SPEC, P()),
+        out_specs=(KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False,
+    )
+
+    def attention(q, k_cache, v_cache, layer, batch: BatchDescriptor) -> jax.Array:
+        return sharded_attention(q, k_cache, v_cache, layer, batch.query_start_loc, batch.seq_lens, batch.page_table)
+
+    def write_kv(k_cache, v_cache, layer, k, v, batch: BatchDescriptor):
+        return sharded_write(k_cache, v_cache, layer, k, v, batch.slot_mapping)
 
     return attention, write_kv

@@ -10,7 +10,7 @@ import yaml
 VALID_PAGE_SIZES = (8, 16, 32)
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_POLICIES = ("fcfs", "priority")
-VALID_ATTENTION_BACKENDS = ("auto", "xla")  # Pallas backends arrive with the kernels
+VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
 DEFAULT_MODEL_CONFIG = os.path.join(CONFIGS_DIR, "tiny-cpu.yaml")  # settings for the bundled model

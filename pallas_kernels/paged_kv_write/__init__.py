@@ -1,0 +1,1 @@
+"""Writing a step's new K/V into their pages of the pool, in place."""

@@ -1,0 +1,181 @@
+"""Ragged paged attention as a Pallas kernel: one call for a whole mixed step, read straight from the pool.
+
+Layout. The wrapper cuts every request's query tokens into blocks of `block_q` tokens (a request
+with 1 query token, a decode, is one block) and lays them out as dense `(block, kv head, block_q *
+group, head_dim)` tiles, so each program gets one tile: the `group` query heads of one KV head for
+`block_q` consecutive tokens of one request (GQA without repeating K/V). The grid is
+`(num_blocks, num_kv_heads)` with `num_blocks = T // block_q + R`, an upper bound on the blocks
+any step of that shape can have; blocks past the last real one are empty and write zeros.
+
+Each program walks its request's pages from the page table, only those its queries can see
+(causal: up to the page of its last query; sliding window: from the page of its first visible
+key), and keeps an online softmax in float32. K and V are read page by page straight out of the
+`(L, P, S, Hkv, D)` caches with the layer index as an operand; nothing is gathered into a dense
+copy. Page tables, lengths and block metadata are plain int32 operands read inside the kernel
+(GPU Pallas lowerings have no scalar prefetch).
+
+Status: verified against the plain-jnp reference in Pallas interpret mode on the CPU. The body
+uses only operations the GPU Triton lowering supports (2-D dots, exp, max, where, fori_loop, ref
+indexing), but it has not been compiled for a GPU yet.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.ragged_paged_attention.reference import token_request_index
+from pallas_kernels.ragged_paged_attention.tuning import block_q_for
+
+_MASKED = -1e30  # finite "minus infinity": keeps fully masked rows free of inf - inf
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    query_start_loc: jax.Array,
+    seq_lens: jax.Array,
+    page_table: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal attention of every query token over its own request's pages (see the module docstring).
+
+    Request `r` owns query tokens `query_start_loc[r]:query_start_loc[r+1]`, the last of its
+    `seq_lens[r]` tokens; their K/V must already be in the pages. Padded tokens (past
+    `query_start_loc[-1]`) and empty rows get zeros.
+    """
+    # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); query_start_loc: (R + 1,) int32
+    # seq_lens: (R,) int32; page_table: (R, W) int32
+    num_tokens, num_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
+    group = num_heads // num_kv_heads
+    block_q = block_q or block_q_for(group)
+    rows = _block_layout(query_start_loc, seq_lens, num_tokens, block_q)
+    num_blocks = rows["row"].shape[0]
+    rows_per_tile = block_q * group
+
+    token_index = jnp.clip(rows["first_token"][:, None] + jnp.arange(block_q), 0, num_tokens - 1)  # (NB, BQ)
+    q_tiles = q[token_index].reshape(num_blocks, block_q, num_kv_heads, group, head_dim)
+    q_tiles = q_tiles.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, rows_per_tile, head_dim)
+
+    kernel = functools.partial(
+        _attention_kernel, group=group, page_size=page_size, sm_scale=sm_scale,
+        sliding_window=sliding_window, soft_cap=soft_cap,
+    )
+    tile = pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h: (b, h, 0, 0))
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    out_tiles = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows_per_tile, head_dim), q.dtype),
+        grid=(num_blocks, num_kv_heads),
+        in_specs=[whole] * 6 + [tile, whole, whole],
+        out_specs=tile,
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(
+        jnp.asarray(layer, jnp.int32).reshape(1), rows["row"], rows["first_position"], rows["num_queries"],
+        seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_tiles, k_cache, v_cache,
+    )  # (NB, Hkv, BQ * G, D)
+
+    out_tiles = out_tiles.reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
+    out_tokens = out_tiles.transpose(0, 2, 1, 3, 4).reshape(num_blocks * block_q, num_heads, head_dim)
+    return out_tokens[_token_slots(query_start_loc, rows["block_start"], num_tokens, block_q)]
+
+
+def _block_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int, block_q: int) -> dict:
+    """Per query block: its request row, first token, first position and number of real queries."""
+    # query_start_loc: (R + 1,) int32; seq_lens: (R,) int32
+    num_rows = seq_lens.shape[0]
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # (R,)
+    context_lens = seq_lens - query_lens  # (R,) tokens cached before this step's chunk
+    blocks_per_row = (query_lens + block_q - 1) // block_q  # (R,)
+    block_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks_per_row).astype(jnp.int32)])  # (R+1,)
+    num_blocks = num_tokens // block_q + num_rows  # static bound on sum(ceil(query_len / block_q))
+    block = jnp.arange(num_blocks, dtype=jnp.int32)  # (NB,)
+    row = jnp.clip(jnp.searchsorted(block_start, block, side="right") - 1, 0, num_rows - 1).astype(jnp.int32)
+    first_query = (block - block_start[row]) * block_q  # (NB,) offset of the block inside its request
+    real = block < block_start[-1]  # (NB,)
+    num_queries = jnp.where(real, jnp.clip(query_lens[row] - first_query, 0, block_q), 0).astype(jnp.int32)
+    return {
+        "row": row,
+        "first_token": query_start_loc[row] + first_query,  # (NB,)
+        "first_position": (context_lens[row] + first_query).astype(jnp.int32),  # (NB,)
+        "num_queries": num_queries,  # (NB,)
+        "block_start": block_start,  # (R+1,)
+    }
+
+
+def _token_slots(query_start_loc: jax.Array, block_start: jax.Array, num_tokens: int, block_q: int) -> jax.Array:
+    """Index of every query token in the flattened `(num_blocks * block_q)` output tiles; padded
+    tokens point at the last slot, which no real block reaches (its block is always empty)."""
+    # query_start_loc: (R + 1,) int32; block_start: (R + 1,) int32
+    token = jnp.arange(num_tokens, dtype=jnp.int32)  # (T,)
+    row = token_request_index(query_start_loc, num_tokens)  # (T,)
+    offset = token - query_start_loc[row]  # (T,)
+    slot = (block_start[row] + offset // block_q) * block_q + offset % block_q  # (T,)
+    num_slots = (num_tokens // block_q + block_start.shape[0] - 1) * block_q
+    return jnp.where(token < query_start_loc[-1], slot, num_slots - 1)
+
+
+def _attention_kernel(
+    layer_ref, row_ref, first_position_ref, num_queries_ref, seq_lens_ref, page_table_ref, q_ref, k_ref, v_ref,
+    o_ref, *, group: int, page_size: int, sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+):
+    """One program: `block_q` tokens x `group` heads of one request and one KV head."""
+    block = pl.program_id(0)
+    kv_head = pl.program_id(1)
+    layer = layer_ref[0]
+    row = row_ref[block]
+    first_position = first_position_ref[block]
+    num_queries = num_queries_ref[block]
+    rows_per_tile, head_dim = q_ref.shape
+
+    q = q_ref[...]  # (M, D) with M = block_q * group, row m = query m // group, head m % group
+    query_offset = jax.lax.broadcasted_iota(jnp.int32, (rows_per_tile, 1), 0) // group  # (M, 1)
+    query_position = first_position + query_offset  # (M, 1)
+    query_real = query_offset < num_queries  # (M, 1)
+    last_position = first_position + num_queries - 1
+    end_page = jnp.where(num_queries > 0, last_position // page_size + 1, 0)
+    start_page = 0
+    if sliding_window is not None:
+        start_page = jnp.maximum(first_position - sliding_window + 1, 0) // page_size
+    key_offset = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # (1, S)
+
+    def visit_page(index, carry):
+        running_max, running_sum, acc = carry  # (M, 1), (M, 1), (M, D) float32
+        page = page_table_ref[row, index]
+        k = k_ref[layer, page, :, kv_head, :]  # (S, D)
+        v = v_ref[layer, page, :, kv_head, :]  # (S, D)
+        scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # (M, S)
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        key_position = index * page_size + key_offset  # (1, S)
+        visible = (key_position <= query_position) & query_real  # (M, S)
+        if sliding_window is not None:
+            visible &= key_position > query_position - sliding_window
+        scores = jnp.where(visible, scores, _MASKED)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1, keepdims=True))  # (M, 1)
+        probs = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # (M, S)
+        rescale = jnp.exp(running_max - new_max)  # (M, 1)
+        running_sum = rescale * running_sum + jnp.sum(probs, axis=1, keepdims=True)
+        acc = rescale * acc + jnp.dot(probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return new_max, running_sum, acc
+
+    init = (
+        jnp.full((rows_per_tile, 1), _MASKED, jnp.float32),
+        jnp.zeros((rows_per_tile, 1), jnp.float32),
+        jnp.zeros((rows_per_tile, head_dim), jnp.float32),
+    )
+    _, running_sum, acc = jax.lax.fori_loop(start_page, end_page, visit_page, init)
+    out = jnp.where(running_sum > 0, acc / jnp.where(running_sum > 0, running_sum, 1.0), 0.0)  # (M, D)
+    o_ref[...] = out.astype(o_ref.dtype)
