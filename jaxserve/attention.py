@@ -4,8 +4,8 @@ Backends:
 - `xla`: the plain-jnp reference (gathers each query tile's pages); the CPU default.
 - `pallas`: the Pallas kernels (ragged attention and KV write), compiled for the accelerator.
 - `pallas-interpret`: the same kernels run by Pallas's interpreter (CPU tests).
-- `auto`: `pallas` on GPU, `xla` elsewhere (the kernels are written for the GPU lowerings; TPU
-  Mosaic kernels are not written yet).
+- `auto`: `pallas` on GPU when the kernels take the model's shapes (power-of-two head_dim, pages
+  of 16 or 32 tokens), `xla` elsewhere (TPU Mosaic kernels are not written yet).
 
 The Pallas kernels run inside `shard_map` over the `model` mesh axis: every device attends its own
 query heads over its own KV heads (the cache is split on the KV-head axis), so no collective is
@@ -15,6 +15,7 @@ needed. Page tables and lengths are replicated.
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 from jax.sharding import Mesh
@@ -26,21 +27,34 @@ from jaxserve.model.spec import ModelSpec
 from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
 from pallas_kernels.ragged_paged_attention import kernel as attention_kernel
 from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.ragged_paged_attention.tuning import gpu_unsupported
+
+logger = logging.getLogger("jaxserve")
 
 CPU_QUERY_TILE = 8  # measured: 3-4x faster than untiled on a 2-core CPU (docs/benchmarks.md)
 HEADS_SPEC = P(None, MODEL_AXIS, None)  # (T, heads, D): heads split over the mesh
 
 
-def resolve_backend(name: str) -> str:
-    """The backend `name` stands for on this platform ('auto' -> 'pallas' on GPU, else 'xla')."""
+def resolve_backend(name: str, spec: ModelSpec, page_size: int) -> str:
+    """The backend `name` stands for here: 'auto' is 'pallas' on a GPU when the kernels take the
+    model's shapes, else 'xla'. ValueError for 'pallas' on shapes the GPU kernels cannot take."""
+    on_gpu = jax.default_backend() == "gpu"
+    unsupported = gpu_unsupported(page_size, spec.head_dim)
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
+        if on_gpu and unsupported:
+            logger.warning("attention_backend auto: using the XLA path because %s", unsupported)
+        return "pallas" if on_gpu and not unsupported else "xla"
+    if name == "pallas" and not on_gpu:
+        raise ValueError(f"attention_backend pallas compiles the kernels for a GPU, and this is "
+                         f"{jax.default_backend()}: use pallas-interpret (slow, for tests) or xla")
+    if name == "pallas" and unsupported:
+        raise ValueError(f"attention_backend pallas: {unsupported}; use attention_backend xla")
     return name
 
 
-def make_attention(spec: ModelSpec, backend: str, mesh: Mesh):
+def make_attention(spec: ModelSpec, backend: str, mesh: Mesh, page_size: int):
     """Return (attention, write_kv) callables with the model's static options bound."""
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, spec, page_size)
     if backend == "xla":
         return _xla_attention(spec)
     if backend in ("pallas", "pallas-interpret"):

@@ -94,7 +94,7 @@ class Runner:
         self.k_cache = zeros()  # (L, P, S, Hkv, D)
         self.v_cache = zeros()  # (L, P, S, Hkv, D)
 
-        attention, write_kv = make_attention(spec, attention_backend, mesh)
+        attention, write_kv = make_attention(spec, attention_backend, mesh, page_size)
         forward = make_forward(spec, num_cache_kv_heads, attention, write_kv)
         param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
 

@@ -14,9 +14,12 @@ from helpers import checkpoint, expected, small_engine_args
 import jax.numpy as jnp
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.attention import resolve_backend
+from jaxserve.model.spec import ModelSpec
 from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
 from pallas_kernels.paged_kv_write import reference as kv_write_reference
 from pallas_kernels.ragged_paged_attention import kernel, reference
+from pallas_kernels.ragged_paged_attention.tuning import gpu_unsupported
 
 # (cached tokens before this step, query tokens this step) per row
 ROWS = [(20, 7), (0, 16), (31, 1), (15, 1), (0, 5), (0, 0)]
@@ -120,3 +123,13 @@ def test_engine_with_pallas_interpret_matches_xla(name, tp):
         tokens[backend] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
     assert tokens["pallas-interpret"] == tokens["xla"]
+
+
+def test_backend_choice_on_the_cpu():
+    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    assert resolve_backend("auto", spec, 16) == "xla"
+    assert resolve_backend("pallas-interpret", spec, 8) == "pallas-interpret"
+    with pytest.raises(ValueError, match="use pallas-interpret"):
+        resolve_backend("pallas", spec, 16)
+    assert gpu_unsupported(16, 128) is None and gpu_unsupported(32, 64) is None
+    assert "power of two" in gpu_unsupported(16, 80) and "16 rows" in gpu_unsupported(8, 128)

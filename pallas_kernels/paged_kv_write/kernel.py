@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton
 
 
 def write_kv(
@@ -39,6 +40,7 @@ def write_kv(
         out_specs=(whole, whole),
         input_output_aliases={4: 0, 5: 1},
         interpret=interpret,
+        compiler_params=None if interpret else triton.CompilerParams(num_warps=1),
         name="paged_kv_write",
     )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32), k.astype(k_cache.dtype),
       v.astype(v_cache.dtype), k_cache, v_cache)

@@ -14,9 +14,17 @@ key), and keeps an online softmax in float32. K and V are read page by page stra
 copy. Page tables, lengths and block metadata are plain int32 operands read inside the kernel
 (GPU Pallas lowerings have no scalar prefetch).
 
+GPU route: the Triton lowering, chosen explicitly with `triton.CompilerParams`. Mosaic GPU (JAX's
+default GPU lowering, the one with Hopper's wgmma and TMA) wants a different program: `plgpu.kernel`
+with explicit shared-memory buffers and TMA copies, which cannot gather pages at data-dependent
+indices the way a pointer load can. The Triton route lowers this generic, page-gathering kernel as
+written; Mosaic GPU is the next step for peak bandwidth, behind the same signature.
+
 Status: verified against the plain-jnp reference in Pallas interpret mode on the CPU. The body
-uses only operations the GPU Triton lowering supports (2-D dots, exp, max, where, fori_loop, ref
-indexing), but it has not been compiled for a GPU yet.
+uses only operations the Triton lowering supports (2-D dots, exp, max, where, fori_loop, ref
+indexing); GQA groups are padded to a power of two and a tile has 16 query rows, but the kernel
+has not been compiled for a GPU yet (no GPU was available); `gpu_unsupported` lists the shapes the
+Triton lowering cannot take.
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton
 
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
-from pallas_kernels.ragged_paged_attention.tuning import block_q_for
+from pallas_kernels.ragged_paged_attention.tuning import NUM_STAGES, NUM_WARPS, block_q_for, padded_group
 
 _MASKED = -1e30  # finite "minus infinity": keeps fully masked rows free of inf - inf
 
@@ -59,17 +68,19 @@ def ragged_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
+    tile_group = padded_group(group)  # query heads per KV head in a tile, a power of two
     block_q = block_q or block_q_for(group)
     rows = _block_layout(query_start_loc, seq_lens, num_tokens, block_q)
     num_blocks = rows["row"].shape[0]
-    rows_per_tile = block_q * group
+    rows_per_tile = block_q * tile_group
 
     token_index = jnp.clip(rows["first_token"][:, None] + jnp.arange(block_q), 0, num_tokens - 1)  # (NB, BQ)
     q_tiles = q[token_index].reshape(num_blocks, block_q, num_kv_heads, group, head_dim)
+    q_tiles = jnp.pad(q_tiles, [(0, 0)] * 3 + [(0, tile_group - group), (0, 0)])  # (NB, BQ, Hkv, G', D)
     q_tiles = q_tiles.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, rows_per_tile, head_dim)
 
     kernel = functools.partial(
-        _attention_kernel, group=group, page_size=page_size, sm_scale=sm_scale,
+        _attention_kernel, group=tile_group, page_size=page_size, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap,
     )
     tile = pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h: (b, h, 0, 0))
@@ -81,13 +92,14 @@ def ragged_paged_attention(
         in_specs=[whole] * 6 + [tile, whole, whole],
         out_specs=tile,
         interpret=interpret,
+        compiler_params=None if interpret else triton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         name="ragged_paged_attention",
     )(
         jnp.asarray(layer, jnp.int32).reshape(1), rows["row"], rows["first_position"], rows["num_queries"],
         seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_tiles, k_cache, v_cache,
     )  # (NB, Hkv, BQ * G, D)
 
-    out_tiles = out_tiles.reshape(num_blocks, num_kv_heads, block_q, group, head_dim)
+    out_tiles = out_tiles.reshape(num_blocks, num_kv_heads, block_q, tile_group, head_dim)[:, :, :, :group]
     out_tokens = out_tiles.transpose(0, 2, 1, 3, 4).reshape(num_blocks * block_q, num_heads, head_dim)
     return out_tokens[_token_slots(query_start_loc, rows["block_start"], num_tokens, block_q)]
 
