@@ -4,7 +4,9 @@ Pallas interpret mode on the CPU, and the engine with `attention_backend="pallas
 Every case is one mixed batch: a prefill chunk continuing a cached prefix, a chunk ending exactly
 on a page boundary, decodes (one query token, one of them at a page boundary), a fresh prompt, an
 empty padded row, and padded tokens after the last real one. Pool pages no row owns are filled
-with NaN, so a read outside a row's own pages shows up in the output.
+with NaN, so a read outside a row's own pages shows up in the output. Pallas interpret mode fills
+a kernel's outputs with NaN before it runs, so an element the kernel fails to write shows up too
+(the tests assert there is no NaN anywhere in the output).
 """
 
 import numpy as np
