@@ -3,12 +3,14 @@ Pallas interpret mode on the CPU, and the engine with `attention_backend="pallas
 
 Every case is one mixed batch: a prefill chunk continuing a cached prefix, a chunk ending exactly
 on a page boundary, decodes (one query token, one of them at a page boundary), a fresh prompt, an
-empty padded row, and padded tokens after the last real one. Pool pages no row owns are filled
-with NaN, so a read outside a row's own pages shows up in the output. Pallas interpret mode fills
+empty padded row, and padded tokens after the last real one. Pool pages no row owns, other layers
+and the slots past each row's length are NaN for the kernel (zeros for the reference), so a read
+of a slot a query must not see shows up in the output. Pallas interpret mode fills
 a kernel's outputs with NaN before it runs, so an element the kernel fails to write shows up too
 (the tests assert there is no NaN anywhere in the output).
 """
 
+import jax
 import numpy as np
 import pytest
 from helpers import checkpoint, expected, small_engine_args
@@ -45,16 +47,21 @@ def _case(page_size, num_kv_heads, group, head_dim, dtype, seed=0):
     k_cache = rng.standard_normal(shape).astype(np.float32)  # (L, P, S, Hkv, D)
     v_cache = rng.standard_normal(shape).astype(np.float32)
     owned = set(page_table[page_table > 0].tolist())
-    for page in range(1, num_pages):
-        if page not in owned:
-            k_cache[:, page] = np.nan
-            v_cache[:, page] = np.nan
+    poison = np.zeros(shape[:3], bool)  # (L, P, S): slots no query may read
+    poison[:, [p for p in range(1, num_pages) if p not in owned]] = True
+    poison[:LAYER] = True  # other layers
+    for row, seq_len in enumerate(seq_lens):
+        if seq_len % page_size:
+            poison[:, page_table[row, seq_len // page_size], seq_len % page_size:] = True  # tail of the last page
+    k_cache[poison] = np.nan
+    v_cache[poison] = np.nan
     num_tokens = int(query_start_loc[-1]) + 3  # three padded tokens
     q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)).astype(np.float32)  # (T, Hq, D)
     positions = np.zeros(num_tokens, np.int32)  # (T,)
     for row, (cached, count) in enumerate(ROWS):
         positions[query_start_loc[row]:query_start_loc[row + 1]] = cached + np.arange(count)
-    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache)
+    arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache,  # the reference reads whole pages: it gets zeros
+                  k_clean=np.nan_to_num(k_cache), v_clean=np.nan_to_num(v_cache))
     arrays = {name: jnp.asarray(value, dtype) for name, value in arrays.items()}
     return arrays, positions, query_start_loc, seq_lens, page_table
 
@@ -83,7 +90,7 @@ def test_ragged_kernel_matches_reference(page_size, num_kv_heads, group, head_di
         jnp.asarray(seq_lens), jnp.asarray(page_table), interpret=True, **options,
     )
     ref = reference.ragged_paged_attention(
-        arrays["q"], arrays["k_cache"], arrays["v_cache"], LAYER, jnp.asarray(positions),
+        arrays["q"], arrays["k_clean"], arrays["v_clean"], LAYER, jnp.asarray(positions),
         jnp.asarray(query_start_loc), jnp.asarray(page_table), **options,
     )
     real = int(query_start_loc[-1])
@@ -135,3 +142,35 @@ def test_backend_choice_on_the_cpu():
         resolve_backend("pallas", spec, 16)
     assert gpu_unsupported(16, 128) is None and gpu_unsupported(32, 64) is None
     assert "power of two" in gpu_unsupported(16, 80) and "16 rows" in gpu_unsupported(8, 128)
+
+
+LOWERING_CASES = [
+    pytest.param(16, 2, 4, 128, jnp.bfloat16, None, None, id="gqa4-bf16"),
+    pytest.param(32, 1, 3, 64, jnp.float32, 64, 30.0, id="group3-window-cap"),
+    pytest.param(16, 4, 1, 64, jnp.bfloat16, None, None, id="mha"),
+]
+
+
+@pytest.mark.parametrize("page_size,num_kv_heads,group,head_dim,dtype,window,soft_cap", LOWERING_CASES)
+def test_kernels_lower_to_triton_ir(page_size, num_kv_heads, group, head_dim, dtype, window, soft_cap):
+    """Pallas -> Triton IR for CUDA on the CPU (no PTX, no GPU): catches operations or block shapes
+    the Triton lowering rejects."""
+    num_tokens, num_rows, width = 64, 8, 8
+    q = jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), dtype)  # (T, Hq, D)
+    kv = jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_dim), dtype)  # (T, Hkv, D)
+    cache = jax.ShapeDtypeStruct((2, 64, page_size, num_kv_heads, head_dim), dtype)  # (L, P, S, Hkv, D)
+
+    def ints(*shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32)
+
+    def attend(q, k_cache, v_cache, query_start_loc, seq_lens, page_table):
+        return kernel.ragged_paged_attention(q, k_cache, v_cache, LAYER, query_start_loc, seq_lens, page_table,
+                                             sm_scale=0.125, sliding_window=window, soft_cap=soft_cap)
+
+    def write(k_cache, v_cache, k, v, slots):
+        return kv_write_kernel.write_kv(k_cache, v_cache, LAYER, k, v, slots)
+
+    for function, args in ((attend, (q, cache, cache, ints(num_rows + 1), ints(num_rows), ints(num_rows, width))),
+                           (write, (cache, cache, kv, kv, ints(num_tokens)))):
+        text = jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text

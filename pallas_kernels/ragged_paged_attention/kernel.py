@@ -148,6 +148,7 @@ def _attention_kernel(
     kv_head = pl.program_id(1)
     layer = layer_ref[0]
     row = row_ref[block]
+    seq_len = seq_lens_ref[row]
     first_position = first_position_ref[block]
     num_queries = num_queries_ref[block]
     rows_per_tile, head_dim = q_ref.shape
@@ -162,12 +163,15 @@ def _attention_kernel(
     if sliding_window is not None:
         start_page = jnp.maximum(first_position - sliding_window + 1, 0) // page_size
     key_offset = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # (1, S)
+    value_offset = jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # (S, 1)
 
     def visit_page(index, carry):
         running_max, running_sum, acc = carry  # (M, 1), (M, 1), (M, D) float32
         page = page_table_ref[row, index]
         k = k_ref[layer, page, :, kv_head, :]  # (S, D)
         v = v_ref[layer, page, :, kv_head, :]  # (S, D)
+        # Slots past the sequence hold whatever a page's earlier owner left: keep it out of the sums.
+        v = jnp.where(index * page_size + value_offset < seq_len, v, jnp.zeros_like(v))
         scores = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * sm_scale  # (M, S)
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)

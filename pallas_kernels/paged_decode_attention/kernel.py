@@ -1,0 +1,251 @@
+"""Pallas paged attention for decode rows (one query token per row), with flash-decoding split-K.
+
+Grid `(R, Hkv, num_splits)`: a program takes one row, one kv head and the `G = Hq // Hkv` query
+heads that share it (GQA without repeating K/V), and one contiguous chunk of the row's page-table
+slots. It walks its pages with a `fori_loop`, reading each page's `(S, D)` K and V slice of its kv
+head straight from the whole cache refs (no gather outside the kernel), and keeps an online
+softmax in float32: running max `m`, running sum `l` and the unnormalised output `acc`. Those
+partials go out per split; the wrapper merges the splits with a log-sum-exp in plain jnp.
+
+Keys a row's query must not see (past `seq_len` in its last page, or before its sliding window)
+are masked in the scores *and* zeroed in V, so stale or even non-finite values in those slots can
+not leak into the output; pages wholly before the window are not read at all.
+
+Written for the GPU Triton lowering (forced with Triton `CompilerParams`; whole-array GMEM refs
+for the caches, the page table and the lengths instead of scalar prefetch; power-of-two blocks,
+so the wrapper pads each q group to `Gp` rows, a power of two >= 16; `dot_general` on 2-D blocks
+only when every dimension is >= 16, otherwise broadcast-multiply-sum), but its results have only
+been verified with `interpret=True` (Pallas's interpreter on the CPU). The tests also lower it
+to Triton IR for CUDA on the CPU; it has never been compiled to PTX or run on a GPU. On a GPU,
+page size and head dim must be powers of two. Interpret mode slices the whole caches once per
+program, so it is for tests only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels.paged_decode_attention.tuning import TRITON_NUM_STAGES, TRITON_NUM_WARPS, choose_num_splits
+
+# Query heads of a kv head are padded to a power of two >= this many rows, so the per-program
+# q block is a legal Triton tensor and a legal `tl.dot` operand (M >= 16).
+MIN_GROUP_ROWS = 16
+# Page sizes below this use broadcast-multiply-sum instead of `dot` (Triton's dot needs N, K >= 16).
+MIN_DOT_PAGE_SIZE = 16
+
+
+def _padded_group(group: int) -> int:
+    """Rows of the per-program q block: the next power of two >= max(group, MIN_GROUP_ROWS)."""
+    return max(pl.next_power_of_2(group), MIN_GROUP_ROWS)
+
+
+def _first_key(seq_len, sliding_window: int | None):
+    """First key position a query at `seq_len - 1` may see."""
+    # seq_len: () or (...) int32
+    if sliding_window is None:
+        return jnp.zeros_like(seq_len)
+    return jnp.maximum(seq_len - sliding_window, 0)
+
+
+def split_page_range(split, seq_len, *, page_size: int, pages_per_split: int, sliding_window: int | None):
+    """Page-table slots `[start, end)` that split `split` of a row with `seq_len` keys walks.
+
+    Split s owns slots `[s * pages_per_split, (s + 1) * pages_per_split)`, cut to the row's pages
+    `[0, cdiv(seq_len, S))` and, with a sliding window, to the pages from the window's first key.
+    `end <= start` means the split has nothing to do. Works on scalars (in the kernel) or arrays.
+    """
+    # split, seq_len: () or broadcastable (...) int32
+    num_pages = (seq_len + page_size - 1) // page_size  # pages the row uses
+    first_page = _first_key(seq_len, sliding_window) // page_size  # first page inside the window
+    start = jnp.maximum(split * pages_per_split, first_page)
+    end = jnp.minimum((split + 1) * pages_per_split, num_pages)
+    return start, end
+
+
+def _decode_kernel(
+    layer_ref, seq_lens_ref, page_table_ref, q_ref, k_ref, v_ref,  # inputs
+    m_ref, l_ref, acc_ref,  # outputs
+    *, sm_scale: float, sliding_window: int | None, soft_cap: float | None, page_size: int,
+    pages_per_split: int, use_dot: bool,
+):
+    """One (row, kv head, split): online softmax over the split's pages of that row."""
+    # layer_ref: (1,) int32; seq_lens_ref: (R,) int32; page_table_ref: (R, W) int32  (whole arrays)
+    # q_ref: (Gp, D) block; k_ref, v_ref: (L, P, S, Hkv, D) whole caches
+    # m_ref, l_ref: (Gp,) float32 blocks; acc_ref: (Gp, D) float32 block
+    row = pl.program_id(0)
+    kv_head = pl.program_id(1)
+    split = pl.program_id(2)
+    layer = layer_ref[0]  # () int32
+    seq_len = seq_lens_ref[row]  # () int32
+    first_key = _first_key(seq_len, sliding_window)  # () int32: first key position the query may see
+    start, end = split_page_range(
+        split, seq_len, page_size=page_size, pages_per_split=pages_per_split,
+        sliding_window=sliding_window,
+    )  # () int32 each; end <= start for an empty split
+
+    q = q_ref[...]  # (Gp, D)
+    group_rows, head_dim = q.shape
+
+    def body(slot, carry):
+        m, l, acc = carry  # (Gp,), (Gp,), (Gp, D) float32
+        page = page_table_ref[row, slot]  # () int32
+        k = k_ref[layer, page, :, kv_head, :]  # (S, D)
+        v = v_ref[layer, page, :, kv_head, :]  # (S, D)
+        key_pos = slot * page_size + jax.lax.broadcasted_iota(jnp.int32, (page_size,), 0)  # (S,)
+        visible = (key_pos < seq_len) & (key_pos >= first_key)  # (S,)
+        v = jnp.where(visible[:, None], v, jnp.zeros_like(v))  # (S, D): unseen slots may hold anything
+        if use_dot:
+            s = jax.lax.dot_general(
+                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )  # (Gp, S)
+        else:
+            s = jnp.sum(
+                q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=2
+            )  # (Gp, S)
+        s = s * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible[None, :], s, -jnp.inf)  # (Gp, S)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))  # (Gp,)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # (Gp,): no (-inf) - (-inf)
+        alpha = jnp.exp(m - m_safe)  # (Gp,)
+        p = jnp.exp(s - m_safe[:, None])  # (Gp, S) float32
+        l_new = alpha * l + jnp.sum(p, axis=1)  # (Gp,)
+        p = p.astype(v.dtype)  # (Gp, S)
+        if use_dot:
+            pv = jax.lax.dot_general(
+                p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            )  # (Gp, D)
+        else:
+            pv = jnp.sum(
+                p.astype(jnp.float32)[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1
+            )  # (Gp, D)
+        acc_new = alpha[:, None] * acc + pv  # (Gp, D)
+        return m_new, l_new, acc_new
+
+    m0 = jnp.full((group_rows,), -jnp.inf, jnp.float32)  # (Gp,)
+    l0 = jnp.zeros((group_rows,), jnp.float32)  # (Gp,)
+    acc0 = jnp.zeros((group_rows, head_dim), jnp.float32)  # (Gp, D)
+    m, l, acc = jax.lax.fori_loop(start, end, body, (m0, l0, acc0))
+    m_ref[...] = m
+    l_ref[...] = l
+    acc_ref[...] = acc
+
+
+def combine_splits(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
+    """Log-sum-exp merge of per-split partials into normalised outputs (zeros where nothing was seen).
+
+    Empty splits (m = -inf, l = 0, acc = 0) get weight 0; rows with no keys at all give 0, never NaN.
+    """
+    # m, l: (..., NS, G) float32; acc: (..., NS, G, D) float32
+    m_max = jnp.max(m, axis=-2, keepdims=True)  # (..., 1, G)
+    m_max = jnp.where(jnp.isfinite(m_max), m_max, 0.0)  # (..., 1, G)
+    weight = jnp.exp(m - m_max)  # (..., NS, G); exp(-inf) = 0 for empty splits
+    l_total = jnp.sum(weight * l, axis=-2)  # (..., G)
+    acc_total = jnp.sum(weight[..., None] * acc, axis=-3)  # (..., G, D)
+    seen = l_total > 0  # (..., G)
+    out = acc_total / jnp.where(seen, l_total, 1.0)[..., None]  # (..., G, D)
+    return jnp.where(seen[..., None], out, 0.0)  # (..., G, D)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "num_splits", "interpret")
+)
+def paged_decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array | int,
+    seq_lens: jax.Array,
+    page_table: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_splits: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Decode attention of each row's single query (position `seq_lens[r] - 1`) over its paged K/V.
+
+    Row r sees keys `0..seq_lens[r]-1` of the pages `page_table[r, :cdiv(seq_lens[r], S)]`
+    (only the last `sliding_window` keys when set); `soft_cap` maps scaled scores `s` to
+    `cap * tanh(s / cap)`. Float32 softmax and accumulation; returns `(R, Hq, D)` in q's dtype,
+    zeros for padded rows (`seq_len == 0`). `num_splits=None` picks
+    `tuning.choose_num_splits(R, Hkv, W)`; `interpret=True` runs Pallas's interpreter (CPU).
+    """
+    # q: (R, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); layer: () int
+    # seq_lens: (R,) int32; page_table: (R, W) int32
+    num_rows, num_heads, head_dim = q.shape
+    _, _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_slots = page_table.shape[1]
+    if num_heads % num_kv_heads or cache_head_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"shapes do not fit: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}"
+        )
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the caches must share a dtype: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if num_rows == 0 or num_slots == 0:
+        return jnp.zeros_like(q)  # (R, Hq, D)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_rows, num_kv_heads, num_slots)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    group = num_heads // num_kv_heads
+    group_rows = _padded_group(group)
+    pages_per_split = pl.cdiv(num_slots, num_splits)
+
+    seq_lens = seq_lens.astype(jnp.int32)  # (R,)
+    q_groups = q.reshape(num_rows, num_kv_heads, group, head_dim)  # (R, Hkv, G, D)
+    q_groups = jnp.pad(q_groups, ((0, 0), (0, 0), (0, group_rows - group), (0, 0)))  # (R, Hkv, Gp, D)
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)  # (1,)
+
+    kernel = functools.partial(
+        _decode_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap), page_size=page_size,
+        pages_per_split=pages_per_split,
+        use_dot=page_size >= MIN_DOT_PAGE_SIZE and head_dim >= MIN_DOT_PAGE_SIZE,
+    )
+    whole = pl.BlockSpec()  # the whole array, read with computed indices inside the kernel
+    partial_spec = pl.BlockSpec(
+        (pl.squeezed, pl.squeezed, pl.squeezed, group_rows), lambda r, h, s: (r, h, s, 0)
+    )
+    m, l, acc = pl.pallas_call(
+        kernel,
+        grid=(num_rows, num_kv_heads, num_splits),
+        in_specs=[
+            whole,  # layer
+            whole,  # seq_lens
+            whole,  # page_table
+            pl.BlockSpec((pl.squeezed, pl.squeezed, group_rows, head_dim), lambda r, h, s: (r, h, 0, 0)),
+            whole,  # k_cache
+            whole,  # v_cache
+        ],
+        out_specs=[
+            partial_spec,  # m
+            partial_spec,  # l
+            pl.BlockSpec(
+                (pl.squeezed, pl.squeezed, pl.squeezed, group_rows, head_dim),
+                lambda r, h, s: (r, h, s, 0, 0),
+            ),  # acc
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_rows, num_kv_heads, num_splits, group_rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_rows, num_kv_heads, num_splits, group_rows), jnp.float32),
+            jax.ShapeDtypeStruct((num_rows, num_kv_heads, num_splits, group_rows, head_dim), jnp.float32),
+        ],
+        # Triton, not Mosaic GPU (the default GPU backend would stage whole-array blocks in SMEM)
+        compiler_params=pltriton.CompilerParams(num_warps=TRITON_NUM_WARPS, num_stages=TRITON_NUM_STAGES),
+        interpret=interpret,
+        name="paged_decode_attention",
+    )(layer_arr, seq_lens, page_table.astype(jnp.int32), q_groups, k_cache, v_cache)
+    # m, l: (R, Hkv, NS, Gp) float32; acc: (R, Hkv, NS, Gp, D) float32
+
+    out = combine_splits(m[..., :group], l[..., :group], acc[..., :group, :])  # (R, Hkv, G, D)
+    out = out.reshape(num_rows, num_heads, head_dim)  # (R, Hq, D)
+    out = jnp.where(seq_lens[:, None, None] > 0, out, 0.0)  # (R, Hq, D)
+    return out.astype(q.dtype)
