@@ -18,7 +18,8 @@ from helpers import checkpoint, expected, small_engine_args
 import jax.numpy as jnp
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.attention import resolve_backend
+from jaxserve.attention import ragged_or_decode, resolve_backend
+from pallas_kernels.paged_decode_attention import kernel as decode_kernel
 from jaxserve.model.spec import ModelSpec
 from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
 from pallas_kernels.paged_kv_write import reference as kv_write_reference
@@ -30,17 +31,18 @@ ROWS = [(20, 7), (0, 16), (31, 1), (15, 1), (0, 5), (0, 0)]
 NUM_LAYERS, LAYER = 2, 1
 
 
-def _case(page_size, num_kv_heads, group, head_dim, dtype, seed=0):
-    """Random q, caches and metadata for ROWS; pages no row owns are NaN (the null page is finite)."""
+def _case(page_size, num_kv_heads, group, head_dim, dtype, rows=ROWS, seed=0):
+    """Random q, caches and metadata for `rows` ((cached, query) tokens each); slots no query may read
+    are NaN (the null page is finite)."""
     rng = np.random.default_rng(seed)
-    seq_lens = np.array([c + n for c, n in ROWS], np.int32)  # (R,)
-    query_lens = np.array([n for _, n in ROWS], np.int32)  # (R,)
+    seq_lens = np.array([c + n for c, n in rows], np.int32)  # (R,)
+    query_lens = np.array([n for _, n in rows], np.int32)  # (R,)
     query_start_loc = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)  # (R+1,)
     pages_per_row = -(-seq_lens // page_size)
     width = int(pages_per_row.max())
     num_pages = int(pages_per_row.sum()) + 4
     free = list(rng.permutation(np.arange(1, num_pages)))
-    page_table = np.zeros((len(ROWS), width), np.int32)  # (R, W)
+    page_table = np.zeros((len(rows), width), np.int32)  # (R, W)
     for row, count in enumerate(pages_per_row):
         page_table[row, :count] = [free.pop() for _ in range(count)]
     shape = (NUM_LAYERS, num_pages, page_size, num_kv_heads, head_dim)
@@ -58,7 +60,7 @@ def _case(page_size, num_kv_heads, group, head_dim, dtype, seed=0):
     num_tokens = int(query_start_loc[-1]) + 3  # three padded tokens
     q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)).astype(np.float32)  # (T, Hq, D)
     positions = np.zeros(num_tokens, np.int32)  # (T,)
-    for row, (cached, count) in enumerate(ROWS):
+    for row, (cached, count) in enumerate(rows):
         positions[query_start_loc[row]:query_start_loc[row + 1]] = cached + np.arange(count)
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache,  # the reference reads whole pages: it gets zeros
                   k_clean=np.nan_to_num(k_cache), v_clean=np.nan_to_num(v_cache))
@@ -174,3 +176,32 @@ def test_kernels_lower_to_triton_ir(page_size, num_kv_heads, group, head_dim, dt
                            (write, (cache, cache, kv, kv, ints(num_tokens)))):
         text = jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text
+
+
+def test_pure_decode_steps_take_the_decode_kernel():
+    rows = [(30, 1), (15, 1), (0, 0), (40, 1)]  # decodes (one at a page boundary) and a padded row
+    arrays, positions, query_start_loc, seq_lens, page_table = _case(16, 2, 4, 64, jnp.float32, rows)
+    options = dict(sm_scale=64**-0.5, interpret=True)
+    args = (arrays["q"], arrays["k_cache"], arrays["v_cache"], LAYER, jnp.asarray(query_start_loc),
+            jnp.asarray(seq_lens), jnp.asarray(page_table))
+    calls = []
+
+    def ragged(*a):
+        calls.append("ragged")
+        return kernel.ragged_paged_attention(*a, **options)
+
+    def decode(*a):
+        calls.append("decode")
+        return decode_kernel.paged_decode_attention(*a, **options)
+
+    out = jax.jit(lambda *a: ragged_or_decode(*a, ragged=ragged, decode=decode), static_argnums=3)(*args)
+    assert sorted(calls) == ["decode", "ragged"]  # both branches are traced; the data picks one
+    ref = reference.ragged_paged_attention(
+        arrays["q"], arrays["k_clean"], arrays["v_clean"], LAYER, jnp.asarray(positions),
+        jnp.asarray(query_start_loc), jnp.asarray(page_table), sm_scale=64**-0.5,
+    )
+    real = int(query_start_loc[-1])
+    assert _relative_error(out[:real], ref[:real]) < 1e-5
+    assert (np.asarray(out[real:]) == 0).all()
+    only_decode = ragged_or_decode(*args, ragged=lambda *a: jnp.full_like(arrays["q"], 7.0), decode=decode)
+    assert _relative_error(only_decode[:real], ref[:real]) < 1e-5  # the ragged branch was not taken
