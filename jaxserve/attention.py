@@ -4,8 +4,8 @@ Backends:
 - `xla`: the plain-jnp reference (gathers each query tile's pages); the CPU default.
 - `pallas`: the Pallas kernels (ragged attention and KV write), compiled for the accelerator.
 - `pallas-interpret`: the same kernels run by Pallas's interpreter (CPU tests).
-- `auto`: `pallas` on GPU when the kernels take the model's shapes (power-of-two head_dim, pages
-  of 16 or 32 tokens), `xla` elsewhere (TPU Mosaic kernels are not written yet).
+- `auto`: `pallas` on GPU when the kernels take the model's shapes (power-of-two head_dim), `xla`
+  elsewhere (TPU Mosaic kernels are not written yet).
 
 With Pallas, a step whose rows all have at most one query token (pure decode) runs the
 flash-decoding kernel, which splits each row's KV length across programs; any other step runs the

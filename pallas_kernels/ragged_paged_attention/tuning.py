@@ -22,9 +22,10 @@ def block_q_for(group: int) -> int:
 
 
 def gpu_unsupported(page_size: int, head_dim: int) -> str | None:
-    """Why the compiled (Triton) kernels cannot take these shapes, or None when they can."""
+    """Why the compiled (Triton) kernels cannot take these shapes, or None when they can (Triton
+    blocks must be powers of two)."""
     if head_dim & (head_dim - 1):
         return f"head_dim {head_dim} is not a power of two"
-    if page_size < 16:
-        return f"page_size {page_size} gives key tiles under the 16 rows a GPU dot needs; use 16 or 32"
+    if page_size & (page_size - 1):
+        return f"page_size {page_size} is not a power of two"
     return None
