@@ -27,9 +27,6 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.model.sharding import KV_CACHE_SPEC, MODEL_AXIS
 from jaxserve.model.spec import ModelSpec
-from pallas_kernels.paged_decode_attention import kernel as decode_kernel
-from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
-from pallas_kernels.ragged_paged_attention import kernel as attention_kernel
 from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.ragged_paged_attention.tuning import gpu_unsupported
 
@@ -83,6 +80,11 @@ def _xla_attention(spec: ModelSpec):
 
 
 def _pallas_attention(spec: ModelSpec, mesh: Mesh, interpret: bool):
+    # Imported here, so the XLA path never needs Pallas or its GPU lowerings.
+    from pallas_kernels.paged_decode_attention import kernel as decode_kernel
+    from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
+    from pallas_kernels.ragged_paged_attention import kernel as attention_kernel
+
     options = dict(sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window, interpret=interpret)
     attend = functools.partial(
         ragged_or_decode,
