@@ -11,7 +11,6 @@ import dataclasses
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (field, shape, dtype name) in field order

@@ -79,7 +79,7 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
             except httpx.TransportError:
                 time.sleep(0.2)
         text = log.read_text()
-        assert f"serving 'tiny-stdlib-llama'" in text and f"http://127.0.0.1:{port}" in text
+        assert "serving 'tiny-stdlib-llama'" in text and f"http://127.0.0.1:{port}" in text
         assert "max_num_seqs 32" in text and "API key required" in text
         assert httpx.get(f"{url}/v1/models").status_code == 401
         models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer env-key"}).json()

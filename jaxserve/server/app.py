@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
@@ -15,7 +15,7 @@ from jaxserve.engine import LLMEngine
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
 from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from jaxserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from jaxserve.server.serving import OpenAIServing
 
 
