@@ -400,7 +400,7 @@ def probe_attention(runner, spec, batch, iters: int = 3) -> float:
     import jax.numpy as jnp
     from jaxserve.attention import make_attention
 
-    attention, write_kv = make_attention(spec, "auto")
+    attention, write_kv = make_attention(spec, "auto", runner.k_cache.sharding.mesh, runner.page_size)
     num_tokens = batch.input_ids.shape[0]
     kv_heads = runner.k_cache.shape[3]
 
