@@ -49,6 +49,14 @@ def test_bad_flags_exit_with_a_message(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_serve_without_the_server_packages_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if `pip install jaxserve` without [serve]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve"])
+    assert exit_info.value.code == 2
+    assert "pip install 'jaxserve[serve]'" in capsys.readouterr().err
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
