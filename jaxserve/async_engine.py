@@ -96,8 +96,8 @@ class RequestStream:
 class AsyncLLMEngine:
     """Serve an LLMEngine to asyncio code.
 
-    `on_finished(output)` is called on the engine thread with the final output of every request,
-    whatever ended it (metrics hook). `max_waiting_requests` bounds the requests accepted but not
+    `on_outputs(outputs)` is called on the engine thread with every batch of outputs it publishes,
+    including the final output of every request whatever ended it (the metrics hook). `max_waiting_requests` bounds the requests accepted but not
     yet started; past it `submit` raises EngineOverloadedError. A reader wakes every
     `stream_interval` tokens (and for the first and the last output): vLLM's option, which trades
     streaming smoothness for less host work per token.
@@ -107,7 +107,7 @@ class AsyncLLMEngine:
         self,
         engine: LLMEngine,
         max_waiting_requests: int = 1024,
-        on_finished: Callable[[RequestOutput], None] | None = None,
+        on_outputs: Callable[[list[RequestOutput]], None] | None = None,
         stream_interval: int = 1,
     ):
         if stream_interval < 1:
@@ -118,7 +118,7 @@ class AsyncLLMEngine:
         # Hugging Face tokenizer may not be used from two threads at once.
         self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.model_path)
         self.max_waiting_requests = max_waiting_requests
-        self._on_finished = on_finished
+        self._on_outputs = on_outputs
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._num_unstarted = 0  # event loop only
@@ -253,11 +253,9 @@ class AsyncLLMEngine:
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
             return
-        if self._on_finished is not None:
-            for output in outputs:
-                if output.finished:
-                    try:
-                        self._on_finished(output)
-                    except Exception:  # a metrics hook must not take serving down
-                        logger.exception("the on_finished hook failed")
+        if self._on_outputs is not None:
+            try:
+                self._on_outputs(outputs)
+            except Exception:  # a metrics hook must not take serving down
+                logger.exception("the on_outputs hook failed")
         self._loop.call_soon_threadsafe(self._deliver, outputs)

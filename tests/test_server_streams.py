@@ -104,10 +104,11 @@ def test_metrics_parse_and_move_while_a_request_runs(openai_server):
     assert moved("jaxserve:generation_tokens_total") == 60
     assert moved("jaxserve:prompt_tokens_total") == len(engine.tokenizer.encode(prompt))
     assert moved("jaxserve:request_success_total{length}") == 1
-    for histogram in ("e2e_request_latency_seconds", "time_to_first_token_seconds",
-                      "time_per_output_token_seconds", "request_queue_time_seconds"):
+    for histogram in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds"):
         assert moved(f"jaxserve:{histogram}_count") == 1
         assert moved(f"jaxserve:{histogram}_sum") >= 0
+    assert moved("jaxserve:time_per_output_token_seconds_count") == 59  # every token after the first
+    assert moved("jaxserve:time_per_output_token_seconds_sum") > 0
     for name in ("num_requests_swapped", "num_preemptions_total", "prefix_cache_queries_total",
                  "prefix_cache_hits_total"):
         assert f"jaxserve:{name}" in after
@@ -118,8 +119,13 @@ def test_metric_names_follow_vllm_with_the_vllm_prefix():
              "preemptions": 3, "prompt_tokens": 50, "generation_tokens": 70}
     metrics = ServerMetrics("vllm", "m", lambda: stats)
     times = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=13.0)
-    tokens = CompletionOutput(0, "abc", [1, 2, 3], None, None, "stop", "\n")
-    metrics.observe_finished(RequestOutput("r", "p", [5], [tokens], True, times))
+
+    def output(token_ids, reason=None):
+        completion = CompletionOutput(0, "abc"[:len(token_ids)], token_ids, None, None, reason, None)
+        return RequestOutput("r", "p", [5], [completion], reason is not None, times)
+
+    metrics.observe_outputs([output([1])], now=11.0)  # first token: no gap yet
+    metrics.observe_outputs([output([1, 2, 3], "stop")], now=13.0)  # two tokens 2 s later: 1 s each
     samples = {s.name: s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     assert all(name.startswith("vllm:") for name in samples)
     assert samples["vllm:kv_cache_usage_perc"].value == 0.25 == samples["vllm:gpu_cache_usage_perc"].value
@@ -129,4 +135,5 @@ def test_metric_names_follow_vllm_with_the_vllm_prefix():
     assert samples["vllm:e2e_request_latency_seconds_sum"].value == 3.0
     assert samples["vllm:time_to_first_token_seconds_sum"].value == 1.0
     assert samples["vllm:request_queue_time_seconds_sum"].value == 0.5
-    assert samples["vllm:time_per_output_token_seconds_sum"].value == 1.0  # 2 s over 2 tokens after the first
+    assert samples["vllm:time_per_output_token_seconds_sum"].value == 2.0
+    assert samples["vllm:time_per_output_token_seconds_count"].value == 2

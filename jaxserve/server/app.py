@@ -22,7 +22,7 @@ from jaxserve.server.serving import OpenAIServing
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The app serving `engine`; the engine thread runs between the app's startup and shutdown."""
     metrics = ServerMetrics(config.metrics_prefix, config.served_model_name, lambda: async_engine.stats())
-    async_engine = AsyncLLMEngine(engine, config.max_waiting_requests, on_finished=metrics.observe_finished,
+    async_engine = AsyncLLMEngine(engine, config.max_waiting_requests, on_outputs=metrics.observe_outputs,
                                   stream_interval=config.stream_interval)
     serving = OpenAIServing(async_engine, config)
 

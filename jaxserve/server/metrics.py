@@ -1,13 +1,15 @@
 """Prometheus metrics with vLLM's names, so existing dashboards and the inference gateway work.
 
-Gauges and token counters are read from the engine's counters at scrape time; latency histograms
-and `request_success_total` are observed once per request when it finishes (on the engine thread).
+Gauges and token counters are read from the engine's counters at scrape time. On the engine
+thread, each published batch of outputs observes the time between tokens, and each finished
+request its end-to-end, first-token and queue latencies and `request_success_total`.
 Every name starts with `<prefix>:` (`jaxserve:` by default, `vllm:` for drop-in dashboards) and
 carries a `model_name` label.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -76,12 +78,30 @@ class ServerMetrics:
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS_S)
         self.first_token = histogram("time_to_first_token_seconds", "Arrival to the first token.", FIRST_TOKEN_BUCKETS_S)
         self.per_output_token = histogram(
-            "time_per_output_token_seconds", "Mean time between output tokens of a request, after the first.",
+            "time_per_output_token_seconds", "Time between consecutive output tokens of a request.",
             PER_TOKEN_BUCKETS_S,
         )
+        self._last_output: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time) of its last output
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS_S)
 
-    def observe_finished(self, output: RequestOutput) -> None:
+    def observe_outputs(self, outputs: list[RequestOutput], now: float | None = None) -> None:
+        """Record one published batch of outputs: the time between tokens of every request that moved
+        (each new token observes the gap since the request's previous output, shared among the tokens
+        that arrived together), and the finished requests."""
+        now = time.monotonic() if now is None else now
+        for output in outputs:
+            num_tokens = max(len(c.token_ids) for c in output.outputs)
+            seen = self._last_output.pop(output.request_id, None)  # (tokens, time) at its previous output
+            if seen is not None and num_tokens > seen[0]:
+                gap = (now - seen[1]) / (num_tokens - seen[0])
+                for _ in range(num_tokens - seen[0]):
+                    self.per_output_token.observe(gap)
+            if output.finished:
+                self._observe_finished(output)
+            elif num_tokens:
+                self._last_output[output.request_id] = (num_tokens, now)
+
+    def _observe_finished(self, output: RequestOutput) -> None:
         """Record a finished request (any finish reason)."""
         times = output.metrics
         for completion in output.outputs:
@@ -92,9 +112,6 @@ class ServerMetrics:
             self.queue_time.observe(times.first_scheduled_time - times.arrival_time)
         if times.first_token_time is not None:
             self.first_token.observe(times.first_token_time - times.arrival_time)
-            num_tokens = max(len(c.token_ids) for c in output.outputs)
-            if num_tokens > 1 and times.finished_time is not None:
-                self.per_output_token.observe((times.finished_time - times.first_token_time) / (num_tokens - 1))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
