@@ -13,7 +13,7 @@ not leak into the output; pages wholly before the window are not read at all.
 
 Written for the GPU Triton lowering (forced with Triton `CompilerParams`; whole-array GMEM refs
 for the caches, the page table and the lengths instead of scalar prefetch; power-of-two blocks,
-so the wrapper pads each q group to `Gp` rows, a power of two >= 16; `dot_general` on 2-D blocks
+so the wrapper pads each q group to `Gp` rows, a power of two >= 16; a dot on 2-D blocks
 only when every dimension is >= 16, otherwise broadcast-multiply-sum), but its results have only
 been verified with `interpret=True` (Pallas's interpreter on the CPU). The tests also lower it
 to Triton IR for CUDA on the CPU; it has never been compiled to PTX or run on a GPU. On a GPU,
@@ -30,13 +30,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels.tile_math import dot_fits, matmul_f32
 from pallas_kernels.paged_decode_attention.tuning import TRITON_NUM_STAGES, TRITON_NUM_WARPS, choose_num_splits
 
 # Query heads of a kv head are padded to a power of two >= this many rows, so the per-program
 # q block is a legal Triton tensor and a legal `tl.dot` operand (M >= 16).
 MIN_GROUP_ROWS = 16
-# Page sizes below this use broadcast-multiply-sum instead of `dot` (Triton's dot needs N, K >= 16).
-MIN_DOT_PAGE_SIZE = 16
 
 
 def _padded_group(group: int) -> int:
@@ -99,14 +98,7 @@ def _decode_kernel(
         key_pos = slot * page_size + jax.lax.broadcasted_iota(jnp.int32, (page_size,), 0)  # (S,)
         visible = (key_pos < seq_len) & (key_pos >= first_key)  # (S,)
         v = jnp.where(visible[:, None], v, jnp.zeros_like(v))  # (S, D): unseen slots may hold anything
-        if use_dot:
-            s = jax.lax.dot_general(
-                q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )  # (Gp, S)
-        else:
-            s = jnp.sum(
-                q.astype(jnp.float32)[:, None, :] * k.astype(jnp.float32)[None, :, :], axis=2
-            )  # (Gp, S)
+        s = matmul_f32(q, k.T, use_dot)  # (Gp, S)
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
@@ -117,14 +109,7 @@ def _decode_kernel(
         p = jnp.exp(s - m_safe[:, None])  # (Gp, S) float32
         l_new = alpha * l + jnp.sum(p, axis=1)  # (Gp,)
         p = p.astype(v.dtype)  # (Gp, S)
-        if use_dot:
-            pv = jax.lax.dot_general(
-                p, v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-            )  # (Gp, D)
-        else:
-            pv = jnp.sum(
-                p.astype(jnp.float32)[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1
-            )  # (Gp, D)
+        pv = matmul_f32(p, v, use_dot)  # (Gp, D)
         acc_new = alpha[:, None] * acc + pv  # (Gp, D)
         return m_new, l_new, acc_new
 
@@ -208,7 +193,7 @@ def paged_decode_attention(
         _decode_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap), page_size=page_size,
         pages_per_split=pages_per_split,
-        use_dot=page_size >= MIN_DOT_PAGE_SIZE and head_dim >= MIN_DOT_PAGE_SIZE,
+        use_dot=dot_fits(page_size, head_dim),
     )
     whole = pl.BlockSpec()  # the whole array, read with computed indices inside the kernel
     partial_spec = pl.BlockSpec(

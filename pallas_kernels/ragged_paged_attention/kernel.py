@@ -37,10 +37,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton
 
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
+from pallas_kernels.tile_math import dot_fits, matmul_f32
 from pallas_kernels.ragged_paged_attention.tuning import NUM_STAGES, NUM_WARPS, block_q_for, padded_group
 
 _MASKED = -1e30  # finite "minus infinity": keeps fully masked rows free of inf - inf
-MIN_DOT_SIZE = 16  # a Triton dot needs every dimension >= 16; smaller pages multiply and sum
 
 
 def ragged_paged_attention(
@@ -164,7 +164,7 @@ def _attention_kernel(
     if sliding_window is not None:
         start_page = jnp.maximum(first_position - sliding_window + 1, 0) // page_size
     key_offset = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # (1, S)
-    use_dot = page_size >= MIN_DOT_SIZE and head_dim >= MIN_DOT_SIZE
+    use_dot = dot_fits(page_size, head_dim)
     value_offset = jax.lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)  # (S, 1)
 
     def visit_page(index, carry):
@@ -174,7 +174,7 @@ def _attention_kernel(
         v = v_ref[layer, page, :, kv_head, :]  # (S, D)
         # Slots past the sequence hold whatever a page's earlier owner left: keep it out of the sums.
         v = jnp.where(index * page_size + value_offset < seq_len, v, jnp.zeros_like(v))
-        scores = _matmul(q, k.T, use_dot) * sm_scale  # (M, S)
+        scores = matmul_f32(q, k.T, use_dot) * sm_scale  # (M, S)
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         key_position = index * page_size + key_offset  # (1, S)
@@ -186,7 +186,7 @@ def _attention_kernel(
         probs = jnp.where(visible, jnp.exp(scores - new_max), 0.0)  # (M, S)
         rescale = jnp.exp(running_max - new_max)  # (M, 1)
         running_sum = rescale * running_sum + jnp.sum(probs, axis=1, keepdims=True)
-        acc = rescale * acc + _matmul(probs.astype(v.dtype), v, use_dot)
+        acc = rescale * acc + matmul_f32(probs.astype(v.dtype), v, use_dot)
         return new_max, running_sum, acc
 
     init = (
@@ -198,11 +198,3 @@ def _attention_kernel(
     out = jnp.where(running_sum > 0, acc / jnp.where(running_sum > 0, running_sum, 1.0), 0.0)  # (M, D)
     o_ref[...] = out.astype(o_ref.dtype)
 
-
-def _matmul(a: jax.Array, b: jax.Array, use_dot: bool) -> jax.Array:
-    """a @ b in float32: a dot, or for dimensions under 16 (which a Triton dot rejects) a
-    broadcast multiply and sum."""
-    # a: (M, K); b: (K, N)
-    if use_dot:
-        return jnp.dot(a, b, preferred_element_type=jnp.float32)  # (M, N)
-    return jnp.sum(a.astype(jnp.float32)[:, :, None] * b.astype(jnp.float32)[None, :, :], axis=1)  # (M, N)
