@@ -160,11 +160,7 @@ class AsyncLLMEngine:
     ) -> tuple[str | None, list[Request]]:
         """Validate one request (ValueError when invalid) without queueing it; text is tokenized here,
         with this thread's own tokenizer."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return self.engine.make_requests(request_id, self.tokenizer.encode(prompt), params, priority, prompt)
-        return self.engine.make_requests(request_id, prompt, params, priority)
+        return self.engine.make_requests(request_id, prompt, params, priority, tokenizer=self.tokenizer)
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """EngineDeadError when the engine is down, EngineOverloadedError when `num_requests` more would

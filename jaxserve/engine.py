@@ -52,12 +52,15 @@ class LLMEngine:
         """The longest sequence (prompt + output) a request may reach."""
         return self.core.max_model_len
 
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as text or as token ids; ValueError when invalid."""
+    def tokenize_prompt(self, prompt: Prompt, tokenizer=None) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt given as text or as token ids; ValueError when invalid.
+
+        Text is encoded with `tokenizer` (default: the engine's), so another thread can bring its own.
+        """
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty")
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, (tokenizer or self.tokenizer).encode(prompt)
         token_ids = list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -75,15 +78,13 @@ class LLMEngine:
         self.submit(request_id, children)
 
     def make_requests(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
-        prompt_text: str | None = None,
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, tokenizer=None,
     ) -> tuple[str | None, list[Request]]:
         """Validate a request and build its engine requests without queueing them; returns (text, children).
 
-        `prompt_text` is the text of a prompt given as token ids that the caller tokenized itself.
+        `tokenizer` encodes a text prompt (default: the engine's).
         """
-        text, token_ids = self.tokenize_prompt(prompt)
-        text = prompt_text if text is None else text
+        text, token_ids = self.tokenize_prompt(prompt, tokenizer)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: it must be "

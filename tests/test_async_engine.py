@@ -36,8 +36,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.completed: list[str] = []
 
-    def make_requests(self, request_id, prompt, params, priority=0, prompt_text=None):
-        return prompt_text, params.max_tokens
+    def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None):
+        return prompt, params.max_tokens
 
     def submit(self, request_id, made):
         if made[1] == 13:
