@@ -89,6 +89,14 @@ async def _wait_for(condition, timeout_s: float = 5.0):
         await asyncio.sleep(0.01)
 
 
+def _poll_until(condition, timeout_s: float = 10.0):
+    """Block (outside any event loop) until `condition()` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_outputs_stream_until_finished_and_the_idle_loop_does_not_spin():
     async def run():
         fake = FakeEngine()
@@ -179,9 +187,7 @@ def test_http_back_pressure_is_503_with_retry_after():
     with running_server(app) as url, ThreadPoolExecutor(2) as pool:
         body = {"prompt": "hi", "max_tokens": 3}
         waiting = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30) for _ in range(2)]
-        deadline = time.monotonic() + 10
-        while app.state.async_engine.stats()["num_requests_unstarted"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _poll_until(lambda: app.state.async_engine.stats()["num_requests_unstarted"] == 2)
         response = httpx.post(f"{url}/v1/completions", json=body)
         assert response.status_code == 503 and response.headers["Retry-After"] == "3"
         assert "retry later" in response.json()["error"]["message"]
@@ -196,9 +202,7 @@ def test_http_engine_failure_turns_health_503_and_fails_requests():
     with running_server(build_app(fake, ServerConfig())) as url, ThreadPoolExecutor(1) as pool:
         assert httpx.get(f"{url}/health").status_code == 200
         pending = pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30)
-        deadline = time.monotonic() + 10
-        while not fake.running and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _poll_until(lambda: fake.running)
         fake.fail = True
         fake.gate.set()
         response = pending.result()
@@ -215,7 +219,5 @@ def test_http_client_leaving_a_non_streamed_request_aborts_it():
             httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 50}, timeout=0.5)
         time.sleep(0.2)  # the server notices the disconnect and queues the abort
         fake.gate.set()  # the step in progress ends; then the abort applies
-        deadline = time.monotonic() + 10
-        while not fake.aborted and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _poll_until(lambda: fake.aborted)
         assert len(fake.aborted) == 1 and not fake.running and not fake.completed
