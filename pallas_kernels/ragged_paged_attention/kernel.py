@@ -102,7 +102,7 @@ def ragged_paged_attention(
 
     out_tiles = out_tiles.reshape(num_blocks, num_kv_heads, block_q, tile_group, head_dim)[:, :, :, :group]
     out_tokens = out_tiles.transpose(0, 2, 1, 3, 4).reshape(num_blocks * block_q, num_heads, head_dim)
-    return out_tokens[_token_slots(query_start_loc, rows["block_start"], num_tokens, block_q)]
+    return out_tokens[_token_slots(query_start_loc, rows["block_start"], num_tokens, block_q, num_blocks)]
 
 
 def _block_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int, block_q: int) -> dict:
@@ -128,7 +128,9 @@ def _block_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: i
     }
 
 
-def _token_slots(query_start_loc: jax.Array, block_start: jax.Array, num_tokens: int, block_q: int) -> jax.Array:
+def _token_slots(
+    query_start_loc: jax.Array, block_start: jax.Array, num_tokens: int, block_q: int, num_blocks: int
+) -> jax.Array:
     """Index of every query token in the flattened `(num_blocks * block_q)` output tiles; padded
     tokens point at the last slot, which no real block reaches (its block is always empty)."""
     # query_start_loc: (R + 1,) int32; block_start: (R + 1,) int32
@@ -136,8 +138,7 @@ def _token_slots(query_start_loc: jax.Array, block_start: jax.Array, num_tokens:
     row = token_request_index(query_start_loc, num_tokens)  # (T,)
     offset = token - query_start_loc[row]  # (T,)
     slot = (block_start[row] + offset // block_q) * block_q + offset % block_q  # (T,)
-    num_slots = (num_tokens // block_q + block_start.shape[0] - 1) * block_q
-    return jnp.where(token < query_start_loc[-1], slot, num_slots - 1)
+    return jnp.where(token < query_start_loc[-1], slot, num_blocks * block_q - 1)
 
 
 def _attention_kernel(
