@@ -11,14 +11,27 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch_descriptor import BatchDescriptor, PromptLogprobBatch
 from jaxserve.buckets import pick_bucket, geometric_ladder
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE
-from jaxserve.sampler import KIND_BANNED, KIND_OUTPUT, KIND_PAD, KIND_PROMPT, SamplingBatch
+from jaxserve.request import Request
+from jaxserve.sampler import (
+    KIND_ALLOWED,
+    KIND_BANNED,
+    KIND_BIAS,
+    KIND_OUTPUT,
+    KIND_PAD,
+    KIND_PROMPT,
+    SamplingBatch,
+)
+from jaxserve.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS
 from jaxserve.scheduler import SchedulerOutput
 
 PAD_TOKEN_ID = 0
+# Per-row sampler tokens beyond the penalty history (prompt + output <= max_model_len): stop ids banned
+# under min_tokens, logit biases, allowed ids, and the last tokens of bad words (two spellings each).
+MAX_AUX_EXTRA = MAX_STOP_TOKEN_IDS + MAX_LOGIT_BIAS_ENTRIES + MAX_ALLOWED_TOKEN_IDS + 2 * MAX_BAD_WORDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +113,48 @@ def padded_batch_arrays(num_tokens: int, num_rows: int, width: int, page_size: i
     }
 
 
+def build_prompt_logprob_batch(output: SchedulerOutput, num_tokens: int) -> tuple[PromptLogprobBatch | None, list[int]]:
+    """The prompt tokens this step can score for requests that want prompt logprobs, padded to the step's
+    `num_tokens`; returns the batch (None when nothing is wanted: the step then costs nothing extra) and
+    how many entries each scheduled row has, in row order.
+
+    A chunk computes positions [c, c + n); position p scores prompt token p + 1. Tokens already scored
+    (before a preemption, say) are skipped, so each prompt token is scored once.
+    """
+    arrays = padded_prompt_logprob_arrays(num_tokens)
+    counts, filled, start = [], 0, 0
+    for item in output.scheduled:
+        request, first = item.request, item.num_computed_tokens
+        count = 0
+        if request.num_prompt_logprobs_missing:
+            lowest = max(first + 1, len(request.prompt_logprobs))  # first target not yet scored
+            highest = min(first + item.num_new_tokens, len(request.prompt_token_ids) - 1)  # last target
+            targets = np.arange(lowest, highest + 1)  # (count,) prompt positions
+            count = len(targets)
+            arrays["token_index"][filled : filled + count] = start + targets - 1 - first
+            arrays["target_ids"][filled : filled + count] = np.asarray(request.prompt_token_ids)[targets]
+        counts.append(count)
+        filled += count
+        start += item.num_new_tokens
+    if not filled:
+        return None, counts
+    arrays["num_targets"] = np.asarray(filled, np.int32)
+    return PromptLogprobBatch(**arrays), counts
+
+
+def padded_prompt_logprob_arrays(num_tokens: int) -> dict[str, np.ndarray]:
+    """Every PromptLogprobBatch field at its padding value for a step of T tokens."""
+    return {
+        "token_index": np.zeros((num_tokens,), np.int32),  # (Q,)
+        "target_ids": np.zeros((num_tokens,), np.int32),  # (Q,)
+        "num_targets": np.asarray(0, np.int32),  # ()
+    }
+
+
 def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: BucketLadders) -> SamplingBatch:
     """Per-row sampling parameters, padded to `num_rows`; penalty/ban token lists padded to a P bucket."""
     aux_rows = [_aux_tokens(item.request) for item in output.scheduled]
-    aux_width = pick_bucket(ladders.aux_widths, max((len(ids) for ids, _ in aux_rows), default=0))
+    aux_width = pick_bucket(ladders.aux_widths, max((len(ids) for ids, _, _ in aux_rows), default=0))
 
     arrays = padded_sampling_arrays(num_rows, aux_width)
     need_logprobs = False
@@ -117,11 +168,13 @@ def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: Bucket
         arrays["presence_penalty"][row] = params.presence_penalty
         arrays["frequency_penalty"][row] = params.frequency_penalty
         arrays["repetition_penalty"][row] = params.repetition_penalty
-        arrays["seeds"][row] = request.seed % (1 << 32)
+        seed = request.seed % (1 << 64)
+        arrays["seeds"][row] = (seed & 0xFFFFFFFF, seed >> 32)
         arrays["sample_index"][row] = request.num_output_tokens
-        ids, kinds = aux_rows[row]
+        ids, kinds, values = aux_rows[row]
         arrays["aux_token_ids"][row, : len(ids)] = ids
         arrays["aux_token_kind"][row, : len(kinds)] = kinds
+        arrays["aux_values"][row, : len(values)] = values
         need_logprobs |= params.logprobs is not None
 
     arrays["need_logprobs"] = np.asarray(need_logprobs)
@@ -138,24 +191,46 @@ def padded_sampling_arrays(num_rows: int, aux_width: int) -> dict[str, np.ndarra
         "presence_penalty": np.zeros((num_rows,), np.float32),  # (R,)
         "frequency_penalty": np.zeros((num_rows,), np.float32),  # (R,)
         "repetition_penalty": np.ones((num_rows,), np.float32),  # (R,)
-        "seeds": np.zeros((num_rows,), np.uint32),  # (R,)
+        "seeds": np.zeros((num_rows, 2), np.uint32),  # (R, 2)
         "sample_index": np.zeros((num_rows,), np.int32),  # (R,)
         "aux_token_ids": np.full((num_rows, aux_width), -1, np.int32),  # (R, P)
         "aux_token_kind": np.full((num_rows, aux_width), KIND_PAD, np.int8),  # (R, P)
+        "aux_values": np.zeros((num_rows, aux_width), np.float32),  # (R, P)
         "need_logprobs": np.asarray(False),  # ()
     }
 
 
-def _aux_tokens(request) -> tuple[list[int], list[int]]:
-    """Token ids the sampler must see for this row: history for penalties, stop ids banned by min_tokens."""
+def _aux_tokens(request: Request) -> tuple[list[int], list[int], list[float]]:
+    """Token ids the sampler must see for this row, their KIND_* and values: history for penalties,
+    stop ids banned by min_tokens, banned last tokens of bad words, logit biases, allowed ids."""
     params = request.sampling_params
     ids: list[int] = []
     kinds: list[int] = []
     if params.needs_penalties:
         ids += request.prompt_token_ids + request.output_token_ids
         kinds += [KIND_PROMPT] * len(request.prompt_token_ids) + [KIND_OUTPUT] * request.num_output_tokens
+    banned = _banned_bad_word_tokens(request)
     if request.num_output_tokens < params.min_tokens:
-        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
-        ids += banned
-        kinds += [KIND_BANNED] * len(banned)
-    return ids, kinds
+        banned += list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
+    ids += banned
+    kinds += [KIND_BANNED] * len(banned)
+    if params.allowed_token_ids:
+        ids += params.allowed_token_ids
+        kinds += [KIND_ALLOWED] * len(params.allowed_token_ids)
+    values = [0.0] * len(ids)
+    if params.logit_bias:
+        ids += list(params.logit_bias)
+        kinds += [KIND_BIAS] * len(params.logit_bias)
+        values += list(params.logit_bias.values())
+    return ids, kinds, values
+
+
+def _banned_bad_word_tokens(request: Request) -> list[int]:
+    """The last token of every bad word whose other tokens end the output so far (vLLM's rule)."""
+    output = request.output_token_ids
+    banned = []
+    for word in request.bad_words_token_ids:
+        prefix = word[:-1]
+        if not prefix or (len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix):
+            banned.append(word[-1])
+    return banned

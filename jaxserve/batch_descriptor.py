@@ -1,4 +1,5 @@
-"""BatchDescriptor: the fixed-shape padded pytree that is the model step's input."""
+"""BatchDescriptor: the fixed-shape padded pytree that is the model step's input; PromptLogprobBatch:
+which of its tokens' hidden states score a prompt token."""
 
 from __future__ import annotations
 
@@ -20,3 +21,16 @@ class BatchDescriptor:
     page_table: jax.Array  # (R, W) int32 page ids of each row, padded with the null page
     logits_indices: jax.Array  # (R,) int32 index of each row's last token in the flattened batch
     num_seqs: jax.Array  # () int32 real rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobBatch:
+    """The prompt tokens whose logprobs a step computes, padded to the step's T tokens (Q = T).
+
+    The hidden state of the token at position p predicts the prompt token at p + 1.
+    """
+
+    token_index: jax.Array  # (Q,) int32 index into the step's tokens of the predicting position; pad 0
+    target_ids: jax.Array  # (Q,) int32 the prompt token whose logprob is wanted; pad 0
+    num_targets: jax.Array  # () int32 real entries

@@ -49,6 +49,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
+    generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a folder
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -66,6 +67,11 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_kv_cache_gib <= 0:
             raise ValueError(f"cpu_kv_cache_gib must be > 0, got {self.cpu_kv_cache_gib}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(
+                f"generation_config must be auto, vllm or a folder holding generation_config.json; "
+                f"got {self.generation_config!r}"
+            )
         if self.enable_prefix_caching:
             raise ValueError("enable_prefix_caching: automatic prefix caching is not implemented yet; leave it off")
         if self.max_num_seqs > self.max_num_batched_tokens:

@@ -8,11 +8,12 @@ import random
 import time
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine_core import MAX_STOP_TOKEN_IDS, EngineCore
+from jaxserve.engine_core import EngineCore
+from jaxserve.generation_config import load_generation_defaults
 from jaxserve.output_processor import OutputProcessor
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from jaxserve.tokenizer import load_tokenizer
 
 ASSETS_DIR = os.path.join(os.path.dirname(__file__), "assets")
@@ -29,6 +30,18 @@ def default_model_path() -> str:
     return path
 
 
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word tokenized as it would appear at the start of the text and after a space (vLLM's
+    two spellings), without special tokens; duplicates dropped."""
+    sequences: list[list[int]] = []
+    for word in words:
+        for spelling in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(spelling, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
+
+
 class LLMEngine:
     """Tokenizes and validates requests, drives EngineCore, and detokenizes its results."""
 
@@ -40,6 +53,8 @@ class LLMEngine:
         self.core = EngineCore(config, self.model_path, show_progress)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
+        # SamplingParams field -> the model's default, for the fields a request leaves unset (vLLM's rule).
+        self.generation_defaults = load_generation_defaults(config.generation_config, self.model_path)
         self._seed_rng = random.Random(config.seed)
         # Start-up leaves hundreds of thousands of long-lived objects (jax, transformers, executables);
         # freezing them keeps every later full garbage collection from walking them (pauses of
@@ -74,7 +89,7 @@ class LLMEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0
     ) -> None:
         """Validate and queue a request (its `n` samples become `n` engine requests)."""
-        children = self.make_requests(request_id, prompt, params or SamplingParams(), priority)
+        children = self.make_requests(request_id, prompt, params or SamplingParams(**self.generation_defaults), priority)
         self.submit(request_id, children)
 
     def make_requests(
@@ -82,26 +97,34 @@ class LLMEngine:
     ) -> tuple[str | None, list[Request]]:
         """Validate a request and build its engine requests without queueing them; returns (text, children).
 
-        `tokenizer` encodes a text prompt (default: the engine's).
+        `tokenizer` encodes a text prompt and bad words (default: the engine's).
         """
+        tokenizer = tokenizer or self.tokenizer
         text, token_ids = self.tokenize_prompt(prompt, tokenizer)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: it must be "
                 f"shorter so at least one token can be generated"
             )
-        self._check_stop_token_ids(params)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an int in [{INT64_MIN}, {INT64_MAX}], got {priority!r}")
+        self._check_vocabulary(params)
+        bad_words = bad_words_token_ids(tokenizer, params.bad_words or [])
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic()
         children = []
         for index in range(params.n):
-            seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(32)
+            seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(64)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
             children.append(Request(
                 request_id=child_id, prompt_token_ids=token_ids, sampling_params=params,
                 eos_token_ids=self._eos_ids(), seed=seed, max_tokens=max_tokens,
-                arrival_time=arrival, priority=priority,
+                arrival_time=arrival, priority=priority, bad_words_token_ids=bad_words,
+                # The samples share their prompt, so only the first computes its logprobs.
+                prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
             ))
         return text, children
 
@@ -112,13 +135,14 @@ class LLMEngine:
         for child in children:
             self.core.add_request(child)
 
-    def _check_stop_token_ids(self, params: SamplingParams) -> None:
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """ValueError naming the field when a token id of `params` is outside the vocabulary."""
         vocab_size = self.core.spec.vocab_size
-        if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids may name at most {MAX_STOP_TOKEN_IDS} ids")
-        bad = [t for t in params.stop_token_ids if t >= vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ()),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab_size]
+            if bad:
+                raise ValueError(f"{name} names token ids {bad[:8]} outside the vocabulary [0, {vocab_size})")
 
     def _eos_ids(self) -> tuple[int, ...]:
         """EOS ids from the generation config, else the tokenizer's."""
@@ -139,8 +163,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step; outputs for the user requests that moved."""
         changed = self.core.step()
-        outputs, stopped = self.output_processor.process(changed)
-        self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs, to_finish = self.output_processor.process(changed)
+        for request_id, status in to_finish:
+            self.core.finish_requests([request_id], status)
         return outputs
 
     def stats(self) -> dict:

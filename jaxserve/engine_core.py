@@ -8,7 +8,13 @@ import os
 import jax
 import jax.numpy as jnp
 
-from jaxserve.batch import BucketLadders, build_batch, build_sampling_batch
+from jaxserve.batch import (
+    MAX_AUX_EXTRA,
+    BucketLadders,
+    build_batch,
+    build_prompt_logprob_batch,
+    build_sampling_batch,
+)
 from jaxserve.config import EngineConfig
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
@@ -16,10 +22,8 @@ from jaxserve.model.loader import load_params, resolve_dtype
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
-from jaxserve.runner import CompileCounter, Runner, StepOutput
+from jaxserve.runner import CompileCounter, Runner, StepOutput, TokenLogprobs
 from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
-
-MAX_STOP_TOKEN_IDS = 64  # stop ids a request may name (they widen the sampler's ban list)
 
 
 class EngineCore:
@@ -42,7 +46,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             page_size=config.page_size,
             min_token_bucket=config.min_token_bucket,
-            max_aux_extra=MAX_STOP_TOKEN_IDS + len(self.spec.eos_token_ids),
+            max_aux_extra=MAX_AUX_EXTRA + len(self.spec.eos_token_ids),
         )
         self.runner = Runner(
             self.spec, params, self.mesh,
@@ -69,19 +73,59 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[Request]:
-        """One engine step; returns the requests that got a new token or finished."""
+        """One engine step; returns the requests that got a new token or finished.
+
+        When the step's inputs cannot be built because of one request (a value that passed validation
+        but does not fit its array, say), that request alone ends with FINISHED_ERROR and the others
+        run in the next step.
+        """
         output = self.scheduler.schedule()
         self.counters["preemptions"] += len(output.preempted_ids)
         if output.is_empty:
             return []
-        batch = build_batch(output, self.config.page_size, self.ladders)
-        sampling = build_sampling_batch(output, batch.page_table.shape[0], self.ladders)
-        result = self.runner.step(batch, sampling)
+        try:
+            batch, sampling, (prompt, prompt_counts) = self._build_inputs(output)
+        except Exception:
+            return self._fail_unbuildable(output)
+        result = self.runner.step(batch, sampling, prompt)
+        if prompt is not None:
+            self._record_prompt_logprobs(output, prompt_counts, result.prompt_logprobs)
         changed = self.scheduler.update(output, self._sampled_tokens(output, result))
         self.counters["steps"] += 1
         self.counters["scheduled_tokens"] += output.total_num_tokens
         self.counters["padded_tokens"] += batch.input_ids.shape[0]
         return changed
+
+    def _build_inputs(self, output: SchedulerOutput):
+        """The step's padded inputs: BatchDescriptor, SamplingBatch, (PromptLogprobBatch or None, counts)."""
+        batch = build_batch(output, self.config.page_size, self.ladders)
+        sampling = build_sampling_batch(output, batch.page_table.shape[0], self.ladders)
+        return batch, sampling, build_prompt_logprob_batch(output, batch.input_ids.shape[0])
+
+    def _fail_unbuildable(self, output: SchedulerOutput) -> list[Request]:
+        """Find the requests whose inputs cannot be built, each on its own, and end them with an error."""
+        failed = []
+        for item in output.scheduled:
+            try:
+                self._build_inputs(SchedulerOutput([item], []))
+            except Exception as error:
+                item.request.error = f"the engine could not run this request: {type(error).__name__}: {error}"
+                failed.append(item.request)
+        if not failed:
+            raise RuntimeError("the step's inputs cannot be built, though each request's can")
+        for request in failed:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+        return failed
+
+    def _record_prompt_logprobs(self, output: SchedulerOutput, counts: list[int], scored: TokenLogprobs) -> None:
+        """Append each row's newly scored prompt tokens to its request's prompt logprobs."""
+        entry = 0
+        for item, count in zip(output.scheduled, counts, strict=True):
+            num_top = item.request.sampling_params.prompt_logprobs
+            for index in range(entry, entry + count):
+                target = item.request.prompt_token_ids[len(item.request.prompt_logprobs)]
+                item.request.prompt_logprobs.append(_logprob_dict(scored, index, target, num_top))
+            entry += count
 
     def _sampled_tokens(self, output: SchedulerOutput, result: StepOutput) -> list[SampledToken | None]:
         """Pair each scheduled chunk with its sample (None for a chunk that stops mid-prompt)."""
@@ -92,7 +136,9 @@ class EngineCore:
                 continue
             token_id = int(result.token_ids[row])
             num_logprobs = item.request.sampling_params.logprobs
-            logprobs = None if num_logprobs is None else _logprob_dict(result, row, token_id, num_logprobs)
+            logprobs = None
+            if num_logprobs is not None:
+                logprobs = _logprob_dict(result.sampled_logprobs, row, token_id, num_logprobs)
             sampled.append(SampledToken(token_id, logprobs))
         return sampled
 
@@ -114,16 +160,13 @@ class EngineCore:
         }
 
 
-def _logprob_dict(result: StepOutput, row: int, token_id: int, num_logprobs: int) -> dict[int, Logprob]:
-    """vLLM's per-token logprobs: the chosen token plus the top `num_logprobs`, with ranks."""
-    top_ids = result.top_token_ids[row, :num_logprobs].tolist()
-    top_lps = result.top_logprobs[row, :num_logprobs].tolist()
+def _logprob_dict(scored: TokenLogprobs, index: int, token_id: int, num_top: int) -> dict[int, Logprob]:
+    """vLLM's per-token logprobs: the token itself (exact rank) plus the `num_top` most likely tokens."""
+    top_ids = scored.top_token_ids[index, :num_top].tolist()
+    top_lps = scored.top_logprobs[index, :num_top].tolist()
     entries = {tid: Logprob(lp, rank=rank + 1) for rank, (tid, lp) in enumerate(zip(top_ids, top_lps))}
-    if token_id not in entries:
-        full_top = result.top_token_ids[row].tolist()
-        rank = full_top.index(token_id) + 1 if token_id in full_top else None
-        entries = {token_id: Logprob(float(result.logprobs[row]), rank=rank), **entries}
-    return entries
+    own = Logprob(float(scored.logprobs[index]), rank=int(scored.ranks[index]))
+    return {token_id: own, **{tid: e for tid, e in entries.items() if tid != token_id}}
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:

@@ -30,6 +30,11 @@ class LLM:
         self.engine = LLMEngine(config, show_progress=show_progress)
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's rule; plain defaults
+        under generation_config="vllm"); `generate` uses them when given no sampling params."""
+        return SamplingParams(**self.engine.generation_defaults)
+
     def get_tokenizer(self):
         """The Hugging Face tokenizer of the model."""
         return self.engine.tokenizer
@@ -42,7 +47,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; a prompt is text, token ids, or {'prompt' | 'prompt_token_ids': ...}."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
         # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
         made = []
         for prompt, params in zip(prompt_list, params_list):
@@ -76,15 +81,21 @@ class LLM:
         return self.engine.stats()
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request finished; whatever interrupts the run (an exception, Ctrl-C) aborts
+        the requests still pending, so none stays queued and their pages go back."""
         pending = set(request_ids)
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm) as bar:
-            while pending:
-                for output in self.engine.step():
-                    if output.finished and output.request_id in pending:
-                        results[output.request_id] = output
-                        pending.discard(output.request_id)
-                        bar.update()
+        try:
+            with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm) as bar:
+                while pending:
+                    for output in self.engine.step():
+                        if output.finished and output.request_id in pending:
+                            results[output.request_id] = output
+                            pending.discard(output.request_id)
+                            bar.update()
+        finally:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
         return [results[request_id] for request_id in request_ids]
 
 
@@ -99,8 +110,6 @@ def _as_prompt_list(prompts) -> list[PromptInput]:
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

@@ -10,7 +10,7 @@ import dataclasses
 import time
 
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxserve.request import Logprob, Request
+from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.stop_checker import StopStringChecker
 from jaxserve.tokenizer import IncrementalDetokenizer
@@ -41,6 +41,8 @@ class _RequestState:
     prompt_token_ids: list[int]
     samples: dict[str, _SampleState]  # child request id -> state
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None  # the scoring child's list, filled by the engine
+    error: str | None = None
 
     def output(self) -> RequestOutput:
         completions = [
@@ -56,7 +58,9 @@ class _RequestState:
             for s in sorted(self.samples.values(), key=lambda s: s.index)
         ]
         finished = all(c.finished() for c in completions)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, self.metrics)
+        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, self.metrics,
+                             prompt_logprobs, self.error)
 
 
 class OutputProcessor:
@@ -74,8 +78,11 @@ class OutputProcessor:
             child.request_id: self._new_sample(index, child.prompt_token_ids, child.sampling_params)
             for index, child in enumerate(children)
         }
+        scoring = next((child for child in children if child.prompt_logprobs is not None), None)
         self._requests[request_id] = _RequestState(
-            request_id, prompt, first.prompt_token_ids, samples, RequestMetrics(first.arrival_time)
+            request_id, prompt, first.prompt_token_ids, samples,
+            RequestMetrics(first.arrival_time, max_tokens=first.max_tokens),
+            None if scoring is None else scoring.prompt_logprobs,
         )
         for child in children:
             self._parent_of[child.request_id] = request_id
@@ -99,18 +106,20 @@ class OutputProcessor:
         state = self._requests.get(request_id)
         return list(state.samples) if state else []
 
-    def process(self, changed: list[Request]) -> tuple[list[RequestOutput], list[str]]:
-        """Fold engine updates in; returns (outputs of the user requests that moved, child ids a stop
-        string finished, which the caller must end in the scheduler)."""
-        stopped: list[str] = []
+    def process(self, changed: list[Request]) -> tuple[list[RequestOutput], list[tuple[str, RequestStatus]]]:
+        """Fold engine updates in; returns (outputs of the user requests that moved, (child id, status) of
+        the samples this ended: a stop string, or an error while detokenizing, which the caller must end
+        in the scheduler)."""
+        to_finish: list[tuple[str, RequestStatus]] = []
         touched: dict[str, _RequestState] = {}
         for request in changed:
             parent_id = self._parent_of.get(request.request_id)
             if parent_id is None:
                 continue
             state = self._requests[parent_id]
-            if self._update_sample(state.samples[request.request_id], request):
-                stopped.append(request.request_id)
+            status = self._update_sample_or_fail(state, state.samples[request.request_id], request)
+            if status is not None:
+                to_finish.append((request.request_id, status))
             state.metrics.first_scheduled_time = state.metrics.first_scheduled_time or request.first_scheduled_time
             state.metrics.first_token_time = state.metrics.first_token_time or request.first_token_time
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, request.num_preemptions)
@@ -122,7 +131,20 @@ class OutputProcessor:
                 state.metrics.finished_time = time.monotonic()
                 self._forget(parent_id)
             outputs.append(output)
-        return outputs, stopped
+        return outputs, to_finish
+
+    def _update_sample_or_fail(self, state: _RequestState, sample: _SampleState, request: Request
+                               ) -> RequestStatus | None:
+        """Update one sample; an exception fails this sample alone (finish reason 'error'). Returns the
+        status the scheduler must give the request, if this ended it."""
+        try:
+            stopped = self._update_sample(sample, request)
+        except Exception as error:
+            state.error = f"the engine could not process this request's output: {type(error).__name__}: {error}"
+            sample.finish_reason = "error"
+            return None if request.is_finished else RequestStatus.FINISHED_ERROR
+        state.error = state.error or request.error
+        return RequestStatus.FINISHED_STOPPED if stopped else None
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Mark every unfinished sample of a user request aborted; returns its final output."""

@@ -16,7 +16,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # 'stop', 'length', 'abort' or None while running
+    finish_reason: str | None = None  # 'stop', 'length', 'abort', 'error' or None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def finished(self) -> bool:
@@ -33,6 +33,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    max_tokens: int | None = None  # the resolved output budget of each sample
 
 
 @dataclasses.dataclass
@@ -45,3 +46,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # One entry per prompt token when SamplingParams.prompt_logprobs is set: None for the first token,
+    # else the prompt token's logprob and the top-k, each with its exact rank. None when not asked.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # why the engine failed this request alone (finish_reason 'error')

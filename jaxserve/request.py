@@ -18,6 +18,14 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the engine failed this request alone (bad input found late); the engine goes on
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt tokens whose logprob is still to be computed (0 when none was asked for)."""
+        if self.prompt_logprobs is None:
+            return 0
+        return len(self.prompt_token_ids) - len(self.prompt_logprobs)
 
     @property
     def is_finished(self) -> bool:
@@ -34,6 +42,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -64,9 +73,14 @@ class Request:
     priority: int = 0
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    # Filled as the prompt is computed, for the one sample of a user request that reports them: None
+    # for the first prompt token, then one dict per prompt token. None when not asked for.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # each word, tokenized
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    error: str | None = None  # why the engine failed this request (status FINISHED_ERROR)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -90,6 +104,13 @@ class Request:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : stop - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt_len]
+
+    @property
+    def num_prompt_logprobs_missing(self) -> int:
+        """Prompt tokens whose logprob is still to be computed (0 when none was asked for)."""
+        if self.prompt_logprobs is None:
+            return 0
+        return len(self.prompt_token_ids) - len(self.prompt_logprobs)
 
     @property
     def is_finished(self) -> bool:

@@ -20,13 +20,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.attention import make_attention
-from jaxserve.batch import BucketLadders, padded_batch_arrays, padded_sampling_arrays
-from jaxserve.batch_descriptor import BatchDescriptor
-from jaxserve.model.llama import make_forward
+from jaxserve.batch import BucketLadders, padded_batch_arrays, padded_prompt_logprob_arrays, padded_sampling_arrays
+from jaxserve.batch_descriptor import BatchDescriptor, PromptLogprobBatch
+from jaxserve.model.llama import make_forward, token_logits
 from jaxserve.model.sharding import KV_CACHE_SPEC, named, param_partition_specs
 from jaxserve.model.spec import ModelSpec
 from jaxserve.packing import Layout, pack, unpack
-from jaxserve.sampler import SamplingBatch, sample
+from jaxserve.sampler import SamplingBatch, raw_logprobs, sample
 
 
 class CompileCounter:
@@ -57,14 +57,28 @@ class CompileCounter:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Raw-distribution logprobs of some tokens (numpy, real entries only)."""
+
+    logprobs: np.ndarray  # (N,) float32 log-prob of each token
+    ranks: np.ndarray  # (N,) int32 exact rank of each token (1 = most likely)
+    top_token_ids: np.ndarray  # (N, K) int32 the K most likely tokens, most likely first
+    top_logprobs: np.ndarray  # (N, K) float32 their logprobs
+
+    @classmethod
+    def fetch(cls, device_values, count: int) -> "TokenLogprobs":
+        """The first `count` entries of (logprobs, ranks, top ids, top logprobs) device arrays."""
+        logprobs, ranks, top_ids, top_lps = jax.device_get(device_values)
+        return cls(logprobs[:count], ranks[:count], top_ids[:count], top_lps[:count])
+
+
+@dataclasses.dataclass(frozen=True)
 class StepOutput:
     """Samples for the real rows of one step (numpy, on the host)."""
 
     token_ids: np.ndarray  # (num_seqs,) int32
-    logprobs: np.ndarray | None = None  # (num_seqs,) float32 raw log-prob of each chosen token
-    top_token_ids: np.ndarray | None = None  # (num_seqs, K) int32
-    top_logprobs: np.ndarray | None = None  # (num_seqs, K) float32
-    # The logprob fields are fetched only when some row asked for logprobs.
+    sampled_logprobs: TokenLogprobs | None = None  # of token_ids; fetched only when some row asked
+    prompt_logprobs: TokenLogprobs | None = None  # of the PromptLogprobBatch's targets, when there was one
 
 
 class Runner:
@@ -104,10 +118,15 @@ class Runner:
         def sample_packed(logits, buffer, layout: Layout):
             return sample(logits, unpack(buffer, layout, SamplingBatch))
 
+        def prompt_logprobs_packed(params, hidden, buffer, layout: Layout):
+            prompt = unpack(buffer, layout, PromptLogprobBatch)
+            logits = token_logits(params, hidden[prompt.token_index], spec)  # (Q, V) float32
+            return raw_logprobs(logits, prompt.target_ids)
+
         self._forward = jax.jit(
             forward_packed,
             in_shardings=(param_shardings, kv_sharding, kv_sharding, self._replicated),
-            out_shardings=(self._replicated, kv_sharding, kv_sharding),
+            out_shardings=(self._replicated, self._replicated, kv_sharding, kv_sharding),
             donate_argnums=(1, 2),
             static_argnums=(4,),
         )
@@ -115,27 +134,33 @@ class Runner:
             sample_packed, in_shardings=(self._replicated, self._replicated), out_shardings=self._replicated,
             static_argnums=(2,),
         )
+        self._prompt_logprobs = jax.jit(
+            prompt_logprobs_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
+            out_shardings=self._replicated, static_argnums=(3,),
+        )
         self._forward_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
         self._sample_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (R, P) -> executable
+        self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
         self.num_lazy_compiles = 0
         CompileCounter.install()
 
     # ---- compilation -------------------------------------------------------------------------
 
-    def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """Every (T, W) forward shape and (R, P) sampler shape the ladders allow."""
+    def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int]]]:
+        """Every (T, W) forward shape, (R, P) sampler shape and (T,) prompt-logprob shape the ladders allow."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
         sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths))
-        return forward, sampler
+        return forward, sampler, [(num_tokens,) for num_tokens in self.ladders.tokens]
 
     def warmup(self, show_progress: bool = True) -> None:
         """AOT-compile every bucket, tracing here and compiling on a thread pool (XLA releases the GIL).
 
         With the persistent compilation cache on, a restart loads these instead of compiling.
         """
-        forward_shapes, sampler_shapes = self.shapes()
+        forward_shapes, sampler_shapes, prompt_shapes = self.shapes()
         lowered = [((self._forward_exec, key), self._lower_forward(*key)) for key in forward_shapes]
         lowered += [((self._sample_exec, key), self._lower_sampler(*key)) for key in sampler_shapes]
+        lowered += [((self._prompt_exec, key), self._lower_prompt_logprobs(*key)) for key in prompt_shapes]
         bar = tqdm(total=len(lowered), desc="compiling step buckets", disable=not show_progress, leave=False)
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             futures = {pool.submit(low.compile): target for target, low in lowered}
@@ -157,31 +182,42 @@ class Runner:
         logits = jax.ShapeDtypeStruct((num_rows, self.spec.vocab_size), jnp.float32, sharding=self._replicated)
         return self._sample.lower(logits, self._abstract(buffer), layout)
 
+    def _lower_prompt_logprobs(self, num_tokens: int) -> jax.stages.Lowered:
+        buffer, layout = pack(PromptLogprobBatch(**padded_prompt_logprob_arrays(num_tokens)))
+        hidden = jax.ShapeDtypeStruct(
+            (num_tokens, self.spec.hidden_size), self.params["embed"].dtype, sharding=self._replicated
+        )
+        return self._prompt_logprobs.lower(self.params, hidden, self._abstract(buffer), layout)
+
     def _abstract(self, buffer: np.ndarray) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self._replicated)
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def step(self, batch: BatchDescriptor, sampling: SamplingBatch) -> StepOutput:
-        """Run the model and the sampler; only the real rows come back to the host."""
+    def step(
+        self, batch: BatchDescriptor, sampling: SamplingBatch, prompt: PromptLogprobBatch | None = None
+    ) -> StepOutput:
+        """Run the model and the sampler (and score prompt tokens when `prompt` is given); only the real
+        rows come back to the host."""
         num_tokens, (num_rows, width) = batch.input_ids.shape[0], batch.page_table.shape
         forward = self._executable(self._forward_exec, (num_tokens, width), self._lower_forward)
         sampler = self._executable(
             self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
         )
         batch_words, sampling_words = jax.device_put((pack(batch)[0], pack(sampling)[0]), self._replicated)
-        logits, self.k_cache, self.v_cache = forward(self.params, self.k_cache, self.v_cache, batch_words)
+        logits, hidden, self.k_cache, self.v_cache = forward(self.params, self.k_cache, self.v_cache, batch_words)
         out = sampler(logits, sampling_words)
+        prompt_logprobs = None
+        if prompt is not None:
+            scorer = self._executable(self._prompt_exec, (num_tokens,), self._lower_prompt_logprobs)
+            scored = scorer(self.params, hidden, jax.device_put(pack(prompt)[0], self._replicated))
+            prompt_logprobs = TokenLogprobs.fetch(scored, int(prompt.num_targets))
         num_seqs = int(batch.num_seqs)
-        if not sampling.need_logprobs:
-            return StepOutput(token_ids=np.asarray(out.token_ids)[:num_seqs])
-        out = jax.device_get(out)
-        return StepOutput(
-            token_ids=out.token_ids[:num_seqs],
-            logprobs=out.logprobs[:num_seqs],
-            top_token_ids=out.top_token_ids[:num_seqs],
-            top_logprobs=out.top_logprobs[:num_seqs],
-        )
+        sampled_logprobs = None
+        if sampling.need_logprobs:
+            sampled_logprobs = TokenLogprobs.fetch((out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs),
+                                                   num_seqs)
+        return StepOutput(np.asarray(out.token_ids)[:num_seqs], sampled_logprobs, prompt_logprobs)
 
     def _executable(self, table: dict, key: tuple[int, int], lower_fn) -> jax.stages.Compiled:
         """Look up a compiled bucket; compiling here means warm-up missed a shape (counted)."""

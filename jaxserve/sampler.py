@@ -1,9 +1,10 @@
 """Jittable next-token sampling, following vLLM V1's sampler.
 
-Order per step: banned tokens -> repetition penalty -> frequency/presence
+Order per step: allowed tokens -> banned tokens (bad words, stop ids under
+min_tokens) -> logit bias -> repetition penalty -> frequency/presence
 penalties -> greedy argmax, or temperature -> min-p -> top-k -> top-p ->
 Gumbel-max sampling. Logprobs are always those of the raw model distribution
-(vLLM's default "raw_logprobs").
+(vLLM's default "raw_logprobs"), with the exact rank of every chosen token.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ KIND_PAD = 0
 KIND_PROMPT = 1
 KIND_OUTPUT = 2
 KIND_BANNED = 3
+KIND_BIAS = 4  # add aux_values to this token's logit
+KIND_ALLOWED = 5  # a row with any of these keeps only those tokens
 
 # How many of each row's largest logits top-k/top-p filtering looks at before
 # falling back to a full sort of the vocabulary (a full sort is slow on CPU).
@@ -40,10 +43,11 @@ class SamplingBatch:
     presence_penalty: jax.Array  # (R,) float32
     frequency_penalty: jax.Array  # (R,) float32
     repetition_penalty: jax.Array  # (R,) float32
-    seeds: jax.Array  # (R,) uint32 per-request seed
+    seeds: jax.Array  # (R, 2) uint32 per-request 64-bit seed: low word, high word
     sample_index: jax.Array  # (R,) int32 output tokens already produced
-    aux_token_ids: jax.Array  # (R, P) int32 penalty/ban token ids; pad -1; P may be 0
+    aux_token_ids: jax.Array  # (R, P) int32 penalty/ban/bias/allow token ids; pad -1; P may be 0
     aux_token_kind: jax.Array  # (R, P) int8 KIND_* of each aux token
+    aux_values: jax.Array  # (R, P) float32 the bias of each KIND_BIAS token, else 0
     need_logprobs: jax.Array  # () bool whether any row asked for logprobs
 
 
@@ -54,6 +58,7 @@ class SamplerOutput:
 
     token_ids: jax.Array  # (R,) int32
     logprobs: jax.Array  # (R,) float32 raw logprob of the chosen token; 0 if not needed
+    ranks: jax.Array  # (R,) int32 1 + logits strictly above the chosen token's; 0 if not needed
     top_token_ids: jax.Array  # (R, K) int32, K = min(MAX_LOGPROBS, V), logprob desc
     top_logprobs: jax.Array  # (R, K) float32; 0 if not needed
 
@@ -63,7 +68,7 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     # logits: (R, V) float32
     processed = logits
     if batch.aux_token_ids.shape[1] > 0:
-        processed = apply_penalties(logits, batch)  # (R, V) float32
+        processed = process_logits(logits, batch)  # (R, V) float32
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # (R,) bool
     greedy_ids = first_argmax(processed)  # (R,) int32
     token_ids = jax.lax.cond(  # (R,) int32
@@ -71,10 +76,10 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
         lambda: greedy_ids,
         lambda: jnp.where(is_greedy, greedy_ids, _random_sample(processed, batch)),
     )
-    chosen, top_ids, top_lps = jax.lax.cond(
-        batch.need_logprobs, _raw_logprobs, _zero_logprobs, logits, token_ids
+    chosen, ranks, top_ids, top_lps = jax.lax.cond(
+        batch.need_logprobs, raw_logprobs, _zero_logprobs, logits, token_ids
     )
-    return SamplerOutput(token_ids, chosen, top_ids, top_lps)
+    return SamplerOutput(token_ids, chosen, ranks, top_ids, top_lps)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -90,21 +95,40 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, vocab - 1)
 
 
-def apply_penalties(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
-    """Ban kind-3 tokens, then apply repetition, frequency and presence penalties."""
+def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """Keep only allowed tokens (rows that name some), ban banned ones, add logit biases, then apply
+    repetition, frequency and presence penalties."""
     # logits: (R, V) float32
-    output_counts, seen, banned = _token_stats(batch, logits.shape[1])
-    logits = jnp.where(banned, -jnp.inf, logits)  # (R, V) float32
+    stats = _token_stats(batch, logits.shape[1])
+    restrict = jnp.any(batch.aux_token_kind == KIND_ALLOWED, axis=-1, keepdims=True)  # (R, 1) bool
+    logits = jnp.where((restrict & ~stats.allowed) | stats.banned, -jnp.inf, logits)  # (R, V) float32
+    logits = logits + stats.bias
+    return apply_penalties(logits, batch, stats)
+
+
+def apply_penalties(logits: jax.Array, batch: SamplingBatch, stats: "TokenStats") -> jax.Array:
+    """Apply repetition, frequency and presence penalties (vLLM's order)."""
+    # logits: (R, V) float32
+    output_counts, seen = stats.output_counts, stats.seen
     rep = jnp.where(seen, batch.repetition_penalty[:, None], 1.0)  # (R, V) float32
     logits = jnp.where(logits > 0, logits / rep, logits * rep)  # (R, V) float32
     logits = logits - batch.frequency_penalty[:, None] * output_counts
     return logits - batch.presence_penalty[:, None] * (output_counts > 0)
 
 
-def _token_stats(
-    batch: SamplingBatch, vocab_size: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Scatter the aux tokens into per-row output counts, seen mask and ban mask."""
+@dataclasses.dataclass(frozen=True)
+class TokenStats:
+    """The aux tokens of a SamplingBatch scattered over the vocabulary."""
+
+    output_counts: jax.Array  # (R, V) int32 times each token was generated
+    seen: jax.Array  # (R, V) bool in the prompt or the output
+    banned: jax.Array  # (R, V) bool
+    allowed: jax.Array  # (R, V) bool named by allowed_token_ids
+    bias: jax.Array  # (R, V) float32 logit bias
+
+
+def _token_stats(batch: SamplingBatch, vocab_size: int) -> TokenStats:
+    """Scatter the aux tokens into per-row counts, masks and biases."""
     num_rows = batch.aux_token_ids.shape[0]
     rows = jnp.arange(num_rows)[:, None]  # (R, 1) int32
     # Padding (-1) goes to bin V, which is out of range and dropped by the scatter.
@@ -116,7 +140,10 @@ def _token_stats(
     empty = jnp.zeros((num_rows, vocab_size), jnp.bool_)
     seen = empty.at[rows, ids].max(is_output | (kind == KIND_PROMPT), mode="drop")
     banned = empty.at[rows, ids].max(kind == KIND_BANNED, mode="drop")
-    return output_counts, seen, banned  # (R, V) int32, (R, V) bool, (R, V) bool
+    allowed = empty.at[rows, ids].max(kind == KIND_ALLOWED, mode="drop")
+    bias_values = jnp.where(kind == KIND_BIAS, batch.aux_values, 0.0)  # (R, P) float32
+    bias = jnp.zeros((num_rows, vocab_size), jnp.float32).at[rows, ids].add(bias_values, mode="drop")
+    return TokenStats(output_counts, seen, banned, allowed, bias)
 
 
 def _random_sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
@@ -198,35 +225,38 @@ def _sorted_threshold(
 
 
 def _gumbel_noise(seeds: jax.Array, sample_index: jax.Array, vocab_size: int) -> jax.Array:
-    """Per-row Gumbel noise keyed only by (seed, sample_index), so rows are independent."""
-    # seeds: (R,) uint32; sample_index: (R,) int32
+    """Per-row Gumbel noise keyed only by (64-bit seed, sample_index), so rows are independent."""
+    # seeds: (R, 2) uint32 low and high words; sample_index: (R,) int32
 
     def row_noise(seed: jax.Array, index: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(seed), index)
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), index)
         return jax.random.gumbel(key, (vocab_size,), jnp.float32)  # (V,) float32
 
     return jax.vmap(row_noise)(seeds, sample_index)  # (R, V) float32
 
 
-def _raw_logprobs(
+def raw_logprobs(
     logits: jax.Array, token_ids: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Chosen-token and top-K logprobs under log_softmax of the raw logits."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Logprob and exact rank of each row's token, and the top-K logprobs, under log_softmax of the
+    raw logits (also used for prompt logprobs, where the token is the next prompt token)."""
     # logits: (R, V) float32; token_ids: (R,) int32
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # (R, V) float32
     chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]  # (R,)
+    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)  # (R,) int32
     top_lps, top_ids = jax.lax.top_k(logprobs, _num_top(logits))  # (R, K) each
-    return chosen, top_ids.astype(jnp.int32), top_lps
+    return chosen, ranks, top_ids.astype(jnp.int32), top_lps
 
 
 def _zero_logprobs(
     logits: jax.Array, token_ids: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Zero placeholders shaped like _raw_logprobs' results."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Zero placeholders shaped like raw_logprobs' results."""
     # logits: (R, V) float32; token_ids: (R,) int32
     shape = (logits.shape[0], _num_top(logits))
     return (
         jnp.zeros(token_ids.shape, jnp.float32),  # (R,) float32
+        jnp.zeros(token_ids.shape, jnp.int32),  # (R,) int32
         jnp.zeros(shape, jnp.int32),  # (R, K) int32
         jnp.zeros(shape, jnp.float32),  # (R, K) float32
     )

@@ -1,13 +1,27 @@
-"""User-facing sampling parameters, with vLLM's field names, defaults and checks."""
+"""User-facing sampling parameters, with vLLM's field names, defaults and checks.
+
+Every numeric field is range-checked here against the array it is later packed into (int32 ids and
+counts, float32 values, a 64-bit seed), so no value that passes can fail inside an engine step.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import ClassVar
 
 # Temperatures below this are treated as greedy decoding (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE_EPS = 1e-5
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+# Longest token lists a request may send; they bound the sampler's per-row token list (batch.py).
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 64
 
 
 def _is_int(value: object) -> bool:
@@ -15,10 +29,23 @@ def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_range(name: str, value: float, low: float, high: float) -> None:
-    """Raise ValueError unless low <= value <= high."""
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}.")
+def _is_real(value: object) -> bool:
+    """True for a Python or numpy real number that is not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    """ValueError unless `value` is a finite number in [low, high] (or (low, high] when `low_open`)."""
+    ok = _is_real(value) and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be a finite number in {bracket}{low}, {high}], got {value!r}.")
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    """ValueError unless `value` is an int in [low, high]."""
+    if not _is_int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}.")
 
 
 @dataclasses.dataclass
@@ -26,9 +53,14 @@ class SamplingParams:
     """How to sample one request's output tokens (see vLLM's SamplingParams).
 
     `stop` and `stop_token_ids` are normalised to lists; `top_k` of -1 and 0
-    both mean "no limit"; `max_tokens=None` means "until max_model_len";
-    `logprobs=None` returns no logprobs, `logprobs=k` returns the chosen
-    token's logprob plus the top-k alternatives.
+    both mean "no limit"; `max_tokens=None` means "until max_model_len" and
+    `max_tokens=0` generates nothing (the prompt is still run, for
+    `prompt_logprobs`); `logprobs=None` returns no logprobs, `logprobs=k` returns
+    the chosen token's logprob plus the top-k alternatives; `prompt_logprobs=k`
+    does the same for every prompt token after the first. `logit_bias` adds to
+    the logits of token ids, `allowed_token_ids` keeps only those ids, and
+    `bad_words` bans each word's last token wherever the output already ends with
+    the rest of it. `truncate_prompt_tokens=k` keeps the prompt's last k tokens.
     """
 
     MAX_LOGPROBS: ClassVar[int] = 20
@@ -44,21 +76,27 @@ class SamplingParams:
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self.stop = self._normalise_stop(self.stop)
-        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+        self.stop_token_ids = self._normalise_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         self._verify_sampling_args()
         self._verify_length_args()
         self._verify_output_args()
+        self._verify_logits_processing_args()
 
     @staticmethod
     def _normalise_stop(stop: str | list[str] | None) -> list[str]:
@@ -70,46 +108,36 @@ class SamplingParams:
         return stops
 
     @staticmethod
-    def _normalise_stop_token_ids(ids: list[int] | None) -> list[int]:
-        """Return `stop_token_ids` as a list of non-negative ints."""
+    def _normalise_token_ids(name: str, ids: list[int] | None, max_len: int) -> list[int]:
+        """Return a token-id list as a list of at most `max_len` ints in [0, 2**31 - 1]."""
         ids = list(ids or [])
+        if len(ids) > max_len:
+            raise ValueError(f"{name} may name at most {max_len} token ids, got {len(ids)}.")
         for token_id in ids:
-            if not _is_int(token_id) or token_id < 0:
-                raise ValueError(
-                    f"stop_token_ids must contain only ints >= 0, got {token_id!r}."
-                )
-        return ids
+            if not _is_int(token_id) or not 0 <= token_id <= INT32_MAX:
+                raise ValueError(f"{name} must contain only ints in [0, {INT32_MAX}], got {token_id!r}.")
+        return [int(token_id) for token_id in ids]
 
     def _verify_sampling_args(self) -> None:
         """Check the fields that shape the next-token distribution."""
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}.")
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        if not self.repetition_penalty > 0.0:
+        _check_int("n", self.n, 1, INT32_MAX)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, low_open=True)
+        _check_float("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
             raise ValueError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}."
+                f"top_k must be -1 or 0 (no limit) or an int in [1, {INT32_MAX}], got {self.top_k!r}."
             )
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be -1 or 0 (no limit) or an int >= 1, got {self.top_k!r}."
-            )
-        _check_range("min_p", self.min_p, 0.0, 1.0)
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
 
     def _verify_length_args(self) -> None:
-        """Check max_tokens and min_tokens."""
-        if self.max_tokens is not None and (
-            not _is_int(self.max_tokens) or self.max_tokens < 1
-        ):
-            raise ValueError(
-                f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}."
-            )
+        """Check max_tokens, min_tokens and truncate_prompt_tokens."""
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise ValueError(f"max_tokens must be an int >= 0 or None, got {self.max_tokens!r}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -117,16 +145,52 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-
-    def _verify_output_args(self) -> None:
-        """Check the logprobs request."""
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= self.MAX_LOGPROBS
+        if self.truncate_prompt_tokens is not None and (
+            not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
         ):
             raise ValueError(
-                f"logprobs must be an int in [0, {self.MAX_LOGPROBS}] or None, "
-                f"got {self.logprobs!r}."
+                f"truncate_prompt_tokens must be an int >= 1 or None, got {self.truncate_prompt_tokens!r}."
             )
+
+    def _verify_output_args(self) -> None:
+        """Check the logprobs requests."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= self.MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be an int in [0, {self.MAX_LOGPROBS}] or None, got {value!r}."
+                )
+
+    def _verify_logits_processing_args(self) -> None:
+        """Check logit_bias, allowed_token_ids and bad_words (ids against the vocabulary: the engine)."""
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(
+                    f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}."
+                )
+            bias = {}
+            for token_id, value in dict(self.logit_bias).items():
+                if isinstance(token_id, str) and token_id.lstrip("-").isdigit():
+                    token_id = int(token_id)  # JSON object keys are strings
+                if not _is_int(token_id) or not 0 <= token_id <= INT32_MAX:
+                    raise ValueError(f"logit_bias keys must be token ids in [0, {INT32_MAX}], got {token_id!r}.")
+                _check_float(f"logit_bias[{token_id}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+                bias[int(token_id)] = float(value)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._normalise_token_ids(
+                "allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS
+            )
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must name at least one token id when given.")
+        if self.bad_words is not None:
+            words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
+            if len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}.")
+            for word in words:
+                if not isinstance(word, str) or not word.strip():
+                    raise ValueError(f"bad_words must contain only non-blank strings, got {word!r}.")
+            self.bad_words = words
 
     @property
     def is_greedy(self) -> bool:

@@ -146,6 +146,11 @@ class Scheduler:
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             if sample is None:
                 continue
+            if request.max_tokens == 0:  # the prompt ran (for its logprobs); nothing is generated
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                changed.append(request)
+                continue
             request.output_token_ids.append(sample.token_id)
             if sample.logprobs is not None:
                 request.output_logprobs.append(sample.logprobs)

@@ -159,7 +159,7 @@ def test_bad_prompts_are_value_errors_and_queue_nothing(llm, prompt, params, mes
 @pytest.mark.parametrize(
     "kwargs,field",
     [
-        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": -1}, "max_tokens"),
         ({"temperature": -0.1}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),

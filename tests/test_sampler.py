@@ -12,15 +12,17 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from jaxserve.sampler import (  # noqa: E402
+    KIND_ALLOWED,
     KIND_BANNED,
+    KIND_BIAS,
     KIND_OUTPUT,
     KIND_PAD,
     KIND_PROMPT,
     MAX_LOGPROBS,
     SORT_PREFIX,
     SamplingBatch,
-    apply_penalties,
     apply_top_k_top_p,
+    process_logits,
     sample,
 )
 
@@ -37,13 +39,16 @@ def make_batch(num_rows, num_aux=0, need_logprobs=False, **per_row):
         "presence_penalty": np.zeros(num_rows, np.float32),
         "frequency_penalty": np.zeros(num_rows, np.float32),
         "repetition_penalty": np.ones(num_rows, np.float32),
-        "seeds": np.arange(num_rows, dtype=np.uint32),
+        "seeds": np.stack([np.arange(num_rows, dtype=np.uint32), np.zeros(num_rows, np.uint32)], axis=1),
         "sample_index": np.zeros(num_rows, np.int32),
         "aux_token_ids": np.full((num_rows, num_aux), -1, np.int32),
         "aux_token_kind": np.full((num_rows, num_aux), KIND_PAD, np.int8),
+        "aux_values": np.zeros((num_rows, num_aux), np.float32),
     }
     for name, value in per_row.items():
         dtype = columns[name].dtype
+        if name == "seeds" and np.ndim(value) < 2:  # low words only
+            value = np.stack(np.broadcast_arrays(np.asarray(value, dtype), np.uint32(0)), axis=-1)
         columns[name] = np.broadcast_to(np.asarray(value, dtype), columns[name].shape)
     return SamplingBatch(
         **{k: jnp.asarray(v) for k, v in columns.items()},
@@ -92,7 +97,7 @@ def test_penalties_hand_computed():
         1, 6, aux_token_ids=ids, aux_token_kind=kinds,
         repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
     )
-    got = np.asarray(jax.jit(apply_penalties)(logits, batch))
+    got = np.asarray(jax.jit(process_logits)(logits, batch))
     # 0: 2/2; 1: -1*2; 2: 0.5/2 - 0.5*2 - 0.25; 3: untouched; 4: 1/2 - 0.5 - 0.25.
     np.testing.assert_allclose(got, [[1.0, -2.0, -1.0, -3.0, -0.25]])
 
@@ -122,7 +127,7 @@ def test_penalties_match_numpy_reference(seed):
         num_rows, num_aux, aux_token_ids=ids, aux_token_kind=kinds,
         repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres,
     )
-    got = np.asarray(jax.jit(apply_penalties)(logits, batch))
+    got = np.asarray(jax.jit(process_logits)(logits, batch))
     np.testing.assert_allclose(
         got, reference_penalties(logits, ids, kinds, rep, freq, pres), rtol=1e-5, atol=1e-5
     )
@@ -274,6 +279,41 @@ def test_logprobs_are_raw_log_softmax_and_true_top_k():
     np.testing.assert_array_equal(out.top_token_ids, expected_ids)
     expected_lps = np.take_along_axis(raw, expected_ids, axis=-1)
     np.testing.assert_allclose(out.top_logprobs, expected_lps, rtol=1e-5, atol=1e-5)
+
+
+def test_ranks_are_exact_for_tokens_outside_the_top_k():
+    rng = np.random.default_rng(6)
+    num_rows, vocab = 256, 300
+    logits = rng.normal(size=(num_rows, vocab)).astype(np.float32)
+    out = run(logits, make_batch(num_rows, need_logprobs=True, temperature=50.0))
+    chosen = logits[np.arange(num_rows), out.token_ids]
+    np.testing.assert_array_equal(out.ranks, 1 + (logits > chosen[:, None]).sum(-1))
+    assert out.ranks.max() > MAX_LOGPROBS, "high temperature samples some tokens outside the top 20"
+
+
+def test_logit_bias_and_allowed_tokens():
+    logits = np.array([[2.0, 1.0, 0.5, -1.0, 0.0]] * 2, np.float32)
+    # Row 0: bias +3 on token 3, -5 on token 0. Row 1: only tokens 2 and 4 allowed, token 4 biased +1.
+    ids = np.array([[3, 0, -1], [2, 4, 4]], np.int32)
+    kinds = np.array([[KIND_BIAS, KIND_BIAS, KIND_PAD], [KIND_ALLOWED, KIND_ALLOWED, KIND_BIAS]], np.int8)
+    values = np.array([[3.0, -5.0, 0.0], [0.0, 0.0, 1.0]], np.float32)
+    batch = make_batch(2, 3, aux_token_ids=ids, aux_token_kind=kinds, aux_values=values)
+    got = np.asarray(jax.jit(process_logits)(logits, batch))
+    np.testing.assert_allclose(got[0], [-3.0, 1.0, 0.5, 2.0, 0.0])
+    np.testing.assert_allclose(got[1], [-np.inf, -np.inf, 0.5, -np.inf, 1.0])
+    greedy = run(logits, make_batch(2, 3, temperature=0.0, aux_token_ids=ids, aux_token_kind=kinds, aux_values=values))
+    np.testing.assert_array_equal(greedy.token_ids, [3, 4])
+    sampled = run(np.tile(logits[1:], (512, 1)), make_batch(512, 3, aux_token_ids=np.tile(ids[1:], (512, 1)),
+                                                             aux_token_kind=np.tile(kinds[1:], (512, 1)),
+                                                             aux_values=np.tile(values[1:], (512, 1))))
+    assert set(sampled.token_ids) == {2, 4}
+
+
+def test_high_seed_word_changes_the_noise():
+    logits = np.zeros((64, 50), np.float32)
+    low_only = make_batch(64, seeds=np.tile([[9, 0]], (64, 1)), sample_index=np.arange(64))
+    with_high = make_batch(64, seeds=np.tile([[9, 1]], (64, 1)), sample_index=np.arange(64))
+    assert (run(logits, low_only).token_ids != run(logits, with_high).token_ids).sum() > 32
 
 
 def test_logprob_fields_are_zero_when_not_needed():

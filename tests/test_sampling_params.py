@@ -25,10 +25,15 @@ VLLM_DEFAULTS = {
     "max_tokens": 16,
     "min_tokens": 0,
     "logprobs": None,
+    "prompt_logprobs": None,
     "include_stop_str_in_output": False,
     "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
     "detokenize": True,
+    "bad_words": None,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "truncate_prompt_tokens": None,
 }
 
 
@@ -58,7 +63,7 @@ def test_defaults_match_vllm():
         ("top_k", 2.0),
         ("min_p", -0.1),
         ("min_p", 1.1),
-        ("max_tokens", 0),
+        ("max_tokens", -1),
         ("max_tokens", 3.0),
         ("min_tokens", -1),
         ("logprobs", -1),
@@ -71,6 +76,34 @@ def test_defaults_match_vllm():
         ("stop_token_ids", [1.0]),
         ("seed", 1.5),
         ("seed", "7"),
+        # Each value below passed validation before, then overflowed the array it is packed into.
+        ("top_k", 2**31),
+        ("n", 2**31),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
+        ("stop_token_ids", [2**31]),
+        ("temperature", float("inf")),
+        ("temperature", 1e39),
+        ("repetition_penalty", float("inf")),
+        ("top_p", float("nan")),
+        ("min_p", float("nan")),
+        ("presence_penalty", float("nan")),
+        ("prompt_logprobs", -1),
+        ("prompt_logprobs", 21),
+        ("truncate_prompt_tokens", 0),
+        ("logit_bias", {1: 100.5}),
+        ("logit_bias", {1: float("nan")}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"x": 1.0}),
+        ("logit_bias", {2**31: 1.0}),
+        ("logit_bias", {i: 1.0 for i in range(301)}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [-1]),
+        ("allowed_token_ids", list(range(1025))),
+        ("stop_token_ids", list(range(65))),
+        ("bad_words", [""]),
+        ("bad_words", ["ok", 3]),
+        ("bad_words", ["w"] * 65),
     ],
 )
 def test_invalid_value_raises_naming_field(field, value):
@@ -101,11 +134,23 @@ def test_min_tokens_above_max_tokens_raises():
         ("logprobs", SamplingParams.MAX_LOGPROBS),
         ("seed", 0),
         ("seed", np.int64(3)),
+        ("seed", 2**63 - 1),
+        ("seed", -(2**63)),
+        ("top_k", 2**31 - 1),
         ("n", 4),
+        ("max_tokens", 0),
+        ("prompt_logprobs", 0),
+        ("truncate_prompt_tokens", 1),
+        ("allowed_token_ids", [0]),
+        ("bad_words", ["word"]),
     ],
 )
 def test_boundary_values_accepted(field, value):
     assert getattr(SamplingParams(**{field: value}), field) == value
+
+
+def test_logit_bias_keys_from_json_become_ints():
+    assert SamplingParams(logit_bias={"5": 1.5, 7: -100}).logit_bias == {5: 1.5, 7: -100.0}
 
 
 def test_stop_is_normalised_to_lists():

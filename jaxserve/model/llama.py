@@ -75,7 +75,9 @@ def forward(
     attention: AttentionFn,
     write_kv: WriteKVFn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One model step over a padded ragged batch: returns (logits (R, V) float32, k_cache, v_cache).
+    """One model step over a padded ragged batch: returns (logits (R, V) float32, hidden (T, H), k_cache,
+    v_cache), where `hidden` is every token's last hidden state before the final norm (for prompt
+    logprobs: keeping it costs nothing, it is the layer loop's carry).
 
     `num_kv_heads` is the number of KV heads held in the cache, which is the checkpoint's count
     or, when tensor parallelism is wider than that, the replicated count.
@@ -102,10 +104,16 @@ def forward(
     layers = jnp.arange(spec.num_layers, dtype=jnp.int32)  # (L,)
     (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, (x, k_cache, v_cache), (params["layers"], layers))
 
-    last = rms_norm(x[batch.logits_indices], params["final_norm"], spec.rms_norm_eps)  # (R, H)
+    logits = token_logits(params, x[batch.logits_indices], spec)  # (R, V) float32
+    return logits, x, k_cache, v_cache
+
+
+def token_logits(params: dict, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
+    """Final norm and LM head over some tokens' last hidden states."""
+    # hidden: (N, H) -> (N, V) float32
+    normed = rms_norm(hidden, params["final_norm"], spec.rms_norm_eps)  # (N, H)
     lm_head = params["embed"].T if spec.tie_word_embeddings else params["lm_head"]  # (H, V)
-    logits = jnp.dot(last, lm_head, preferred_element_type=jnp.float32)  # (R, V)
-    return logits, k_cache, v_cache
+    return jnp.dot(normed, lm_head, preferred_element_type=jnp.float32)
 
 
 def _qkv(h: jax.Array, p: dict, spec: ModelSpec, num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -125,7 +133,7 @@ def _qkv(h: jax.Array, p: dict, spec: ModelSpec, num_kv_heads: int) -> tuple[jax
 
 
 def make_forward(spec: ModelSpec, num_kv_heads: int, attention: AttentionFn, write_kv: WriteKVFn) -> Callable:
-    """Bind the static model configuration; the result maps (params, k, v, batch) to (logits, k, v)."""
+    """Bind the static model configuration; the result maps (params, k, v, batch) to (logits, hidden, k, v)."""
 
     def bound(params, k_cache, v_cache, batch):
         return forward(
