@@ -97,10 +97,12 @@ class AsyncLLMEngine:
     """Serve an LLMEngine to asyncio code.
 
     `on_outputs(outputs)` is called on the engine thread with every batch of outputs it publishes,
-    including the final output of every request whatever ended it (the metrics hook). `max_waiting_requests` bounds the requests accepted but not
-    yet started; past it `submit` raises EngineOverloadedError. A reader wakes every
-    `stream_interval` tokens (and for the first and the last output): vLLM's option, which trades
-    streaming smoothness for less host work per token.
+    including the final output of every request whatever ended it, and `on_step(before, after)` after
+    every engine step that ran, with the engine counters (EngineCore.stats) before and after it: the
+    metrics hooks; both run on the engine thread, so they must be cheap. `max_waiting_requests` bounds
+    the requests accepted but not yet started; past it `submit` raises EngineOverloadedError. A reader
+    wakes every `stream_interval` tokens (and for the first and the last output): vLLM's option, which
+    trades streaming smoothness for less host work per token.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class AsyncLLMEngine:
         max_waiting_requests: int = 1024,
         on_outputs: Callable[[list[RequestOutput]], None] | None = None,
         stream_interval: int = 1,
+        on_step: Callable[[dict, dict], None] | None = None,
     ):
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
@@ -119,6 +122,7 @@ class AsyncLLMEngine:
         self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.model_path)
         self.max_waiting_requests = max_waiting_requests
         self._on_outputs = on_outputs
+        self._on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._num_unstarted = 0  # event loop only
@@ -217,7 +221,7 @@ class AsyncLLMEngine:
             while self._apply_commands(block=not self.engine.has_unfinished_requests()):
                 if self.engine.has_unfinished_requests():
                     self._publish(self.engine.step())
-                self._stats = self.engine.stats()
+                self._publish_stats(self.engine.stats())
         except BaseException as error:  # the loop must never die silently: fail every request
             logger.exception("the engine loop failed")
             self.error = error
@@ -245,6 +249,16 @@ class AsyncLLMEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _publish_stats(self, stats: dict) -> None:
+        """Hand the step `stats` closes (if one ran) to on_step, then make `stats` the snapshot the event
+        loop reads (so a snapshot never runs ahead of the step metrics)."""
+        if self._on_step is not None and stats["steps"] > self._stats["steps"]:
+            try:
+                self._on_step(self._stats, stats)
+            except Exception:  # a metrics hook must not take serving down
+                logger.exception("the on_step hook failed")
+        self._stats = stats
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if not outputs:

@@ -24,10 +24,13 @@ class FakeEngine:
     token per step. `gate` (set by default) holds steps back; `fail` makes the next step raise."""
 
     def __init__(self):
-        self.config = SimpleNamespace(tokenizer=None, scheduling_policy="fcfs")
+        self.config = SimpleNamespace(tokenizer=None, scheduling_policy="fcfs", page_size=16, num_pages=None,
+                                      enable_prefix_caching=False, gpu_memory_utilization=0.9)
         self.model_path = default_model_path()
         self.max_model_len = 128
-        self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096))
+        self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096), num_pages=11,
+                                    runner=SimpleNamespace(k_cache=SimpleNamespace(dtype="float32")))
+        self.generation_defaults = {}
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
@@ -70,7 +73,7 @@ class FakeEngine:
 
     def stats(self):
         return {"num_requests_running": len(self.running), "num_requests_waiting": 0, "kv_pages_free": 10,
-                "kv_pages_total": 10, "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+                "kv_pages_total": 10, "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": self.steps}
 
     @staticmethod
     def _output(request_id, num_tokens, finish_reason):

@@ -1,8 +1,10 @@
 """Prometheus metrics with vLLM's names, so existing dashboards and the inference gateway work.
 
-Gauges and token counters are read from the engine's counters at scrape time. On the engine
-thread, each published batch of outputs observes the time between tokens, and each finished
-request its end-to-end, first-token and queue latencies and `request_success_total`.
+Gauges and token counters are read from the engine's counters at scrape time; `cache_config_info`
+is set once. On the engine thread, each engine step observes its tokens (`iteration_tokens_total`),
+each published batch of outputs the time between tokens, and each finished request its latencies
+(end-to-end, first token, queue, inference, prefill, decode), its sizes (prompt and generated
+tokens, `n`, `max_tokens`) and `request_success_total`. The new histograms use vLLM's buckets.
 Every name starts with `<prefix>:` (`jaxserve:` by default, `vllm:` for drop-in dashboards) and
 carries a `model_name` label.
 """
@@ -12,14 +14,48 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from jaxserve.engine import LLMEngine
 from jaxserve.outputs import RequestOutput
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 FIRST_TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 PER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+# vLLM's boundaries (vllm/v1/metrics/loggers.py) for the histograms it defines and we added later.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+INTER_TOKEN_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                         10.0, 20.0, 40.0, 80.0)
+REQUEST_PHASE_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_model_len`: vLLM's buckets for per-request token counts."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+def cache_config_info(engine: LLMEngine) -> dict[str, str]:
+    """The engine's KV-cache configuration as `cache_config_info` labels, under vLLM's CacheConfig names
+    (a block is a page; `num_gpu_blocks` counts the null page, as vLLM's counts its null block)."""
+    config = engine.config
+    return {
+        "block_size": str(config.page_size),
+        "cache_dtype": str(engine.core.runner.k_cache.dtype),
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "num_gpu_blocks": str(engine.core.num_pages),
+        "num_gpu_blocks_override": str(config.num_pages),
+        "swap_space": "0",  # GiB of host swap: swapping is not implemented
+    }
 
 
 class _EngineCollector:
@@ -60,9 +96,14 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    """The server's Prometheus registry."""
+    """The server's Prometheus registry.
 
-    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict]):
+    `max_model_len` sets the buckets of the token-count histograms; `cache_config` (see
+    `cache_config_info`) labels the constant `cache_config_info` gauge.
+    """
+
+    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict], max_model_len: int,
+                 cache_config: dict[str, str]):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(prefix, model_name, stats))
         self.model_name = model_name
@@ -81,8 +122,40 @@ class ServerMetrics:
             "time_per_output_token_seconds", "Time between consecutive output tokens of a request.",
             PER_TOKEN_BUCKETS_S,
         )
+        self.inter_token = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens of a request (vLLM V1's name).",
+            INTER_TOKEN_BUCKETS_S,
+        )
         self._last_output: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time) of its last output
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS_S)
+        self.inference_time = histogram(
+            "request_inference_time_seconds", "First scheduled to finished.", REQUEST_PHASE_BUCKETS_S
+        )
+        self.prefill_time = histogram(
+            "request_prefill_time_seconds", "First scheduled to the first token.", REQUEST_PHASE_BUCKETS_S
+        )
+        self.decode_time = histogram("request_decode_time_seconds", "First token to finished.", REQUEST_PHASE_BUCKETS_S)
+        token_buckets = token_count_buckets(max_model_len)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens of a finished request.", token_buckets)
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Tokens a finished request generated, over all its samples.", token_buckets
+        )
+        self.params_n = histogram("request_params_n", "The n (samples) of a finished request.", PARAMS_N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "request_params_max_tokens", "The output budget of each sample of a finished request (max_tokens, "
+            "or what fits in max_model_len when unset).", token_buckets,
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens per engine step: the prompts of the requests that produced their "
+            "first token in it plus the tokens it generated.", ITERATION_TOKEN_BUCKETS,
+        )
+        Gauge(f"{prefix}:cache_config_info", "The engine's KV-cache configuration (value 1, in the labels).",
+              ["model_name", *cache_config], registry=self.registry).labels(model_name, *cache_config.values()).set(1)
+
+    def observe_step(self, before: dict, after: dict) -> None:
+        """Record one engine step from the engine counters (EngineCore.stats) before and after it."""
+        prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]
+        self.iteration_tokens.observe(prompt_tokens + after["generation_tokens"] - before["generation_tokens"])
 
     def observe_outputs(self, outputs: list[RequestOutput], now: float | None = None) -> None:
         """Record one published batch of outputs: the time between tokens of every request that moved
@@ -96,22 +169,37 @@ class ServerMetrics:
                 gap = (now - seen[1]) / (num_tokens - seen[0])
                 for _ in range(num_tokens - seen[0]):
                     self.per_output_token.observe(gap)
+                    self.inter_token.observe(gap)
             if output.finished:
                 self._observe_finished(output)
             elif num_tokens:
                 self._last_output[output.request_id] = (num_tokens, now)
 
     def _observe_finished(self, output: RequestOutput) -> None:
-        """Record a finished request (any finish reason)."""
-        times = output.metrics
+        """Record a finished request (any finish reason): its samples' finish reasons, sizes and latencies."""
         for completion in output.outputs:
             self.request_success.labels(self.model_name, completion.finish_reason).inc()
-        if times.finished_time is not None:
-            self.e2e_latency.observe(times.finished_time - times.arrival_time)
-        if times.first_scheduled_time is not None:
-            self.queue_time.observe(times.first_scheduled_time - times.arrival_time)
-        if times.first_token_time is not None:
-            self.first_token.observe(times.first_token_time - times.arrival_time)
+        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+        self.params_n.observe(len(output.outputs))
+        if output.metrics.max_tokens is not None:
+            self.params_max_tokens.observe(output.metrics.max_tokens)
+        self._observe_latencies(output)
+
+    def _observe_latencies(self, output: RequestOutput) -> None:
+        """Observe each phase of a finished request whose two ends it reached (an abort may miss some)."""
+        t = output.metrics
+        phases = (
+            (self.e2e_latency, t.arrival_time, t.finished_time),
+            (self.queue_time, t.arrival_time, t.first_scheduled_time),
+            (self.first_token, t.arrival_time, t.first_token_time),
+            (self.inference_time, t.first_scheduled_time, t.finished_time),
+            (self.prefill_time, t.first_scheduled_time, t.first_token_time),
+            (self.decode_time, t.first_token_time, t.finished_time),
+        )
+        for histogram, start, end in phases:
+            if start is not None and end is not None:
+                histogram.observe(end - start)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
