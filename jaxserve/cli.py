@@ -17,6 +17,7 @@ ENGINE_FLAGS = (
     "model", "tokenizer", "dtype", "max_model_len", "page_size", "num_pages", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
+    "cpu_kv_cache_gib", "min_token_bucket", "generation_config",
 )
 
 
@@ -44,6 +45,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=list(VALID_ATTENTION_BACKENDS))
     parser.add_argument("--seed", type=int)
     parser.add_argument("--compilation-cache-dir", help="JAX's persistent compilation cache folder")
+    parser.add_argument("--cpu-kv-cache-gib", type=float, help="KV pool size on the CPU when --num-pages is not given")
+    parser.add_argument("--min-token-bucket", type=int, help="smallest padded token count of a step")
+    parser.add_argument("--generation-config",
+                        help="sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder")
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -83,6 +88,10 @@ def serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, max_n=args.max_n, max_prompts=args.max_prompts,
         max_body_bytes=args.max_body_bytes,
         metrics_prefix=args.metrics_prefix, stream_interval=args.stream_interval,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+        enable_server_load_tracking=args.enable_server_load_tracking,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
@@ -126,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--metrics-prefix", default="jaxserve", help="prefix of the Prometheus metric names (vllm for drop-in dashboards)")
     srv.add_argument("--stream-interval", type=int, default=1,
                      help="stream every N tokens (vLLM's option): larger values cost less host work per token")
+    srv.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                     help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
+    srv.add_argument("--enable-server-load-tracking", action="store_true",
+                     help="count requests in flight on the generation routes, for GET /load")
+    srv.add_argument("--enable-force-include-usage", action="store_true",
+                     help="end every stream with a usage chunk, whether the request asks for it or not")
+    srv.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="add usage.prompt_tokens_details (cached_tokens) to responses")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.set_defaults(handler=serve)
     return parser
