@@ -62,6 +62,15 @@ def test_seeds_use_all_64_bits(llm):
     assert _tokens(llm, temperature=1.0, seed=-5) == sampled[-5]
 
 
+def test_every_sampled_token_has_its_exact_rank(llm):
+    (output,) = llm.generate(PROMPT, SamplingParams(temperature=20.0, seed=0, max_tokens=24, logprobs=0,
+                                                    ignore_eos=True), use_tqdm=False)
+    completion = output.outputs[0]
+    ranks = [entries[token].rank for token, entries in zip(completion.token_ids, completion.logprobs)]
+    assert all(isinstance(rank, int) and rank >= 1 for rank in ranks)
+    assert max(ranks) > 20, "at temperature 20 some samples come from outside the top 20"
+
+
 def test_truncate_prompt_tokens_keeps_the_tail(llm):
     (output,) = llm.generate(PROMPT, SamplingParams(max_tokens=2, truncate_prompt_tokens=3), use_tqdm=False)
     assert output.prompt_token_ids == PROMPT["prompt_token_ids"][-3:]
