@@ -239,7 +239,7 @@ class AsyncLLMEngine:
             if command[0] == "add":
                 try:
                     self.engine.submit(command[1], command[2])
-                except ValueError as error:  # this request is bad; the engine is fine
+                except Exception as error:  # this request is bad; the engine is fine
                     self._loop.call_soon_threadsafe(self._fail_stream, command[1], error)
             else:
                 final = self.engine.abort_request(command[1])

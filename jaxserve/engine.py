@@ -131,9 +131,15 @@ class LLMEngine:
     def submit(self, request_id: str, made: tuple[str | None, list[Request]]) -> None:
         """Queue engine requests built by `make_requests`."""
         text, children = made
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
         self.output_processor.add_request(request_id, text, children)
-        for child in children:
-            self.core.add_request(child)
+        try:
+            for child in children:
+                self.core.add_request(child)
+        except Exception:
+            self.abort_request(request_id)  # nothing of a request that could not be queued stays behind
+            raise
 
     def _check_vocabulary(self, params: SamplingParams) -> None:
         """ValueError naming the field when a token id of `params` is outside the vocabulary."""

@@ -101,6 +101,10 @@ class OutputProcessor:
             cumulative_logprob=0.0 if params.logprobs is not None else None,
         )
 
+    def has_request(self, request_id: str) -> bool:
+        """True while the user request `request_id` is tracked (queued or running)."""
+        return request_id in self._requests
+
     def child_ids(self, request_id: str) -> list[str]:
         """Engine request ids of a user request's samples."""
         state = self._requests.get(request_id)

@@ -167,3 +167,26 @@ def test_offline_defaults_come_from_the_engine(llm, monkeypatch):
 
 def test_every_engine_option_has_a_flag():
     assert set(ENGINE_FLAGS) == {field.name for field in dataclasses.fields(EngineConfig)}
+
+
+def test_a_request_that_cannot_be_queued_leaves_nothing_behind(llm, monkeypatch):
+    engine = llm.engine
+    engine.add_request("dup", PROMPT["prompt_token_ids"], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", PROMPT["prompt_token_ids"], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    calls = []
+
+    def add_then_fail(request):
+        calls.append(request.request_id)
+        if len(calls) == 2:
+            raise RuntimeError("queue full")
+        original(request)
+
+    original = engine.core.add_request
+    monkeypatch.setattr(engine.core, "add_request", add_then_fail)
+    with pytest.raises(RuntimeError):
+        engine.add_request("two", PROMPT["prompt_token_ids"], SamplingParams(n=2, max_tokens=2))
+    assert not engine.has_unfinished_requests() and not engine.output_processor.has_request("two")
+    _assert_pool_whole(llm)
