@@ -44,8 +44,10 @@ BAD_COMPLETIONS = [
     pytest.param({**GOOD, "prompt": [1, 2, 10**9]}, "prompt", "vocabulary", id="token-outside-vocabulary"),
     pytest.param({**GOOD, "prompt": "x " * 400}, "prompt", "max_model_len", id="prompt-over-max_model_len"),
     pytest.param({**GOOD, "prompt": ["a", "b", "c", "d", "e"]}, "prompt", "1 to 4", id="too-many-prompts"),
-    pytest.param({**GOOD, "echo": True}, "echo", "not supported", id="echo"),
-    pytest.param({**GOOD, "logit_bias": {"5": 10}}, "logit_bias", "not supported", id="logit_bias"),
+    pytest.param({**GOOD, "guided_json": {"type": "object"}}, "guided_json", "not supported", id="guided_json"),
+    pytest.param({**GOOD, "response_format": {"type": "json_object"}}, "response_format", "not supported",
+                 id="response_format"),
+    pytest.param({**GOOD, "logit_bias": {"5": 101}}, "logit_bias", "logit_bias", id="logit_bias-range"),
     pytest.param({**GOOD, "priority": 3}, "priority", "scheduling-policy", id="priority-under-fcfs"),
     pytest.param({**GOOD, "min_tokens": 9}, "min_tokens", "min_tokens", id="min_tokens-over-max_tokens"),
 ]

@@ -20,6 +20,10 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     metrics_prefix: str = "jaxserve"
     stream_interval: int = 1  # tokens per streamed chunk (vLLM's --stream-interval)
+    enable_force_include_usage: bool = False  # a usage chunk ends every stream, asked for or not (vLLM's flag)
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (vLLM's flag)
+    enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (404 when off, as in vLLM)
+    enable_server_load_tracking: bool = False  # GET /load counts requests in flight on the generation routes
 
     def __post_init__(self):
         for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s",

@@ -1,30 +1,105 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their translation to SamplingParams.
 
-Field names and defaults follow OpenAI's API, plus vLLM's common extras (`top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`, ...). Unknown
-fields are ignored, as OpenAI-compatible servers do; fields that would change the result but are
-not supported (`echo`, `suffix`, `logit_bias`, `tools`, ...) are refused with a 400 that names them.
+Field names, defaults and checks follow OpenAI's API plus vLLM's extras (`top_k`, `min_p`,
+`repetition_penalty`, `prompt_logprobs`, `allowed_token_ids`, `bad_words`, `return_token_ids`,
+`truncate_prompt_tokens`, ...). Sampling fields default to None ("unset"), so that the model's
+generation_config.json defaults can fill them. Unknown fields are kept (`extra="allow"`) and ignored,
+as OpenAI-compatible servers do, except the fields of OpenAI's and vLLM's APIs that would change the
+result and that this server does not implement (`UNSUPPORTED_FIELDS`: guided decoding, tools, beam
+search, ...): those are refused with a 400 that names them unless they hold their neutral value.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from jaxserve.server.errors import APIError
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value in ("", [], {})
+
+
+def _false(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _one_of(*neutral: Any) -> Callable[[Any], bool]:
+    """A test that accepts None and the `neutral` values."""
+    return lambda value: value is None or value in neutral
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+_GUIDED = "guided decoding (structured outputs) is not implemented"
+_TOOLS = "tool calling is not implemented"
+_BEAM = "beam search is not implemented"
+
+# Fields of OpenAI's and vLLM's APIs that would change the result and that this server does not
+# implement: name -> (the test for values that change nothing, why the field is refused).
+UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "guided_json": (_unset, _GUIDED),
+    "guided_regex": (_unset, _GUIDED),
+    "guided_choice": (_unset, _GUIDED),
+    "guided_grammar": (_unset, _GUIDED),
+    "guided_whitespace_pattern": (_unset, _GUIDED),
+    "guided_decoding_backend": (_unset, _GUIDED),
+    "structural_tag": (_unset, _GUIDED),
+    "structured_outputs": (_unset, _GUIDED),
+    "response_format": (_text_format, _GUIDED + "; only {\"type\": \"text\"} is accepted"),
+    "tools": (_empty, _TOOLS),
+    "tool_choice": (_one_of("none"), _TOOLS),
+    "functions": (_empty, _TOOLS),
+    "function_call": (_one_of("none"), _TOOLS),
+    "use_beam_search": (_false, _BEAM),
+    "length_penalty": (_one_of(1.0), _BEAM),
+    "early_stopping": (_false, _BEAM),
+    "suffix": (_empty, "the served models have no fill-in-the-middle support"),
+    "prompt_embeds": (_unset, "prompts must be text or token ids"),
+    "logits_processors": (_empty, "custom logits processors are not supported"),
+    "vllm_xargs": (_empty, "custom extensions are not supported"),
+    "logprob_token_ids": (_unset, "logprobs of chosen token ids are not implemented"),
+    "return_tokens_as_token_ids": (_false, "tokens are always returned as text"),
+    "truncation_side": (_one_of("left"), "truncate_prompt_tokens always keeps the last tokens"),
+    "watermarking": (_false, "watermarking is not implemented"),
+    "thinking_token_budget": (_one_of(-1), "thinking budgets are not implemented"),
+    "repetition_detection": (_unset, "repetition detection is not implemented"),
+    "kv_transfer_params": (_unset, "disaggregated serving is not implemented"),
+    "chat_template": (_unset, "only the model's own chat template is used"),
+    "documents": (_empty, "chat templates get no documents"),
+}
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: `include_usage` adds a last chunk that carries the token counts."""
+    """`stream_options`, with vLLM's defaults: `include_usage` adds a last chunk that carries the token
+    counts, `continuous_usage_stats` puts the counts so far in every chunk too."""
 
-    include_usage: bool = False
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    # Fields this route cannot honour, beyond UNSUPPORTED_FIELDS: name -> (neutral-value test, why).
+    route_unsupported: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+    # SamplingParams field -> the request field its errors are about, where the names differ.
+    param_names: ClassVar[dict[str, str]] = {}
 
     model: str | None = None
     n: int = 1
@@ -33,72 +108,109 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    echo: bool = False
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    priority: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    return_token_ids: bool = False
+    cache_salt: Any = None
 
-    def unsupported_fields(self) -> list[str]:
-        """Names of set fields that this server cannot honour."""
-        return ["logit_bias"] if self.logit_bias else []
+    def check(self) -> None:
+        """APIError (400, naming the field) for unsupported fields and for values that SamplingParams
+        cannot judge."""
+        self._check_unsupported()
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs > 0:
+            raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise APIError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens must be -1 (keep as many prompt tokens as fit) or an "
+                                "int >= 1, got 0", "truncate_prompt_tokens")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request (ValueError on out-of-range values)."""
-        return SamplingParams(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            logprobs=logprobs,
+    def _check_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        for name, (neutral, why) in {**UNSUPPORTED_FIELDS, **self.route_unsupported}.items():
+            if name in extra and not neutral(extra[name]):
+                raise APIError(400, f"{name} is not supported by this server ({why}); got {extra[name]!r:.120}",
+                               name)
+        if extra.get("best_of") not in (None, self.n):
+            raise APIError(400, f"best_of is not supported by this server unless it equals n ({self.n}): ranking "
+                                f"samples is not implemented; got {extra['best_of']!r:.40}", "best_of")
+
+    def param_of(self, message: str) -> str | None:
+        """The request field an error message is about: SamplingParams' and the engine's messages start
+        with the field's name."""
+        match = re.match(r"[a-z_]+", message)
+        name = self.param_names.get(match.group(0), match.group(0)) if match else None
+        return name if name in type(self).model_fields else None
+
+    def to_sampling_params(self, defaults: dict[str, Any], max_model_len: int) -> SamplingParams:
+        """SamplingParams of this request; `defaults` (the model's generation config) fill the fields it
+        leaves unset. ValueError on out-of-range values."""
+        values = {**self._sampling_values(), **self._route_values()}
+        for name, value in defaults.items():
+            if values.get(name) is None:
+                values[name] = value
+        max_tokens = values.pop("max_tokens", None)
+        if values.get("truncate_prompt_tokens") == -1:
+            values["truncate_prompt_tokens"] = max_model_len - 1
+        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in values.items() if v is not None})
+
+    def _sampling_values(self) -> dict[str, Any]:
+        """The SamplingParams fields shared by both routes; None where the request leaves them unset."""
+        return dict(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens, logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
 
-    @property
-    def include_usage(self) -> bool:
-        """True when a streamed response must end with a usage chunk."""
-        return bool(self.stream_options and self.stream_options.include_usage)
+    def _route_values(self) -> dict[str, Any]:
+        """max_tokens, logprobs and prompt_logprobs, which each route spells its own way."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    route_unsupported: ClassVar = {
+        "add_special_tokens": (_one_of(True), "text prompts are always tokenized with special tokens"),
+    }
 
-    def unsupported_fields(self) -> list[str]:
-        names = super().unsupported_fields()
-        names += ["echo"] if self.echo else []
-        names += ["suffix"] if self.suffix else []
-        names += ["best_of"] if self.best_of not in (None, self.n) else []
-        return names
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        max_tokens = self.max_tokens
+        if max_tokens is not None and max_tokens < 1 and not (max_tokens == 0 and self.echo):
+            hint = " (0, to score the prompt without generating, needs echo=true)" if max_tokens == 0 else ""
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}{hint}", "max_tokens")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -109,9 +221,13 @@ class CompletionRequest(_SamplingFields):
             return [prompt]
         return list(prompt)
 
-    def to_sampling_params(self) -> SamplingParams:
-        """SamplingParams for each prompt of this request."""
-        return self.sampling_params(self.max_tokens, self.logprobs)
+    def _route_values(self) -> dict[str, Any]:
+        """vLLM's rules: null max_tokens means 16, and echo with logprobs asks for the prompt's logprobs."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return dict(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class TextPart(BaseModel):
@@ -140,44 +256,80 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
+    route_unsupported: ClassVar = {
+        "add_special_tokens": (_one_of(False), "the chat template alone places the special tokens"),
+    }
+    param_names: ClassVar = {"logprobs": "top_logprobs"}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    response_format: dict | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def unsupported_fields(self) -> list[str]:
-        names = super().unsupported_fields()
-        names += ["tools"] if self.tools else []
-        names += ["response_format"] if self.response_format and self.response_format.get("type") != "text" else []
-        return names
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs not in (None, 0) and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        max_tokens = getattr(self, name)
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"{name} must be at least 1, got {max_tokens}", name)
 
-    def to_sampling_params(self) -> SamplingParams:
-        """SamplingParams of this request; no max_tokens means "until max_model_len"."""
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+    def _route_values(self) -> dict[str, Any]:
+        """No max_tokens means "the model's default, else until max_model_len"; echo asks for the prompt's
+        logprobs (vLLM's rule), returned only when not streaming."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and not self.stream:
+            prompt_logprobs = self.top_logprobs or 0
+        return dict(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them."""
         return [message.for_template() for message in self.messages]
 
+    def reply_role(self) -> str:
+        """The role of the reply: the assistant's, or the last message's when the template adds no
+        generation prompt (vLLM's rule)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echo_text(self) -> str:
+        """What `echo` puts before the reply: the last message's content when its role is the reply's."""
+        last = self.conversation()[-1]
+        if not self.echo or last["role"] != self.reply_role():
+            return ""
+        return last.get("content") or ""
+
 
 class TokenizeRequest(BaseModel):
-    """POST /tokenize: either a prompt or chat messages."""
+    """POST /tokenize: a prompt, or chat messages rendered by the chat template to text and then
+    encoded (vLLM's two request shapes in one model)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    # None: vLLM's defaults, True for a prompt, False for messages (the template adds its own)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+    chat_template: str | None = None
+    tools: list[dict] | None = None
+
+    def unsupported_fields(self) -> list[str]:
+        """Set fields this server refuses: a request's own chat template (vLLM refuses it too unless
+        told to trust it) and tools (refused by /v1/chat/completions as well)."""
+        return [name for name in ("chat_template", "tools") if getattr(self, name)]
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS, ...) to the text."""
+        return self.messages is None if self.add_special_tokens is None else self.add_special_tokens
 
 
 class DetokenizeRequest(BaseModel):

@@ -2,21 +2,25 @@
 
 Every request ends by closing its streams, whatever happened (finished, bad input after some
 prompts were queued, client gone, engine failed), and closing aborts whatever still runs, so its
-pages go back to the pool at once.
+pages go back to the pool at once. A request the engine fails alone (a ValueError or RuntimeError
+from its stream, or an output with `error`) answers 400, or, streamed, one error event and the end of
+the stream without `[DONE]`; a dead engine answers 503.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import APIError, error_body
@@ -33,10 +37,14 @@ from jaxserve.server.responses import (
     TokenText,
     chat_logprobs,
     completion_logprobs,
+    prompt_logprobs_field,
     sse,
+    usage,
     usage_of,
 )
 from jaxserve.tokenizer import render_chat
+
+logger = logging.getLogger("jaxserve")
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -65,6 +73,9 @@ class OpenAIServing:
         self.token_text = TokenText(engine.tokenizer)
         self.max_model_len = engine.engine.max_model_len
         self.scheduling_policy = engine.engine.config.scheduling_policy
+        self.generation_defaults = dict(engine.engine.generation_defaults)
+        logger.info("sampling defaults from the model's generation config, for the fields a request leaves "
+                    "unset: %s", self.generation_defaults or "none")
 
     # ---- /v1/models, /tokenize, /detokenize ------------------------------------------------------
 
@@ -75,18 +86,38 @@ class OpenAIServing:
         return {"object": "list", "data": [card]}
 
     def tokenize(self, body: TokenizeRequest) -> dict:
-        """Token ids of a prompt, or of chat messages under the chat template."""
+        """Token ids of a prompt, or of chat messages rendered by the chat template to text and then
+        encoded (as vLLM); `token_strs` holds each token's string when asked for."""
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        unsupported = body.unsupported_fields()
+        if unsupported:
+            raise APIError(400, f"{', '.join(unsupported)} is not supported by this server", unsupported[0])
+        text = body.prompt if body.messages is None else self._chat_text(body)
+        tokens = self.tokenizer.encode(text, add_special_tokens=body.special_tokens())
+        token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None
+        return {"tokens": tokens, "token_strs": token_strs, "count": len(tokens), "max_model_len": self.max_model_len}
+
+    def _chat_text(self, body: TokenizeRequest) -> str:
+        """The text the chat template makes of `body.messages` (400 when it cannot be rendered)."""
         try:
-            if body.messages is not None:
-                tokens = render_chat(self.tokenizer, [m.for_template() for m in body.messages], body.add_generation_prompt)
-            else:
-                tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        except ValueError as error:
-            raise APIError(400, str(error), "messages") from error
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+            return self.tokenizer.apply_chat_template(
+                [m.for_template() for m in body.messages], tokenize=False,
+                add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
+                **(body.chat_template_kwargs or {}))
+        except (ValueError, TypeError, jinja2.TemplateError) as error:
+            raise APIError(400, f"the chat template cannot render these messages: {error}", "messages") from error
+
+    def tokenizer_info(self) -> dict:
+        """The tokenizer's configuration as vLLM's /tokenizer_info gives it: its init arguments without
+        file paths, its class and its chat template."""
+        config = {name: _json_value(value) for name, value in (self.tokenizer.init_kwargs or {}).items()
+                  if name not in ("vocab_file", "merges_file")}
+        config["tokenizer_class"] = type(self.tokenizer).__name__
+        if getattr(self.tokenizer, "chat_template", None):
+            config["chat_template"] = self.tokenizer.chat_template
+        return config
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
         """Text of token ids."""
@@ -106,23 +137,17 @@ class OpenAIServing:
         if not 1 <= len(prompts) <= self.config.max_prompts:
             raise APIError(400, f"prompt must hold 1 to {self.config.max_prompts} prompts, got {len(prompts)}", "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = self._submit(request_id, prompts, params, body.priority)
+        streams = self._submit(request_id, prompts, body, params)
         created = int(time.time())
         if body.stream:
-            chunks = self._completion_chunks(request_id, created, streams, params, body.include_usage)
-            return EngineStreamingResponse(chunks, streams)
-        outputs = await self._final_outputs(streams, raw)
+            return EngineStreamingResponse(self._completion_chunks(request_id, created, streams, body, params), streams)
+        outputs = await self._final_outputs(streams, body, raw)
         if outputs is None:
             return Response(status_code=499)
-        choices = []
-        for prompt_index, output in enumerate(outputs):
-            for c in output.outputs:
-                logprobs = None if params.logprobs is None else completion_logprobs(
-                    self.token_text, c.token_ids, c.logprobs, 0)
-                choices.append({"index": prompt_index * params.n + c.index, "text": c.text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        choices = [self._completion_choice(prompt_index * params.n + c.index, output, c, body, params)
+                   for prompt_index, output in enumerate(outputs) for c in output.outputs]
         return {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.config.served_model_name, "choices": choices, "usage": usage_of(outputs)}
+                "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs)}
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response | dict:
         """POST /v1/chat/completions."""
@@ -133,22 +158,25 @@ class OpenAIServing:
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), "messages") from error
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self._submit(request_id, [prompt], params, body.priority)
+        streams = self._submit(request_id, [prompt], body, params)
         created = int(time.time())
         if body.stream:
-            chunks = self._chat_chunks(request_id, created, streams[0], params, body.include_usage)
-            return EngineStreamingResponse(chunks, streams)
-        outputs = await self._final_outputs(streams, raw)
+            return EngineStreamingResponse(self._chat_chunks(request_id, created, streams[0], body, params), streams)
+        outputs = await self._final_outputs(streams, body, raw)
         if outputs is None:
             return Response(status_code=499)
+        output, role, echo = outputs[0], body.reply_role(), body.echo_text()
         choices = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            {"index": c.index, "message": {"role": role, "content": echo + c.text},
              "logprobs": self._chat_logprobs(params, c.token_ids, c.logprobs),
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            for c in outputs[0].outputs
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+             "token_ids": c.token_ids if body.return_token_ids else None}
+            for c in output.outputs
         ]
         return {"id": request_id, "object": "chat.completion", "created": created,
-                "model": self.config.served_model_name, "choices": choices, "usage": usage_of(outputs)}
+                "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs),
+                "prompt_logprobs": prompt_logprobs_field(self.token_text, output.prompt_logprobs),
+                "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None}
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is absent or the served model's name."""
@@ -157,28 +185,28 @@ class OpenAIServing:
                                 f"{self.config.served_model_name!r}", "model", "model_not_found")
 
     def _sampling_params(self, body: _SamplingFields) -> SamplingParams:
-        """Checks shared by both generation endpoints, then the request's SamplingParams."""
+        """Checks shared by both generation endpoints, then the request's SamplingParams, with the
+        model's generation defaults in the fields the request leaves unset."""
         self.check_model(body.model)
-        unsupported = body.unsupported_fields()
-        if unsupported:
-            raise APIError(400, f"{', '.join(unsupported)} is not supported by this server", unsupported[0])
+        body.check()
         if not 1 <= body.n <= self.config.max_n:
             raise APIError(400, f"n must be in [1, {self.config.max_n}], got {body.n}", "n")
         if body.priority != 0 and self.scheduling_policy != "priority":
             raise APIError(400, "priority needs the server to run with --scheduling-policy priority", "priority")
         try:
-            return body.to_sampling_params()
+            return body.to_sampling_params(self.generation_defaults, self.max_model_len)
         except ValueError as error:  # SamplingParams' messages start with the field they are about
-            field = str(error).split(" ", 1)[0]
-            raise APIError(400, str(error), field if field in type(body).model_fields else None) from error
+            raise APIError(400, str(error), body.param_of(str(error))) from error
 
-    def _submit(self, request_id: str, prompts: list, params: SamplingParams, priority: int) -> list[RequestStream]:
+    def _submit(self, request_id: str, prompts: list, body: _SamplingFields,
+                params: SamplingParams) -> list[RequestStream]:
         """Validate every prompt, then queue them all (or none)."""
         try:
-            made = [self.engine.make_requests(f"{request_id}-{i}", prompt, params, priority)
+            made = [self.engine.make_requests(f"{request_id}-{i}", prompt, params, body.priority)
                     for i, prompt in enumerate(prompts)]
-        except ValueError as error:
-            raise APIError(400, str(error), "prompt") from error
+        except ValueError as error:  # about the prompt, or a token id of another field
+            prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
+            raise APIError(400, str(error), body.param_of(str(error)) or prompt_field) from error
         try:
             self.engine.check_capacity(len(made))
         except EngineOverloadedError as error:
@@ -187,12 +215,14 @@ class OpenAIServing:
             raise APIError(503, str(error)) from error
         return [self.engine.submit(f"{request_id}-{i}", m) for i, m in enumerate(made)]
 
-    async def _final_outputs(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput] | None:
-        """The final output of every stream, or None when the client disconnects first."""
+    async def _final_outputs(self, streams: list[RequestStream], body: _SamplingFields,
+                             raw: Request) -> list[RequestOutput] | None:
+        """The final output of every stream, or None when the client disconnects first; a request the
+        engine failed alone is a 400."""
 
         async def last(stream: RequestStream) -> RequestOutput:
             output = None
-            async for output in stream:
+            async for output in _read(stream):
                 pass
             return output
 
@@ -202,14 +232,51 @@ class OpenAIServing:
             done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if work not in done:
                 return None
-            return work.result()
+            outputs = work.result()
         except EngineDeadError as error:
             raise APIError(503, str(error)) from error
+        except RequestFailedError as error:
+            raise APIError(400, str(error), body.param_of(str(error.__cause__))) from error
         finally:
             work.cancel()
             gone.cancel()
             for stream in streams:
                 stream.close()
+        for output in outputs:
+            if _failure(output) is not None:
+                raise APIError(400, _failure(output))
+        return outputs
+
+    def _usage(self, outputs: list[RequestOutput]) -> dict:
+        return usage_of(outputs, self.config.enable_prompt_tokens_details)
+
+    def _stream_usage(self, body: _SamplingFields) -> tuple[bool, bool]:
+        """(a usage chunk ends the stream, every chunk carries the counts so far), as vLLM decides them."""
+        options = body.stream_options
+        include = self.config.enable_force_include_usage or (options is not None and options.include_usage)
+        return include, include and options is not None and options.continuous_usage_stats
+
+    def _prompt_text(self, output: RequestOutput, params: SamplingParams) -> str:
+        """The prompt as echo repeats it: its text, or its ids decoded when it was given as ids or truncated."""
+        if output.prompt is not None and params.truncate_prompt_tokens is None:
+            return output.prompt
+        return self.tokenizer.decode(output.prompt_token_ids)
+
+    def _completion_choice(self, index: int, output: RequestOutput, c: CompletionOutput, body: CompletionRequest,
+                           params: SamplingParams) -> dict:
+        """One choice of a completion; with echo, its text and logprobs start with the prompt's."""
+        text, token_ids, entries = c.text, c.token_ids, c.logprobs
+        if body.echo:
+            text = self._prompt_text(output, params) + text
+            token_ids = output.prompt_token_ids + token_ids
+            entries = None if params.logprobs is None else output.prompt_logprobs + entries
+        logprobs = None if params.logprobs is None else completion_logprobs(
+            self.token_text, token_ids, entries, params.logprobs, 0)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "prompt_logprobs": prompt_logprobs_field(self.token_text, output.prompt_logprobs),
+                "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None,
+                "token_ids": c.token_ids if body.return_token_ids else None}
 
     def _chat_logprobs(self, params: SamplingParams, token_ids: list[int], logprobs) -> dict | None:
         if params.logprobs is None:
@@ -217,64 +284,178 @@ class OpenAIServing:
         return chat_logprobs(self.token_text, token_ids, logprobs, params.logprobs)
 
     async def _completion_chunks(self, request_id: str, created: int, streams: list[RequestStream],
-                                 params: SamplingParams, include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks of a streamed completion; the last is `[DONE]`."""
+                                 body: CompletionRequest, params: SamplingParams) -> AsyncIterator[bytes]:
+        """SSE chunks of a streamed completion; the last is `[DONE]`, or an error event when the engine
+        fails the request."""
         head = {"id": request_id, "object": "text_completion", "created": created, "model": self.config.served_model_name}
         encoder = ChunkEncoder(head)
-        choices = [[ChoiceStream(params) for _ in range(params.n)] for _ in streams]
+        states = [[ChoiceStream(params) for _ in range(params.n)] for _ in streams]
         finals: list[RequestOutput | None] = [None] * len(streams)
+        include_usage, continuous = self._stream_usage(body)
         try:
             async for prompt_index, output in _merge(streams):
                 finals[prompt_index] = output
+                if _failure(output) is not None:
+                    yield sse(error_body(400, _failure(output)))
+                    return
                 for c in output.outputs:
-                    delta = choices[prompt_index][c.index].advance(c)
-                    if delta is None:
-                        continue
-                    text, first_token = delta
-                    logprobs = None
-                    if params.logprobs is not None:
-                        offset = choices[prompt_index][c.index].num_chars - len(text)
-                        logprobs = completion_logprobs(self.token_text, c.token_ids[first_token:],
-                                                       c.logprobs[first_token:], offset)
-                    yield encoder.choice({"index": prompt_index * params.n + c.index, "text": text,
-                                          "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                          "stop_reason": c.stop_reason})
+                    state = states[prompt_index][c.index]
+                    choice = self._completion_delta(state, output, c, body, params)
+                    if choice is not None:
+                        yield encoder.choice({"index": prompt_index * params.n + c.index, **choice},
+                                             usage=_chunk_usage(continuous, output, state))
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage_of(finals)})
+                yield sse({**head, "choices": [], "usage": self._usage(finals)})
         except EngineDeadError as error:
             yield sse(error_body(503, str(error)))
+        except RequestFailedError as error:
+            yield sse(error_body(400, str(error), body.param_of(str(error.__cause__))))
+            return
         yield sse("[DONE]")
 
-    async def _chat_chunks(self, request_id: str, created: int, stream: RequestStream, params: SamplingParams,
-                           include_usage: bool) -> AsyncIterator[bytes]:
-        """SSE chunks of a streamed chat completion: the role first, then content; the last is `[DONE]`."""
+    def _completion_delta(self, state: ChoiceStream, output: RequestOutput, c: CompletionOutput,
+                          body: CompletionRequest, params: SamplingParams) -> dict | None:
+        """The next streamed choice of sample `c` (None when there is nothing to send): its new text and
+        tokens, and in its first chunk the echoed prompt (text, logprobs) and the prompt's ids."""
+        echo = body.echo and not state.started
+        delta = state.advance(c)
+        if delta is None and not echo:
+            return None
+        text, first_token = delta or ("", state.num_tokens)
+        token_ids = c.token_ids[first_token:state.num_tokens]
+        logprob_ids, entries = token_ids, None
+        if params.logprobs is not None:
+            entries = c.logprobs[first_token:state.num_tokens]
+        if echo:
+            text = self._prompt_text(output, params) + text
+            logprob_ids = output.prompt_token_ids + token_ids
+            entries = None if entries is None else output.prompt_logprobs + entries
+        choice = {"text": text, "logprobs": self._streamed_logprobs(state, logprob_ids, entries, params),
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if body.return_token_ids:
+            if not state.started:
+                choice["prompt_token_ids"] = output.prompt_token_ids
+            choice["token_ids"] = token_ids
+        state.started = True
+        return choice
+
+    def _streamed_logprobs(self, state: ChoiceStream, token_ids: list[int], entries: list | None,
+                           params: SamplingParams) -> dict | None:
+        """The logprobs of a chunk; text offsets go on from the token texts already sent, so they equal
+        the offsets of the whole response however the text was held back."""
+        if params.logprobs is None:
+            return None
+        logprobs = completion_logprobs(self.token_text, token_ids, entries, params.logprobs, state.token_chars)
+        state.token_chars += sum(len(token) for token in logprobs["tokens"])
+        return logprobs
+
+    async def _chat_chunks(self, request_id: str, created: int, stream: RequestStream, body: ChatCompletionRequest,
+                           params: SamplingParams) -> AsyncIterator[bytes]:
+        """SSE chunks of a streamed chat completion: once the first output is in, the role of every choice
+        (and the echo), then content; the last is `[DONE]`, or an error event when the engine fails the
+        request."""
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": self.config.served_model_name}
         encoder = ChunkEncoder(head)
-        choices = [ChoiceStream(params) for _ in range(params.n)]
-        for index in range(params.n):
-            yield encoder.choice({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                  "finish_reason": None})
-        final = None
+        states = [ChoiceStream(params) for _ in range(params.n)]
+        include_usage, continuous = self._stream_usage(body)
+        final, opened = None, False
         try:
-            async for final in stream:
+            async for final in _read(stream):
+                if _failure(final) is not None:
+                    yield sse(error_body(400, _failure(final)))
+                    return
+                if not opened:
+                    for chunk in self._chat_opening(encoder, final, body, params.n, continuous):
+                        yield chunk
+                    opened = True
                 for c in final.outputs:
-                    delta = choices[c.index].advance(c)
-                    if delta is None:
-                        continue
-                    text, first_token = delta
-                    choice = {"index": c.index, "delta": {"content": text} if text else {},
-                              "logprobs": self._chat_logprobs(params, c.token_ids[first_token:],
-                                                              c.logprobs and c.logprobs[first_token:]),
-                              "finish_reason": c.finish_reason}
-                    if c.finish_reason is not None:
-                        choice["stop_reason"] = c.stop_reason
-                    yield encoder.choice(choice)
+                    chunk = self._chat_delta(encoder, states[c.index], final, c, body, params, continuous)
+                    if chunk is not None:
+                        yield chunk
             if include_usage:
-                yield sse({**head, "choices": [], "usage": usage_of([final])})
+                yield sse({**head, "choices": [], "usage": self._usage([final])})
         except EngineDeadError as error:
             yield sse(error_body(503, str(error)))
+        except RequestFailedError as error:
+            yield sse(error_body(400, str(error), body.param_of(str(error.__cause__))))
+            return
         yield sse("[DONE]")
+
+    def _chat_opening(self, encoder: ChunkEncoder, output: RequestOutput, body: ChatCompletionRequest, n: int,
+                      continuous: bool) -> list[bytes]:
+        """The first chunks of a streamed chat: each of the `n` choices' role (the first with the prompt's
+        ids when asked), then, with echo, each choice's echoed last message."""
+        role, echo = body.reply_role(), body.echo_text()
+        counts = usage(len(output.prompt_token_ids), 0) if continuous else None
+        prompt_ids = output.prompt_token_ids if body.return_token_ids else None
+        chunks = [encoder.choice({"index": i, "delta": {"role": role, "content": ""}, "logprobs": None,
+                                  "finish_reason": None}, usage=counts, prompt_token_ids=None if i else prompt_ids)
+                  for i in range(n)]
+        if echo:
+            chunks += [encoder.choice({"index": i, "delta": {"content": echo}, "logprobs": None,
+                                       "finish_reason": None}, usage=counts) for i in range(n)]
+        return chunks
+
+    def _chat_delta(self, encoder: ChunkEncoder, state: ChoiceStream, output: RequestOutput, c: CompletionOutput,
+                    body: ChatCompletionRequest, params: SamplingParams, continuous: bool) -> bytes | None:
+        """The next chunk of sample `c` of a streamed chat, or None when there is nothing to send."""
+        delta = state.advance(c)
+        if delta is None:
+            return None
+        text, first_token = delta
+        choice = {"index": c.index, "delta": {"content": text} if text else {},
+                  "logprobs": self._chat_logprobs(params, c.token_ids[first_token:],
+                                                  c.logprobs and c.logprobs[first_token:]),
+                  "finish_reason": c.finish_reason}
+        if c.finish_reason is not None:
+            choice["stop_reason"] = c.stop_reason
+        if body.return_token_ids:
+            choice["token_ids"] = c.token_ids[first_token:]
+        return encoder.choice(choice, usage=_chunk_usage(continuous, output, state))
+
+
+def _json_value(value: object) -> object:
+    """`value` in plain JSON types: special-token objects become their text, anything else unknown its str."""
+    if isinstance(value, dict):
+        return {str(key): _json_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    content = getattr(value, "content", None)  # a tokenizers AddedToken
+    return content if isinstance(content, str) else str(value)
+
+
+class RequestFailedError(Exception):
+    """The engine failed one request alone (the engine goes on); the cause is the engine's exception."""
+
+    def __init__(self, reason: object):
+        super().__init__(f"the engine failed this request: {reason}")
+
+
+def _failure(output: RequestOutput) -> str | None:
+    """Why the engine failed this request alone (an error output), or None."""
+    if output.error is None and all(c.finish_reason != "error" for c in output.outputs):
+        return None
+    return str(RequestFailedError(output.error or "no reason given"))
+
+
+async def _read(stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    """The outputs of `stream`; an exception it ends with becomes RequestFailedError, unless the whole
+    engine is down (EngineDeadError)."""
+    try:
+        async for output in stream:
+            yield output
+    except EngineDeadError:
+        raise
+    except Exception as error:  # whatever the engine raised for this request alone
+        raise RequestFailedError(error) from error
+
+
+def _chunk_usage(continuous: bool, output: RequestOutput, state: ChoiceStream) -> dict | None:
+    """The counts so far of one streamed sample (vLLM's continuous_usage_stats), or None when not asked."""
+    return usage(len(output.prompt_token_ids), state.num_tokens) if continuous else None
 
 
 async def _client_disconnected(raw: Request) -> None:
@@ -286,14 +467,14 @@ async def _client_disconnected(raw: Request) -> None:
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) from several streams as they arrive."""
     if len(streams) == 1:
-        async for output in streams[0]:
+        async for output in _read(streams[0]):
             yield 0, output
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
-            async for output in stream:
+            async for output in _read(stream):
                 queue.put_nowait((index, output, None))
         except Exception as error:  # handed to the reader, which raises it
             queue.put_nowait((index, None, error))
