@@ -52,24 +52,34 @@ def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def render_chat(
+def render_chat_text(
     tokenizer, conversation: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
     chat_template_kwargs: dict | None = None,
-) -> list[int]:
-    """Token ids of one conversation under the tokenizer's chat template; ValueError when it cannot be
+) -> str:
+    """The text of one conversation under the tokenizer's chat template; ValueError when it cannot be
     rendered (no template, or the template rejects the conversation)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     try:
-        ids = tokenizer.apply_chat_template(
+        return tokenizer.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            tokenize=True, **(chat_template_kwargs or {}),
+            tokenize=False, **(chat_template_kwargs or {}),
         )
     except jinja2.TemplateError as error:
         raise ValueError(f"the chat template rejected the conversation: {error}") from error
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def render_chat(
+    tokenizer, conversation: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
+    chat_template_kwargs: dict | None = None,
+) -> list[int]:
+    """Token ids of one conversation under the chat template (the template places the special tokens,
+    so none are added); ValueError when it cannot be rendered."""
+    text = render_chat_text(tokenizer, conversation, add_generation_prompt, continue_final_message,
+                            chat_template_kwargs)
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _check_token_ids(token_ids: Sequence[int]) -> list[int]:

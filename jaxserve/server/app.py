@@ -1,12 +1,15 @@
-"""The FastAPI application: routes, API-key guard, body-size limit, engine start and stop."""
+"""The FastAPI application: routes, API-key guard, body-size limit, server-load tracking, engine start and stop."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Header
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 import jaxserve
@@ -14,16 +17,17 @@ from jaxserve.async_engine import AsyncLLMEngine
 from jaxserve.engine import LLMEngine
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
-from jaxserve.server.metrics import ServerMetrics
-from jaxserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from jaxserve.server.metrics import ServerMetrics, cache_config_info
+from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from jaxserve.server.serving import OpenAIServing
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The app serving `engine`; the engine thread runs between the app's startup and shutdown."""
-    metrics = ServerMetrics(config.metrics_prefix, config.served_model_name, lambda: async_engine.stats())
+    metrics = ServerMetrics(config.metrics_prefix, config.served_model_name, lambda: async_engine.stats(),
+                            engine.max_model_len, cache_config_info(engine))
     async_engine = AsyncLLMEngine(engine, config.max_waiting_requests, on_outputs=metrics.observe_outputs,
-                                  stream_interval=config.stream_interval)
+                                  stream_interval=config.stream_interval, on_step=metrics.observe_step)
     serving = OpenAIServing(async_engine, config)
 
     @asynccontextmanager
@@ -35,6 +39,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="jaxserve", version=jaxserve.__version__, lifespan=lifespan,
                   exception_handlers=EXCEPTION_HANDLERS)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_body_bytes)
+    load = ServerLoad()
+    if config.enable_server_load_tracking:
+        app.add_middleware(LoadTracking, load=load)
     app.state.async_engine = async_engine
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_guard(config.api_key))])
@@ -47,6 +54,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def health() -> Response:
         """200 while the engine loop runs, 503 once it has stopped or failed."""
         return Response(status_code=200 if async_engine.is_running else 503)
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's health check, as in vLLM
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -68,7 +77,52 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         """Text of token ids."""
         return serving.detokenize(body)
 
+    _add_vllm_routes(app, serving, config, load)
     return app
+
+
+def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig, load: ServerLoad) -> None:
+    """vLLM's further routes: /load, SageMaker's /invocations, and /tokenizer_info when enabled."""
+    guard = [Depends(_api_key_guard(config.api_key))]
+
+    @app.get("/load")
+    async def server_load() -> dict:
+        """Requests in flight on the generation routes (always 0 without --enable-server-load-tracking)."""
+        return {"server_load": load.in_flight}
+
+    @app.post("/invocations", dependencies=guard, response_model=None)
+    async def invocations(raw: Request) -> Response | dict:
+        """SageMaker's one route: a body with `messages` is a chat completion, one with `prompt` a completion."""
+        body = await _json_body(raw)
+        if isinstance(body, dict) and "messages" in body:
+            return await serving.chat(_parse(ChatCompletionRequest, body), raw)
+        if isinstance(body, dict) and "prompt" in body:
+            return await serving.completions(_parse(CompletionRequest, body), raw)
+        raise APIError(400, "cannot tell the request type: /invocations takes a chat completion request (with "
+                            "messages) or a completion request (with prompt)")
+
+    if config.enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info", dependencies=guard)
+        async def tokenizer_info() -> dict:
+            """The tokenizer's configuration and chat template."""
+            return serving.tokenizer_info()
+
+
+async def _json_body(raw: Request) -> object:
+    """The request body parsed as JSON (400 when it is not JSON)."""
+    try:
+        return await raw.json()
+    except ValueError as error:
+        raise APIError(400, f"the request body is not valid JSON: {error}") from error
+
+
+def _parse(model: type[BaseModel], body: dict) -> BaseModel:
+    """`body` as a `model`; a bad body is the same 400 as on that model's own route."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise RequestValidationError(error.errors()) from error
 
 
 def _api_key_guard(api_key: str | None):
@@ -82,6 +136,34 @@ def _api_key_guard(api_key: str | None):
             raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key")
 
     return check
+
+
+@dataclasses.dataclass
+class ServerLoad:
+    """vLLM's server load: requests in flight on the generation routes."""
+
+    in_flight: int = 0
+
+
+class LoadTracking:
+    """ASGI middleware: counts each request to a generation route from its arrival until its response,
+    streamed or not, has ended, however it ends."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+
+    def __init__(self, app, load: ServerLoad):
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.load.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.in_flight -= 1
 
 
 class BodySizeLimit:

@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import jinja2
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -42,7 +41,7 @@ from jaxserve.server.responses import (
     usage,
     usage_of,
 )
-from jaxserve.tokenizer import render_chat
+from jaxserve.tokenizer import render_chat, render_chat_text
 
 logger = logging.getLogger("jaxserve")
 
@@ -102,11 +101,9 @@ class OpenAIServing:
     def _chat_text(self, body: TokenizeRequest) -> str:
         """The text the chat template makes of `body.messages` (400 when it cannot be rendered)."""
         try:
-            return self.tokenizer.apply_chat_template(
-                [m.for_template() for m in body.messages], tokenize=False,
-                add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message,
-                **(body.chat_template_kwargs or {}))
-        except (ValueError, TypeError, jinja2.TemplateError) as error:
+            return render_chat_text(self.tokenizer, [m.for_template() for m in body.messages],
+                                    body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+        except (ValueError, TypeError) as error:
             raise APIError(400, f"the chat template cannot render these messages: {error}", "messages") from error
 
     def tokenizer_info(self) -> dict:
