@@ -10,12 +10,17 @@ noisy; ratios measured in one run are the deliverable):
 2. builds a seeded workload: prompts of random token ids with lengths uniform in
    [--min-prompt, --max-prompt], long-tailed output lengths (lognormal, clipped), EOS ignored so
    request i produces exactly L_i tokens;
-3. times jaxserve `LLM.generate` end to end (after an untimed warm-up), recording every
-   (batch, sampling) pair given to `Runner.step` plus a per-phase host breakdown;
-4. replays the recorded steps through `Runner.step` (the same AOT executables) to get device-only
-   time, so engine overhead = 1 - device_only / end_to_end, with the device time per bucket shape;
-5. times Hugging Face `model.generate` (float32, CPU, greedy, left padding, EOS disabled) in
-   static batches of each --hf-batch-sizes, processing the requests in order;
+3. sets up every system: one jaxserve engine per --max-num-seqs (AOT compilation) and Hugging Face
+   `model.generate` (float32, CPU, greedy, left padding, EOS disabled) in static batches of each
+   --hf-batch-sizes (torch threads calibrated per batch size), processing the requests in order;
+4. gives every system the same untimed warm-up (--warmup-requests requests x --warmup-tokens tokens);
+5. times every system the same way: --repeats rounds, each running every system once on the whole
+   workload, the order alternating between rounds; reports mean and best per system and the ratios
+   (best jaxserve configuration / best HF configuration) of means and of bests. Each jaxserve run
+   also records every (batch, sampling) pair given to `Runner.step` plus a per-phase host breakdown
+   (that bookkeeping is inside its timed run, so it can only slow jaxserve down), and after it,
+   untimed, replays the recorded steps through `Runner.step` (the same AOT executables) to get
+   device-only time: engine overhead = 1 - device_only / end_to_end, with the device time per bucket;
 6. checks that jaxserve's first greedy tokens equal HF's for a few requests;
 7. optionally profiles a separate (untimed) jaxserve generate with cProfile.
 
@@ -190,12 +195,9 @@ class PhaseTimers:
         self._undo.clear()
 
 
-def run_jaxserve(args, folder: str, prompts, out_lens, max_num_seqs: int, log) -> dict:
-    import jax
-    import jaxserve.engine_core as engine_core_mod
+def start_jaxserve(args, folder: str, max_num_seqs: int, log) -> dict:
+    """Build one jaxserve engine (AOT compilation); returns its session: the LLM and its timed runs."""
     from jaxserve import LLM
-    from jaxserve.packing import pack
-    from jaxserve.sampling_params import SamplingParams
 
     log(f"[jaxserve max_num_seqs={max_num_seqs}] building engine (AOT warm-up, compilation cache "
         f"{args.compilation_cache_dir}) ...")
@@ -212,71 +214,95 @@ def run_jaxserve(args, folder: str, prompts, out_lens, max_num_seqs: int, log) -
     log(f"  engine ready in {build_s:.1f}s: {len(runner._forward_exec)} forward + {len(runner._sample_exec)} "
         f"sampler executables; ladders T={core.ladders.tokens} W={core.ladders.page_widths}; "
         f"{core.num_pages} KV pages")
+    return dict(name=f"jaxserve max_num_seqs={max_num_seqs}", max_num_seqs=max_num_seqs, llm=llm, build_s=build_s,
+                runs=[])
 
+
+def warm_up_jaxserve(session: dict, warm_prompts: list[list[int]], warm_tokens: int) -> None:
+    """The untimed warm-up every system gets: greedy-generate `warm_tokens` tokens for each of `warm_prompts`."""
+    from jaxserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=warm_tokens, ignore_eos=True)
+    session["llm"].generate(warm_prompts, [params] * len(warm_prompts), use_tqdm=False)
+
+
+def timed_jaxserve_run(args, session: dict, prompts, out_lens, log) -> float:
+    """One timed `LLM.generate` of the whole workload (recording its steps, with phase timers), then an
+    untimed replay of the recorded steps through the same runner; appends the run to session["runs"] and
+    returns its end-to-end seconds."""
+    import jaxserve.engine_core as engine_core_mod
+    from jaxserve.sampling_params import SamplingParams
+
+    llm = session["llm"]
+    core = llm.engine.core
+    runner = core.runner
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
+    recorded = []
+    record_s = [0.0]
 
-    # Untimed warm-up: exercises the Python paths and the most common buckets once.
-    warm_n = min(8, len(prompts))
-    llm.generate(prompts[:warm_n], [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * warm_n,
-                 use_tqdm=False)
+    def record(*step_args):
+        """Keep a host copy of runner.step's arguments (batch, sampling[, prompt scoring batch])."""
+        t = time.perf_counter()
+        recorded.append(tuple(_copy_tree(a) for a in step_args))
+        record_s[0] += time.perf_counter() - t
 
-    # Timed runs (each with recording and phase timers), each followed by a replay of its steps.
-    # Repeats are interleaved so slow spells of a shared machine hit both sides; the headline uses
-    # the fastest timed run and the fastest replay.
-    runs = []
-    for repeat in range(args.repeats):
-        recorded = []
-        record_s = [0.0]
+    timers = PhaseTimers()
+    timers.wrap(runner, "step", "runner.step (device+transfer)", on_call=record)
+    timers.wrap(core.scheduler, "schedule", "scheduler.schedule")
+    timers.wrap(core.scheduler, "update", "scheduler.update")
+    timers.wrap(core, "_sampled_tokens", "core._sampled_tokens")
+    timers.wrap(engine_core_mod, "build_batch", "build_batch")
+    timers.wrap(engine_core_mod, "build_sampling_batch", "build_sampling_batch")
+    timers.wrap(llm.engine.output_processor, "process", "output_processor.process")
+    timers.wrap(llm.engine, "submit", "engine.submit (queue requests)")
+    timers.wrap(llm.engine, "make_requests", "engine.make_requests (validate)")
 
-        def record(batch, sampling):
-            t = time.perf_counter()
-            recorded.append((_copy_tree(batch), _copy_tree(sampling)))
-            record_s[0] += time.perf_counter() - t
+    base = llm.stats()
+    gc.collect()
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    e2e_s = time.perf_counter() - t0
+    timers.restore()
+    after = llm.stats()
+    counted = ("steps", "scheduled_tokens", "padded_tokens", "preemptions", "compilations_after_warmup",
+               "lazy_bucket_compilations")
+    stats = {k: after[k] - base[k] for k in counted}
 
-        timers = PhaseTimers()
-        timers.wrap(runner, "step", "runner.step (device+transfer)", on_call=record)
-        timers.wrap(core.scheduler, "schedule", "scheduler.schedule")
-        timers.wrap(core.scheduler, "update", "scheduler.update")
-        timers.wrap(core, "_sampled_tokens", "core._sampled_tokens")
-        timers.wrap(engine_core_mod, "build_batch", "build_batch")
-        timers.wrap(engine_core_mod, "build_sampling_batch", "build_sampling_batch")
-        timers.wrap(llm.engine.output_processor, "process", "output_processor.process")
-        timers.wrap(llm.engine, "submit", "engine.submit (queue requests)")
-        timers.wrap(llm.engine, "make_requests", "engine.make_requests (validate)")
+    produced = [len(o.outputs[0].token_ids) for o in outputs]
+    bad = [i for i, (n, want) in enumerate(zip(produced, out_lens)) if n != want]
+    if bad:
+        log(f"!!! jaxserve produced the wrong number of tokens for {len(bad)} requests, e.g. #{bad[0]}: "
+            f"{produced[bad[0]]} != {out_lens[bad[0]]}")
 
-        base = llm.stats()
-        gc.collect()
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        e2e_s = time.perf_counter() - t0
-        timers.restore()
-        after = llm.stats()
-        counted = ("steps", "scheduled_tokens", "padded_tokens", "preemptions", "compilations_after_warmup",
-                   "lazy_bucket_compilations")
-        stats = {k: after[k] - base[k] for k in counted}
+    # Replay the recorded steps through the same runner (same executables): device-only time.
+    replay = []
+    for step_args in recorded:
+        t = time.perf_counter()
+        runner.step(*step_args)
+        replay.append(time.perf_counter() - t)
+    in_situ_s = timers.seconds["runner.step (device+transfer)"]
+    session["runs"].append(dict(
+        e2e_s=e2e_s, replay_s=sum(replay), in_situ_runner_s=in_situ_s, record_copy_s=record_s[0],
+        stats=stats, wrong_length=len(bad), per_step=replay, recorded=recorded,
+        phases={label: dict(seconds=timers.seconds[label], calls=timers.calls[label]) for label in timers.seconds},
+        first_tokens={i: list(o.outputs[0].token_ids[: args.check_tokens]) for i, o in enumerate(outputs)}))
+    log(f"  {session['name']} timed run {len(session['runs'])}/{args.repeats}: {e2e_s:.2f}s end to end "
+        f"({sum(out_lens) / e2e_s:.1f} tok/s), {stats['steps']} steps, runner.step in situ {in_situ_s:.2f}s, "
+        f"replay {sum(replay):.2f}s")
+    return e2e_s
 
-        produced = [len(o.outputs[0].token_ids) for o in outputs]
-        bad = [i for i, (n, want) in enumerate(zip(produced, out_lens)) if n != want]
-        if bad:
-            log(f"!!! jaxserve produced the wrong number of tokens for {len(bad)} requests, e.g. #{bad[0]}: "
-                f"{produced[bad[0]]} != {out_lens[bad[0]]}")
 
-        # Replay the recorded steps through the same runner (same executables): device-only time.
-        replay = []
-        for batch, sampling in recorded:
-            t = time.perf_counter()
-            runner.step(batch, sampling)
-            replay.append(time.perf_counter() - t)
-        in_situ_s = timers.seconds["runner.step (device+transfer)"]
-        runs.append(dict(e2e_s=e2e_s, replay_s=sum(replay), in_situ_runner_s=in_situ_s, record_copy_s=record_s[0],
-                         stats=stats, wrong_length=len(bad), per_step=replay, recorded=recorded,
-                         phases={label: dict(seconds=timers.seconds[label], calls=timers.calls[label])
-                                 for label in timers.seconds},
-                         first_tokens={i: list(o.outputs[0].token_ids[: args.check_tokens])
-                                       for i, o in enumerate(outputs)}))
-        log(f"  timed run {repeat + 1}/{args.repeats}: {e2e_s:.2f}s end to end ({sum(out_lens) / e2e_s:.1f} tok/s), "
-            f"{stats['steps']} steps, runner.step in situ {in_situ_s:.2f}s, replay {sum(replay):.2f}s")
+def finish_jaxserve(args, session: dict, prompts, out_lens, log) -> dict:
+    """Summarise a jaxserve session's timed runs (mean and best), then the untimed analyses of the fastest
+    run's steps: per-step floor, per-bucket device time, attention probe, optional cProfile."""
+    import jax
+    from jaxserve.packing import pack
+    from jaxserve.sampling_params import SamplingParams
 
+    llm, max_num_seqs, build_s, runs = session["llm"], session["max_num_seqs"], session["build_s"], session["runs"]
+    core = llm.engine.core
+    runner = core.runner
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in out_lens]
     best = min(runs, key=lambda r: r["e2e_s"])
     e2e_s = best["e2e_s"]
     device_s = min(r["replay_s"] for r in runs)
@@ -304,12 +330,12 @@ def run_jaxserve(args, folder: str, prompts, out_lens, max_num_seqs: int, log) -
     # Optionally split forward vs sampler per step by calling the two executables directly.
     split = {}
     if args.split_forward_sampler:
-        for index, (batch, sampling) in enumerate(recorded):
+        for index, (batch, sampling, *_) in enumerate(recorded):
             num_tokens, (num_rows, width) = batch.input_ids.shape[0], batch.page_table.shape
             fwd = runner._forward_exec[(num_tokens, width)]
             smp = runner._sample_exec[(num_rows, sampling.aux_token_ids.shape[1])]
             t = time.perf_counter()
-            logits, runner.k_cache, runner.v_cache = fwd(
+            logits, _, runner.k_cache, runner.v_cache = fwd(
                 runner.params, runner.k_cache, runner.v_cache, pack(batch)[0])
             logits.block_until_ready()
             t1 = time.perf_counter()
@@ -319,7 +345,7 @@ def run_jaxserve(args, folder: str, prompts, out_lens, max_num_seqs: int, log) -
 
     buckets = collections.OrderedDict()
     examples = {}
-    for index, (batch, sampling) in enumerate(recorded):
+    for index, (batch, *_) in enumerate(recorded):
         num_tokens, (num_rows, width) = batch.input_ids.shape[0], batch.page_table.shape
         num_seqs = int(batch.num_seqs)
         real_tokens = int(batch.query_start_loc[num_seqs]) if num_seqs else 0
@@ -347,9 +373,7 @@ def run_jaxserve(args, folder: str, prompts, out_lens, max_num_seqs: int, log) -
         max_num_seqs=max_num_seqs,
         engine_build_s=build_s,
         e2e_s=e2e_s,
-        e2e_runs_s=[r["e2e_s"] for r in runs],
-        useful_tokens=sum(out_lens),
-        tok_per_s=sum(out_lens) / e2e_s,
+        **timing_summary([r["e2e_s"] for r in runs], sum(out_lens)),
         device_only_s=device_s,
         replay_runs_s=[r["replay_s"] for r in runs],
         overhead=1.0 - device_s / e2e_s,
@@ -362,8 +386,8 @@ def run_jaxserve(args, folder: str, prompts, out_lens, max_num_seqs: int, log) -
         step_floor_s=floor_s,
         mean_real_tokens_per_step=stats["scheduled_tokens"] / max(steps, 1),
         mean_padded_tokens_per_step=stats["padded_tokens"] / max(steps, 1),
-        mean_real_rows_per_step=sum(int(b.num_seqs) for b, _ in recorded) / max(len(recorded), 1),
-        mean_padded_rows_per_step=sum(b.page_table.shape[0] for b, _ in recorded) / max(len(recorded), 1),
+        mean_real_rows_per_step=sum(int(b.num_seqs) for b, *_ in recorded) / max(len(recorded), 1),
+        mean_padded_rows_per_step=sum(b.page_table.shape[0] for b, *_ in recorded) / max(len(recorded), 1),
         preemptions=stats["preemptions"],
         compilations_after_warmup=stats["compilations_after_warmup"],
         lazy_bucket_compilations=stats["lazy_bucket_compilations"],
@@ -385,9 +409,16 @@ def run_jaxserve(args, folder: str, prompts, out_lens, max_num_seqs: int, log) -
         result["profile"] = dict(requests=n, wall_s=profiled_s, cumulative=_pstats_text(profiler, "cumulative", 25),
                                  tottime=_pstats_text(profiler, "tottime", 20))
 
-    del llm, runner, core, recorded, runs
+    del session["llm"], session["runs"], llm, runner, core, recorded, runs
     gc.collect()
     return result
+
+
+def timing_summary(runs_s: list[float], useful_tokens: int) -> dict:
+    """Wall times of one system's timed runs, their mean and best, and useful tokens/s at each."""
+    mean_s, best_s = float(np.mean(runs_s)), min(runs_s)
+    return dict(runs_s=list(runs_s), mean_s=mean_s, best_s=best_s, useful_tokens=useful_tokens,
+                mean_tok_per_s=useful_tokens / mean_s, best_tok_per_s=useful_tokens / best_s)
 
 
 def probe_attention(runner, spec, batch, iters: int = 3) -> float:
@@ -501,29 +532,55 @@ def pick_hf_threads(args, model, prompts, batch_size: int, log) -> tuple[int, di
     return best, timings
 
 
-def run_hf(args, model, prompts, out_lens, batch_size: int, log) -> dict:
+def start_hf(args, model, prompts, batch_size: int, log) -> dict:
+    """One Hugging Face configuration (static batch size, torch threads calibrated here, untimed);
+    returns its session: the model, its settings and its timed runs."""
+    threads, calibration = pick_hf_threads(args, model, prompts, batch_size, log)
+    return dict(name=f"HF bs{batch_size}", model=model, batch_size=batch_size, threads=threads,
+                thread_calibration_s=calibration, runs=[])
+
+
+def warm_up_hf(session: dict, warm_prompts: list[list[int]], warm_tokens: int) -> None:
+    """The untimed warm-up every system gets: greedy-generate `warm_tokens` tokens for each of `warm_prompts`
+    (in static batches of this configuration's size)."""
     import torch
 
-    threads, calibration = pick_hf_threads(args, model, prompts, batch_size, log)
-    torch.set_num_threads(threads)
-    useful = sum(out_lens)
+    torch.set_num_threads(session["threads"])
+    for start in range(0, len(warm_prompts), session["batch_size"]):
+        hf_generate(session["model"], warm_prompts[start:start + session["batch_size"]], warm_tokens)
+
+
+def timed_hf_run(args, session: dict, prompts, out_lens, log) -> float:
+    """One timed static-batch run of the whole workload, in request order, each batch generating its
+    longest output; appends the run to session["runs"] and returns its seconds."""
+    import torch
+
+    batch_size = session["batch_size"]
+    torch.set_num_threads(session["threads"])
     generated_tokens = 0
     first_tokens = {}
+    gc.collect()
     t0 = time.perf_counter()
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        lens = out_lens[start:start + batch_size]
-        new = max(lens)
-        ids = hf_generate(model, chunk, new)
-        generated_tokens += ids.shape[0] * ids.shape[1]
+        ids = hf_generate(session["model"], prompts[start:start + batch_size], max(out_lens[start:start + batch_size]))
+        generated_tokens += ids.shape[0] * ids.shape[1]  # ids: (rows, new tokens)
         for row in range(ids.shape[0]):
             first_tokens[start + row] = ids[row, : args.check_tokens].tolist()
     total_s = time.perf_counter() - t0
-    log(f"  HF bs{batch_size} ({threads} threads): {total_s:.2f}s, {useful / total_s:.1f} useful tok/s "
-        f"({generated_tokens} generated incl. static-batch waste)")
-    return dict(batch_size=batch_size, threads=threads, thread_calibration_s=calibration, total_s=total_s,
-                useful_tokens=useful, tok_per_s=useful / total_s,
-                generated_tokens=generated_tokens, first_tokens=first_tokens)
+    session["runs"].append(dict(total_s=total_s, generated_tokens=generated_tokens, first_tokens=first_tokens))
+    log(f"  {session['name']} ({session['threads']} threads) timed run {len(session['runs'])}/{args.repeats}: "
+        f"{total_s:.2f}s, {sum(out_lens) / total_s:.1f} useful tok/s ({generated_tokens} generated incl. "
+        f"static-batch waste)")
+    return total_s
+
+
+def finish_hf(session: dict, out_lens) -> dict:
+    """Summarise a Hugging Face session's timed runs (mean and best)."""
+    runs = session["runs"]
+    return dict(batch_size=session["batch_size"], threads=session["threads"],
+                thread_calibration_s=session["thread_calibration_s"],
+                **timing_summary([r["total_s"] for r in runs], sum(out_lens)),
+                generated_tokens=runs[0]["generated_tokens"], first_tokens=runs[0]["first_tokens"])
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -538,25 +595,30 @@ def print_report(res: dict, args, out=print):
         f"(mean {w['prompt_mean']:.1f}), output len median {w['output_median']:.0f} / mean "
         f"{w['output_mean']:.1f} / max {w['output_max']} (sum {w['useful_tokens']}), EOS ignored")
     out("")
-    rows = []
-    for j in res["jaxserve"]:
-        rows.append((f"jaxserve (max_num_seqs={j['max_num_seqs']})", j["tok_per_s"], j["e2e_s"]))
-    for h in res["hf"]:
-        rows.append((f"HF generate bs{h['batch_size']} ({h['threads']} thr)", h["tok_per_s"], h["total_s"]))
-    out(f"{'system':<34}{'useful tok/s':>14}{'wall s':>10}")
-    for name, tps, wall in rows:
-        out(f"{name:<34}{tps:>14.1f}{wall:>10.2f}")
+    rows = [(f"jaxserve (max_num_seqs={j['max_num_seqs']})", j) for j in res["jaxserve"]]
+    rows += [(f"HF generate bs{h['batch_size']} ({h['threads']} thr)", h) for h in res["hf"]]
+    out(f"every system: the same untimed warm-up ({args.warmup_requests} requests x {args.warmup_tokens} tokens), "
+        f"then {args.repeats} timed runs of the whole workload in rounds of alternating order")
+    out(f"{'system':<34}{'mean tok/s':>12}{'best tok/s':>12}{'mean s':>9}{'best s':>9}  runs s")
+    for name, r in rows:
+        out(f"{name:<34}{r['mean_tok_per_s']:>12.1f}{r['best_tok_per_s']:>12.1f}{r['mean_s']:>9.2f}{r['best_s']:>9.2f}"
+            f"  {', '.join(f'{x:.2f}' for x in r['runs_s'])}")
     out("")
-    best_j = max(res["jaxserve"], key=lambda j: j["tok_per_s"])
     if res["hf"]:
-        best_h = max(res["hf"], key=lambda h: h["tok_per_s"])
-        out(f"ratio jaxserve(max_num_seqs={best_j['max_num_seqs']}) / best HF (bs{best_h['batch_size']}): "
-            f"{res['ratio']:.2f}x   (goal >= 3x); with jaxserve's mean run instead of its fastest: "
-            f"{res['ratio_mean_run']:.2f}x")
+        best_jm = max(res["jaxserve"], key=lambda j: j["mean_tok_per_s"])
+        best_hm = max(res["hf"], key=lambda h: h["mean_tok_per_s"])
+        best_jb = max(res["jaxserve"], key=lambda j: j["best_tok_per_s"])
+        best_hb = max(res["hf"], key=lambda h: h["best_tok_per_s"])
+        out(f"ratio of means: jaxserve (max_num_seqs={best_jm['max_num_seqs']}) / HF (bs{best_hm['batch_size']}): "
+            f"{res['ratio_mean']:.2f}x   (goal >= 3x)")
+        out(f"ratio of bests: jaxserve (max_num_seqs={best_jb['max_num_seqs']}) / HF (bs{best_hb['batch_size']}): "
+            f"{res['ratio_best']:.2f}x")
+        out(f"per round (fastest jaxserve / fastest HF within the round): "
+            f"{', '.join(f'{x:.2f}x' for x in res['ratio_rounds'])}")
     for j in res["jaxserve"]:
         out(f"engine overhead (max_num_seqs={j['max_num_seqs']}): {100 * j['overhead']:.1f}%   (goal < 10%)  "
             f"= 1 - device-only {j['device_only_s']:.2f}s / end-to-end {j['e2e_s']:.2f}s (fastest of each)")
-        out(f"  per run: end to end {', '.join(f'{x:.2f}' for x in j['e2e_runs_s'])}s; replay "
+        out(f"  per run: end to end {', '.join(f'{x:.2f}' for x in j['runs_s'])}s; replay "
             f"{', '.join(f'{x:.2f}' for x in j['replay_runs_s'])}s; overhead "
             f"{', '.join(f'{100 * x:.1f}%' for x in j['overhead_runs'])}")
         out(f"  same-run estimate (no cross-run noise): host time outside runner.step "
@@ -658,8 +720,12 @@ def parse_args(argv=None):
                    help="torch threads for HF: 'auto' (the faster of os.cpu_count() and 1, measured per batch "
                         "size), or a number")
     p.add_argument("--hf-calibration-tokens", type=int, default=8, help="new tokens in the thread calibration")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="timed jaxserve runs, each followed by a replay of its steps; the fastest of each is used")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of every system (jaxserve engines and HF batch sizes alike), in rounds of "
+                        "alternating order; each jaxserve run is followed by an untimed replay of its steps")
+    p.add_argument("--warmup-requests", type=int, default=8,
+                   help="the untimed warm-up every system gets: this many of the first requests ...")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="... generating this many tokens each")
     p.add_argument("--attention-probe", type=int, default=4,
                    help="time the paged attention alone at the N costliest buckets (0 to skip)")
     p.add_argument("--no-split", dest="split_forward_sampler", action="store_false",
@@ -677,9 +743,38 @@ def parse_args(argv=None):
     args.max_num_seqs_list = [int(x) for x in str(args.max_num_seqs).split(",") if x.strip()]
     args.hf_batch_sizes_list = [int(x) for x in str(args.hf_batch_sizes).split(",") if x.strip()]
     args.hf_threads_list = [] if args.hf_threads == "auto" else [int(args.hf_threads)]
+    if args.repeats < 1 or args.warmup_requests < 1 or args.warmup_tokens < 1:
+        p.error("--repeats, --warmup-requests and --warmup-tokens must be >= 1")
     if args.max_prompt + args.max_output > args.max_model_len:
         p.error(f"--max-prompt + --max-output ({args.max_prompt + args.max_output}) exceed --max-model-len")
     return args
+
+
+def timed_rounds(args, jax_sessions, hf_sessions, prompts, out_lens, log) -> list[dict[str, float]]:
+    """`args.repeats` rounds, each timing every system once on the whole workload; the order alternates
+    (forward, then reversed) so a slow spell of the shared machine does not always hit the same system.
+    Returns the seconds of each system in each round."""
+    systems = [(s, timed_jaxserve_run) for s in jax_sessions] + [(s, timed_hf_run) for s in hf_sessions]
+    rounds = []
+    for repeat in range(args.repeats):
+        order = systems if repeat % 2 == 0 else systems[::-1]
+        log(f"timed round {repeat + 1}/{args.repeats}: {', '.join(session['name'] for session, _ in order)}")
+        rounds.append({session["name"]: run(args, session, prompts, out_lens, log) for session, run in order})
+    return rounds
+
+
+def headline_ratios(jax_results: list[dict], hf_results: list[dict], rounds: list[dict[str, float]]) -> dict:
+    """Best jaxserve configuration over best HF configuration, by mean run and by best run (same number of
+    timed runs each), and per round (the fastest of each side within one round); None without HF."""
+    if not hf_results:
+        return dict(ratio_mean=None, ratio_best=None, ratio_rounds=[])
+    hf_names = {f"HF bs{h['batch_size']}" for h in hf_results}
+    ratio_rounds = [min(v for k, v in r.items() if k in hf_names) / min(v for k, v in r.items() if k not in hf_names)
+                    for r in rounds]
+    return dict(
+        ratio_mean=max(j["mean_tok_per_s"] for j in jax_results) / max(h["mean_tok_per_s"] for h in hf_results),
+        ratio_best=max(j["best_tok_per_s"] for j in jax_results) / max(h["best_tok_per_s"] for h in hf_results),
+        ratio_rounds=ratio_rounds)
 
 
 def main(argv=None) -> dict:
@@ -710,16 +805,24 @@ def main(argv=None) -> dict:
     log(f"jax {jax.__version__} on {jax.devices()} (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}); "
         f"torch {torch.__version__}; cpu_count {os.cpu_count()}")
 
-    jax_results = [run_jaxserve(args, folder, prompts, out_lens, m, log) for m in args.max_num_seqs_list]
-
-    hf_results = []
-    check = None
+    jax_sessions = [start_jaxserve(args, folder, m, log) for m in args.max_num_seqs_list]
+    model, hf_sessions = None, []
     if args.hf_batch_sizes_list or args.check_requests:
         log("loading the HF model ...")
         model = load_hf(folder)
-        hf_generate(model, prompts[:2], 4)  # untimed warm-up
-        for bs in args.hf_batch_sizes_list:
-            hf_results.append(run_hf(args, model, prompts, out_lens, bs, log))
+        hf_sessions = [start_hf(args, model, prompts, bs, log) for bs in args.hf_batch_sizes_list]
+    warm_prompts = prompts[: args.warmup_requests]
+    log(f"untimed warm-up of every system: {len(warm_prompts)} requests x {args.warmup_tokens} tokens")
+    for session in jax_sessions:
+        warm_up_jaxserve(session, warm_prompts, args.warmup_tokens)
+    for session in hf_sessions:
+        warm_up_hf(session, warm_prompts, args.warmup_tokens)
+    rounds = timed_rounds(args, jax_sessions, hf_sessions, prompts, out_lens, log)
+    jax_results = [finish_jaxserve(args, session, prompts, out_lens, log) for session in jax_sessions]
+    hf_results = [finish_hf(session, out_lens) for session in hf_sessions]
+
+    check = None
+    if model is not None:
         if args.check_requests:
             picks = sorted(set(np.linspace(0, len(prompts) - 1, args.check_requests).round().astype(int).tolist()))
             tokens = min(args.check_tokens, *(out_lens[i] for i in picks))
@@ -742,18 +845,13 @@ def main(argv=None) -> dict:
         del model
         gc.collect()
 
-    best_j = max(jax_results, key=lambda j: j["tok_per_s"])
-    best_hf = max(h["tok_per_s"] for h in hf_results) if hf_results else None
-    ratio = best_j["tok_per_s"] / best_hf if hf_results else None
-    # The same ratio with jaxserve's mean run time instead of its fastest (HF runs once per batch size).
-    ratio_mean = (best_j["useful_tokens"] / float(np.mean(best_j["e2e_runs_s"]))) / best_hf if hf_results else None
+    ratios = headline_ratios(jax_results, hf_results, rounds)
     for j in jax_results:
         j.pop("first_tokens", None)
     for h in hf_results:
         h.pop("first_tokens", None)
     res = dict(command=command, args={k: v for k, v in vars(args).items()}, model_folder=folder,
-               workload=workload, jaxserve=jax_results, hf=hf_results, ratio=ratio, ratio_mean_run=ratio_mean,
-               check=check,
+               workload=workload, jaxserve=jax_results, hf=hf_results, rounds=rounds, **ratios, check=check,
                total_wall_s=time.perf_counter() - start)
     print_report(res, args)
     log("done")
