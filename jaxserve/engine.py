@@ -123,8 +123,10 @@ class LLMEngine:
                 request_id=child_id, prompt_token_ids=token_ids, sampling_params=params,
                 eos_token_ids=self._eos_ids(), seed=seed, max_tokens=max_tokens,
                 arrival_time=arrival, priority=priority, bad_words_token_ids=bad_words,
-                # The samples share their prompt, so only the first computes its logprobs.
+                # The samples share their prompt, so only the first computes its logprobs, and the
+                # others fork from it once it has computed the prompt.
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
+                fork_source=None if index == 0 else children[0].request_id,
             ))
         return text, children
 

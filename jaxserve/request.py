@@ -77,6 +77,10 @@ class Request:
     # for the first prompt token, then one dict per prompt token. None when not asked for.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list)  # each word, tokenized
+    # A sibling sample with the same prompt: once it has computed the prompt, this request shares its
+    # prompt pages (copy-on-write) instead of computing the prompt again. None for the first sample.
+    fork_source: str | None = None
+    cache_salt: str | None = None  # requests share cached prefix pages only when their salts are equal
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
