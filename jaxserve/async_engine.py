@@ -160,11 +160,13 @@ class AsyncLLMEngine:
     # ---- requests (event loop) -----------------------------------------------------------------
 
     def make_requests(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+        cache_salt: str | None = None,
     ) -> tuple[str | None, list[Request]]:
         """Validate one request (ValueError when invalid) without queueing it; text is tokenized here,
         with this thread's own tokenizer."""
-        return self.engine.make_requests(request_id, prompt, params, priority, tokenizer=self.tokenizer)
+        return self.engine.make_requests(request_id, prompt, params, priority, tokenizer=self.tokenizer,
+                                         cache_salt=cache_salt)
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """EngineDeadError when the engine is down, EngineOverloadedError when `num_requests` more would

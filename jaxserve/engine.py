@@ -94,10 +94,12 @@ class LLMEngine:
 
     def make_requests(
         self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, tokenizer=None,
+        cache_salt: str | None = None,
     ) -> tuple[str | None, list[Request]]:
         """Validate a request and build its engine requests without queueing them; returns (text, children).
 
-        `tokenizer` encodes a text prompt and bad words (default: the engine's).
+        `tokenizer` encodes a text prompt and bad words (default: the engine's). Requests share cached
+        prefix pages only when their `cache_salt`s are equal (vLLM's field).
         """
         tokenizer = tokenizer or self.tokenizer
         text, token_ids = self.tokenize_prompt(prompt, tokenizer)
@@ -111,6 +113,8 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be an int in [{INT64_MIN}, {INT64_MAX}], got {priority!r}")
         self._check_vocabulary(params)
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string when given, got {cache_salt!r}")
         bad_words = bad_words_token_ids(tokenizer, params.bad_words or [])
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -126,7 +130,7 @@ class LLMEngine:
                 # The samples share their prompt, so only the first computes its logprobs, and the
                 # others fork from it once it has computed the prompt.
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
-                fork_source=None if index == 0 else children[0].request_id,
+                fork_source=None if index == 0 else children[0].request_id, cache_salt=cache_salt,
             ))
         return text, children
 

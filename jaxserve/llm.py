@@ -45,14 +45,17 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; a prompt is text, token ids, or {'prompt' | 'prompt_token_ids': ...}."""
+        """Run every prompt to completion; a prompt is text, token ids, or {'prompt' | 'prompt_token_ids': ...}
+        (with an optional 'cache_salt', vLLM's key: only requests with equal salts share cached pages)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
         # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
         made = []
         for prompt, params in zip(prompt_list, params_list):
             request_id = str(next(self._ids))
-            made.append((request_id, self.engine.make_requests(request_id, _prompt_of(prompt), params)))
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            made.append((request_id, self.engine.make_requests(request_id, _prompt_of(prompt), params,
+                                                               cache_salt=salt)))
         for request_id, requests in made:
             self.engine.submit(request_id, requests)
         return self._run([request_id for request_id, _ in made], use_tqdm)

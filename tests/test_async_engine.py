@@ -39,7 +39,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.completed: list[str] = []
 
-    def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None):
+    def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None, cache_salt=None):
         return prompt, params.max_tokens
 
     def submit(self, request_id, made):

@@ -199,7 +199,7 @@ class OpenAIServing:
                 params: SamplingParams) -> list[RequestStream]:
         """Validate every prompt, then queue them all (or none)."""
         try:
-            made = [self.engine.make_requests(f"{request_id}-{i}", prompt, params, body.priority)
+            made = [self.engine.make_requests(f"{request_id}-{i}", prompt, params, body.priority, body.cache_salt)
                     for i, prompt in enumerate(prompts)]
         except ValueError as error:  # about the prompt, or a token id of another field
             prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
