@@ -95,6 +95,10 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders)
         logits_indices[row] = stop - 1
         start = stop
 
+    if len(output.page_copies) > num_rows:
+        raise RuntimeError(f"{len(output.page_copies)} page copies in a step of {num_rows} rows")
+    for index, (source, copy) in enumerate(output.page_copies):
+        arrays["copy_src"][index], arrays["copy_dst"][index] = source, copy
     arrays["num_seqs"] = np.asarray(len(output.scheduled), np.int32)
     return BatchDescriptor(**arrays)
 
@@ -109,6 +113,8 @@ def padded_batch_arrays(num_tokens: int, num_rows: int, width: int, page_size: i
         "seq_lens": np.zeros((num_rows,), np.int32),  # (R,)
         "page_table": np.full((num_rows, width), NULL_PAGE, np.int32),  # (R, W)
         "logits_indices": np.zeros((num_rows,), np.int32),  # (R,)
+        "copy_src": np.full((num_rows,), NULL_PAGE, np.int32),  # (R,)
+        "copy_dst": np.full((num_rows,), NULL_PAGE, np.int32),  # (R,)
         "num_seqs": np.asarray(0, np.int32),  # ()
     }
 

@@ -20,6 +20,8 @@ class BatchDescriptor:
     seq_lens: jax.Array  # (R,) int32 tokens in the cache after this step (0 for padded rows)
     page_table: jax.Array  # (R, W) int32 page ids of each row, padded with the null page
     logits_indices: jax.Array  # (R,) int32 index of each row's last token in the flattened batch
+    copy_src: jax.Array  # (R,) int32 pages to copy before the step writes (copy-on-write); pad 0
+    copy_dst: jax.Array  # (R,) int32 where each copy goes; pad 0 (the null page onto itself)
     num_seqs: jax.Array  # () int32 real rows
 
 

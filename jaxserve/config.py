@@ -43,7 +43,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     min_token_bucket: int = 8
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     attention_backend: str = "auto"
@@ -72,8 +72,6 @@ class EngineConfig:
                 f"generation_config must be auto, vllm or a folder holding generation_config.json; "
                 f"got {self.generation_config!r}"
             )
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching: automatic prefix caching is not implemented yet; leave it off")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "

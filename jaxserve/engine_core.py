@@ -54,7 +54,7 @@ class EngineCore:
             cache_dtype=dtype, ladders=self.ladders, attention_backend=config.attention_backend,
         )
         self.runner.warmup(show_progress)
-        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size)
+        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv)
         self._compiles_after_warmup_base = CompileCounter.count()
         self.counters = collections.Counter()
@@ -67,6 +67,10 @@ class EngineCore:
         """End requests from outside the step (abort, stop string); their pages go back at once."""
         for request_id in request_ids:
             self.scheduler.finish_request(request_id, status)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (held pages stay held); returns how many were forgotten."""
+        return self.kv.pool.reset_cache()
 
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""
@@ -113,6 +117,7 @@ class EngineCore:
                 failed.append(item.request)
         if not failed:
             raise RuntimeError("the step's inputs cannot be built, though each request's can")
+        self.scheduler.unschedule(output)
         for request in failed:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
         return failed
@@ -151,6 +156,8 @@ class EngineCore:
             "preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.scheduler.num_prompt_tokens,
             "generation_tokens": self.scheduler.num_generation_tokens,
+            "prefix_cache_queries": self.scheduler.num_prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.num_prefix_cache_hits,
             "kv_pages_total": self.kv.pool.num_usable,
             "kv_pages_free": self.kv.pool.num_free,
             "num_requests_running": len(self.scheduler.running),

@@ -82,6 +82,7 @@ class Request:
     fork_source: str | None = None
     cache_salt: str | None = None  # requests share cached prefix pages only when their salts are equal
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found computed at first admission (prefix cache or a fork)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None  # why the engine failed this request (status FINISHED_ERROR)

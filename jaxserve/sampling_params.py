@@ -57,7 +57,9 @@ class SamplingParams:
     `max_tokens=0` generates nothing (the prompt is still run, for
     `prompt_logprobs`); `logprobs=None` returns no logprobs, `logprobs=k` returns
     the chosen token's logprob plus the top-k alternatives; `prompt_logprobs=k`
-    does the same for every prompt token after the first. `logit_bias` adds to
+    does the same for every prompt token after the first. `best_of` samples are
+    generated (None: `n`) and the `n` with the highest cumulative logprob are
+    returned. `logit_bias` adds to
     the logits of token ids, `allowed_token_ids` keeps only those ids, and
     `bad_words` bans each word's last token wherever the output already ends with
     the rest of it. `truncate_prompt_tokens=k` keeps the prompt's last k tokens.
@@ -66,6 +68,7 @@ class SamplingParams:
     MAX_LOGPROBS: ClassVar[int] = 20
 
     n: int = 1
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -97,6 +100,9 @@ class SamplingParams:
         self._verify_length_args()
         self._verify_output_args()
         self._verify_logits_processing_args()
+        # True only on the copy `engine_params` makes for best_of > n: logprobs computed to rank the samples
+        # but not asked for, so not shown (an attribute, not a field: asdict, replace and == ignore it).
+        self._logprobs_for_ranking_only = False
 
     @staticmethod
     def _normalise_stop(stop: str | list[str] | None) -> list[str]:
@@ -121,6 +127,12 @@ class SamplingParams:
     def _verify_sampling_args(self) -> None:
         """Check the fields that shape the next-token distribution."""
         _check_int("n", self.n, 1, INT32_MAX)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, 1, INT32_MAX)
+            if self.best_of < self.n:
+                raise ValueError(
+                    f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}."
+                )
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, low_open=True)
@@ -191,6 +203,26 @@ class SamplingParams:
                 if not isinstance(word, str) or not word.strip():
                     raise ValueError(f"bad_words must contain only non-blank strings, got {word!r}.")
             self.bad_words = words
+
+    @property
+    def num_samples(self) -> int:
+        """How many samples the engine generates: `best_of`, or `n` when it is unset."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def output_logprobs(self) -> int | None:
+        """The logprobs the output shows per token (None: none), whatever the engine computes."""
+        return None if self._logprobs_for_ranking_only else self.logprobs
+
+    def engine_params(self) -> SamplingParams:
+        """The params each sample runs with in the engine. With best_of > n the samples are ranked by
+        cumulative logprob, so each must compute its chosen tokens' logprobs even when none were asked
+        for: it runs with logprobs=0 (the chosen token alone), and `output_logprobs` stays None."""
+        if self.num_samples == self.n or self.logprobs is not None:
+            return self
+        ranked = self.clone(logprobs=0)
+        ranked._logprobs_for_ranking_only = True
+        return ranked
 
     @property
     def is_greedy(self) -> bool:

@@ -23,6 +23,7 @@ class ScheduledRequest:
     num_computed_tokens: int
     page_ids: tuple[int, ...]
     samples: bool  # the chunk reaches the end of the request's tokens, so its last logits sample a token
+    page_copies: tuple[tuple[int, int], ...] = ()  # (source, copy) pages to copy before this step writes
 
 
 @dataclasses.dataclass
@@ -31,6 +32,11 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]  # in batch row order
     preempted_ids: list[str]
+
+    @property
+    def page_copies(self) -> list[tuple[int, int]]:
+        """Every (source, copy) page copy the step makes before it writes."""
+        return [copy for item in self.scheduled for copy in item.page_copies]
 
     @property
     def total_num_tokens(self) -> int:
@@ -63,6 +69,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompt tokens of requests that produced their first token
         self.num_generation_tokens = 0  # sampled tokens appended to outputs
+        self.num_prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache
+        self.num_prefix_cache_hits = 0  # of those, tokens found computed in cached pages
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -115,22 +123,72 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
-            request = self._next_waiting()
-            remaining = request.num_tokens - request.num_computed_tokens
-            num_new = min(remaining, budget)
-            if num_new < remaining and not self.config.enable_chunked_prefill:
+        candidates = [r for r in self._waiting_in_order() if not self._waits_for_fork(r)]
+        for request in candidates:
+            if budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
                 break
-            if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            num_new = self._admit(request, budget)
+            if num_new is None:
                 break
-            self.waiting.remove(request)
-            request.status = RequestStatus.RUNNING
-            request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
-            self.running.append(request)
             scheduled.append(self._schedule_one(request, num_new))
             budget -= num_new
 
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted)
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Give a waiting request its pages and move it to running; returns its number of new tokens, or
+        None (and no change) when it does not fit.
+
+        Its computed start comes from a sibling that has computed the same prompt (a fork: the prompt's
+        pages are shared and only the last prompt token is computed again, for its logits), or else
+        from the prefix cache (the longest run of its full pages already computed by anyone).
+        """
+        source = self._fork_source(request)
+        cached: list[int] = []
+        if source is not None:
+            self.kv.fork(request.request_id, source.request_id, len(request.prompt_token_ids))
+            num_computed = len(request.prompt_token_ids) - 1
+        else:
+            if request.prompt_logprobs is None:  # scoring the prompt needs every position computed
+                cached = self.kv.find_cached_prefix(request.token_ids(0, request.num_tokens), request.cache_salt)
+            num_computed = len(cached) * self.kv.page_size
+        remaining = request.num_tokens - num_computed
+        num_new = min(remaining, budget)
+        fits = num_new == remaining or self.config.enable_chunked_prefill
+        if not fits or not self.kv.allocate_slots(request.request_id, num_computed, num_computed + num_new, cached):
+            self.kv.free(request.request_id)  # a fork's shared pages go back
+            return None
+        if source is None and self.kv.enable_prefix_caching:
+            self.num_prefix_cache_queries += request.num_tokens
+            self.num_prefix_cache_hits += num_computed
+        if source is None and request.first_scheduled_time is None:
+            request.num_cached_tokens = num_computed
+        request.num_computed_tokens = num_computed
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
+        self.running.append(request)
+        return num_new
+
+    def _fork_source(self, request: Request) -> Request | None:
+        """The running sibling whose computed prompt this request can share, if any."""
+        source = self.requests.get(request.fork_source) if request.fork_source else None
+        if source is None or source.status != RequestStatus.RUNNING:
+            return None
+        return source if source.num_computed_tokens >= len(request.prompt_token_ids) else None
+
+    def _waits_for_fork(self, request: Request) -> bool:
+        """True while the sibling this request will fork from is alive but has not computed the prompt yet
+        (admitting it now would compute the same prompt twice)."""
+        source = self.requests.get(request.fork_source) if request.fork_source else None
+        return (source is not None and not source.is_finished
+                and source.num_computed_tokens < len(request.prompt_token_ids))
+
+    def unschedule(self, output: SchedulerOutput) -> None:
+        """Take back a step that never ran: the requests keep their pages and computed tokens, and their
+        next step makes the page copies this one did not."""
+        for item in output.scheduled:
+            self.kv.restore_copies(item.request.request_id, list(item.page_copies))
 
     def update(self, output: SchedulerOutput, sampled: list[SampledToken | None]) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish requests; returns requests that changed.
@@ -144,6 +202,8 @@ class Scheduler:
             if request.is_finished:
                 continue  # finished from outside during the step
             request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            self.kv.cache_full_pages(request.request_id, request.num_computed_tokens, request.token_ids,
+                                     request.cache_salt)
             if sample is None:
                 continue
             if request.max_tokens == 0:  # the prompt ran (for its logprobs); nothing is generated
@@ -174,6 +234,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             page_ids=tuple(self.kv.page_ids(request.request_id)),
             samples=request.num_computed_tokens + num_new == request.num_tokens,
+            page_copies=tuple(self.kv.pop_copies(request.request_id)),
         )
 
     def _grow_or_preempt(self, request: Request, num_new: int) -> list[tuple[Request, int]]:
@@ -182,7 +243,8 @@ class Scheduler:
         Returns each victim with the index it had in `running` when it was preempted.
         """
         victims = []
-        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+        total = request.num_computed_tokens + num_new
+        while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, total):
             victim = self._pick_victim()
             victims.append((victim, self.running.index(victim)))
             self._preempt(victim)
@@ -196,11 +258,11 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _next_waiting(self) -> Request:
-        """FCFS: the head of the queue; priority: the lowest priority value, then the earliest arrival."""
+    def _waiting_in_order(self) -> list[Request]:
+        """FCFS: queue order; priority: the lowest priority value, then the earliest arrival."""
         if self.config.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
-        return self.waiting[0]
+            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return list(self.waiting)
 
     def _preempt(self, request: Request) -> None:
         """Preempt by recompute: drop its pages and re-queue it at the front."""

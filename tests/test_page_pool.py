@@ -146,14 +146,14 @@ def test_pages_for_tokens(page_size):
 
 def test_allocate_slots_grows_in_page_steps():
     kv = KVCacheManager(PagePool(10), page_size=8)
-    assert kv.allocate_slots("a", 1)
+    assert kv.allocate_slots("a", 0, 1)
     assert len(kv.page_ids("a")) == 1
-    assert kv.allocate_slots("a", 8)
+    assert kv.allocate_slots("a", 0, 8)
     assert len(kv.page_ids("a")) == 1
-    assert kv.allocate_slots("a", 9)
+    assert kv.allocate_slots("a", 0, 9)
     assert len(kv.page_ids("a")) == 2
     before = list(kv.page_ids("a"))
-    assert kv.allocate_slots("a", 3)  # never shrinks
+    assert kv.allocate_slots("a", 0, 3)  # never shrinks
     assert kv.page_ids("a") == before
     assert kv.num_pages_needed("a", 24) == 1
     assert kv.num_pages_needed("a", 16) == 0
@@ -163,31 +163,31 @@ def test_allocate_slots_grows_in_page_steps():
 
 def test_allocate_slots_returns_false_and_changes_nothing_when_short():
     kv = KVCacheManager(PagePool(5), page_size=8)  # 4 usable
-    assert kv.allocate_slots("a", 16)  # 2 pages
-    assert kv.allocate_slots("b", 8)  # 1 page
+    assert kv.allocate_slots("a", 0, 16)  # 2 pages
+    assert kv.allocate_slots("b", 0, 8)  # 1 page
     a_before, b_before = list(kv.page_ids("a")), list(kv.page_ids("b"))
     free_before = kv.pool.num_free
-    assert not kv.allocate_slots("a", 8 * 4)  # needs 2 more, 1 free
-    assert not kv.allocate_slots("c", 8 * 2)  # new request needing 2, 1 free
+    assert not kv.allocate_slots("a", 0, 8 * 4)  # needs 2 more, 1 free
+    assert not kv.allocate_slots("c", 0, 8 * 2)  # new request needing 2, 1 free
     assert kv.page_ids("a") == a_before and kv.page_ids("b") == b_before
     assert kv.page_ids("c") == []
     assert kv.pool.num_free == free_before
     assert kv.num_requests == 2  # "c" was not registered
-    assert kv.allocate_slots("a", 8 * 3)  # exactly the last free page
+    assert kv.allocate_slots("a", 0, 8 * 3)  # exactly the last free page
     assert kv.pool.num_free == 0
 
 
 def test_allocate_slots_for_zero_tokens_holds_nothing():
     kv = KVCacheManager(PagePool(3), page_size=16)
-    assert kv.allocate_slots("a", 0)
+    assert kv.allocate_slots("a", 0, 0)
     assert kv.page_ids("a") == []
     assert kv.num_requests == 0
 
 
 def test_free_returns_everything_and_is_safe_to_repeat():
     kv = KVCacheManager(PagePool(6), page_size=8)
-    kv.allocate_slots("a", 20)
-    kv.allocate_slots("b", 5)
+    kv.allocate_slots("a", 0, 20)
+    kv.allocate_slots("b", 0, 5)
     kv.free("a")
     assert kv.page_ids("a") == []
     assert kv.pool.num_free == 4
@@ -214,7 +214,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         free_before = self.kv.pool.num_free
         have = len(before[request_id])
         want = max(have, pages_for_tokens(total_tokens, self.page_size))
-        ok = self.kv.allocate_slots(request_id, total_tokens)
+        ok = self.kv.allocate_slots(request_id, 0, total_tokens)
         assert ok == (want - have <= free_before)
         if ok:
             assert len(self.kv.page_ids(request_id)) == want

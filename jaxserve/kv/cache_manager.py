@@ -1,8 +1,24 @@
-"""KVCacheManager: which pages each request holds, and growing or freeing them."""
+"""KVCacheManager: which pages each request holds; growing, sharing, copying on write and freeing them.
+
+Who holds a page: every request whose page list contains it (the pool counts them). A request gets
+pages three ways: fresh from the pool (`allocate_slots`), from the prefix cache (the longest run of
+its full pages whose content hashes are registered, verified token for token), or from a sibling
+sample that has computed the same prompt (`fork`). Pages shared that way are only ever read, except
+the last, partly filled page of a fork: before a request writes into a page someone else also
+holds, `allocate_slots` gives it a private copy (copy-on-write) and records the device copy the
+next step must make first.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
+
+import numpy as np
+
 from jaxserve.kv.page_pool import PagePool
+
+TokenIds = Callable[[int, int], list[int]]  # (start, stop) -> a request's token ids at those positions
 
 
 def pages_for_tokens(num_tokens: int, page_size: int) -> int:
@@ -10,19 +26,34 @@ def pages_for_tokens(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def page_hash(parent: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """The content hash of a full page: SHA-256 chained over its parent page's hash and its tokens."""
+    return hashlib.sha256(parent + np.asarray(token_ids, np.int64).tobytes()).digest()
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first page: the extra keys (the cache salt) enter every page's hash
+    through it, so requests with different salts never share pages."""
+    return b"" if cache_salt is None else hashlib.sha256(b"salt:" + cache_salt.encode()).digest()
+
+
 class KVCacheManager:
     """Maps request ids to their page lists on top of a PagePool.
 
-    Contract: `allocate_slots(request_id, total_tokens)` makes the request hold enough pages for
-    `total_tokens` tokens and returns True, or changes nothing and returns False when the pool is
-    short. `free(request_id)` returns every page the request held; it is safe to call for a
-    request that holds none.
+    Contract: `allocate_slots(request_id, num_computed, total_tokens, cached_pages)` makes the request
+    hold enough pages for `total_tokens` tokens, private from position `num_computed` on, and
+    returns True; or changes nothing and returns False when the pool is short. `free(request_id)`
+    releases every page the request held (last page first, so its tail is evicted first); it is safe
+    to call for a request that holds none.
     """
 
-    def __init__(self, pool: PagePool, page_size: int):
+    def __init__(self, pool: PagePool, page_size: int, enable_prefix_caching: bool = False):
         self.pool = pool
         self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._pages: dict[str, list[int]] = {}  # request id -> page ids in sequence order
+        self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its first full computed pages
+        self._copies: dict[str, list[tuple[int, int]]] = {}  # request id -> (source, copy) for the next step
 
     def page_ids(self, request_id: str) -> list[int]:
         """The pages a request holds, in order (empty when it holds none)."""
@@ -32,19 +63,92 @@ class KVCacheManager:
         """How many more pages the request needs to hold `total_tokens` tokens."""
         return max(0, pages_for_tokens(total_tokens, self.page_size) - len(self.page_ids(request_id)))
 
-    def allocate_slots(self, request_id: str, total_tokens: int) -> bool:
-        """Grow the request's pages to cover `total_tokens`; False (and no change) if the pool is short."""
-        needed = self.num_pages_needed(request_id, total_tokens)
-        if needed > self.pool.num_free:
+    # ---- getting pages ------------------------------------------------------------------------------
+
+    def find_cached_prefix(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
+        """The cached pages holding the longest run of `token_ids`' full pages (not taken yet). The last
+        token is never covered, so the step that computes it has logits to sample from."""
+        if not self.enable_prefix_caching:
+            return []
+        pages, parent = [], root_hash(cache_salt)
+        for index in range((len(token_ids) - 1) // self.page_size):
+            tokens = tuple(token_ids[index * self.page_size : (index + 1) * self.page_size])
+            parent = page_hash(parent, tokens)
+            page = self.pool.lookup(parent, tokens)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def fork(self, request_id: str, source_id: str, num_tokens: int) -> None:
+        """Make a request that holds no pages share the pages of `source_id` covering `num_tokens` tokens."""
+        if self.page_ids(request_id):
+            raise RuntimeError(f"request {request_id!r} already holds pages")
+        shared = self.page_ids(source_id)[: pages_for_tokens(num_tokens, self.page_size)]
+        for page in shared:
+            self.pool.take(page)
+        self._pages[request_id] = list(shared)
+
+    def allocate_slots(self, request_id: str, num_computed: int, total_tokens: int,
+                       cached_pages: list[int] = ()) -> bool:
+        """Grow the request's pages (after taking `cached_pages`, for a request holding none) to cover
+        `total_tokens`, copying every shared page it will write (positions >= `num_computed`);
+        False, and no change, when the pool is short."""
+        held = self.page_ids(request_id)
+        if cached_pages and held:
+            raise RuntimeError(f"request {request_id!r} takes cached pages while holding pages")
+        pages = held or list(cached_pages)
+        first_written = num_computed // self.page_size
+        shared = [i for i in range(first_written, len(pages)) if self._is_shared(pages[i], i < len(held))]
+        new = max(0, pages_for_tokens(total_tokens, self.page_size) - len(pages))
+        leaving_free = sum(self.pool.is_cached_and_free(page) for page in cached_pages)
+        if new + len(shared) > self.pool.num_free - leaving_free:
             return False
-        if needed:
-            self._pages.setdefault(request_id, []).extend(self.pool.allocate(needed))
+        for page in cached_pages:
+            self.pool.take(page)
+        copies = self.pool.allocate(len(shared))
+        for index, copy in zip(shared, copies):
+            self._copies.setdefault(request_id, []).append((pages[index], copy))
+            self.pool.release([pages[index]])
+            pages[index] = copy
+        self._pages[request_id] = pages + self.pool.allocate(new)
         return True
 
+    def _is_shared(self, page: int, held: bool) -> bool:
+        """True when another request also holds `page` (counting the holder being added for a cached page)."""
+        return self.pool.ref_count(page) > (1 if held else 0)
+
+    def pop_copies(self, request_id: str) -> list[tuple[int, int]]:
+        """The (source, copy) page copies the request's next step must make before it writes."""
+        return self._copies.pop(request_id, [])
+
+    def restore_copies(self, request_id: str, copies: list[tuple[int, int]]) -> None:
+        """Put back copies a step did not make (it never ran), so the request's next step makes them."""
+        if copies:
+            self._copies.setdefault(request_id, [])[:0] = copies
+
+    # ---- the prefix cache ---------------------------------------------------------------------------
+
+    def cache_full_pages(self, request_id: str, num_computed: int, token_ids: TokenIds,
+                         cache_salt: str | None) -> None:
+        """Register the request's pages that are now full of computed KV in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._hashes.setdefault(request_id, [])
+        pages = self.page_ids(request_id)
+        for index in range(len(hashes), num_computed // self.page_size):
+            tokens = tuple(token_ids(index * self.page_size, (index + 1) * self.page_size))
+            hashes.append(page_hash(hashes[-1] if hashes else root_hash(cache_salt), tokens))
+            self.pool.register(pages[index], hashes[-1], tokens)
+
+    # ---- giving pages back --------------------------------------------------------------------------
+
     def free(self, request_id: str) -> None:
-        """Return all of the request's pages to the pool."""
+        """Release all of the request's pages, last first, and drop its pending copies."""
         pages = self._pages.pop(request_id, [])
-        self.pool.release(pages)
+        self._hashes.pop(request_id, None)
+        self._copies.pop(request_id, None)
+        self.pool.release(pages[::-1])
 
     @property
     def num_requests(self) -> int:

@@ -1,4 +1,13 @@
-"""PagePool: reference-counted fixed-size KV pages, with page 0 reserved as the null page."""
+"""PagePool: reference-counted fixed-size KV pages, an LRU queue of free pages that keep their cached
+content until they are reused, and the hash index of cached pages. Page 0 is the reserved null page.
+
+One mechanism serves every feature that shares KV. A page's reference count is the number of
+requests holding it: sharing (a fork, a prefix-cache hit) is holding the same page. A full page
+whose KV is computed is registered under a content hash; when nobody holds it any more it goes to
+the tail of the free queue still registered, so a later request with the same prefix can take it
+back (a hit). Allocation takes the head of the free queue, the page freed longest ago, and only then
+forgets its content (least-recently-used eviction).
+"""
 
 from __future__ import annotations
 
@@ -8,23 +17,27 @@ NULL_PAGE = 0  # padded token slots write here; never handed to a request
 
 
 class PagePool:
-    """Hands out page ids from a free queue and takes them back when their reference count drops to 0.
+    """Hands out page ids from an LRU free queue and takes them back when their reference count drops to 0.
 
     Contract: `allocate(n)` either returns `n` distinct pages, each with reference count 1, or
-    raises; callers check `num_free` first (check-then-act). `release(pages)` decrements each
-    page once; a page returns to the free queue when nothing references it.
+    raises; callers check `num_free` first (check-then-act). `take(page)` adds a holder to a page
+    (a cached page found by `lookup`, or one shared by a fork). `release(pages)` drops one holder
+    from each page; a page nobody holds returns to the free queue, keeping its registration.
     """
 
     def __init__(self, num_pages: int):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the reserved null page), got {num_pages}")
         self.num_pages = num_pages
-        self._ref_counts = [0] * num_pages  # (num_pages,) references per page id
-        self._free: collections.deque[int] = collections.deque(range(1, num_pages))
+        self._ref_counts = [0] * num_pages  # (num_pages,) holders per page id
+        # Free pages, least recently freed first (evicted first); an OrderedDict so a hit can leave it.
+        self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(1, num_pages))
+        self._page_of: dict[bytes, int] = {}  # content hash -> the cached page holding it
+        self._content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # cached page -> (hash, its token ids)
 
     @property
     def num_free(self) -> int:
-        """Pages that can be allocated now."""
+        """Pages that can be allocated now (free, cached or not)."""
         return len(self._free)
 
     @property
@@ -32,28 +45,82 @@ class PagePool:
         """Pages a request could ever hold (all but the null page)."""
         return self.num_pages - 1
 
+    @property
+    def num_cached(self) -> int:
+        """Pages registered in the prefix cache (held or free)."""
+        return len(self._content)
+
     def usage(self) -> float:
-        """Fraction of usable pages in use, in [0, 1]."""
+        """Fraction of usable pages held by some request, in [0, 1]."""
         return 1.0 - self.num_free / self.num_usable
 
     def allocate(self, count: int) -> list[int]:
-        """Take `count` pages off the free queue."""
+        """Take `count` pages off the head of the free queue, forgetting their cached content."""
         if count > len(self._free):
             raise RuntimeError(f"asked for {count} pages with only {len(self._free)} free: call num_free first")
-        pages = [self._free.popleft() for _ in range(count)]
-        for page in pages:
+        pages = []
+        for _ in range(count):
+            page, _ = self._free.popitem(last=False)
+            self._forget(page)
             self._ref_counts[page] = 1
+            pages.append(page)
         return pages
 
+    def take(self, page: int) -> None:
+        """Add a holder to `page`: a cached page (free or held) or one another request holds."""
+        if not NULL_PAGE < page < self.num_pages:
+            raise RuntimeError(f"page {page} is not a usable page")
+        if self._ref_counts[page] == 0:
+            if page not in self._content:
+                raise RuntimeError(f"page {page} is free and holds no cached content")
+            del self._free[page]
+        self._ref_counts[page] += 1
+
     def release(self, pages: list[int]) -> None:
-        """Drop one reference from each page; pages nobody holds go back on the free queue."""
+        """Drop one holder from each page; pages nobody holds go to the tail of the free queue."""
         for page in pages:
             if not NULL_PAGE < page < self.num_pages or self._ref_counts[page] <= 0:
                 raise RuntimeError(f"page {page} released more often than it was taken")
             self._ref_counts[page] -= 1
             if self._ref_counts[page] == 0:
-                self._free.append(page)
+                self._free[page] = None
 
     def ref_count(self, page: int) -> int:
         """Current number of holders of `page`."""
         return self._ref_counts[page]
+
+    # ---- the prefix cache ------------------------------------------------------------------------
+
+    def register(self, page: int, page_hash: bytes, token_ids: tuple[int, ...]) -> None:
+        """Record that the held page `page` holds the computed KV of `token_ids` under `page_hash`; a
+        hash already registered (another page with the same content) keeps its page."""
+        if self._ref_counts[page] <= 0:
+            raise RuntimeError(f"page {page} is registered while nobody holds it")
+        if page_hash in self._page_of or page in self._content:
+            return
+        self._page_of[page_hash] = page
+        self._content[page] = (page_hash, token_ids)
+
+    def lookup(self, page_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
+        """The cached page registered under `page_hash`, if its tokens are exactly `token_ids` (so a
+        hash collision can never return another prefix's KV); None otherwise."""
+        page = self._page_of.get(page_hash)
+        if page is None or self._content[page][1] != token_ids:
+            return None
+        return page
+
+    def is_cached_and_free(self, page: int) -> bool:
+        """True for a registered page nobody holds (taking it removes it from the free queue)."""
+        return self._ref_counts[page] == 0 and page in self._content
+
+    def reset_cache(self) -> int:
+        """Forget every registration (held pages stay held); returns how many pages were forgotten."""
+        forgotten = len(self._content)
+        self._page_of.clear()
+        self._content.clear()
+        return forgotten
+
+    def _forget(self, page: int) -> None:
+        entry = self._content.pop(page, None)
+        if entry is not None:
+            del self._page_of[entry[0]]

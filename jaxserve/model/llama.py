@@ -83,6 +83,7 @@ def forward(
     or, when tensor parallelism is wider than that, the replicated count.
     """
     # k_cache, v_cache: (L, P, S, Hkv, D)
+    k_cache, v_cache = copy_pages(k_cache, v_cache, batch.copy_src, batch.copy_dst)
     inv_freq = spec.rope.inv_freq()
     cos, sin = rope_cos_sin(batch.positions, inv_freq)  # (T, D // 2) each
     x = params["embed"][batch.input_ids]  # (T, H)
@@ -106,6 +107,13 @@ def forward(
 
     logits = token_logits(params, x[batch.logits_indices], spec)  # (R, V) float32
     return logits, x, k_cache, v_cache
+
+
+def copy_pages(k_cache: jax.Array, v_cache: jax.Array, src: jax.Array, dst: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Copy whole pages (every layer) before the step writes: copy-on-write of shared pages. Padding
+    copies the null page onto itself."""
+    # k_cache, v_cache: (L, P, S, Hkv, D); src, dst: (C,) int32
+    return k_cache.at[:, dst].set(k_cache[:, src]), v_cache.at[:, dst].set(v_cache[:, src])
 
 
 def token_logits(params: dict, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
