@@ -88,7 +88,7 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0
     ) -> None:
-        """Validate and queue a request (its `n` samples become `n` engine requests)."""
+        """Validate and queue a request (its `best_of` samples, `n` unless set, become as many engine requests)."""
         children = self.make_requests(request_id, prompt, params or SamplingParams(**self.generation_defaults), priority)
         self.submit(request_id, children)
 
@@ -119,12 +119,14 @@ class LLMEngine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         arrival = time.monotonic()
+        # best_of samples (n when unset); with best_of > n they also compute their tokens' logprobs, to be ranked.
+        num_samples, sample_params = params.num_samples, params.engine_params()
         children = []
-        for index in range(params.n):
+        for index in range(num_samples):
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(64)
-            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            child_id = request_id if num_samples == 1 else f"{index}_{request_id}"
             children.append(Request(
-                request_id=child_id, prompt_token_ids=token_ids, sampling_params=params,
+                request_id=child_id, prompt_token_ids=token_ids, sampling_params=sample_params,
                 eos_token_ids=self._eos_ids(), seed=seed, max_tokens=max_tokens,
                 arrival_time=arrival, priority=priority, bad_words_token_ids=bad_words,
                 # The samples share their prompt, so only the first computes its logprobs, and the

@@ -59,8 +59,8 @@ class SamplingParams:
     the chosen token's logprob plus the top-k alternatives; `prompt_logprobs=k`
     does the same for every prompt token after the first. `best_of` samples are
     generated (None: `n`) and the `n` with the highest cumulative logprob are
-    returned. `logit_bias` adds to
-    the logits of token ids, `allowed_token_ids` keeps only those ids, and
+    returned. `logit_bias` adds to the logits of token ids, `allowed_token_ids`
+    keeps only those ids, and
     `bad_words` bans each word's last token wherever the output already ends with
     the rest of it. `truncate_prompt_tokens=k` keeps the prompt's last k tokens.
     """

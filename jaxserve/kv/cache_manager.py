@@ -111,7 +111,9 @@ class KVCacheManager:
             self._copies.setdefault(request_id, []).append((pages[index], copy))
             self.pool.release([pages[index]])
             pages[index] = copy
-        self._pages[request_id] = pages + self.pool.allocate(new)
+        pages += self.pool.allocate(new)
+        if pages:
+            self._pages[request_id] = pages
         return True
 
     def _is_shared(self, page: int, held: bool) -> bool:
