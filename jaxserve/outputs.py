@@ -50,3 +50,4 @@ class RequestOutput:
     # else the prompt token's logprob and the top-k, each with its exact rank. None when not asked.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # why the engine failed this request alone (finish_reason 'error')
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (vLLM's field)

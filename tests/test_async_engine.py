@@ -73,7 +73,8 @@ class FakeEngine:
 
     def stats(self):
         return {"num_requests_running": len(self.running), "num_requests_waiting": 0, "kv_pages_free": 10,
-                "kv_pages_total": 10, "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": self.steps}
+                "kv_pages_total": 10, "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": self.steps,
+                "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     @staticmethod
     def _output(request_id, num_tokens, finish_reason):

@@ -66,7 +66,8 @@ def _request(request_id: str, times: RequestMetrics, prompt_len: int, samples: l
 
 def _unit_metrics() -> ServerMetrics:
     stats = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_pages_free": 63, "kv_pages_total": 63,
-             "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+             "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
+             "prefix_cache_hits": 0}
     return ServerMetrics("vllm", "m", lambda: stats, max_model_len=128, cache_config=CACHE_CONFIG)
 
 
@@ -189,7 +190,7 @@ def test_server_cache_config_info_and_buckets(openai_server):
         "model_name": "tiny-stdlib-llama",
         "block_size": str(engine.config.page_size),
         "cache_dtype": str(engine.core.runner.k_cache.dtype),
-        "enable_prefix_caching": "False",
+        "enable_prefix_caching": str(engine.config.enable_prefix_caching),
         "gpu_memory_utilization": str(engine.config.gpu_memory_utilization),
         "num_gpu_blocks": str(engine.core.num_pages),
         "num_gpu_blocks_override": str(engine.config.num_pages),

@@ -116,7 +116,8 @@ def test_metrics_parse_and_move_while_a_request_runs(openai_server):
 
 def test_metric_names_follow_vllm_with_the_vllm_prefix():
     stats = {"num_requests_running": 2, "num_requests_waiting": 1, "kv_pages_free": 30, "kv_pages_total": 40,
-             "preemptions": 3, "prompt_tokens": 50, "generation_tokens": 70}
+             "preemptions": 3, "prompt_tokens": 50, "generation_tokens": 70, "prefix_cache_queries": 40,
+             "prefix_cache_hits": 16}
     metrics = ServerMetrics("vllm", "m", lambda: stats, max_model_len=128, cache_config={"block_size": "16"})
     times = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=13.0)
 
@@ -131,6 +132,7 @@ def test_metric_names_follow_vllm_with_the_vllm_prefix():
     assert samples["vllm:kv_cache_usage_perc"].value == 0.25 == samples["vllm:gpu_cache_usage_perc"].value
     assert samples["vllm:num_requests_running"].labels == {"model_name": "m"}
     assert samples["vllm:num_preemptions_total"].value == 3
+    assert samples["vllm:prefix_cache_queries_total"].value == 40 and samples["vllm:prefix_cache_hits_total"].value == 16
     assert samples["vllm:request_success_total"].labels["finished_reason"] == "stop"
     assert samples["vllm:e2e_request_latency_seconds_sum"].value == 3.0
     assert samples["vllm:time_to_first_token_seconds_sum"].value == 1.0

@@ -83,8 +83,9 @@ class _EngineCollector:
             "num_preemptions": ("Preemptions by recompute.", stats["preemptions"]),
             "prompt_tokens": ("Prompt tokens of requests that produced their first token.", stats["prompt_tokens"]),
             "generation_tokens": ("Generated tokens.", stats["generation_tokens"]),
-            "prefix_cache_queries": ("Tokens looked up in the prefix cache (prefix caching is not implemented).", 0),
-            "prefix_cache_hits": ("Tokens found in the prefix cache (prefix caching is not implemented).", 0),
+            "prefix_cache_queries": ("Tokens of admitted requests looked up in the prefix cache.",
+                                     stats["prefix_cache_queries"]),
+            "prefix_cache_hits": ("Tokens of admitted requests found in the prefix cache.", stats["prefix_cache_hits"]),
         }
         for name, (doc, value) in counters.items():
             yield self._family(CounterMetricFamily, name, doc, value)

@@ -47,12 +47,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def usage_of(outputs: list[RequestOutput], prompt_tokens_details: bool = False) -> dict:
     """Token counts of finished outputs (every prompt, every sample); with `prompt_tokens_details`
-    (vLLM's --enable-prompt-tokens-details) also the cached prompt tokens: none, as there is no
-    prefix caching yet."""
+    (vLLM's --enable-prompt-tokens-details) also the prompt tokens found in the prefix cache."""
     counts = usage(sum(len(o.prompt_token_ids) for o in outputs),
                    sum(len(c.token_ids) for o in outputs for c in o.outputs))
     if prompt_tokens_details:
-        counts["prompt_tokens_details"] = {"cached_tokens": 0}
+        counts["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens for o in outputs)}
     return counts
 
 
