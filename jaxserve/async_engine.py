@@ -168,6 +168,14 @@ class AsyncLLMEngine:
         return self.engine.make_requests(request_id, prompt, params, priority, tokenizer=self.tokenizer,
                                          cache_salt=cache_salt)
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached page (on the engine thread, between steps); returns how many were forgotten."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        done = self._loop.create_future()
+        self._commands.put(("reset_prefix_cache", done))
+        return await done
+
     def check_capacity(self, num_requests: int = 1) -> None:
         """EngineDeadError when the engine is down, EngineOverloadedError when `num_requests` more would
         exceed max_waiting_requests."""
@@ -243,6 +251,9 @@ class AsyncLLMEngine:
                     self.engine.submit(command[1], command[2])
                 except Exception as error:  # this request is bad; the engine is fine
                     self._loop.call_soon_threadsafe(self._fail_stream, command[1], error)
+            elif command[0] == "reset_prefix_cache":
+                forgotten = self.engine.reset_prefix_cache()
+                self._loop.call_soon_threadsafe(_resolve, command[1], forgotten)
             else:
                 final = self.engine.abort_request(command[1])
                 if final is not None:
@@ -271,3 +282,9 @@ class AsyncLLMEngine:
             except Exception:  # a metrics hook must not take serving down
                 logger.exception("the on_outputs hook failed")
         self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    """Set a future's result unless its waiter has gone (event loop only)."""
+    if not future.done():
+        future.set_result(value)

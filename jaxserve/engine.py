@@ -170,6 +170,10 @@ class LLMEngine:
         self.core.finish_requests(self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV page (pages in use stay in use); returns how many were forgotten."""
+        return self.core.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""
         return self.core.has_unfinished_requests()

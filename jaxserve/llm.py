@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from jaxserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine, Prompt
 from jaxserve.outputs import RequestOutput
@@ -60,6 +61,25 @@ class LLM:
             self.engine.submit(request_id, requests)
         return self._run([request_id for request_id, _ in made], use_tqdm)
 
+    def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: the best `params.beam_width` beams of each prompt, best first.
+
+        Each step runs every live beam of every prompt through `generate` as a one-token request
+        (see jaxserve/beam_search.py). Prompts take the forms `generate` takes (a dict may carry a
+        'cache_salt'); every prompt is validated before any step runs.
+        """
+        step_params = params.step_params()
+        searches = []
+        for prompt in _as_prompt_list(prompts):
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            text, (request,) = self.engine.make_requests("beam-search", _prompt_of(prompt), step_params,
+                                                         cache_salt=salt)
+            searches.append(BeamSearch(request.prompt_token_ids, params, request.eos_token_ids,
+                                       self.engine.max_model_len, prompt=text, cache_salt=salt))
+        run_beam_search(searches, lambda batch: self.generate(batch, step_params, use_tqdm=False))
+        return [search.output(self.engine.tokenizer) for search in searches]
+
     def chat(
         self,
         messages: list[dict] | Sequence[list[dict]],
@@ -78,6 +98,11 @@ class LLM:
         """Token ids of one conversation under the chat template."""
         return render_chat(self.engine.tokenizer, conversation, add_generation_prompt,
                            chat_template_kwargs=chat_template_kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV page, as vLLM's `LLM.reset_prefix_cache` (pages in use stay in use)."""
+        self.engine.reset_prefix_cache()
+        return True
 
     def stats(self) -> dict:
         """Engine counters: steps, scheduled tokens, preemptions, KV pages total/free, compilations after warm-up."""

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 import jaxserve
-from jaxserve.async_engine import AsyncLLMEngine
+from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.engine import LLMEngine
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
@@ -82,13 +82,22 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
 
 def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig, load: ServerLoad) -> None:
-    """vLLM's further routes: /load, SageMaker's /invocations, and /tokenizer_info when enabled."""
+    """vLLM's further routes: /load, /reset_prefix_cache, SageMaker's /invocations, and /tokenizer_info when enabled."""
     guard = [Depends(_api_key_guard(config.api_key))]
 
     @app.get("/load")
     async def server_load() -> dict:
         """Requests in flight on the generation routes (always 0 without --enable-server-load-tracking)."""
         return {"server_load": load.in_flight}
+
+    @app.post("/reset_prefix_cache", dependencies=guard)
+    async def reset_prefix_cache() -> Response:
+        """Forget every cached KV page (vLLM's route); pages in use stay in use."""
+        try:
+            await serving.engine.reset_prefix_cache()
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from error
+        return Response(status_code=200)
 
     @app.post("/invocations", dependencies=guard, response_model=None)
     async def invocations(raw: Request) -> Response | dict:
