@@ -1,7 +1,9 @@
 """OutputProcessor: token ids -> text, stop strings, finish reasons, vLLM-shaped RequestOutputs.
 
 A user request with `n` samples is `n` engine requests (its children); this module folds them
-back into one RequestOutput.
+back into one RequestOutput. With `best_of` > `n` it has `best_of` children, and, as vLLM does,
+shows nothing until all of them have finished, then only the `n` with the highest cumulative
+logprob, indexed 0..n-1 from the highest down.
 """
 
 from __future__ import annotations
@@ -42,25 +44,37 @@ class _RequestState:
     samples: dict[str, _SampleState]  # child request id -> state
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None  # the scoring child's list, filled by the engine
+    num_returned: int  # n: fewer than the samples when best_of > n
+    show_logprobs: bool  # the user asked for logprobs (best_of > n computes them anyway, to rank)
     error: str | None = None
+    num_cached_tokens: int = 0
 
-    def output(self) -> RequestOutput:
+    def output(self) -> RequestOutput | None:
+        """The output so far; None while best_of > n has unfinished samples (nothing is shown before the
+        ranking is known, so no sample that loses is ever shown)."""
+        samples = sorted(self.samples.values(), key=lambda s: s.index)
+        if self.num_returned < len(samples):
+            if any(s.finish_reason is None for s in samples):
+                return None
+            # Stable: equal cumulative logprobs keep the sample order.
+            samples = sorted(samples, key=lambda s: s.cumulative_logprob, reverse=True)[: self.num_returned]
+        show = self.show_logprobs
         completions = [
             CompletionOutput(
-                index=s.index,
+                index=index,
                 text=s.text,
                 token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob,
-                logprobs=None if s.logprobs is None else list(s.logprobs),
+                cumulative_logprob=s.cumulative_logprob if show else None,
+                logprobs=list(s.logprobs) if show else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )
-            for s in sorted(self.samples.values(), key=lambda s: s.index)
+            for index, s in enumerate(samples)
         ]
         finished = all(c.finished() for c in completions)
         prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, self.metrics,
-                             prompt_logprobs, self.error)
+                             prompt_logprobs, self.error, self.num_cached_tokens)
 
 
 class OutputProcessor:
@@ -79,10 +93,12 @@ class OutputProcessor:
             for index, child in enumerate(children)
         }
         scoring = next((child for child in children if child.prompt_logprobs is not None), None)
+        params = first.sampling_params
         self._requests[request_id] = _RequestState(
             request_id, prompt, first.prompt_token_ids, samples,
             RequestMetrics(first.arrival_time, max_tokens=first.max_tokens),
             None if scoring is None else scoring.prompt_logprobs,
+            num_returned=params.n, show_logprobs=params.output_logprobs is not None,
         )
         for child in children:
             self._parent_of[child.request_id] = request_id
@@ -111,9 +127,9 @@ class OutputProcessor:
         return list(state.samples) if state else []
 
     def process(self, changed: list[Request]) -> tuple[list[RequestOutput], list[tuple[str, RequestStatus]]]:
-        """Fold engine updates in; returns (outputs of the user requests that moved, (child id, status) of
-        the samples this ended: a stop string, or an error while detokenizing, which the caller must end
-        in the scheduler)."""
+        """Fold engine updates in; returns (outputs of the user requests that moved, a best_of > n request's
+        only once it has finished; (child id, status) of the samples this ended: a stop string, or an error
+        while detokenizing, which the caller must end in the scheduler)."""
         to_finish: list[tuple[str, RequestStatus]] = []
         touched: dict[str, _RequestState] = {}
         for request in changed:
@@ -127,10 +143,13 @@ class OutputProcessor:
             state.metrics.first_scheduled_time = state.metrics.first_scheduled_time or request.first_scheduled_time
             state.metrics.first_token_time = state.metrics.first_token_time or request.first_token_time
             state.metrics.num_preemptions = max(state.metrics.num_preemptions, request.num_preemptions)
+            state.num_cached_tokens = max(state.num_cached_tokens, request.num_cached_tokens)
             touched[parent_id] = state
         outputs = []
         for parent_id, state in touched.items():
             output = state.output()
+            if output is None:  # best_of > n: nothing to show until every sample has finished
+                continue
             if output.finished:
                 state.metrics.finished_time = time.monotonic()
                 self._forget(parent_id)

@@ -11,6 +11,7 @@ from jaxserve.sampling_params import SamplingParams
 
 VLLM_DEFAULTS = {
     "n": 1,
+    "best_of": None,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,

@@ -361,10 +361,12 @@ REFUSED = [
     ("guided_decoding_backend", "xgrammar"), ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("logits_processors", ["my.Processor"]), ("use_beam_search", True),
-    ("best_of", 3), ("suffix", "end"), ("prompt_embeds", "AAAA"), ("length_penalty", 0.5),
+    ("functions", [{"name": "f"}]), ("logits_processors", ["my.Processor"]),
+    ("suffix", "end"), ("prompt_embeds", "AAAA"),
     ("logprob_token_ids", [1, 2]), ("return_tokens_as_token_ids", True), ("truncation_side", "right"),
 ]
+# best_of and beam search exist on /v1/completions only (tests/test_best_of.py, tests/test_beam_search.py).
+CHAT_REFUSED = [("best_of", 3), ("use_beam_search", True), ("length_penalty", 0.5)]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -373,6 +375,13 @@ def test_result_changing_fields_this_server_lacks_are_400(openai_server, path, f
     url, _ = openai_server
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     _assert_error(_post(url, path, {**body, "max_tokens": 1, field: value}), field, "not supported")
+
+
+@pytest.mark.parametrize("field,value", CHAT_REFUSED, ids=[f for f, _ in CHAT_REFUSED])
+def test_completion_only_fields_are_400_on_chat(openai_server, field, value):
+    url, _ = openai_server
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, field: value}
+    _assert_error(_post(url, "/v1/chat/completions", body), field, "")
 
 
 def test_neutral_values_of_refused_fields_and_unknown_fields_are_accepted(openai_server):

@@ -152,9 +152,9 @@ class _SamplingFields(BaseModel):
             if name in extra and not neutral(extra[name]):
                 raise APIError(400, f"{name} is not supported by this server ({why}); got {extra[name]!r:.120}",
                                name)
-        if extra.get("best_of") not in (None, self.n):
-            raise APIError(400, f"best_of is not supported by this server unless it equals n ({self.n}): ranking "
-                                f"samples is not implemented; got {extra['best_of']!r:.40}", "best_of")
+        if extra.get("best_of") not in (None, self.n):  # a field of /v1/completions only, elsewhere an extra
+            raise APIError(400, f"best_of is not supported by this route unless it equals n ({self.n}); "
+                                f"/v1/completions has it; got {extra['best_of']!r:.40}", "best_of")
 
     def param_of(self, message: str) -> str | None:
         """The request field an error message is about: SamplingParams' and the engine's messages start
@@ -204,6 +204,8 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
+    # Samples generated per prompt, of which the n with the highest cumulative logprob are returned (None: n).
+    best_of: int | None = None
 
     def check(self) -> None:
         super().check()
@@ -227,7 +229,8 @@ class CompletionRequest(_SamplingFields):
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        return dict(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs)
+        return dict(max_tokens=max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
+                    best_of=self.best_of)
 
 
 class TextPart(BaseModel):

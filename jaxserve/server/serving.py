@@ -136,15 +136,19 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._submit(request_id, prompts, body, params)
         created = int(time.time())
-        if body.stream:
+        if body.stream and params.num_samples == params.n:
             return EngineStreamingResponse(self._completion_chunks(request_id, created, streams, body, params), streams)
         outputs = await self._final_outputs(streams, body, raw)
         if outputs is None:
             return Response(status_code=499)
         choices = [self._completion_choice(prompt_index * params.n + c.index, output, c, body, params)
                    for prompt_index, output in enumerate(outputs) for c in output.outputs]
-        return {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs)}
+        response = {"id": request_id, "object": "text_completion", "created": created,
+                    "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs)}
+        if body.stream:  # best_of > n is not streamed (vLLM's rule, after OpenAI's): the whole response, one event
+            return StreamingResponse(_one_event(response), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return response
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response | dict:
         """POST /v1/chat/completions."""
@@ -188,6 +192,9 @@ class OpenAIServing:
         body.check()
         if not 1 <= body.n <= self.config.max_n:
             raise APIError(400, f"n must be in [1, {self.config.max_n}], got {body.n}", "n")
+        best_of = body.best_of if isinstance(body, CompletionRequest) else None  # below n: SamplingParams says so
+        if best_of is not None and best_of > self.config.max_n:
+            raise APIError(400, f"best_of must be in [n, {self.config.max_n}], got {best_of}", "best_of")
         if body.priority != 0 and self.scheduling_policy != "priority":
             raise APIError(400, "priority needs the server to run with --scheduling-policy priority", "priority")
         try:
@@ -453,6 +460,13 @@ async def _read(stream: RequestStream) -> AsyncIterator[RequestOutput]:
 def _chunk_usage(continuous: bool, output: RequestOutput, state: ChoiceStream) -> dict | None:
     """The counts so far of one streamed sample (vLLM's continuous_usage_stats), or None when not asked."""
     return usage(len(output.prompt_token_ids), state.num_tokens) if continuous else None
+
+
+async def _one_event(response: dict) -> AsyncIterator[bytes]:
+    """A whole response as a stream: one event, then `[DONE]` (what a request gets that asked to stream
+    a result that cannot be streamed)."""
+    yield sse(response)
+    yield sse("[DONE]")
 
 
 async def _client_disconnected(raw: Request) -> None:
