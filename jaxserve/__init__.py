@@ -1,9 +1,10 @@
 """jaxserve: a JAX-compiled LLM serving engine with continuous batching and a paged KV cache."""
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.config import EngineConfig
 from jaxserve.llm import LLM
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

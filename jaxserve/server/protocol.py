@@ -5,8 +5,9 @@ Field names, defaults and checks follow OpenAI's API plus vLLM's extras (`top_k`
 `truncate_prompt_tokens`, ...). Sampling fields default to None ("unset"), so that the model's
 generation_config.json defaults can fill them. Unknown fields are kept (`extra="allow"`) and ignored,
 as OpenAI-compatible servers do, except the fields of OpenAI's and vLLM's APIs that would change the
-result and that this server does not implement (`UNSUPPORTED_FIELDS`: guided decoding, tools, beam
-search, ...): those are refused with a 400 that names them unless they hold their neutral value.
+result and that this server does not implement (`UNSUPPORTED_FIELDS`: guided decoding, tools, ...; per
+route `route_unsupported`: beam search on chat, ...): those are refused with a 400 that names them unless
+they hold their neutral value.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.beam_search import BeamSearchParams
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from jaxserve.server.errors import APIError
 
@@ -46,7 +48,7 @@ def _text_format(value: Any) -> bool:
 
 _GUIDED = "guided decoding (structured outputs) is not implemented"
 _TOOLS = "tool calling is not implemented"
-_BEAM = "beam search is not implemented"
+_BEAM = "beam search is on /v1/completions only"
 
 # Fields of OpenAI's and vLLM's APIs that would change the result and that this server does not
 # implement: name -> (the test for values that change nothing, why the field is refused).
@@ -64,9 +66,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tool_choice": (_one_of("none"), _TOOLS),
     "functions": (_empty, _TOOLS),
     "function_call": (_one_of("none"), _TOOLS),
-    "use_beam_search": (_false, _BEAM),
-    "length_penalty": (_one_of(1.0), _BEAM),
-    "early_stopping": (_false, _BEAM),
+    "early_stopping": (_false, "beam search runs every beam to max_tokens (vLLM's algorithm)"),
     "suffix": (_empty, "the served models have no fill-in-the-middle support"),
     "prompt_embeds": (_unset, "prompts must be text or token ids"),
     "logits_processors": (_empty, "custom logits processors are not supported"),
@@ -80,6 +80,15 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_transfer_params": (_unset, "disaggregated serving is not implemented"),
     "chat_template": (_unset, "only the model's own chat template is used"),
     "documents": (_empty, "chat templates get no documents"),
+}
+
+# Request fields beam search does not honour (its steps are plain one-token requests): name -> the test for
+# values that change nothing. Any other value is a 400 with use_beam_search.
+BEAM_SEARCH_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "top_p": _one_of(1.0), "top_k": _one_of(0, -1), "min_p": _one_of(0.0), "presence_penalty": _one_of(0.0),
+    "frequency_penalty": _one_of(0.0), "repetition_penalty": _one_of(1.0), "min_tokens": _one_of(0),
+    "stop": _empty, "stop_token_ids": _empty, "bad_words": _empty, "logit_bias": _empty,
+    "allowed_token_ids": _unset, "prompt_logprobs": _unset, "echo": _false,
 }
 
 
@@ -200,12 +209,16 @@ class CompletionRequest(_SamplingFields):
     route_unsupported: ClassVar = {
         "add_special_tokens": (_one_of(True), "text prompts are always tokenized with special tokens"),
     }
+    param_names: ClassVar = {"beam_width": "n"}
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None
     # Samples generated per prompt, of which the n with the highest cumulative logprob are returned (None: n).
     best_of: int | None = None
+    # vLLM's beam search: beam width best_of (None: n), the n best beams returned (jaxserve/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def check(self) -> None:
         super().check()
@@ -213,6 +226,29 @@ class CompletionRequest(_SamplingFields):
         if max_tokens is not None and max_tokens < 1 and not (max_tokens == 0 and self.echo):
             hint = " (0, to score the prompt without generating, needs echo=true)" if max_tokens == 0 else ""
             raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}{hint}", "max_tokens")
+        if self.use_beam_search:
+            self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        """APIError (400, naming the field) for what beam search cannot honour: streaming (as vLLM),
+        sampling controls, and more logprobs than the 2 * beam width candidates each step returns."""
+        if self.stream:
+            raise APIError(400, "streaming is not supported with use_beam_search", "stream")
+        for name, neutral in BEAM_SEARCH_UNSUPPORTED.items():
+            if not neutral(getattr(self, name)):
+                raise APIError(400, f"{name} is not supported with use_beam_search; got {getattr(self, name)!r:.120}",
+                               name)
+        width = self.best_of or self.n
+        if self.logprobs is not None and self.logprobs > 2 * width:
+            raise APIError(400, f"logprobs must be at most {2 * width} (2 * the beam width) with use_beam_search, "
+                                f"got {self.logprobs}", "logprobs")
+
+    def to_beam_search_params(self) -> BeamSearchParams:
+        """The beam search parameters of this request (ValueError naming the field when out of range): beam
+        width best_of, else n; temperature 0 unless given (vLLM falls back to the model's default or 1)."""
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        return BeamSearchParams(beam_width=self.best_of or self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=self.temperature or 0.0, length_penalty=self.length_penalty)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts (text or token ids)."""
@@ -261,6 +297,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     route_unsupported: ClassVar = {
         "add_special_tokens": (_one_of(False), "the chat template alone places the special tokens"),
+        "use_beam_search": (_false, _BEAM),
+        "length_penalty": (_one_of(1.0), _BEAM),
     }
     param_names: ClassVar = {"logprobs": "top_logprobs"}
 

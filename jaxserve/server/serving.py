@@ -19,6 +19,13 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxserve.beam_search import (
+    BeamSearch,
+    BeamSearchParams,
+    async_engine_step,
+    request_output,
+    run_beam_search_async,
+)
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
@@ -134,6 +141,8 @@ class OpenAIServing:
         if not 1 <= len(prompts) <= self.config.max_prompts:
             raise APIError(400, f"prompt must hold 1 to {self.config.max_prompts} prompts, got {len(prompts)}", "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        if body.use_beam_search:
+            return await self._beam_search_completion(request_id, prompts, body, params, raw)
         streams = self._submit(request_id, prompts, body, params)
         created = int(time.time())
         if body.stream and params.num_samples == params.n:
@@ -149,6 +158,51 @@ class OpenAIServing:
             return StreamingResponse(_one_event(response), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return response
+
+    async def _beam_search_completion(self, request_id: str, prompts: list, body: CompletionRequest,
+                                      params: SamplingParams, raw: Request) -> Response | dict:
+        """use_beam_search (vLLM's extra field): the n best beams of each prompt are its choices. Every step
+        runs each live beam as a one-token request through the async engine (jaxserve/beam_search.py); a
+        client that leaves cancels the search, which aborts the step in flight."""
+        created = int(time.time())
+        try:
+            beam_params = body.to_beam_search_params()
+            searches = [self._beam_search(f"{request_id}-{i}", prompt, body, params, beam_params)
+                        for i, prompt in enumerate(prompts)]
+        except ValueError as error:
+            raise APIError(400, str(error), body.param_of(str(error)) or "prompt") from error
+        work = asyncio.ensure_future(run_beam_search_async(
+            searches, async_engine_step(self.engine, request_id, beam_params, body.priority)))
+        gone = asyncio.ensure_future(_client_disconnected(raw))
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if work not in done:
+                return Response(status_code=499)
+            work.result()
+        except EngineOverloadedError as error:
+            raise APIError(503, str(error), headers={"Retry-After": str(self.config.retry_after_s)}) from error
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from error
+        except (ValueError, RuntimeError) as error:  # a step the engine refused or failed
+            raise APIError(400, str(error)) from error
+        finally:
+            work.cancel()
+            gone.cancel()
+        outputs = [request_output(f"{request_id}-{i}", search.output(self.tokenizer), body.n, self.tokenizer,
+                                  body.skip_special_tokens, body.include_stop_str_in_output)
+                   for i, search in enumerate(searches)]
+        choices = [self._completion_choice(prompt_index * body.n + c.index, output, c, body, params)
+                   for prompt_index, output in enumerate(outputs) for c in output.outputs]
+        return {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs)}
+
+    def _beam_search(self, request_id: str, prompt: str | list[int], body: CompletionRequest, params: SamplingParams,
+                     beam_params: BeamSearchParams) -> BeamSearch:
+        """The search of one prompt, validated (and truncated) as a plain request of this body would be."""
+        text, children = self.engine.make_requests(request_id, prompt, params, body.priority, body.cache_salt)
+        request = children[0]
+        return BeamSearch(request.prompt_token_ids, beam_params, request.eos_token_ids, self.max_model_len,
+                          prompt=text, cache_salt=body.cache_salt)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response | dict:
         """POST /v1/chat/completions."""
