@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.kv.page_pool import PagePool
+from jaxserve.kv.page_pool import PagePool, ParentKey
 
 TokenIds = Callable[[int, int], list[int]]  # (start, stop) -> a request's token ids at those positions
 
@@ -37,6 +37,11 @@ def root_hash(cache_salt: str | None) -> bytes:
     return b"" if cache_salt is None else hashlib.sha256(b"salt:" + cache_salt.encode()).digest()
 
 
+def root_key(cache_salt: str | None) -> ParentKey:
+    """The parent key of a request's first page (see page_pool.ParentKey)."""
+    return ("root", cache_salt)
+
+
 class KVCacheManager:
     """Maps request ids to their page lists on top of a PagePool.
 
@@ -52,7 +57,8 @@ class KVCacheManager:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self._pages: dict[str, list[int]] = {}  # request id -> page ids in sequence order
-        self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its first full computed pages
+        # request id -> (hash, registration key) of its first full computed pages; a None key ends the chain
+        self._chains: dict[str, list[tuple[bytes, ParentKey | None]]] = {}
         self._copies: dict[str, list[tuple[int, int]]] = {}  # request id -> (source, copy) for the next step
 
     def page_ids(self, request_id: str) -> list[int]:
@@ -70,13 +76,14 @@ class KVCacheManager:
         token is never covered, so the step that computes it has logits to sample from."""
         if not self.enable_prefix_caching:
             return []
-        pages, parent = [], root_hash(cache_salt)
+        pages, parent_hash, parent = [], root_hash(cache_salt), root_key(cache_salt)
         for index in range((len(token_ids) - 1) // self.page_size):
             tokens = tuple(token_ids[index * self.page_size : (index + 1) * self.page_size])
-            parent = page_hash(parent, tokens)
-            page = self.pool.lookup(parent, tokens)
-            if page is None:
+            parent_hash = page_hash(parent_hash, tokens)
+            found = self.pool.lookup(parent_hash, tokens, parent)
+            if found is None:
                 break
+            page, parent = found
             pages.append(page)
         return pages
 
@@ -136,19 +143,22 @@ class KVCacheManager:
         """Register the request's pages that are now full of computed KV in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        hashes = self._hashes.setdefault(request_id, [])
+        chain = self._chains.setdefault(request_id, [])
         pages = self.page_ids(request_id)
-        for index in range(len(hashes), num_computed // self.page_size):
+        for index in range(len(chain), num_computed // self.page_size):
+            parent_hash, parent = chain[-1] if chain else (root_hash(cache_salt), root_key(cache_salt))
+            if parent is None:
+                return  # a collision broke the chain: later pages cannot be named safely
             tokens = tuple(token_ids(index * self.page_size, (index + 1) * self.page_size))
-            hashes.append(page_hash(hashes[-1] if hashes else root_hash(cache_salt), tokens))
-            self.pool.register(pages[index], hashes[-1], tokens)
+            hashed = page_hash(parent_hash, tokens)
+            chain.append((hashed, self.pool.register(pages[index], hashed, tokens, parent)))
 
     # ---- giving pages back --------------------------------------------------------------------------
 
     def free(self, request_id: str) -> None:
         """Release all of the request's pages, last first, and drop its pending copies."""
         pages = self._pages.pop(request_id, [])
-        self._hashes.pop(request_id, None)
+        self._chains.pop(request_id, None)
         self._copies.pop(request_id, None)
         self.pool.release(pages[::-1])
 

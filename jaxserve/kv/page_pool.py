@@ -12,8 +12,25 @@ forgets its content (least-recently-used eviction).
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 
 NULL_PAGE = 0  # padded token slots write here; never handed to a request
+
+# What a cached page's content follows: the (page, registration serial) of its parent page's
+# registration, or ("root", cache salt) for a first page. A registration serial is never reused, so
+# a parent page evicted and registered again with other content no longer matches its old children.
+ParentKey = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedContent:
+    """What a registered page holds: the KV of `token_ids` following `parent`, named by `page_hash`."""
+
+    page_hash: bytes
+    token_ids: tuple[int, ...]
+    parent: ParentKey
+    serial: int  # unique to this registration
 
 
 class PagePool:
@@ -33,7 +50,8 @@ class PagePool:
         # Free pages, least recently freed first (evicted first); an OrderedDict so a hit can leave it.
         self._free: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(1, num_pages))
         self._page_of: dict[bytes, int] = {}  # content hash -> the cached page holding it
-        self._content: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # cached page -> (hash, its token ids)
+        self._content: dict[int, CachedContent] = {}  # cached page -> what it holds
+        self._serials = itertools.count(1)
 
     @property
     def num_free(self) -> int:
@@ -91,23 +109,36 @@ class PagePool:
 
     # ---- the prefix cache ------------------------------------------------------------------------
 
-    def register(self, page: int, page_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        """Record that the held page `page` holds the computed KV of `token_ids` under `page_hash`; a
-        hash already registered (another page with the same content) keeps its page."""
+    def register(self, page: int, page_hash: bytes, token_ids: tuple[int, ...], parent: ParentKey) -> ParentKey | None:
+        """Record that the held page `page` holds the computed KV of `token_ids` following `parent`, under
+        `page_hash`. Returns the key of the registration that now holds this content (this page's, or
+        an identical one already registered), which is the parent key of the next page; None when the
+        hash is taken by other content (a collision), after which nothing further of the chain can be
+        registered."""
         if self._ref_counts[page] <= 0:
             raise RuntimeError(f"page {page} is registered while nobody holds it")
-        if page_hash in self._page_of or page in self._content:
-            return
-        self._page_of[page_hash] = page
-        self._content[page] = (page_hash, token_ids)
-
-    def lookup(self, page_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
-        """The cached page registered under `page_hash`, if its tokens are exactly `token_ids` (so a
-        hash collision can never return another prefix's KV); None otherwise."""
-        page = self._page_of.get(page_hash)
-        if page is None or self._content[page][1] != token_ids:
+        existing = self._page_of.get(page_hash)
+        if existing is not None:
+            content = self._content[existing]
+            same = content.token_ids == token_ids and content.parent == parent
+            return (existing, content.serial) if same else None
+        if page in self._content:  # holds other registered content; cannot be the page for this one
             return None
-        return page
+        content = CachedContent(page_hash, token_ids, parent, next(self._serials))
+        self._page_of[page_hash] = page
+        self._content[page] = content
+        return page, content.serial
+
+    def lookup(self, page_hash: bytes, token_ids: tuple[int, ...], parent: ParentKey) -> tuple[int, ParentKey] | None:
+        """The cached page registered under `page_hash` and its key, if it holds exactly `token_ids` after
+        exactly `parent` (so a hash collision can never return another prefix's KV); None otherwise."""
+        page = self._page_of.get(page_hash)
+        if page is None:
+            return None
+        content = self._content[page]
+        if content.token_ids != token_ids or content.parent != parent:
+            return None
+        return page, (page, content.serial)
 
     def is_cached_and_free(self, page: int) -> bool:
         """True for a registered page nobody holds (taking it removes it from the free queue)."""
@@ -121,6 +152,6 @@ class PagePool:
         return forgotten
 
     def _forget(self, page: int) -> None:
-        entry = self._content.pop(page, None)
-        if entry is not None:
-            del self._page_of[entry[0]]
+        content = self._content.pop(page, None)
+        if content is not None:
+            del self._page_of[content.page_hash]
