@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.request import Logprob
-from jaxserve.sampling_params import FLOAT32_MAX, INT32_MAX, SamplingParams, _check_float, _check_int
+from jaxserve.sampling_params import FLOAT32_MAX, INT32_MAX, SamplingParams, check_float, check_int
 
 if TYPE_CHECKING:
     from jaxserve.async_engine import AsyncLLMEngine, RequestStream
@@ -56,12 +56,12 @@ class BeamSearchParams:
     MAX_BEAM_WIDTH: ClassVar[int] = SamplingParams.MAX_LOGPROBS // 2
 
     def __post_init__(self):
-        _check_int("beam_width", self.beam_width, 1, self.MAX_BEAM_WIDTH)
-        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        check_int("beam_width", self.beam_width, 1, self.MAX_BEAM_WIDTH)
+        check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}.")
-        _check_float("temperature", self.temperature, 0.0, FLOAT32_MAX)
-        _check_float("length_penalty", self.length_penalty, -FLOAT32_MAX, FLOAT32_MAX)
+        check_float("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        check_float("length_penalty", self.length_penalty, -FLOAT32_MAX, FLOAT32_MAX)
 
     def step_params(self) -> SamplingParams:
         """What each beam's one-token request runs with: its candidates are the returned logprobs."""

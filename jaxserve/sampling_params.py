@@ -34,7 +34,7 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+def check_float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
     """ValueError unless `value` is a finite number in [low, high] (or (low, high] when `low_open`)."""
     ok = _is_real(value) and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
     if not ok:
@@ -42,7 +42,7 @@ def _check_float(name: str, value: object, low: float, high: float, low_open: bo
         raise ValueError(f"{name} must be a finite number in {bracket}{low}, {high}], got {value!r}.")
 
 
-def _check_int(name: str, value: object, low: int, high: int) -> None:
+def check_int(name: str, value: object, low: int, high: int) -> None:
     """ValueError unless `value` is an int in [low, high]."""
     if not _is_int(value) or not low <= value <= high:
         raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}.")
@@ -126,25 +126,25 @@ class SamplingParams:
 
     def _verify_sampling_args(self) -> None:
         """Check the fields that shape the next-token distribution."""
-        _check_int("n", self.n, 1, INT32_MAX)
+        check_int("n", self.n, 1, INT32_MAX)
         if self.best_of is not None:
-            _check_int("best_of", self.best_of, 1, INT32_MAX)
+            check_int("best_of", self.best_of, 1, INT32_MAX)
             if self.best_of < self.n:
                 raise ValueError(
                     f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}."
                 )
-        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, low_open=True)
-        _check_float("temperature", self.temperature, 0.0, FLOAT32_MAX)
-        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, FLOAT32_MAX, low_open=True)
+        check_float("temperature", self.temperature, 0.0, FLOAT32_MAX)
+        check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
         if not _is_int(self.top_k) or not -1 <= self.top_k <= INT32_MAX:
             raise ValueError(
                 f"top_k must be -1 or 0 (no limit) or an int in [1, {INT32_MAX}], got {self.top_k!r}."
             )
-        _check_float("min_p", self.min_p, 0.0, 1.0)
+        check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, INT64_MIN, INT64_MAX)
+            check_int("seed", self.seed, INT64_MIN, INT64_MAX)
 
     def _verify_length_args(self) -> None:
         """Check max_tokens, min_tokens and truncate_prompt_tokens."""
@@ -186,7 +186,7 @@ class SamplingParams:
                     token_id = int(token_id)  # JSON object keys are strings
                 if not _is_int(token_id) or not 0 <= token_id <= INT32_MAX:
                     raise ValueError(f"logit_bias keys must be token ids in [0, {INT32_MAX}], got {token_id!r}.")
-                _check_float(f"logit_bias[{token_id}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+                check_float(f"logit_bias[{token_id}]", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
                 bias[int(token_id)] = float(value)
             self.logit_bias = bias
         if self.allowed_token_ids is not None:
