@@ -89,6 +89,7 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders)
         input_ids[start:stop] = item.request.token_ids(first, first + item.num_new_tokens)
         positions[start:stop] = token_positions
         slot_mapping[start:stop] = pages[token_positions // page_size] * page_size + token_positions % page_size
+        slot_mapping[start : start + item.num_present_tokens] = NULL_PAGE * page_size  # KV already held
         query_start_loc[row] = start
         seq_lens[row] = first + item.num_new_tokens
         page_table[row, : len(pages)] = pages

@@ -24,6 +24,9 @@ class ScheduledRequest:
     page_ids: tuple[int, ...]
     samples: bool  # the chunk reaches the end of the request's tokens, so its last logits sample a token
     page_copies: tuple[tuple[int, int], ...] = ()  # (source, copy) pages to copy before this step writes
+    # Leading tokens of the chunk whose KV the request's pages already hold (a fork's last prompt
+    # token, computed again only for its logits): the step must not write them into shared pages.
+    num_present_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -127,27 +130,29 @@ class Scheduler:
         for request in candidates:
             if budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
                 break
-            num_new = self._admit(request, budget)
-            if num_new is None:
+            item = self._admit(request, budget)
+            if item is None:
                 break
-            scheduled.append(self._schedule_one(request, num_new))
-            budget -= num_new
+            scheduled.append(item)
+            budget -= item.num_new_tokens
 
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted)
 
-    def _admit(self, request: Request, budget: int) -> int | None:
-        """Give a waiting request its pages and move it to running; returns its number of new tokens, or
-        None (and no change) when it does not fit.
+    def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
+        """Give a waiting request its pages, move it to running and schedule it; None (and no change)
+        when it does not fit.
 
         Its computed start comes from a sibling that has computed the same prompt (a fork: the prompt's
-        pages are shared and only the last prompt token is computed again, for its logits), or else
-        from the prefix cache (the longest run of its full pages already computed by anyone).
+        pages are shared and only the last prompt token is computed again, for its logits, without
+        writing its KV, which the shared page already holds), or else from the prefix cache (the
+        longest run of its full pages already computed by anyone).
         """
         source = self._fork_source(request)
         cached: list[int] = []
+        num_present = 0
         if source is not None:
             self.kv.fork(request.request_id, source.request_id, len(request.prompt_token_ids))
-            num_computed = len(request.prompt_token_ids) - 1
+            num_computed, num_present = len(request.prompt_token_ids) - 1, 1
         else:
             if request.prompt_logprobs is None:  # scoring the prompt needs every position computed
                 cached = self.kv.find_cached_prefix(request.token_ids(0, request.num_tokens), request.cache_salt)
@@ -155,7 +160,8 @@ class Scheduler:
         remaining = request.num_tokens - num_computed
         num_new = min(remaining, budget)
         fits = num_new == remaining or self.config.enable_chunked_prefill
-        if not fits or not self.kv.allocate_slots(request.request_id, num_computed, num_computed + num_new, cached):
+        first_written = num_computed + num_present
+        if not fits or not self.kv.allocate_slots(request.request_id, first_written, num_computed + num_new, cached):
             self.kv.free(request.request_id)  # a fork's shared pages go back
             return None
         if source is None and self.kv.enable_prefix_caching:
@@ -168,7 +174,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
         self.running.append(request)
-        return num_new
+        return self._schedule_one(request, num_new, num_present)
 
     def _fork_source(self, request: Request) -> Request | None:
         """The running sibling whose computed prompt this request can share, if any."""
@@ -227,7 +233,7 @@ class Scheduler:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _schedule_one(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _schedule_one(self, request: Request, num_new: int, num_present: int = 0) -> ScheduledRequest:
         return ScheduledRequest(
             request=request,
             num_new_tokens=num_new,
@@ -235,6 +241,7 @@ class Scheduler:
             page_ids=tuple(self.kv.page_ids(request.request_id)),
             samples=request.num_computed_tokens + num_new == request.num_tokens,
             page_copies=tuple(self.kv.pop_copies(request.request_id)),
+            num_present_tokens=num_present,
         )
 
     def _grow_or_preempt(self, request: Request, num_new: int) -> list[tuple[Request, int]]:

@@ -53,6 +53,21 @@ def test_prefill_chunk_and_decode_are_flattened_and_padded():
     assert batch.logits_indices[:2].tolist() == [4, 5] and int(batch.num_seqs) == 2
 
 
+def test_page_copies_and_present_tokens():
+    """A fork's first step: its copy goes in the padded copy list, and its present token (the last prompt
+    token, whose KV the shared page holds) is computed but written to the null page."""
+    fork = _request("f", range(10, 18))
+    output = SchedulerOutput(
+        scheduled=[ScheduledRequest(fork, num_new_tokens=1, num_computed_tokens=7, page_ids=(4,), samples=True,
+                                    page_copies=((2, 4),), num_present_tokens=1)],
+        preempted_ids=[],
+    )
+    batch = build_batch(output, page_size=8, ladders=LADDERS)
+    assert batch.copy_src.tolist() == [2] + [NULL_PAGE] * 7 and batch.copy_dst.tolist() == [4] + [NULL_PAGE] * 7
+    assert batch.positions[0] == 7 and batch.input_ids[0] == 17
+    assert batch.slot_mapping[0] == NULL_PAGE * 8 and batch.seq_lens[0] == 8
+
+
 def test_sampling_rows_carry_history_only_when_needed():
     plain = _request("a", [5, 6], outputs=[7])
     penalised = _request("b", [5, 6], outputs=[7, 8], presence_penalty=0.5, min_tokens=4, stop_token_ids=[9],

@@ -118,8 +118,8 @@ class FakeDevice:
         assert len(output.page_copies) <= len(output.scheduled), "more page copies than batch rows"
         self.copy(output.page_copies)
         for item in output.scheduled:
-            start = item.num_computed_tokens
-            self.write(item.page_ids, start, item.request.token_ids(start, start + item.num_new_tokens))
+            start = item.num_computed_tokens + item.num_present_tokens  # present tokens are not written
+            self.write(item.page_ids, start, item.request.token_ids(start, item.num_computed_tokens + item.num_new_tokens))
         sampled: list[SampledToken | None] = []
         for item in output.scheduled:
             if not item.samples:
@@ -606,7 +606,8 @@ def check_written_pages_are_private(scheduler: Scheduler, output: SchedulerOutpu
     destinations = [dest for _, dest in output.page_copies]
     assert len(destinations) == len(set(destinations))
     for item in output.scheduled:
-        start, stop = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+        start = item.num_computed_tokens + item.num_present_tokens  # the first position the step writes
+        stop = item.num_computed_tokens + item.num_new_tokens
         assert item.page_ids == tuple(kv.page_ids(item.request.request_id))
         assert len(item.page_ids) * kv.page_size >= stop
         for page in item.page_ids[start // kv.page_size : pages_for_tokens(stop, kv.page_size)]:

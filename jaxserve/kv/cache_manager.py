@@ -45,8 +45,8 @@ def root_key(cache_salt: str | None) -> ParentKey:
 class KVCacheManager:
     """Maps request ids to their page lists on top of a PagePool.
 
-    Contract: `allocate_slots(request_id, num_computed, total_tokens, cached_pages)` makes the request
-    hold enough pages for `total_tokens` tokens, private from position `num_computed` on, and
+    Contract: `allocate_slots(request_id, first_written, total_tokens, cached_pages)` makes the request
+    hold enough pages for `total_tokens` tokens, private from position `first_written` on, and
     returns True; or changes nothing and returns False when the pool is short. `free(request_id)`
     releases every page the request held (last page first, so its tail is evicted first); it is safe
     to call for a request that holds none.
@@ -96,17 +96,17 @@ class KVCacheManager:
             self.pool.take(page)
         self._pages[request_id] = list(shared)
 
-    def allocate_slots(self, request_id: str, num_computed: int, total_tokens: int,
+    def allocate_slots(self, request_id: str, first_written: int, total_tokens: int,
                        cached_pages: list[int] = ()) -> bool:
         """Grow the request's pages (after taking `cached_pages`, for a request holding none) to cover
-        `total_tokens`, copying every shared page it will write (positions >= `num_computed`);
-        False, and no change, when the pool is short."""
+        `total_tokens`, copying every shared page it will write (positions >= `first_written`, its
+        computed tokens unless their KV is already held); False, and no change, when the pool is short."""
         held = self.page_ids(request_id)
         if cached_pages and held:
             raise RuntimeError(f"request {request_id!r} takes cached pages while holding pages")
         pages = held or list(cached_pages)
-        first_written = num_computed // self.page_size
-        shared = [i for i in range(first_written, len(pages)) if self._is_shared(pages[i], i < len(held))]
+        first_page = first_written // self.page_size
+        shared = [i for i in range(first_page, len(pages)) if self._is_shared(pages[i], i < len(held))]
         new = max(0, pages_for_tokens(total_tokens, self.page_size) - len(pages))
         leaving_free = sum(self.pool.is_cached_and_free(page) for page in cached_pages)
         if new + len(shared) > self.pool.num_free - leaving_free:
