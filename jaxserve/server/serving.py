@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -171,23 +171,14 @@ class OpenAIServing:
                         for i, prompt in enumerate(prompts)]
         except ValueError as error:
             raise APIError(400, str(error), body.param_of(str(error)) or "prompt") from error
-        work = asyncio.ensure_future(run_beam_search_async(
-            searches, async_engine_step(self.engine, request_id, beam_params, body.priority)))
-        gone = asyncio.ensure_future(_client_disconnected(raw))
+        search = run_beam_search_async(searches, async_engine_step(self.engine, request_id, beam_params, body.priority))
         try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
+            if not await _unless_client_leaves(search, raw):
                 return Response(status_code=499)
-            work.result()
-        except EngineOverloadedError as error:
-            raise APIError(503, str(error), headers={"Retry-After": str(self.config.retry_after_s)}) from error
-        except EngineDeadError as error:
-            raise APIError(503, str(error)) from error
+        except (EngineOverloadedError, EngineDeadError) as error:
+            raise self._unavailable(error) from error
         except (ValueError, RuntimeError) as error:  # a step the engine refused or failed
             raise APIError(400, str(error)) from error
-        finally:
-            work.cancel()
-            gone.cancel()
         outputs = [request_output(f"{request_id}-{i}", search.output(self.tokenizer), body.n, self.tokenizer,
                                   body.skip_special_tokens, body.include_stop_str_in_output)
                    for i, search in enumerate(searches)]
@@ -267,11 +258,14 @@ class OpenAIServing:
             raise APIError(400, str(error), body.param_of(str(error)) or prompt_field) from error
         try:
             self.engine.check_capacity(len(made))
-        except EngineOverloadedError as error:
-            raise APIError(503, str(error), headers={"Retry-After": str(self.config.retry_after_s)}) from error
-        except EngineDeadError as error:
-            raise APIError(503, str(error)) from error
+        except (EngineOverloadedError, EngineDeadError) as error:
+            raise self._unavailable(error) from error
         return [self.engine.submit(f"{request_id}-{i}", m) for i, m in enumerate(made)]
+
+    def _unavailable(self, error: EngineOverloadedError | EngineDeadError) -> APIError:
+        """503 for an engine that is full (retry after a while) or down."""
+        headers = {"Retry-After": str(self.config.retry_after_s)} if isinstance(error, EngineOverloadedError) else None
+        return APIError(503, str(error), headers=headers)
 
     async def _final_outputs(self, streams: list[RequestStream], body: _SamplingFields,
                              raw: Request) -> list[RequestOutput] | None:
@@ -284,22 +278,18 @@ class OpenAIServing:
                 pass
             return output
 
-        work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
-        gone = asyncio.ensure_future(_client_disconnected(raw))
         try:
-            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if work not in done:
-                return None
-            outputs = work.result()
+            finished = await _unless_client_leaves(asyncio.gather(*(last(s) for s in streams)), raw)
         except EngineDeadError as error:
             raise APIError(503, str(error)) from error
         except RequestFailedError as error:
             raise APIError(400, str(error), body.param_of(str(error.__cause__))) from error
         finally:
-            work.cancel()
-            gone.cancel()
             for stream in streams:
                 stream.close()
+        if not finished:
+            return None
+        (outputs,) = finished
         for output in outputs:
             if _failure(output) is not None:
                 raise APIError(400, _failure(output))
@@ -521,6 +511,18 @@ async def _one_event(response: dict) -> AsyncIterator[bytes]:
     a result that cannot be streamed)."""
     yield sse(response)
     yield sse("[DONE]")
+
+
+async def _unless_client_leaves(work: Awaitable, raw: Request) -> tuple | None:
+    """`(result,)` of `work`, or None when the client disconnects first (`work` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return (task.result(),) if task in done else None
+    finally:
+        task.cancel()
+        gone.cancel()
 
 
 async def _client_disconnected(raw: Request) -> None:
