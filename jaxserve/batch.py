@@ -122,12 +122,14 @@ def padded_batch_arrays(num_tokens: int, num_rows: int, width: int, page_size: i
 
 def build_prompt_logprob_batch(output: SchedulerOutput, num_tokens: int) -> tuple[PromptLogprobBatch | None, list[int]]:
     """The prompt tokens this step can score for requests that want prompt logprobs, padded to the step's
-    `num_tokens`; returns the batch (None when nothing is wanted: the step then costs nothing extra) and
-    how many entries each scheduled row has, in row order.
+    `num_tokens`; returns the batch and how many entries each scheduled row has, in row order, or
+    (None, []) when nothing is wanted (the step then costs nothing extra).
 
     A chunk computes positions [c, c + n); position p scores prompt token p + 1. Tokens already scored
     (before a preemption, say) are skipped, so each prompt token is scored once.
     """
+    if not any(item.request.num_prompt_logprobs_missing for item in output.scheduled):
+        return None, []
     arrays = padded_prompt_logprob_arrays(num_tokens)
     counts, filled, start = [], 0, 0
     for item in output.scheduled:
@@ -144,7 +146,7 @@ def build_prompt_logprob_batch(output: SchedulerOutput, num_tokens: int) -> tupl
         filled += count
         start += item.num_new_tokens
     if not filled:
-        return None, counts
+        return None, []
     arrays["num_targets"] = np.asarray(filled, np.int32)
     return PromptLogprobBatch(**arrays), counts
 

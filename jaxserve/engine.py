@@ -89,8 +89,12 @@ class LLMEngine:
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0
     ) -> None:
         """Validate and queue a request (its `best_of` samples, `n` unless set, become as many engine requests)."""
-        children = self.make_requests(request_id, prompt, params or SamplingParams(**self.generation_defaults), priority)
+        children = self.make_requests(request_id, prompt, params or self.default_sampling_params(), priority)
         self.submit(request_id, children)
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults in the fields it sets."""
+        return SamplingParams(**self.generation_defaults)
 
     def make_requests(
         self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, tokenizer=None,

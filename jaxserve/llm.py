@@ -34,7 +34,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults (vLLM's rule; plain defaults
         under generation_config="vllm"); `generate` uses them when given no sampling params."""
-        return SamplingParams(**self.engine.generation_defaults)
+        return self.engine.default_sampling_params()
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer of the model."""
@@ -54,9 +54,8 @@ class LLM:
         made = []
         for prompt, params in zip(prompt_list, params_list):
             request_id = str(next(self._ids))
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             made.append((request_id, self.engine.make_requests(request_id, _prompt_of(prompt), params,
-                                                               cache_salt=salt)))
+                                                               cache_salt=_cache_salt_of(prompt))))
         for request_id, requests in made:
             self.engine.submit(request_id, requests)
         return self._run([request_id for request_id, _ in made], use_tqdm)
@@ -72,7 +71,7 @@ class LLM:
         step_params = params.step_params()
         searches = []
         for prompt in _as_prompt_list(prompts):
-            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            salt = _cache_salt_of(prompt)
             text, (request,) = self.engine.make_requests("beam-search", _prompt_of(prompt), step_params,
                                                          cache_salt=salt)
             searches.append(BeamSearch(request.prompt_token_ids, params, request.eos_token_ids,
@@ -157,3 +156,8 @@ def _prompt_of(prompt: PromptInput) -> Prompt:
     if isinstance(prompt, (str, list, tuple)):
         return prompt if isinstance(prompt, str) else list(prompt)
     raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+
+def _cache_salt_of(prompt: PromptInput) -> str | None:
+    """The 'cache_salt' of a dict prompt (vLLM's key), else None."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None

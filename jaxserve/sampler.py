@@ -97,13 +97,33 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
 def process_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     """Keep only allowed tokens (rows that name some), ban banned ones, add logit biases, then apply
-    repetition, frequency and presence penalties."""
+    repetition, frequency and presence penalties. The allowed and bias scatters run only in batches
+    that use them."""
     # logits: (R, V) float32
     stats = _token_stats(batch, logits.shape[1])
-    restrict = jnp.any(batch.aux_token_kind == KIND_ALLOWED, axis=-1, keepdims=True)  # (R, 1) bool
-    logits = jnp.where((restrict & ~stats.allowed) | stats.banned, -jnp.inf, logits)  # (R, V) float32
-    logits = logits + stats.bias
+    logits = jnp.where(stats.banned, -jnp.inf, logits)  # (R, V) float32
+    kind = batch.aux_token_kind  # (R, P) int8
+    logits = jax.lax.cond(jnp.any(kind == KIND_ALLOWED), _keep_allowed, lambda x, b: x, logits, batch)
+    logits = jax.lax.cond(jnp.any(kind == KIND_BIAS), _add_logit_bias, lambda x, b: x, logits, batch)
     return apply_penalties(logits, batch, stats)
+
+
+def _keep_allowed(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """In rows that name allowed tokens, mask every other token."""
+    # logits: (R, V) float32
+    rows, ids = _scatter_index(batch, logits.shape[1])
+    is_allowed = batch.aux_token_kind == KIND_ALLOWED  # (R, P) bool
+    allowed = jnp.zeros(logits.shape, jnp.bool_).at[rows, ids].max(is_allowed, mode="drop")  # (R, V) bool
+    restrict = jnp.any(is_allowed, axis=-1, keepdims=True)  # (R, 1) bool
+    return jnp.where(restrict & ~allowed, -jnp.inf, logits)
+
+
+def _add_logit_bias(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """Add each KIND_BIAS token's value to its logit."""
+    # logits: (R, V) float32
+    rows, ids = _scatter_index(batch, logits.shape[1])
+    bias = jnp.where(batch.aux_token_kind == KIND_BIAS, batch.aux_values, 0.0)  # (R, P) float32
+    return logits.at[rows, ids].add(bias, mode="drop")
 
 
 def apply_penalties(logits: jax.Array, batch: SamplingBatch, stats: "TokenStats") -> jax.Array:
@@ -123,27 +143,27 @@ class TokenStats:
     output_counts: jax.Array  # (R, V) int32 times each token was generated
     seen: jax.Array  # (R, V) bool in the prompt or the output
     banned: jax.Array  # (R, V) bool
-    allowed: jax.Array  # (R, V) bool named by allowed_token_ids
-    bias: jax.Array  # (R, V) float32 logit bias
 
 
 def _token_stats(batch: SamplingBatch, vocab_size: int) -> TokenStats:
-    """Scatter the aux tokens into per-row counts, masks and biases."""
-    num_rows = batch.aux_token_ids.shape[0]
-    rows = jnp.arange(num_rows)[:, None]  # (R, 1) int32
-    # Padding (-1) goes to bin V, which is out of range and dropped by the scatter.
-    ids = jnp.where(batch.aux_token_ids < 0, vocab_size, batch.aux_token_ids)  # (R, P)
+    """Scatter the aux tokens into per-row output counts, seen mask and ban mask."""
+    rows, ids = _scatter_index(batch, vocab_size)
     kind = batch.aux_token_kind  # (R, P) int8
     is_output = kind == KIND_OUTPUT  # (R, P) bool
-    counts = jnp.zeros((num_rows, vocab_size), jnp.int32)
-    output_counts = counts.at[rows, ids].add(is_output.astype(jnp.int32), mode="drop")
-    empty = jnp.zeros((num_rows, vocab_size), jnp.bool_)
+    shape = (ids.shape[0], vocab_size)
+    output_counts = jnp.zeros(shape, jnp.int32).at[rows, ids].add(is_output.astype(jnp.int32), mode="drop")
+    empty = jnp.zeros(shape, jnp.bool_)
     seen = empty.at[rows, ids].max(is_output | (kind == KIND_PROMPT), mode="drop")
     banned = empty.at[rows, ids].max(kind == KIND_BANNED, mode="drop")
-    allowed = empty.at[rows, ids].max(kind == KIND_ALLOWED, mode="drop")
-    bias_values = jnp.where(kind == KIND_BIAS, batch.aux_values, 0.0)  # (R, P) float32
-    bias = jnp.zeros((num_rows, vocab_size), jnp.float32).at[rows, ids].add(bias_values, mode="drop")
-    return TokenStats(output_counts, seen, banned, allowed, bias)
+    return TokenStats(output_counts, seen, banned)
+
+
+def _scatter_index(batch: SamplingBatch, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """(rows (R, 1), ids (R, P)) indexing each aux token's row and vocabulary entry; padding (-1) goes to
+    bin V, which is out of range and dropped by `mode="drop"` scatters."""
+    rows = jnp.arange(batch.aux_token_ids.shape[0])[:, None]  # (R, 1) int32
+    ids = jnp.where(batch.aux_token_ids < 0, vocab_size, batch.aux_token_ids)  # (R, P) int32
+    return rows, ids
 
 
 def _random_sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:

@@ -176,19 +176,22 @@ class Scheduler:
         self.running.append(request)
         return self._schedule_one(request, num_new, num_present)
 
+    def _sibling(self, request: Request) -> Request | None:
+        """The sibling this request forks from, while it is unfinished (finished requests leave
+        `self.requests`); None for a first sample."""
+        return self.requests.get(request.fork_source) if request.fork_source else None
+
     def _fork_source(self, request: Request) -> Request | None:
-        """The running sibling whose computed prompt this request can share, if any."""
-        source = self.requests.get(request.fork_source) if request.fork_source else None
-        if source is None or source.status != RequestStatus.RUNNING:
-            return None
-        return source if source.num_computed_tokens >= len(request.prompt_token_ids) else None
+        """The sibling whose computed prompt this request can share now, if any (a sibling waiting or
+        preempted has computed nothing)."""
+        source = self._sibling(request)
+        return source if source is not None and source.num_computed_tokens >= len(request.prompt_token_ids) else None
 
     def _waits_for_fork(self, request: Request) -> bool:
         """True while the sibling this request will fork from is alive but has not computed the prompt yet
         (admitting it now would compute the same prompt twice)."""
-        source = self.requests.get(request.fork_source) if request.fork_source else None
-        return (source is not None and not source.is_finished
-                and source.num_computed_tokens < len(request.prompt_token_ids))
+        source = self._sibling(request)
+        return source is not None and source.num_computed_tokens < len(request.prompt_token_ids)
 
     def unschedule(self, output: SchedulerOutput) -> None:
         """Take back a step that never ran: the requests keep their pages and computed tokens, and their
