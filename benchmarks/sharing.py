@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import shlex
@@ -308,12 +307,7 @@ def print_report(res: dict, out=print) -> None:
 # ---- main ---------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--cache-dir", default="/tmp/jaxserve-bench/", help="model folder and XLA cache live here")
-    p.add_argument("--compilation-cache-dir", default=None, help="default: <cache-dir>/xla-cache")
-    p.add_argument("--seed", type=int, default=0, help="seeds the model weights and the workloads")
-    p.add_argument("--quick", action="store_true", help="small sizes for iteration (defaults in brackets below)")
+    p = tp.base_parser(__doc__, "small sizes for iteration (defaults in brackets below)")
     p.add_argument("--only", default="abc", help="which comparisons to run, e.g. 'a' or 'bc'")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per system in (a) and (b) [3, quick 2]")
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -694,13 +694,18 @@ def print_report(res: dict, args, out=print):
 
 # ---- main -------------------------------------------------------------------------------------
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def base_parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
+    """The options every benchmark on this model shares: where its folder and XLA cache live, the seed, --quick."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--cache-dir", default="/tmp/jaxserve-bench/", help="model folder and XLA cache live here")
     p.add_argument("--compilation-cache-dir", default=None, help="default: <cache-dir>/xla-cache")
     p.add_argument("--seed", type=int, default=0, help="seeds the model weights and the workload")
-    p.add_argument("--quick", action="store_true", help="smaller variant for iteration: 32 requests")
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    return p
+
+
+def parse_args(argv=None):
+    p = base_parser(__doc__, "smaller variant for iteration: 32 requests")
     p.add_argument("--num-requests", type=int, default=None, help="default 128 (32 with --quick)")
     p.add_argument("--min-prompt", type=int, default=16)
     p.add_argument("--max-prompt", type=int, default=256)
