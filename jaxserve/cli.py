@@ -7,7 +7,10 @@ import logging
 import os
 import sys
 
-from jaxserve.config import VALID_ATTENTION_BACKENDS, VALID_DTYPES, VALID_PAGE_SIZES, VALID_POLICIES, EngineConfig
+from jaxserve.config import (
+    VALID_ATTENTION_BACKENDS, VALID_BATCHING, VALID_DTYPES, VALID_LOAD_FORMATS, VALID_PAGE_SIZES, VALID_POLICIES,
+    EngineConfig,
+)
 from jaxserve.engine import DEFAULT_MODEL_NAME, LLMEngine
 from jaxserve.sampling_params import SamplingParams
 
@@ -17,7 +20,7 @@ ENGINE_FLAGS = (
     "model", "tokenizer", "dtype", "max_model_len", "page_size", "num_pages", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
-    "cpu_kv_cache_gib", "min_token_bucket", "generation_config",
+    "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format",
 )
 
 
@@ -49,6 +52,11 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-token-bucket", type=int, help="smallest padded token count of a step")
     parser.add_argument("--generation-config",
                         help="sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder")
+    parser.add_argument("--batching", choices=list(VALID_BATCHING),
+                        help="continuous (default), or static: the pre-paging baseline (a batch at a time, each "
+                             "sequence reserving max_model_len of KV)")
+    parser.add_argument("--load-format", choices=list(VALID_LOAD_FORMATS),
+                        help="auto (the folder's safetensors) or dummy (random weights, for benchmarks)")
 
 
 def generate(args: argparse.Namespace) -> int:

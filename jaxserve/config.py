@@ -11,6 +11,11 @@ VALID_PAGE_SIZES = (8, 16, 32)
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_POLICIES = ("fcfs", "priority")
 VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
+# continuous: requests join and leave the running batch at every step and hold only the pages they fill;
+# static: a pre-paging server, the baseline of `jaxserve bench`: a batch is admitted only when the previous
+# one has finished, and each sequence reserves pages for max_model_len when it is admitted.
+VALID_BATCHING = ("continuous", "static")
+VALID_LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights made on the device (vLLM's name), for benchmarks
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
 DEFAULT_MODEL_CONFIG = os.path.join(CONFIGS_DIR, "tiny-cpu.yaml")  # settings for the bundled model
@@ -25,6 +30,7 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    static_batching: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +56,16 @@ class EngineConfig:
     seed: int = 0
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
     generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a folder
+    batching: str = "continuous"
+    load_format: str = "auto"
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
         _check_choice("dtype", self.dtype, VALID_DTYPES)
         _check_choice("scheduling_policy", self.scheduling_policy, VALID_POLICIES)
         _check_choice("attention_backend", self.attention_backend, VALID_ATTENTION_BACKENDS)
+        _check_choice("batching", self.batching, VALID_BATCHING)
+        _check_choice("load_format", self.load_format, VALID_LOAD_FORMATS)
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
@@ -116,6 +126,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
+            static_batching=self.batching == "static",
         )
 
 

@@ -18,7 +18,7 @@ from jaxserve.batch import (
 from jaxserve.config import EngineConfig
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
-from jaxserve.model.loader import load_params, resolve_dtype
+from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
@@ -38,7 +38,10 @@ class EngineCore:
         self.mesh = make_mesh(tp)
         kv_heads = cache_kv_heads(self.spec, tp)
         dtype = resolve_dtype(config.dtype, self.spec)
-        params = load_params(model_path, self.spec, self.mesh, dtype, kv_heads)
+        if config.load_format == "dummy":
+            params = dummy_params(self.spec, self.mesh, dtype, kv_heads, config.seed)
+        else:
+            params = load_params(model_path, self.spec, self.mesh, dtype, kv_heads)
         self.num_pages = resolve_num_pages(config, self.spec, kv_heads, dtype, self.max_model_len)
         self.ladders = BucketLadders.build(
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -54,7 +57,9 @@ class EngineCore:
             cache_dtype=dtype, ladders=self.ladders, attention_backend=config.attention_backend,
         )
         self.runner.warmup(show_progress)
-        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.enable_prefix_caching)
+        # Static batching is the pre-paging baseline: it shares no pages, so it caches none.
+        enable_prefix_caching = config.enable_prefix_caching and config.batching == "continuous"
+        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv)
         self._compiles_after_warmup_base = CompileCounter.count()
         self.counters = collections.Counter()
@@ -146,6 +151,12 @@ class EngineCore:
                 logprobs = _logprob_dict(result.sampled_logprobs, row, token_id, num_logprobs)
             sampled.append(SampledToken(token_id, logprobs))
         return sampled
+
+    def kv_occupancy(self) -> tuple[int, int]:
+        """(KV pages held by requests, reserved ones included; tokens whose KV those pages hold; a page
+        shared by several requests counts once in the first and once per holder in the second)."""
+        pages_held = self.kv.pool.num_usable - self.kv.pool.num_free
+        return pages_held, sum(request.num_computed_tokens for request in self.scheduler.requests.values())
 
     def stats(self) -> dict:
         """Engine counters for monitoring and tests."""

@@ -10,7 +10,7 @@ import dataclasses
 import time
 
 from jaxserve.config import SchedulerConfig
-from jaxserve.kv.cache_manager import KVCacheManager
+from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.request import Logprob, Request, RequestStatus
 
 
@@ -61,7 +61,12 @@ class SampledToken:
 
 
 class Scheduler:
-    """FCFS or priority scheduling with a single per-step token budget and preemption by recompute."""
+    """FCFS or priority scheduling with a single per-step token budget and preemption by recompute.
+
+    With `static_batching` it is the pre-paging baseline instead: waiting requests form a batch only
+    once every request of the previous batch has finished, each member reserves the pages of
+    max_model_len tokens when the batch forms, and members share no pages (no forks, no prefix cache).
+    """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
@@ -74,6 +79,7 @@ class Scheduler:
         self.num_generation_tokens = 0  # sampled tokens appended to outputs
         self.num_prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache
         self.num_prefix_cache_hits = 0  # of those, tokens found computed in cached pages
+        self.static_batch: list[Request] = []  # static batching: the members of the current batch
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -126,7 +132,10 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        candidates = [r for r in self._waiting_in_order() if not self._waits_for_fork(r)]
+        if self.config.static_batching:
+            candidates = self._static_batch_waiting()
+        else:
+            candidates = [r for r in self._waiting_in_order() if not self._waits_for_fork(r)]
         for request in candidates:
             if budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -162,7 +171,8 @@ class Scheduler:
         fits = num_new == remaining or self.config.enable_chunked_prefill
         first_written = num_computed + num_present
         if not fits or not self.kv.allocate_slots(request.request_id, first_written, num_computed + num_new, cached):
-            self.kv.free(request.request_id)  # a fork's shared pages go back
+            if source is not None:
+                self.kv.free(request.request_id)  # a fork's shared pages go back
             return None
         if source is None and self.kv.enable_prefix_caching:
             self.num_prefix_cache_queries += request.num_tokens
@@ -176,10 +186,26 @@ class Scheduler:
         self.running.append(request)
         return self._schedule_one(request, num_new, num_present)
 
+    def _static_batch_waiting(self) -> list[Request]:
+        """Static batching: the current batch's members still waiting to start, after forming a new
+        batch when every member of the last one has finished: the waiting requests in order, up to
+        max_num_seqs, while the pool can reserve max_model_len tokens of pages for each."""
+        if all(member.is_finished for member in self.static_batch):
+            self.static_batch = []
+            for request in self._waiting_in_order():
+                if len(self.static_batch) == self.config.max_num_seqs or not self.kv.allocate_slots(
+                        request.request_id, 0, self.config.max_model_len):
+                    break
+                self.static_batch.append(request)
+        return [member for member in self.static_batch if member.status is not RequestStatus.RUNNING
+                and not member.is_finished]
+
     def _sibling(self, request: Request) -> Request | None:
         """The sibling this request forks from, while it is unfinished (finished requests leave
-        `self.requests`); None for a first sample."""
-        return self.requests.get(request.fork_source) if request.fork_source else None
+        `self.requests`); None for a first sample and under static batching (nothing is shared)."""
+        if not request.fork_source or self.config.static_batching:
+            return None
+        return self.requests.get(request.fork_source)
 
     def _fork_source(self, request: Request) -> Request | None:
         """The sibling whose computed prompt this request can share now, if any (a sibling waiting or
@@ -237,11 +263,13 @@ class Scheduler:
     # ---- internals -------------------------------------------------------------------------
 
     def _schedule_one(self, request: Request, num_new: int, num_present: int = 0) -> ScheduledRequest:
+        # Only the pages the step's tokens reach (static batching reserves more than that).
+        num_pages = pages_for_tokens(request.num_computed_tokens + num_new, self.kv.page_size)
         return ScheduledRequest(
             request=request,
             num_new_tokens=num_new,
             num_computed_tokens=request.num_computed_tokens,
-            page_ids=tuple(self.kv.page_ids(request.request_id)),
+            page_ids=tuple(self.kv.page_ids(request.request_id)[:num_pages]),
             samples=request.num_computed_tokens + num_new == request.num_tokens,
             page_copies=tuple(self.kv.pop_copies(request.request_id)),
             num_present_tokens=num_present,

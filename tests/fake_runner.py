@@ -104,6 +104,7 @@ def make_scheduler(
     max_model_len: int,
     enable_chunked_prefill: bool = True,
     policy: str = "fcfs",
+    static_batching: bool = False,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -111,6 +112,7 @@ def make_scheduler(
         max_model_len=max_model_len,
         enable_chunked_prefill=enable_chunked_prefill,
         policy=policy,
+        static_batching=static_batching,
     )
     return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size))
 
@@ -118,17 +120,30 @@ def make_scheduler(
 # ---- invariants ------------------------------------------------------------------------------
 
 
+def _reserved(scheduler: Scheduler, request) -> bool:
+    """True for a member of the current static batch (it holds its reservation from the batch's start)."""
+    return scheduler.config.static_batching and any(member is request for member in scheduler.static_batch)
+
+
 def check_pages(scheduler: Scheduler) -> None:
-    """Running requests hold disjoint pages (ref count 1, never the null page); waiting ones hold none;
-    the free count plus the held pages is every usable page."""
+    """Running requests hold disjoint pages (ref count 1, never the null page); waiting ones hold none
+    (static batching: but the current batch's members, which hold max_model_len of pages from the
+    batch's start); the free count plus the held pages is every usable page."""
     kv, pool = scheduler.kv, scheduler.kv.pool
     held: list[int] = []
+    reservation = pages_for_tokens(scheduler.config.max_model_len, kv.page_size)
     for request in scheduler.running:
         pages = kv.page_ids(request.request_id)
         assert pages, f"running request {request.request_id} holds no pages"
+        if scheduler.config.static_batching:
+            assert len(pages) == reservation and _reserved(scheduler, request)
         held.extend(pages)
     for request in scheduler.waiting:
-        assert kv.page_ids(request.request_id) == [], f"waiting request {request.request_id} holds pages"
+        if _reserved(scheduler, request):
+            assert len(kv.page_ids(request.request_id)) == reservation
+            held.extend(kv.page_ids(request.request_id))
+        else:
+            assert kv.page_ids(request.request_id) == [], f"waiting request {request.request_id} holds pages"
     assert NULL_PAGE not in held
     assert len(held) == len(set(held)), f"a page is held twice: {sorted(held)}"
     for page in held:
@@ -136,7 +151,7 @@ def check_pages(scheduler: Scheduler) -> None:
         assert pool.ref_count(page) == 1, f"page {page} has ref count {pool.ref_count(page)}"
     assert pool.ref_count(NULL_PAGE) == 0
     assert pool.num_free + len(held) == pool.num_usable
-    assert kv.num_requests == len(scheduler.running)
+    assert kv.num_requests == len(scheduler.running) + sum(_reserved(scheduler, r) for r in scheduler.waiting)
     assert 0.0 <= pool.usage() <= 1.0
 
 
@@ -164,7 +179,11 @@ def check_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
             f"{request.request_id}: {len(item.page_ids)} pages for "
             f"{item.num_computed_tokens + item.num_new_tokens} tokens"
         )
-        assert item.page_ids == tuple(kv.page_ids(request.request_id)), (
+        # Static batching holds a reservation; a step sees only the pages its tokens reach.
+        held = kv.page_ids(request.request_id)
+        if config.static_batching:
+            held = held[: pages_for_tokens(item.num_computed_tokens + item.num_new_tokens, kv.page_size)]
+        assert item.page_ids == tuple(held), (
             f"{request.request_id} is scheduled with pages {item.page_ids} but holds {kv.page_ids(request.request_id)}"
         )
         assert not seen_pages & set(item.page_ids), f"page(s) {seen_pages & set(item.page_ids)} in two batch rows"

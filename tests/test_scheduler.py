@@ -149,6 +149,32 @@ def test_random_workloads_priority(workload):
     _check_workload(*workload)
 
 
+@settings(max_examples=200, deadline=None)
+@given(workloads())
+def test_random_workloads_static_batching(workload):
+    """Static batching (the benchmark baseline): the same invariants and outputs; running requests are
+    always members of one batch holding max_model_len of pages (checked every step by check_pages)."""
+    config, specs = workload
+    _check_workload({**config, "static_batching": True}, specs)
+
+
+def test_static_batching_admits_the_next_batch_only_when_the_last_has_finished():
+    """Reservation limits the batch to what the pool holds at max_model_len each; a short request that
+    finishes early does not let the next one in while its batch still runs."""
+    config = dict(page_size=8, num_pages=2 * pages_for_tokens(32, 8) + 2, max_num_seqs=8,
+                  max_num_batched_tokens=64, max_model_len=32, static_batching=True)
+    specs = [_spec("short", 4, 1), _spec("long", 4, 20), _spec("next", 4, 1)]
+    scheduler = make_scheduler(**config)
+    for spec in specs:
+        scheduler.add_request(spec.build(config["max_model_len"]))
+    first = _step(scheduler)
+    assert [row[0] for row in _rows(first)] == ["short", "long"]  # two reservations fit, not three
+    while scheduler.requests.get("long") is not None:
+        assert "next" not in [row[0] for row in _rows(_step(scheduler))]
+    assert [row[0] for row in _rows(_step(scheduler))] == ["next"]
+    assert scheduler.kv.pool.num_free == scheduler.kv.pool.num_usable
+
+
 # ---- deterministic scenarios ---------------------------------------------------------------
 
 

@@ -102,6 +102,45 @@ def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_ca
     return params
 
 
+def dummy_params(spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int, seed: int) -> dict:
+    """Random weights of the right shapes, made on the device in their final sharding (load_format
+    "dummy", for benchmarks of shapes whose real weights are not at hand): matrices N(0, 0.02^2), norms 1."""
+    shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
+    shapes = _param_shapes(spec, num_cache_kv_heads)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree_util.tree_leaves(shapes))))
+
+    def make(shape: tuple[int, ...], sharding, is_norm: bool) -> jax.Array:
+        if is_norm:
+            return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
+        return jax.jit(lambda key: 0.02 * jax.random.normal(key, shape, dtype), out_shardings=sharding)(next(keys))
+
+    return {
+        name: ({leaf: make(shape, shardings[name][leaf], leaf.endswith("norm")) for leaf, shape in shapes[name].items()}
+               if name == "layers" else make(shapes[name], shardings[name], name.endswith("norm")))
+        for name in shapes
+    }
+
+
+def _param_shapes(spec: ModelSpec, num_cache_kv_heads: int) -> dict:
+    """The shape of every params leaf, as load_params makes them (stacked layers, Linear weights (in, out))."""
+    layers, hidden, inner = spec.num_layers, spec.hidden_size, spec.intermediate_size
+    q_width, kv_width = spec.num_heads * spec.head_dim, num_cache_kv_heads * spec.head_dim
+    layer_shapes = {
+        "input_norm": (layers, hidden), "post_norm": (layers, hidden),
+        "wq": (layers, hidden, q_width), "wk": (layers, hidden, kv_width), "wv": (layers, hidden, kv_width),
+        "bq": (layers, q_width), "bk": (layers, kv_width), "bv": (layers, kv_width),
+        "q_norm": (layers, spec.head_dim), "k_norm": (layers, spec.head_dim),
+        "wo": (layers, q_width, hidden),
+        "w_gate": (layers, hidden, inner), "w_up": (layers, hidden, inner), "w_down": (layers, inner, hidden),
+    }
+    present = param_partition_specs(spec, 1)
+    shapes = {"embed": (spec.vocab_size, hidden), "final_norm": (hidden,),
+              "layers": {leaf: layer_shapes[leaf] for leaf in present["layers"]}}
+    if "lm_head" in present:
+        shapes["lm_head"] = (hidden, spec.vocab_size)
+    return shapes
+
+
 def _maybe_t(weight: np.ndarray, transpose: bool) -> np.ndarray:
     return weight.T if transpose else weight
 

@@ -1,0 +1,66 @@
+"""Engine options made for benchmarks: static batching (the pre-paging baseline) and dummy weights."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import small_engine_args
+from jaxserve.kv.cache_manager import pages_for_tokens
+from jaxserve.llm import LLM
+from jaxserve.sampling_params import SamplingParams
+
+PROMPTS = [[5 + i] * (3 + 7 * i) for i in range(6)]  # 3 to 38 tokens
+PARAMS = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def continuous():
+    return LLM(**small_engine_args())
+
+
+@pytest.fixture(scope="module")
+def static():
+    # 64 pages of 16 hold 63 usable pages: 7 reservations of max_model_len 128 (8 pages each).
+    return LLM(**small_engine_args(batching="static"))
+
+
+def test_static_batching_gives_the_same_greedy_tokens(continuous, static):
+    expected = [out.outputs[0].token_ids for out in continuous.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    got = [out.outputs[0].token_ids for out in static.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert got == expected
+    pool = static.engine.core.kv.pool
+    assert pool.num_free == pool.num_usable  # every reservation came back
+
+
+def test_static_batching_reserves_max_model_len_and_waits_for_the_whole_batch(static):
+    engine = static.engine
+    reservation = pages_for_tokens(engine.max_model_len, engine.config.page_size)
+    batch_size = engine.core.kv.pool.num_usable // reservation  # 7 with the small test pool
+    for i in range(batch_size + 2):
+        engine.add_request(f"r{i}", [7] * 5, SamplingParams(max_tokens=2 if i else 12, ignore_eos=True))
+    engine.step()
+    pages, tokens = engine.core.kv_occupancy()
+    assert pages == batch_size * reservation  # everyone in the batch holds max_model_len of pages
+    assert tokens == 5 * batch_size
+    assert len(engine.core.scheduler.running) == batch_size
+    finished = set()
+    while engine.has_unfinished_requests():
+        running = {r.request_id for r in engine.core.scheduler.running}
+        if "r0" not in finished:  # r0 outlives the rest of the first batch, which holds the door
+            assert running <= {f"r{i}" for i in range(batch_size)}
+        finished |= {out.request_id for out in engine.step() if out.finished}
+    assert engine.core.kv_occupancy() == (0, 0)
+
+
+def test_dummy_weights_have_the_loaded_shapes_and_generate(continuous):
+    real = continuous
+    dummy = LLM(**small_engine_args(load_format="dummy"))
+    real_params, dummy_params = real.engine.core.runner.params, dummy.engine.core.runner.params
+    assert jax.tree_util.tree_structure(real_params) == jax.tree_util.tree_structure(dummy_params)
+    for a, b in zip(jax.tree_util.tree_leaves(real_params), jax.tree_util.tree_leaves(dummy_params)):
+        assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding)
+        assert np.all(np.isfinite(np.asarray(b)))
+    out = dummy.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
