@@ -1,4 +1,5 @@
-"""Command line: `jaxserve generate` streams a completion; `jaxserve serve` runs the OpenAI-compatible server."""
+"""Command line: `jaxserve generate` streams a completion; `jaxserve serve` runs the OpenAI-compatible server;
+`jaxserve bench` measures (jaxserve/bench/)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import os
 import sys
 
+from jaxserve.bench.cli import add_bench_commands
 from jaxserve.config import (
     VALID_ATTENTION_BACKENDS, VALID_BATCHING, VALID_DTYPES, VALID_LOAD_FORMATS, VALID_PAGE_SIZES, VALID_POLICIES,
     EngineConfig,
@@ -153,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="add usage.prompt_tokens_details (cached_tokens) to responses")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.set_defaults(handler=serve)
+    add_bench_commands(commands)
     return parser
 
 

@@ -153,10 +153,15 @@ class EngineCore:
         return sampled
 
     def kv_occupancy(self) -> tuple[int, int]:
-        """(KV pages held by requests, reserved ones included; tokens whose KV those pages hold; a page
-        shared by several requests counts once in the first and once per holder in the second)."""
-        pages_held = self.kv.pool.num_usable - self.kv.pool.num_free
-        return pages_held, sum(request.num_computed_tokens for request in self.scheduler.requests.values())
+        """(KV pages held by requests, reserved ones included; token slots of those pages holding computed
+        KV, a shared page counted once). Walks every held page: for benchmarks, not for every step."""
+        filled: dict[int, int] = {}  # page id -> slots holding computed KV
+        page_size = self.kv.page_size
+        for request in self.scheduler.requests.values():
+            for index, page in enumerate(self.kv.page_ids(request.request_id)):
+                slots = min(max(request.num_computed_tokens - index * page_size, 0), page_size)
+                filled[page] = max(filled.get(page, 0), slots)
+        return self.kv.pool.num_usable - self.kv.pool.num_free, sum(filled.values())
 
     def stats(self) -> dict:
         """Engine counters for monitoring and tests."""

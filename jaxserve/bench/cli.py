@@ -1,0 +1,23 @@
+"""`jaxserve bench throughput` (offline, several systems side by side), `jaxserve bench serve` (online) and
+`jaxserve bench effects` (one engine feature on and off)."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxserve.bench import effects, offline, online
+
+
+def add_bench_commands(commands) -> None:
+    """Add `bench` and its two commands to the `jaxserve` subcommands."""
+    bench = commands.add_parser("bench", help="benchmark jaxserve against its peers, offline or online")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    for name, module, help_text in (
+        ("throughput", offline, "offline: one workload through several systems in turn, side by side"),
+        ("serve", online, "online: timed streaming requests to a running OpenAI-compatible server"),
+        ("effects", effects, "A/B runs of one engine feature: chunked prefill, prefix caching, parallel sampling"),
+    ):
+        parser = kinds.add_parser(name, help=help_text, description=module.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(parser)
+        parser.set_defaults(handler=lambda args, module=module: 0 if module.run(args) is not None else 1)

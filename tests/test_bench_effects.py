@@ -1,0 +1,106 @@
+"""Smoke test of `jaxserve bench effects` at tiny sizes on the bundled model, and its small helpers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from jaxserve.bench import effects
+from tests.helpers import TEST_CACHE_DIR
+
+TINY = [
+    "--model-shape", "bundled", "--repeats", "1", "--compilation-cache-dir", TEST_CACHE_DIR,
+    "--max-model-len", "384", "--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--min-token-bucket", "16",
+    "--num-pages", "96",
+    "--decode-requests", "4", "--decode-prompt-len", "16", "--decode-output-len", "24",
+    "--long-requests", "2", "--long-prompt-len", "160", "--long-output-len", "4",
+    "--prefix-requests", "6", "--prefix-len", "64", "--question-len", "8", "--prefix-output-len", "8",
+    "--unshared-requests", "6",
+    "--n", "4", "--parallel-prompts", "2", "--parallel-prompt-len", "48", "--parallel-output-len", "8",
+]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    effects.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    path = tmp_path_factory.mktemp("effects") / "effects.json"
+    returned = effects.run(parse(TINY + ["--json", str(path)]))
+    with open(path) as f:
+        assert json.load(f) == json.loads(json.dumps(returned))  # the file holds the returned result
+    return returned
+
+
+def check_timing(side: dict, output_tokens: int) -> None:
+    """A system's timing block: one run, every token counted, tokens/s = tokens / seconds."""
+    assert side["output_tokens"] == output_tokens
+    assert len(side["runs_s"]) == 1 and side["mean_s"] == side["best_s"] == side["runs_s"][0] > 0
+    assert side["output_tokens_per_s"] == pytest.approx(output_tokens / side["mean_s"])
+    assert side["best_output_tokens_per_s"] == pytest.approx(output_tokens / side["best_s"])
+
+
+def test_chunked_prefill(result):
+    chunked = result["effects"]["chunked-prefill"]
+    on, off = chunked["systems"]
+    for side in (on, off):
+        check_timing(side, 4 * 24 + 2 * 4)
+        assert side["decode_itl_ms"]["p50"] <= side["decode_itl_ms"]["p99"] <= side["decode_itl_ms"]["max"]
+        assert side["long_ttft_ms"]["max"] > 0
+    assert on["max_num_batched_tokens"] == 64 and on["max_step_tokens"] <= 64
+    assert off["max_num_batched_tokens"] == 384 and off["max_step_tokens"] > 160  # a whole long prompt in a step
+    assert chunked["same_tokens"] == [6, 6]  # greedy tokens do not depend on chunking
+    assert len(chunked["arrivals_s"]) == 2 and 0 < chunked["arrivals_s"][0] < chunked["arrivals_s"][1]
+
+
+def test_prefix_cache(result):
+    shared = result["effects"]["prefix-cache"]["shared_prefix"]
+    on, off = shared["systems"]
+    assert shared["ideal_hits"] == 5 * 64  # 5 requests after the first, 4 full pages of 16 each
+    assert 0 < on["hit_rate_runs"][0] <= 1 and on["hit_rate_runs"][0] == on["hits_runs"][0] / shared["ideal_hits"]
+    assert off["hit_rate_runs"] == [0.0] and off["queries_runs"] == [0]
+    for side in (on, off):
+        check_timing(side, 6 * 8)
+    assert shared["same_tokens"] == [6, 6]
+    unshared = result["effects"]["prefix-cache"]["no_sharing"]
+    assert unshared["systems"][0]["hits_runs"] == [0] and unshared["systems"][0]["queries_runs"][0] > 0
+    host = unshared["cache_host"]
+    assert 0 < host["cache_s"] < host["run_s"] and host["methods"]["find_cached_prefix"]["calls"] == 6
+    assert unshared["systems"][0]["output_tokens"] == unshared["systems"][1]["output_tokens"] > 6
+    assert unshared["same_tokens"] == [6, 6]
+
+
+def test_parallel_sampling(result):
+    parallel = result["effects"]["parallel-sampling"]
+    shared, independent = parallel["systems"]
+    for side in (shared, independent):
+        check_timing(side, 2 * 4 * 8)
+    assert shared["peak_kv"]["pages_in_use"] < independent["peak_kv"]["pages_in_use"]
+    assert parallel["peak_pages_shared_over_independent"] < 1
+    assert parallel["same_tokens"] == [2, 2]  # sample i of a seeded request == the request seeded with seed + i
+
+
+def test_sizes_must_fit_max_model_len():
+    with pytest.raises(ValueError, match="--long-prompt-len"):
+        effects.resolve_sizes(parse(["--max-model-len", "256", "--quick"]))
+
+
+def test_long_arrivals_spread_over_the_decodes():
+    assert effects.long_arrivals(3.0, 2, 2) == [0.0, 0.0, 1.0, 2.0]
+
+
+def test_timed_methods_restores_the_methods():
+    class Counter:
+        def add(self, x):
+            return x + 1
+
+    counter = Counter()
+    with effects.timed_methods(counter, ["add"]) as totals:
+        assert counter.add(1) == 2
+    assert totals["add"]["calls"] == 1 and totals["add"]["seconds"] >= 0
+    assert "add" not in vars(counter)
