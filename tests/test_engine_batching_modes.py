@@ -64,3 +64,16 @@ def test_dummy_weights_have_the_loaded_shapes_and_generate(continuous):
         assert np.all(np.isfinite(np.asarray(b)))
     out = dummy.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
+
+
+def test_kv_occupancy_counts_a_shared_page_once(continuous):
+    engine = continuous.engine
+    engine.add_request("forked", [9] * 40, SamplingParams(n=3, max_tokens=6, ignore_eos=True, temperature=1.0))
+    shared_seen = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        pages, tokens = engine.core.kv_occupancy()
+        assert tokens <= pages * engine.config.page_size
+        held = sum(r.num_computed_tokens for r in engine.core.scheduler.requests.values())
+        shared_seen |= held > tokens  # the samples hold the prompt's pages together
+    assert shared_seen

@@ -37,7 +37,6 @@ import argparse
 import contextlib
 import dataclasses
 import gc
-import json
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from jaxserve.bench import models, stats
 from jaxserve.bench.driver import DriveResult, bench_params, drive
 from jaxserve.bench.offline import make_logger
+from jaxserve.bench.results import write_json
 from jaxserve.bench.workloads import BenchRequest, Workload, random_workload, shared_prefix_workload, vocab_ids
 from jaxserve.config import DEFAULT_CACHE_DIR, EngineConfig
 from jaxserve.engine import LLMEngine
@@ -628,8 +628,5 @@ def run(args: argparse.Namespace) -> dict:
     result.update(load_after=_load_average(), elapsed_s=time.perf_counter() - start)
     print("\n".join(report_lines(result)))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return result

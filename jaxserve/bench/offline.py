@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shlex
 import sys
@@ -54,6 +53,7 @@ import numpy as np
 
 from jaxserve.bench import ct2_worker, hf_systems, models, stats
 from jaxserve.bench.driver import DriveResult, drive
+from jaxserve.bench.results import write_json
 from jaxserve.bench.workloads import BenchRequest, Workload, add_workload_arguments, workload_from_args
 from jaxserve.config import VALID_DTYPES, EngineConfig
 from jaxserve.engine import LLMEngine
@@ -565,10 +565,7 @@ def run(args: argparse.Namespace) -> dict:
             system.close()
     print(format_report(result), flush=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        log(f"wrote {args.json}")
+        write_json(args.json, result, log)
     return result
 
 

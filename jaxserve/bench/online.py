@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from jaxserve.bench import stats
 from jaxserve.bench.http_client import RawResponse, Target, post_streaming, request_bytes, request_json, trace_of
+from jaxserve.bench.results import write_json
 from jaxserve.bench.workloads import BenchRequest, Workload, add_workload_arguments, workload_from_args
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -393,8 +394,5 @@ def run(args: argparse.Namespace) -> dict:
         result["plots"] = [latency_vs_rate(result["rates"], os.path.join(args.plot_dir, "latency_vs_rate.png"))]
         print(f"wrote {result['plots'][0]}")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return result

@@ -1,0 +1,15 @@
+"""Where a bench command's results go besides its printed report."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+
+def write_json(path: str, result: dict, log: Callable[[str], None] = print) -> None:
+    """Write `result` (JSON-able) to `path`, making its folder, and say so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"wrote {path}")
