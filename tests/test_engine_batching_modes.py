@@ -77,3 +77,19 @@ def test_kv_occupancy_counts_a_shared_page_once(continuous):
         held = sum(r.num_computed_tokens for r in engine.core.scheduler.requests.values())
         shared_seen |= held > tokens  # the samples hold the prompt's pages together
     assert shared_seen
+
+
+def test_dummy_weights_for_the_llama_3_1_8b_shape_are_abstractly_right(tmp_path):
+    """The benchmark's 8B shape (config + tokenizer, no weights): dummy params of 8.03B parameters in
+    bfloat16, built abstractly (no memory) through the same code the engine runs."""
+    from jaxserve.bench import models
+    from jaxserve.model.loader import dummy_params
+    from jaxserve.model.sharding import make_mesh
+    from jaxserve.model.spec import ModelSpec
+
+    folder = models.ensure_model("llama-3.1-8b", str(tmp_path))
+    spec = ModelSpec.from_pretrained(folder)
+    shapes = jax.eval_shape(lambda: dummy_params(spec, make_mesh(1), jax.numpy.bfloat16, spec.num_kv_heads, 0))
+    leaves = jax.tree_util.tree_leaves(shapes)
+    assert {leaf.dtype for leaf in leaves} == {jax.numpy.dtype("bfloat16")}
+    assert sum(int(np.prod(leaf.shape)) for leaf in leaves) == models.SHAPES["llama-3.1-8b"].num_params
