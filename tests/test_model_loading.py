@@ -116,3 +116,31 @@ def test_bad_engine_options_are_value_errors(kwargs, message):
 def test_unknown_option_lists_the_valid_ones():
     with pytest.raises(ValueError, match="unknown option.*valid options: model"):
         EngineConfig.from_dict({"max_num_seq": 4})
+
+
+def test_the_loader_reads_each_devices_shard_of_one_layer_at_a_time(monkeypatch):
+    """Host memory stays about one layer's shard: at TP 2 every tensor is read from the file as slices,
+    the model-sharded matrices in halves, one layer at a time, and the stacked params equal the tensors."""
+    from jaxserve.model.loader import load_params
+    from jaxserve.model.sharding import cache_kv_heads, make_mesh
+
+    reads = []  # (name, bytes read, whole tensor requested)
+    read = SafetensorsFolder.get
+
+    def spy(self, name, index=None):
+        array = read(self, name, index)
+        reads.append((name, array.nbytes, index is None))
+        return array
+
+    monkeypatch.setattr(SafetensorsFolder, "get", spy)
+    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    params = load_params(checkpoint("llama"), spec, make_mesh(2), jnp.float32, cache_kv_heads(spec, 2))
+    monkeypatch.undo()
+    folder = SafetensorsFolder(checkpoint("llama"))
+    assert reads and not any(whole for _, _, whole in reads)
+    q_proj = folder.get("model.layers.1.self_attn.q_proj.weight")  # (out, in)
+    q_reads = [size for name, size, _ in reads if name == "model.layers.1.self_attn.q_proj.weight"]
+    assert q_reads == [q_proj.nbytes // 2] * 2  # one half per device
+    assert max(size for _, size, _ in reads) <= max(folder.get(name).nbytes for name, _, _ in reads)
+    np.testing.assert_array_equal(np.asarray(params["layers"]["wq"][1]), q_proj.T)
+    np.testing.assert_array_equal(np.asarray(params["lm_head"]), folder.get("lm_head.weight").T)

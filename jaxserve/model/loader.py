@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -9,7 +10,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
 from jaxserve.model.sharding import named, param_partition_specs
@@ -66,40 +68,98 @@ class SafetensorsFolder:
     def __contains__(self, name: str) -> bool:
         return name in self._location
 
-    def get(self, name: str) -> np.ndarray:
-        """One tensor as a host numpy array (bfloat16 via ml_dtypes)."""
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """One tensor, or only its `index` part (read from the file alone), as a host numpy array
+        (bfloat16 via ml_dtypes)."""
         if name not in self._location:
             raise ValueError(f"weight {name!r} not found in the checkpoint")
         with jax.default_device(jax.devices("cpu")[0]), safe_open(self._location[name], framework="flax") as f:
-            return np.asarray(f.get_tensor(name))
+            if index is None:
+                return np.asarray(f.get_tensor(name))
+            return np.asarray(f.get_slice(name)[index])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, without reading it."""
+        if name not in self._location:
+            raise ValueError(f"weight {name!r} not found in the checkpoint")
+        with safe_open(self._location[name], framework="flax") as f:
+            return tuple(f.get_slice(name).get_shape())
 
 
 def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int) -> dict:
-    """Read, stack, cast and place every weight directly into its final sharding, one leaf at a time."""
+    """Read every weight straight into its final sharding: each device's shard of each layer is read
+    from the safetensors slice it needs and written into its place in the stacked leaf on the device,
+    so the host holds about one layer's shard at a time, never a whole stacked leaf."""
     folder = SafetensorsFolder(path)
-    tp = mesh.devices.size
-    shardings = named(mesh, param_partition_specs(spec, tp))
+    shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
-
-    def place(host: np.ndarray, sharding) -> jax.Array:
-        host = host.astype(dtype)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-
     layers = {}
     for leaf, sharding in shardings["layers"].items():
         template, transpose = _LAYER_WEIGHTS[leaf]
-        stacked = np.stack([_maybe_t(folder.get(template.format(i=i)), transpose) for i in range(spec.num_layers)])
-        if leaf in _KV_LEAVES and kv_repeat > 1:
-            stacked = _repeat_kv_heads(stacked, spec.head_dim, kv_repeat)
-        layers[leaf] = place(stacked, sharding)
+        repeat = kv_repeat if leaf in _KV_LEAVES else 1
+        layers[leaf] = _load_stacked(folder, [template.format(i=i) for i in range(spec.num_layers)],
+                                     _Layout(transpose, repeat, spec.head_dim), sharding, dtype)
+    plain = _Layout(transpose=False, kv_repeat=1, head_dim=spec.head_dim)
     params = {
-        "embed": place(folder.get("model.embed_tokens.weight"), shardings["embed"]),
-        "final_norm": place(folder.get("model.norm.weight"), shardings["final_norm"]),
+        "embed": _load_one(folder, "model.embed_tokens.weight", plain, shardings["embed"], dtype),
+        "final_norm": _load_one(folder, "model.norm.weight", plain, shardings["final_norm"], dtype),
         "layers": layers,
     }
     if not spec.tie_word_embeddings:
-        params["lm_head"] = place(folder.get("lm_head.weight").T, shardings["lm_head"])
+        transposed = _Layout(transpose=True, kv_repeat=1, head_dim=spec.head_dim)
+        params["lm_head"] = _load_one(folder, "lm_head.weight", transposed, shardings["lm_head"], dtype)
     return params
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a params leaf's per-layer array relates to its checkpoint tensor: transposed (a Linear
+    weight, (out, in) -> (in, out)), and/or each KV head repeated `kv_repeat` times along the last axis
+    (vLLM's layout when the TP size exceeds the KV heads)."""
+
+    transpose: bool
+    kv_repeat: int
+    head_dim: int
+
+    def shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        """The params array's shape for a checkpoint tensor of shape `stored`."""
+        shape = list(stored[::-1] if self.transpose else stored)
+        shape[-1] *= self.kv_repeat
+        return tuple(shape)
+
+    def read(self, folder: SafetensorsFolder, name: str, index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
+        """The part `index` (of the params array of `shape`) of tensor `name`, reading only what it needs."""
+        bounds = [part.indices(size)[:2] for part, size in zip(index, shape)]  # [(start, stop)] per axis
+        columns = np.arange(*bounds[-1])  # params columns -> checkpoint columns (KV heads repeated)
+        group = self.kv_repeat * self.head_dim
+        source = (columns // group) * self.head_dim + columns % self.head_dim if self.kv_repeat > 1 else columns
+        first, last = int(source[0]), int(source[-1]) + 1  # source is non-decreasing
+        wanted = [slice(*b) for b in bounds[:-1]] + [slice(first, last)]
+        part = folder.get(name, tuple(wanted[::-1]) if self.transpose else tuple(wanted))
+        part = part.T if self.transpose else part
+        return part[..., source - first] if self.kv_repeat > 1 else part
+
+
+def _load_one(folder: SafetensorsFolder, name: str, layout: _Layout, sharding, dtype) -> jax.Array:
+    """One unstacked leaf, each device's shard read from its slice of the checkpoint tensor."""
+    shape = layout.shape(folder.shape(name))
+    return jax.make_array_from_callback(
+        shape, sharding, lambda index: layout.read(folder, name, index, shape).astype(dtype))
+
+
+def _load_stacked(folder: SafetensorsFolder, names: list[str], layout: _Layout, sharding, dtype) -> jax.Array:
+    """A stacked (num_layers, ...) leaf: allocated on the devices, then filled one layer at a time (the
+    update donates the stack, so the devices hold it once plus one layer)."""
+    layer_shape = layout.shape(folder.shape(names[0]))
+    layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+    stacked = jax.jit(lambda: jnp.zeros((len(names), *layer_shape), dtype), out_shardings=sharding)()
+    put = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+                  donate_argnums=0, out_shardings=sharding)
+    for i, name in enumerate(names):
+        if layout.shape(folder.shape(name)) != layer_shape:
+            raise ValueError(f"weight {name!r} has shape {folder.shape(name)}, unlike layer 0's")
+        stacked = put(stacked, _load_one(folder, name, layout, layer_sharding, dtype), i)
+    return stacked
 
 
 def dummy_params(spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int, seed: int) -> dict:
@@ -139,15 +199,3 @@ def _param_shapes(spec: ModelSpec, num_cache_kv_heads: int) -> dict:
     if "lm_head" in present:
         shapes["lm_head"] = (hidden, spec.vocab_size)
     return shapes
-
-
-def _maybe_t(weight: np.ndarray, transpose: bool) -> np.ndarray:
-    return weight.T if transpose else weight
-
-
-def _repeat_kv_heads(stacked: np.ndarray, head_dim: int, repeat: int) -> np.ndarray:
-    """Replicate each KV head `repeat` times along the last axis (vLLM's layout when TP > KV heads)."""
-    # stacked: (L, ..., Hkv * D) -> (L, ..., Hkv * repeat * D)
-    *lead, last = stacked.shape
-    heads = stacked.reshape(*lead, last // head_dim, head_dim)
-    return np.repeat(heads, repeat, axis=-2).reshape(*lead, last * repeat)
