@@ -249,12 +249,8 @@ def timing(runs: list[Run]) -> dict:
         raise RuntimeError(f"the runs of one system generated different numbers of tokens: {sorted(counts)}")
     num_requests, prompt_tokens, output_tokens = counts.pop()
     seconds = [run.result.seconds for run in runs]  # s, one per round
-    mean_s, best_s = sum(seconds) / len(seconds), min(seconds)
-    best = stats.throughput(num_requests, prompt_tokens, output_tokens, best_s)
-    return {**stats.throughput(num_requests, prompt_tokens, output_tokens, mean_s),
-            **{f"best_{key}": value for key, value in best.items()}, "output_tokens": output_tokens,
-            "runs_s": seconds, "mean_s": mean_s, "best_s": best_s,
-            "preemptions_runs": [run.preemptions for run in runs]}
+    return {**stats.throughput_of_runs(num_requests, prompt_tokens, output_tokens, seconds),
+            "output_tokens": output_tokens, "preemptions_runs": [run.preemptions for run in runs]}
 
 
 def ratios(a: dict, b: dict, a_runs: list[Run], b_runs: list[Run]) -> dict:

@@ -254,7 +254,7 @@ def default_num_pages(workload: Workload, max_num_seqs: int, page_size: int, max
 
 def engine_config(args: argparse.Namespace, folder: str, static: bool) -> EngineConfig:
     """The engine options of the jaxserve systems (static: batching="static", prefix caching off)."""
-    extra = {"batching": "static", "enable_prefix_caching": False} if static else {}
+    extra = {"batching": "static"} if static else {}  # the engine turns prefix caching off for static batching
     return EngineConfig(
         model=folder, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
         num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -357,11 +357,8 @@ def timed_rounds(systems: list, skipped: dict[str, str], workload: Workload, rep
 
 def throughput_row(system: str, runs_s: Sequence[float], workload: Workload) -> dict:
     """A table row: requests/s, output and total tokens/s at the mean run and (best_*) at the best run."""
-    mean_s, best_s = float(np.mean(runs_s)), float(min(runs_s))
-    counts = (len(workload.requests), workload.num_prompt_tokens, workload.num_output_tokens)
-    best = stats.throughput(*counts, best_s)
-    return {"system": system, **stats.throughput(*counts, mean_s), **{f"best_{k}": v for k, v in best.items()},
-            "mean_s": mean_s, "best_s": best_s, "runs_s": list(runs_s)}
+    return {"system": system, **stats.throughput_of_runs(len(workload.requests), workload.num_prompt_tokens,
+                                                         workload.num_output_tokens, runs_s)}
 
 
 def add_ratios(rows: list[dict], reference: str = "jaxserve") -> None:

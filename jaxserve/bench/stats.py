@@ -125,6 +125,16 @@ def throughput(num_requests: int, prompt_tokens: int, output_tokens: int, second
     }
 
 
+def throughput_of_runs(num_requests: int, prompt_tokens: int, output_tokens: int, runs_s: Sequence[float]) -> dict:
+    """One system's timed runs of the same work: throughput() at the mean run, and at the best run under
+    "best_" keys, with "mean_s", "best_s" and "runs_s"."""
+    mean_s, best_s = float(np.mean(runs_s)), float(min(runs_s))
+    best = throughput(num_requests, prompt_tokens, output_tokens, best_s)
+    return {**throughput(num_requests, prompt_tokens, output_tokens, mean_s),
+            **{f"best_{key}": value for key, value in best.items()},
+            "mean_s": mean_s, "best_s": best_s, "runs_s": list(runs_s)}
+
+
 def fragmentation(pages_in_use: int, page_size: int, token_slots_used: int) -> float:
     """The share of held KV slots that hold no token: 1 - used / (pages * page_size); 0.0 with no pages."""
     if page_size < 1 or pages_in_use < 0 or token_slots_used < 0:

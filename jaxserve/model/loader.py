@@ -140,9 +140,11 @@ class _Layout:
         return part[..., source - first] if self.kv_repeat > 1 else part
 
 
-def _load_one(folder: SafetensorsFolder, name: str, layout: _Layout, sharding, dtype) -> jax.Array:
-    """One unstacked leaf, each device's shard read from its slice of the checkpoint tensor."""
-    shape = layout.shape(folder.shape(name))
+def _load_one(folder: SafetensorsFolder, name: str, layout: _Layout, sharding, dtype,
+              shape: tuple[int, ...] | None = None) -> jax.Array:
+    """One unstacked leaf (of `shape` when the caller already knows it), each device's shard read from its
+    slice of the checkpoint tensor."""
+    shape = shape or layout.shape(folder.shape(name))
     return jax.make_array_from_callback(
         shape, sharding, lambda index: layout.read(folder, name, index, shape).astype(dtype))
 
@@ -156,9 +158,10 @@ def _load_stacked(folder: SafetensorsFolder, names: list[str], layout: _Layout, 
     put = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
                   donate_argnums=0, out_shardings=sharding)
     for i, name in enumerate(names):
-        if layout.shape(folder.shape(name)) != layer_shape:
-            raise ValueError(f"weight {name!r} has shape {folder.shape(name)}, unlike layer 0's")
-        stacked = put(stacked, _load_one(folder, name, layout, layer_sharding, dtype), i)
+        stored = folder.shape(name)
+        if layout.shape(stored) != layer_shape:
+            raise ValueError(f"weight {name!r} has shape {stored}, unlike layer 0's")
+        stacked = put(stacked, _load_one(folder, name, layout, layer_sharding, dtype, layer_shape), i)
     return stacked
 
 
