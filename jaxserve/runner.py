@@ -1,7 +1,7 @@
 """Runner: owns params and the KV pages, compiles every bucket ahead of time, runs one step.
 
 The runner never sees a Request: it takes a BatchDescriptor and a SamplingBatch (numpy, padded)
-and returns numpy samples. The KV pages are donated to the forward executable, so the pool is
+and returns numpy samples. The KV caches are donated to the forward executable, so the pool is
 updated in place.
 """
 
@@ -102,18 +102,17 @@ class Runner:
         self.page_size = page_size
         self.ladders = ladders
         self._replicated = NamedSharding(mesh, P())
-        kv_sharding = NamedSharding(mesh, KV_CACHE_SPEC)
-        cache_shape = (spec.num_layers, num_pages, page_size, num_cache_kv_heads, spec.head_dim)
-        zeros = jax.jit(lambda: jnp.zeros(cache_shape, cache_dtype), out_shardings=kv_sharding)
-        self.k_cache = zeros()  # (L, P, S, Hkv, D)
-        self.v_cache = zeros()  # (L, P, S, Hkv, D)
+        self.attention = make_attention(spec, attention_backend, mesh, page_size)
+        shapes = self.attention.cache_shapes(spec.num_layers, num_pages, page_size, num_cache_kv_heads, spec.head_dim)
+        kv_sharding = tuple(NamedSharding(mesh, KV_CACHE_SPEC) for _ in shapes)
+        zeros = jax.jit(lambda: tuple(jnp.zeros(shape, cache_dtype) for shape in shapes), out_shardings=kv_sharding)
+        self.kv_caches = zeros()  # the backend's layout: each (L, P, S, Hkv or 2 * Hkv, D)
 
-        attention, write_kv = make_attention(spec, attention_backend, mesh, page_size)
-        forward = make_forward(spec, num_cache_kv_heads, attention, write_kv)
+        forward = make_forward(spec, num_cache_kv_heads, self.attention.attention, self.attention.write_kv)
         param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
 
-        def forward_packed(params, k_cache, v_cache, buffer, layout: Layout):
-            return forward(params, k_cache, v_cache, unpack(buffer, layout, BatchDescriptor))
+        def forward_packed(params, caches, buffer, layout: Layout):
+            return forward(params, caches, unpack(buffer, layout, BatchDescriptor))
 
         def sample_packed(logits, buffer, layout: Layout):
             return sample(logits, unpack(buffer, layout, SamplingBatch))
@@ -125,10 +124,10 @@ class Runner:
 
         self._forward = jax.jit(
             forward_packed,
-            in_shardings=(param_shardings, kv_sharding, kv_sharding, self._replicated),
-            out_shardings=(self._replicated, self._replicated, kv_sharding, kv_sharding),
-            donate_argnums=(1, 2),
-            static_argnums=(4,),
+            in_shardings=(param_shardings, kv_sharding, self._replicated),
+            out_shardings=(self._replicated, self._replicated, kv_sharding),
+            donate_argnums=(1,),
+            static_argnums=(3,),
         )
         self._sample = jax.jit(
             sample_packed, in_shardings=(self._replicated, self._replicated), out_shardings=self._replicated,
@@ -175,7 +174,7 @@ class Runner:
             **padded_batch_arrays(num_tokens, self.ladders.rows_for(num_tokens), width, self.page_size)
         )
         buffer, layout = pack(example)
-        return self._forward.lower(self.params, self.k_cache, self.v_cache, self._abstract(buffer), layout)
+        return self._forward.lower(self.params, self.kv_caches, self._abstract(buffer), layout)
 
     def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
         buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width)))
@@ -205,7 +204,7 @@ class Runner:
             self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
         )
         batch_words, sampling_words = jax.device_put((pack(batch)[0], pack(sampling)[0]), self._replicated)
-        logits, hidden, self.k_cache, self.v_cache = forward(self.params, self.k_cache, self.v_cache, batch_words)
+        logits, hidden, self.kv_caches = forward(self.params, self.kv_caches, batch_words)
         out = sampler(logits, sampling_words)
         prompt_logprobs = None
         if prompt is not None:

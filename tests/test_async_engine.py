@@ -29,7 +29,7 @@ class FakeEngine:
         self.model_path = default_model_path()
         self.max_model_len = 128
         self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096), num_pages=11,
-                                    runner=SimpleNamespace(k_cache=SimpleNamespace(dtype="float32")))
+                                    runner=SimpleNamespace(kv_caches=(SimpleNamespace(dtype="float32"),)))
         self.generation_defaults = {}
         self.gate = threading.Event()
         self.gate.set()

@@ -11,7 +11,7 @@ from helpers import checkpoint, expected, small_engine_args
 def test_bfloat16_engine_agrees_with_hf_float32_on_the_first_token():
     llm = LLM(checkpoint("qwen3"), dtype="bfloat16", **small_engine_args())
     runner = llm.engine.core.runner
-    assert runner.params["embed"].dtype == np.dtype("bfloat16") and runner.k_cache.dtype == np.dtype("bfloat16")
+    assert runner.params["embed"].dtype == np.dtype("bfloat16") and runner.kv_caches[0].dtype == np.dtype("bfloat16")
     want = expected("qwen3")
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in want["prompts"]], params, use_tqdm=False)

@@ -217,8 +217,8 @@ def test_stats_report_engine_counters(llm):
 
 def test_kv_pages_are_updated_in_place(llm, want):
     runner = llm.engine.core.runner
-    before = (runner.k_cache.unsafe_buffer_pointer(), runner.v_cache.unsafe_buffer_pointer())
+    before = [cache.unsafe_buffer_pointer() for cache in runner.kv_caches]
     outputs = llm.generate(_ids(want["prompts"][:4]), GREEDY.clone(max_tokens=6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [w[:6] for w in want["outputs"][:4]]
     # Donation aliases the step's output pages to its input pages: no copy of the pool per step.
-    assert (runner.k_cache.unsafe_buffer_pointer(), runner.v_cache.unsafe_buffer_pointer()) == before
+    assert [cache.unsafe_buffer_pointer() for cache in runner.kv_caches] == before

@@ -18,7 +18,8 @@ from helpers import checkpoint, expected, small_engine_args
 import jax.numpy as jnp
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.attention import ragged_or_decode, resolve_backend
+from jaxserve.attention import resolve_backend
+from jaxserve.attention.pallas_gpu import ragged_or_decode
 from pallas_kernels.paged_decode_attention import kernel as decode_kernel
 from jaxserve.model.spec import ModelSpec
 from pallas_kernels.paged_kv_write import kernel as kv_write_kernel

@@ -20,8 +20,8 @@ def test_greedy_matches_hf_under_tensor_parallelism(name, kv_heads, tp):
     # Heads really are split: every device holds 1/tp of the query projection and of the KV pages.
     wq = runner.params["layers"]["wq"]
     assert wq.addressable_shards[0].data.shape[-1] == wq.shape[-1] // tp
-    assert runner.k_cache.shape[3] == max(kv_heads, tp)
-    assert runner.k_cache.addressable_shards[0].data.shape[3] == max(kv_heads, tp) // tp
+    assert runner.kv_caches[0].shape[3] == max(kv_heads, tp)
+    assert runner.kv_caches[0].addressable_shards[0].data.shape[3] == max(kv_heads, tp) // tp
 
     want = expected(name)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -13,30 +13,15 @@ Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.attention.base import AttentionFn, WriteKVFn
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.model.spec import ModelSpec
-
-
-class AttentionFn(Protocol):
-    """Paged attention over the stacked KV cache for one layer (see pallas_kernels/)."""
-
-    def __call__(
-        self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, batch: BatchDescriptor
-    ) -> jax.Array: ...
-
-
-class WriteKVFn(Protocol):
-    """Writes the step's new K/V into the pages of one layer, returning the updated caches."""
-
-    def __call__(
-        self, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array, batch: BatchDescriptor
-    ) -> tuple[jax.Array, jax.Array]: ...
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -66,8 +51,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def forward(
     params: dict,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    caches: tuple[jax.Array, ...],
     batch: BatchDescriptor,
     *,
     spec: ModelSpec,
@@ -75,45 +59,45 @@ def forward(
     attention: AttentionFn,
     write_kv: WriteKVFn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One model step over a padded ragged batch: returns (logits (R, V) float32, hidden (T, H), k_cache,
-    v_cache), where `hidden` is every token's last hidden state before the final norm (for prompt
+    """One model step over a padded ragged batch: returns (logits (R, V) float32, hidden (T, H), caches),
+    where `hidden` is every token's last hidden state before the final norm (for prompt
     logprobs: keeping it costs nothing, it is the layer loop's carry).
 
     `num_kv_heads` is the number of KV heads held in the cache, which is the checkpoint's count
     or, when tensor parallelism is wider than that, the replicated count.
     """
-    # k_cache, v_cache: (L, P, S, Hkv, D)
-    k_cache, v_cache = copy_pages(k_cache, v_cache, batch.copy_src, batch.copy_dst)
+    # caches: the attention backend's KV arrays, each (L, P, S, heads, D)
+    caches = copy_pages(caches, batch.copy_src, batch.copy_dst)
     inv_freq = spec.rope.inv_freq()
     cos, sin = rope_cos_sin(batch.positions, inv_freq)  # (T, D // 2) each
     x = params["embed"][batch.input_ids]  # (T, H)
 
     def layer_step(carry, layer_inputs):
-        x, k_cache, v_cache = carry
+        x, caches = carry
         layer_params, layer = layer_inputs
         h = rms_norm(x, layer_params["input_norm"], spec.rms_norm_eps)  # (T, H)
         q, k, v = _qkv(h, layer_params, spec, num_kv_heads)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, batch)
-        attn = attention(q, k_cache, v_cache, layer, batch)  # (T, Hq, D)
+        caches = write_kv(caches, layer, k, v, batch)
+        attn = attention(q, caches, layer, batch)  # (T, Hq, D)
         x = x + attn.reshape(attn.shape[0], -1) @ layer_params["wo"]  # (T, H)
         h = rms_norm(x, layer_params["post_norm"], spec.rms_norm_eps)
         gate = jax.nn.silu(h @ layer_params["w_gate"])  # (T, I)
         x = x + (gate * (h @ layer_params["w_up"])) @ layer_params["w_down"]  # (T, H)
-        return (x, k_cache, v_cache), None
+        return (x, caches), None
 
     layers = jnp.arange(spec.num_layers, dtype=jnp.int32)  # (L,)
-    (x, k_cache, v_cache), _ = jax.lax.scan(layer_step, (x, k_cache, v_cache), (params["layers"], layers))
+    (x, caches), _ = jax.lax.scan(layer_step, (x, caches), (params["layers"], layers))
 
     logits = token_logits(params, x[batch.logits_indices], spec)  # (R, V) float32
-    return logits, x, k_cache, v_cache
+    return logits, x, caches
 
 
-def copy_pages(k_cache: jax.Array, v_cache: jax.Array, src: jax.Array, dst: jax.Array) -> tuple[jax.Array, jax.Array]:
+def copy_pages(caches: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
     """Copy whole pages (every layer) before the step writes: copy-on-write of shared pages. Padding
     copies the null page onto itself."""
-    # k_cache, v_cache: (L, P, S, Hkv, D); src, dst: (C,) int32
-    return k_cache.at[:, dst].set(k_cache[:, src]), v_cache.at[:, dst].set(v_cache[:, src])
+    # caches: each (L, P, S, heads, D); src, dst: (C,) int32
+    return tuple(cache.at[:, dst].set(cache[:, src]) for cache in caches)
 
 
 def token_logits(params: dict, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
@@ -141,11 +125,11 @@ def _qkv(h: jax.Array, p: dict, spec: ModelSpec, num_kv_heads: int) -> tuple[jax
 
 
 def make_forward(spec: ModelSpec, num_kv_heads: int, attention: AttentionFn, write_kv: WriteKVFn) -> Callable:
-    """Bind the static model configuration; the result maps (params, k, v, batch) to (logits, hidden, k, v)."""
+    """Bind the static model configuration; the result maps (params, caches, batch) to (logits, hidden, caches)."""
 
-    def bound(params, k_cache, v_cache, batch):
+    def bound(params, caches, batch):
         return forward(
-            params, k_cache, v_cache, batch, spec=spec, num_kv_heads=num_kv_heads, attention=attention, write_kv=write_kv
+            params, caches, batch, spec=spec, num_kv_heads=num_kv_heads, attention=attention, write_kv=write_kv
         )
 
     return bound

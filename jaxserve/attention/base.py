@@ -1,0 +1,58 @@
+"""What every attention backend provides: the KV cache layout it stores, attention over it, and the KV write.
+
+Two cache layouts, both rank 5 with the KV-head axis at index 3 (split over the `model` mesh axis):
+- `split`: two arrays, K and V, each `(L, P, S, Hkv, D)` (our Pallas kernels and the XLA path);
+- `fused`: one array `(L, P, S, 2 * Hkv, D)`, the K of KV head `h` at index `2h` and its V at `2h + 1`
+  (the layout of JAX's Mosaic TPU ragged paged attention).
+Pages are axis 1 in both, so page copies (copy-on-write) and swaps work on any layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+
+from jaxserve.batch_descriptor import BatchDescriptor
+
+LAYOUTS = ("split", "fused")
+
+
+class AttentionFn(Protocol):
+    """Paged attention of the step's queries for one layer."""
+
+    def __call__(self, q: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array, batch: BatchDescriptor
+                 ) -> jax.Array: ...
+
+
+class WriteKVFn(Protocol):
+    """Writes the step's new K/V into the pages of one layer, returning the updated caches."""
+
+    def __call__(self, caches: tuple[jax.Array, ...], layer: jax.Array, k: jax.Array, v: jax.Array,
+                 batch: BatchDescriptor) -> tuple[jax.Array, ...]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """A resolved backend: its name, its cache layout and the two functions the model calls."""
+
+    name: str
+    layout: str
+    attention: AttentionFn  # (q (T, Hq, D), caches, layer, batch) -> (T, Hq, D)
+    write_kv: WriteKVFn  # (caches, layer, k (T, Hkv, D), v (T, Hkv, D), batch) -> caches
+
+    def cache_shapes(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                     head_dim: int) -> tuple[tuple[int, ...], ...]:
+        """The shape of each cache array this backend stores."""
+        return cache_shapes(self.layout, num_layers, num_pages, page_size, num_kv_heads, head_dim)
+
+
+def cache_shapes(layout: str, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int) -> tuple[tuple[int, ...], ...]:
+    """Shapes of the cache arrays of `layout` (see the module docstring)."""
+    if layout == "split":
+        return ((num_layers, num_pages, page_size, num_kv_heads, head_dim),) * 2
+    if layout == "fused":
+        return ((num_layers, num_pages, page_size, 2 * num_kv_heads, head_dim),)
+    raise ValueError(f"unknown KV cache layout {layout!r}; one of {', '.join(LAYOUTS)}")
