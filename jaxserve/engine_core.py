@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import os
 
 import jax
@@ -18,6 +19,7 @@ from jaxserve.batch import (
 from jaxserve.config import EngineConfig
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
+from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
@@ -25,12 +27,15 @@ from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner import CompileCounter, Runner, StepOutput, TokenLogprobs
 from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
 
+logger = logging.getLogger("jaxserve")
+
 
 class EngineCore:
     """Owns the scheduler, the page pool and the runner of one model."""
 
     def __init__(self, config: EngineConfig, model_path: str, show_progress: bool = True):
         self.config = config
+        reserve_device_memory(config.gpu_memory_utilization)  # before JAX starts its GPU backend
         enable_compilation_cache(config.compilation_cache_dir)
         self.spec = ModelSpec.from_pretrained(model_path)
         self.max_model_len = resolve_max_model_len(config, self.spec)
@@ -42,7 +47,6 @@ class EngineCore:
             params = dummy_params(self.spec, self.mesh, dtype, kv_heads, config.seed)
         else:
             params = load_params(model_path, self.spec, self.mesh, dtype, kv_heads)
-        self.num_pages = resolve_num_pages(config, self.spec, kv_heads, dtype, self.max_model_len)
         self.ladders = BucketLadders.build(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
@@ -53,9 +57,11 @@ class EngineCore:
         )
         self.runner = Runner(
             self.spec, params, self.mesh,
-            num_pages=self.num_pages, page_size=config.page_size, num_cache_kv_heads=kv_heads,
+            page_size=config.page_size, num_cache_kv_heads=kv_heads,
             cache_dtype=dtype, ladders=self.ladders, attention_backend=config.attention_backend,
         )
+        self.num_pages = resolve_num_pages(config, self.spec, kv_heads, dtype, self.max_model_len, self.runner)
+        self.runner.allocate_kv(self.num_pages)
         self.runner.warmup(show_progress)
         # Static batching is the pre-paging baseline: it shares no pages, so it caches none.
         enable_prefix_caching = config.enable_prefix_caching and config.batching == "continuous"
@@ -226,16 +232,31 @@ def page_bytes(spec: ModelSpec, num_kv_heads: int, page_size: int, dtype: jnp.dt
     return 2 * spec.num_layers * page_size * num_kv_heads * spec.head_dim * jnp.dtype(dtype).itemsize
 
 
-def resolve_num_pages(config: EngineConfig, spec: ModelSpec, num_kv_heads: int, dtype, max_model_len: int) -> int:
-    """Pages from `num_pages`, or the device's free memory times the utilisation, or the CPU default."""
+def resolve_num_pages(config: EngineConfig, spec: ModelSpec, num_kv_heads: int, dtype, max_model_len: int,
+                      runner: Runner) -> int:
+    """Pages from `num_pages`, or what `gpu_memory_utilization` of the device leaves after the weights and the
+    largest step's activations (kv/sizing.py), or the CPU's `cpu_kv_cache_gib`."""
     per_page = page_bytes(spec, num_kv_heads, config.page_size, dtype)
+    needed = pages_for_tokens(max_model_len, config.page_size) + 1
+    platform = device_platform()
     if config.num_pages is not None:
         num_pages = config.num_pages
-    elif jax.default_backend() == "cpu":
+    elif platform == "cpu":
         num_pages = int(config.cpu_kv_cache_gib * 2**30 // per_page)
     else:
-        num_pages = _pages_from_device_memory(config, per_page)
-    needed = pages_for_tokens(max_model_len, config.page_size) + 1
+        tp = config.tensor_parallel_size
+        stats = device_memory_stats(tp)
+        if platform == "gpu":
+            check_allocator_limit(stats, config.gpu_memory_utilization)
+        plan = plan_kv_pages(
+            device_bytes=device_memory_bytes(stats, platform),
+            utilization=config.gpu_memory_utilization,
+            used_bytes=int(stats.get("bytes_in_use", 0)),
+            activation_bytes=runner.peak_activation_bytes(needed),
+            page_bytes=per_page // tp,
+        )
+        logger.info("KV cache sizing: %s", plan.describe())
+        num_pages = plan.num_pages
     if num_pages < needed:
         raise ValueError(
             f"the KV pool of {num_pages} pages cannot hold one request of max_model_len={max_model_len} "
@@ -245,11 +266,12 @@ def resolve_num_pages(config: EngineConfig, spec: ModelSpec, num_kv_heads: int, 
     return num_pages
 
 
-def _pages_from_device_memory(config: EngineConfig, per_page: int) -> int:
-    """The share of device memory left after the weights, times the utilisation, in pages."""
-    tp = config.tensor_parallel_size
-    stats = [d.memory_stats() or {} for d in jax.devices()[:tp]]
-    free = min(s.get("bytes_limit", 0) * config.gpu_memory_utilization - s.get("bytes_in_use", 0) for s in stats)
-    if free <= 0:
-        raise ValueError("no device memory left for the KV cache: raise gpu_memory_utilization or set num_pages")
-    return int(free * tp // per_page)
+def device_platform() -> str:
+    """The platform the engine runs on: 'cpu', 'gpu' or 'tpu'."""
+    return jax.default_backend()
+
+
+def device_memory_stats(num_devices: int) -> dict:
+    """The memory stats of the most loaded of the engine's devices (the pool is the same size on each)."""
+    stats = [device.memory_stats() or {} for device in jax.devices()[:num_devices]]
+    return max(stats, key=lambda s: s.get("bytes_in_use", 0))

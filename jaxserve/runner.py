@@ -90,7 +90,6 @@ class Runner:
         params: dict,
         mesh: Mesh,
         *,
-        num_pages: int,
         page_size: int,
         num_cache_kv_heads: int,
         cache_dtype: jnp.dtype,
@@ -103,10 +102,10 @@ class Runner:
         self.ladders = ladders
         self._replicated = NamedSharding(mesh, P())
         self.attention = make_attention(spec, attention_backend, mesh, page_size)
-        shapes = self.attention.cache_shapes(spec.num_layers, num_pages, page_size, num_cache_kv_heads, spec.head_dim)
-        kv_sharding = tuple(NamedSharding(mesh, KV_CACHE_SPEC) for _ in shapes)
-        zeros = jax.jit(lambda: tuple(jnp.zeros(shape, cache_dtype) for shape in shapes), out_shardings=kv_sharding)
-        self.kv_caches = zeros()  # the backend's layout: each (L, P, S, Hkv or 2 * Hkv, D)
+        self._cache_dtype = cache_dtype
+        self._num_cache_kv_heads = num_cache_kv_heads
+        self._kv_sharding = tuple(NamedSharding(mesh, KV_CACHE_SPEC) for _ in self._cache_shapes(1))
+        self.kv_caches: tuple[jax.Array, ...] = ()  # allocate_kv: the backend's layout, each (L, P, S, heads, D)
 
         forward = make_forward(spec, num_cache_kv_heads, self.attention.attention, self.attention.write_kv)
         param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
@@ -124,8 +123,8 @@ class Runner:
 
         self._forward = jax.jit(
             forward_packed,
-            in_shardings=(param_shardings, kv_sharding, self._replicated),
-            out_shardings=(self._replicated, self._replicated, kv_sharding),
+            in_shardings=(param_shardings, self._kv_sharding, self._replicated),
+            out_shardings=(self._replicated, self._replicated, self._kv_sharding),
             donate_argnums=(1,),
             static_argnums=(3,),
         )
@@ -142,6 +141,35 @@ class Runner:
         self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
         self.num_lazy_compiles = 0
         CompileCounter.install()
+
+    # ---- the KV pool --------------------------------------------------------------------------
+
+    def _cache_shapes(self, num_pages: int) -> tuple[tuple[int, ...], ...]:
+        spec = self.spec
+        return self.attention.cache_shapes(spec.num_layers, num_pages, self.page_size, self._num_cache_kv_heads,
+                                           spec.head_dim)
+
+    def _cache_structs(self, num_pages: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        return tuple(jax.ShapeDtypeStruct(shape, self._cache_dtype, sharding=sharding)
+                     for shape, sharding in zip(self._cache_shapes(num_pages), self._kv_sharding))
+
+    def allocate_kv(self, num_pages: int) -> None:
+        """Allocate the KV pool of `num_pages` pages (zeros, sharded on the KV-head axis)."""
+        shapes, dtype = self._cache_shapes(num_pages), self._cache_dtype
+        zeros = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes), out_shardings=self._kv_sharding)
+        self.kv_caches = zeros()
+
+    def peak_activation_bytes(self, num_pages: int) -> int:
+        """Per-device bytes the largest step needs beyond its inputs, from XLA's memory analysis of the
+        largest forward bucket and the largest sampler bucket (temporaries plus outputs that do not alias a
+        donated input); compiled against an abstract pool of `num_pages` pages, which they do not depend on."""
+        largest_forward = self._lower_forward(self.ladders.tokens[-1], self.ladders.page_widths[-1], num_pages)
+        largest_sampler = self._lower_sampler(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1])
+        total = 0
+        for lowered in (largest_forward, largest_sampler):
+            memory = lowered.compile().memory_analysis()
+            total += memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+        return total
 
     # ---- compilation -------------------------------------------------------------------------
 
@@ -169,12 +197,14 @@ class Runner:
                 bar.update()
         bar.close()
 
-    def _lower_forward(self, num_tokens: int, width: int) -> jax.stages.Lowered:
+    def _lower_forward(self, num_tokens: int, width: int, num_pages: int | None = None) -> jax.stages.Lowered:
+        """Lower the forward bucket (T, W) against the allocated pool, or an abstract one of `num_pages`."""
         example = BatchDescriptor(
             **padded_batch_arrays(num_tokens, self.ladders.rows_for(num_tokens), width, self.page_size)
         )
         buffer, layout = pack(example)
-        return self._forward.lower(self.params, self.kv_caches, self._abstract(buffer), layout)
+        caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
+        return self._forward.lower(self.params, caches, self._abstract(buffer), layout)
 
     def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
         buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width)))
