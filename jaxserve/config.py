@@ -10,7 +10,7 @@ import yaml
 VALID_PAGE_SIZES = (8, 16, 32)
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_POLICIES = ("fcfs", "priority")
-VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret")
+VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas-tpu-interpret")
 # continuous: requests join and leave the running batch at every step and hold only the pages they fill;
 # static: a pre-paging server, the baseline of `jaxserve bench`: a batch is admitted only when the previous
 # one has finished, and each sequence reserves pages for max_model_len when it is admitted.

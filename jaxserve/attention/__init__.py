@@ -2,9 +2,11 @@
 
 Backends (`attention_backend`):
 - `xla`: plain jnp, bounded in memory (see attention/xla.py); the CPU default and every platform's fallback.
-- `pallas`: the platform's Pallas kernels: our Triton kernels on a GPU (attention/pallas_gpu.py).
+- `pallas`: the platform's Pallas kernels: our Triton kernels on a GPU (attention/pallas_gpu.py), JAX's Mosaic
+  ragged paged attention on a TPU (attention/tpu.py).
 - `pallas-interpret`: our GPU kernels run by the Pallas interpreter (CPU tests).
-- `auto`: `pallas` on a GPU when the kernels take the model's shapes, else `xla`.
+- `pallas-tpu-interpret`: the TPU kernel run by JAX's TPU interpreter (CPU tests).
+- `auto`: `pallas` on a GPU or a TPU when its kernels take the model's shapes, else `xla`.
 
 Every backend is an `AttentionBackend` (attention/base.py): its cache layout, `attention` and `write_kv`.
 """
@@ -18,43 +20,62 @@ from jax.sharding import Mesh
 
 from jaxserve.attention.base import AttentionBackend
 from jaxserve.config import VALID_ATTENTION_BACKENDS
+from jaxserve.model.sharding import cache_kv_heads
 from jaxserve.model.spec import ModelSpec
 from pallas_kernels.ragged_paged_attention.tuning import gpu_unsupported
 
 logger = logging.getLogger("jaxserve")
 
 
-def resolve_backend(name: str, spec: ModelSpec, page_size: int, platform: str | None = None) -> str:
+def resolve_backend(name: str, spec: ModelSpec, page_size: int, platform: str | None = None,
+                    tensor_parallel_size: int = 1) -> str:
     """The backend `name` stands for on `platform` ('cpu', 'gpu' or 'tpu'; default: JAX's default backend).
 
-    'auto' is 'pallas' on a GPU when the kernels take the model's shapes, else 'xla'. ValueError for
-    'pallas' where it cannot run."""
-    platform = platform or jax.default_backend()
-    on_gpu = platform == "gpu"
-    unsupported = gpu_unsupported(page_size, spec.head_dim)
-    if name == "auto":
-        if on_gpu and unsupported:
-            logger.warning("attention_backend auto: using the XLA path because %s", unsupported)
-        return "pallas" if on_gpu and not unsupported else "xla"
-    if name == "pallas" and not on_gpu:
-        raise ValueError(f"attention_backend pallas compiles the kernels for a GPU, and this is "
-                         f"{platform}: use pallas-interpret (slow, for tests) or xla")
-    if name == "pallas" and unsupported:
-        raise ValueError(f"attention_backend pallas: {unsupported}; use attention_backend xla")
+    'auto' is 'pallas' on a GPU or a TPU when that platform's kernels take the model's shapes (sharded over
+    `tensor_parallel_size` devices), else 'xla'. ValueError for a Pallas backend that cannot run."""
     if name not in VALID_ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; use {', '.join(VALID_ATTENTION_BACKENDS)}")
+    platform = platform or jax.default_backend()
+    has_kernels = platform in ("gpu", "tpu")
+    if name == "auto":
+        unsupported = has_kernels and kernels_unsupported(platform, spec, page_size, tensor_parallel_size)
+        if unsupported:
+            logger.warning("attention_backend auto: using the XLA path because %s", unsupported)
+        return "pallas" if has_kernels and not unsupported else "xla"
+    if name == "pallas" and not has_kernels:
+        raise ValueError(f"attention_backend pallas compiles the kernels for a GPU or a TPU, and this is "
+                         f"{platform}: use pallas-interpret or pallas-tpu-interpret (slow, for tests) or xla")
+    kernels_platform = {"pallas": platform, "pallas-tpu-interpret": "tpu"}.get(name)
+    unsupported = kernels_platform and kernels_unsupported(kernels_platform, spec, page_size, tensor_parallel_size)
+    if unsupported:
+        raise ValueError(f"attention_backend {name}: {unsupported}; use attention_backend xla")
     return name
+
+
+def kernels_unsupported(platform: str, spec: ModelSpec, page_size: int, tensor_parallel_size: int) -> str | None:
+    """Why `platform`'s Pallas kernels cannot take the model's shapes, or None when they can (or it has none)."""
+    if platform == "gpu":
+        return gpu_unsupported(page_size, spec.head_dim)
+    if platform == "tpu":
+        from jaxserve.attention.tpu import tpu_unsupported
+
+        return tpu_unsupported(cache_kv_heads(spec, tensor_parallel_size) // tensor_parallel_size)
+    return None
 
 
 def make_attention(spec: ModelSpec, backend: str, mesh: Mesh, page_size: int,
                    platform: str | None = None) -> AttentionBackend:
     """The resolved backend with the model's static options bound."""
     platform = platform or jax.default_backend()
-    backend = resolve_backend(backend, spec, page_size, platform)
+    backend = resolve_backend(backend, spec, page_size, platform, mesh.size)
     if backend == "xla":
         from jaxserve.attention import xla
 
         return xla.make_backend(spec, platform)
+    if backend == "pallas-tpu-interpret" or (backend == "pallas" and platform == "tpu"):
+        from jaxserve.attention import tpu
+
+        return tpu.make_backend(spec, mesh, interpret=backend == "pallas-tpu-interpret")
     from jaxserve.attention import pallas_gpu
 
     return pallas_gpu.make_backend(spec, mesh, interpret=backend == "pallas-interpret")
