@@ -7,7 +7,6 @@ import logging
 import os
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.batch import (
     MAX_AUX_EXTRA,
@@ -47,20 +46,13 @@ class EngineCore:
             params = dummy_params(self.spec, self.mesh, dtype, kv_heads, config.seed)
         else:
             params = load_params(model_path, self.spec, self.mesh, dtype, kv_heads)
-        self.ladders = BucketLadders.build(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            page_size=config.page_size,
-            min_token_bucket=config.min_token_bucket,
-            max_aux_extra=MAX_AUX_EXTRA + len(self.spec.eos_token_ids),
-        )
+        self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
         self.runner = Runner(
             self.spec, params, self.mesh,
             page_size=config.page_size, num_cache_kv_heads=kv_heads,
             cache_dtype=dtype, ladders=self.ladders, attention_backend=config.attention_backend,
         )
-        self.num_pages = resolve_num_pages(config, self.spec, kv_heads, dtype, self.max_model_len, self.runner)
+        self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner)
         self.runner.allocate_kv(self.num_pages)
         self.runner.warmup(show_progress)
         # Static batching is the pre-paging baseline: it shares no pages, so it caches none.
@@ -227,16 +219,22 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     return length
 
 
-def page_bytes(spec: ModelSpec, num_kv_heads: int, page_size: int, dtype: jnp.dtype) -> int:
-    """Bytes of one page across all layers, K and V (whole model, before sharding)."""
-    return 2 * spec.num_layers * page_size * num_kv_heads * spec.head_dim * jnp.dtype(dtype).itemsize
+def bucket_ladders(config: EngineConfig, spec: ModelSpec, max_model_len: int) -> BucketLadders:
+    """The padded shapes an engine with this config compiles for."""
+    return BucketLadders.build(
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+        page_size=config.page_size,
+        min_token_bucket=config.min_token_bucket,
+        max_aux_extra=MAX_AUX_EXTRA + len(spec.eos_token_ids),
+    )
 
 
-def resolve_num_pages(config: EngineConfig, spec: ModelSpec, num_kv_heads: int, dtype, max_model_len: int,
-                      runner: Runner) -> int:
+def resolve_num_pages(config: EngineConfig, max_model_len: int, runner: Runner) -> int:
     """Pages from `num_pages`, or what `gpu_memory_utilization` of the device leaves after the weights and the
     largest step's activations (kv/sizing.py), or the CPU's `cpu_kv_cache_gib`."""
-    per_page = page_bytes(spec, num_kv_heads, config.page_size, dtype)
+    per_page = runner.page_bytes()
     needed = pages_for_tokens(max_model_len, config.page_size) + 1
     platform = device_platform()
     if config.num_pages is not None:

@@ -153,6 +153,12 @@ class Runner:
         return tuple(jax.ShapeDtypeStruct(shape, self._cache_dtype, sharding=sharding)
                      for shape, sharding in zip(self._cache_shapes(num_pages), self._kv_sharding))
 
+    def page_bytes(self) -> int:
+        """Bytes of one page of every layer in the backend's cache arrays (all devices together)."""
+        spec = self.spec
+        return self.attention.page_bytes(spec.num_layers, self.page_size, self._num_cache_kv_heads, spec.head_dim,
+                                         self._cache_dtype)
+
     def allocate_kv(self, num_pages: int) -> None:
         """Allocate the KV pool of `num_pages` pages (zeros, sharded on the KV-head axis)."""
         shapes, dtype = self._cache_shapes(num_pages), self._cache_dtype

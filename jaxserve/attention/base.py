@@ -10,9 +10,11 @@ Pages are axis 1 in both, so page copies (copy-on-write) and swaps work on any l
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Protocol
 
 import jax
+import numpy as np
 
 from jaxserve.batch_descriptor import BatchDescriptor
 
@@ -46,6 +48,11 @@ class AttentionBackend:
                      head_dim: int) -> tuple[tuple[int, ...], ...]:
         """The shape of each cache array this backend stores."""
         return cache_shapes(self.layout, num_layers, num_pages, page_size, num_kv_heads, head_dim)
+
+    def page_bytes(self, num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+        """Bytes of one page of every layer in all of this backend's cache arrays (all devices together)."""
+        shapes = self.cache_shapes(num_layers, 1, page_size, num_kv_heads, head_dim)
+        return sum(math.prod(shape) for shape in shapes) * np.dtype(dtype).itemsize
 
 
 def cache_shapes(layout: str, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
