@@ -1,5 +1,6 @@
 """Command line: `jaxserve generate` streams a completion; `jaxserve serve` runs the OpenAI-compatible server;
-`jaxserve bench` measures (jaxserve/bench/)."""
+`jaxserve bench` measures (jaxserve/bench/); `jaxserve check-config` lowers a config for GPU and TPU on the CPU
+(jaxserve/check_config.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import os
 import sys
 
+from jaxserve import check_config
 from jaxserve.bench.cli import add_bench_commands
 from jaxserve.config import (
     VALID_ATTENTION_BACKENDS, VALID_BATCHING, VALID_DTYPES, VALID_LOAD_FORMATS, VALID_PAGE_SIZES, VALID_POLICIES,
@@ -156,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.set_defaults(handler=serve)
     add_bench_commands(commands)
+    check = commands.add_parser("check-config", help="lower a config's every step for GPU and TPU on the CPU, and "
+                                "estimate device memory and start-up compile time",
+                                description=check_config.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    check_config.add_arguments(check)
+    check.set_defaults(handler=check_config.run)
     return parser
 
 

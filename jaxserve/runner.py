@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import os
 import threading
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -95,13 +96,14 @@ class Runner:
         cache_dtype: jnp.dtype,
         ladders: BucketLadders,
         attention_backend: str,
+        platform: str | None = None,
     ):
         self.spec = spec
         self.params = params
         self.page_size = page_size
         self.ladders = ladders
         self._replicated = NamedSharding(mesh, P())
-        self.attention = make_attention(spec, attention_backend, mesh, page_size)
+        self.attention = make_attention(spec, attention_backend, mesh, page_size, platform)
         self._cache_dtype = cache_dtype
         self._num_cache_kv_heads = num_cache_kv_heads
         self._kv_sharding = tuple(NamedSharding(mesh, KV_CACHE_SPEC) for _ in self._cache_shapes(1))
@@ -205,24 +207,43 @@ class Runner:
 
     def _lower_forward(self, num_tokens: int, width: int, num_pages: int | None = None) -> jax.stages.Lowered:
         """Lower the forward bucket (T, W) against the allocated pool, or an abstract one of `num_pages`."""
+        function, args = self.forward_call(num_tokens, width, num_pages)
+        return function.lower(*args)
+
+    def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
+        function, args = self.sampler_call(num_rows, aux_width)
+        return function.lower(*args)
+
+    def _lower_prompt_logprobs(self, num_tokens: int) -> jax.stages.Lowered:
+        function, args = self.prompt_logprobs_call(num_tokens)
+        return function.lower(*args)
+
+    # Each *_call gives a bucket's jitted step function and its arguments (the step inputs abstract):
+    # `function.lower(*args)` lowers it for this process's backend, `jax.export.export(function,
+    # platforms=[...])(*args)` for another (`jaxserve check-config`).
+
+    def forward_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
+        """The forward bucket (T, W), against the allocated pool or an abstract one of `num_pages`."""
         example = BatchDescriptor(
             **padded_batch_arrays(num_tokens, self.ladders.rows_for(num_tokens), width, self.page_size)
         )
         buffer, layout = pack(example)
         caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
-        return self._forward.lower(self.params, caches, self._abstract(buffer), layout)
+        return self._forward, (self.params, caches, self._abstract(buffer), layout)
 
-    def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
+    def sampler_call(self, num_rows: int, aux_width: int) -> tuple[Callable, tuple]:
+        """The sampler bucket (R, P)."""
         buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width)))
         logits = jax.ShapeDtypeStruct((num_rows, self.spec.vocab_size), jnp.float32, sharding=self._replicated)
-        return self._sample.lower(logits, self._abstract(buffer), layout)
+        return self._sample, (logits, self._abstract(buffer), layout)
 
-    def _lower_prompt_logprobs(self, num_tokens: int) -> jax.stages.Lowered:
+    def prompt_logprobs_call(self, num_tokens: int) -> tuple[Callable, tuple]:
+        """The prompt-logprob bucket (T,)."""
         buffer, layout = pack(PromptLogprobBatch(**padded_prompt_logprob_arrays(num_tokens)))
         hidden = jax.ShapeDtypeStruct(
             (num_tokens, self.spec.hidden_size), self.params["embed"].dtype, sharding=self._replicated
         )
-        return self._prompt_logprobs.lower(self.params, hidden, self._abstract(buffer), layout)
+        return self._prompt_logprobs, (self.params, hidden, self._abstract(buffer), layout)
 
     def _abstract(self, buffer: np.ndarray) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self._replicated)

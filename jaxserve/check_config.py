@@ -1,0 +1,489 @@
+"""`jaxserve check-config`: check a config for a GPU (`cuda`) and a TPU on the CPU, with no accelerator and no
+checkpoint.
+
+For each config and target platform it
+- resolves the model's architecture: the model folder's config.json, or, for a folder that is not here (the
+  shipped configs name /models/...), the published config of the model the folder is named after;
+- builds the weights abstractly (shapes, dtypes and shardings, no memory) on a CPU mesh of
+  `tensor_parallel_size` simulated devices;
+- takes the attention backend the engine would pick on that platform;
+- lowers the engine's own step functions for every bucket (or the ladders' edges) with `jax.export` for that
+  platform, naming each bucket that fails and its error;
+- estimates one device's memory: the weights' shards (exact), the activations of the largest step (an
+  estimate: XLA's memory analysis of the largest forward and sampler buckets compiled for the CPU with the
+  `xla` attention path), and the KV pool `gpu_memory_utilization` leaves (kv/sizing.py), against the memory
+  of a named device;
+- estimates the start-up compile time: the CPU compile time of the largest bucket of each kind, scaled to
+  the number of executables (serial; device compiles differ, and the engine compiles on a thread pool).
+
+What lowering on the CPU cannot show: whether the device's compiler (ptxas, the TPU compiler) takes the
+module, and any path chosen by probing the local machine at trace time. The cuDNN prefill of the `xla` path
+on a GPU is one (JAX finds no cuDNN here, so the tiled path is lowered instead, with a warning; the kernels
+column then shows no cuDNN call), and the TPU kernel's block sizes are another (untuned off a TPU, see
+attention/tpu.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+
+import jax
+from jax.export import DisabledSafetyCheck
+
+from jaxserve.config import VALID_ATTENTION_BACKENDS, EngineConfig
+from jaxserve.kv.cache_manager import pages_for_tokens
+from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES, GIB, MemoryPlan, plan_kv_pages
+from jaxserve.model.spec import ModelSpec
+
+PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}  # jax.export platform -> the platform name the attention package takes
+DEFAULT_DEVICES = {"cuda": "h100", "tpu": "tpu-v5p"}  # when neither --device nor the config's file name names one
+BUCKET_SETS = {  # --buckets: which buckets are lowered
+    "all": "every bucket the engine compiles",
+    "edges": "the smallest and largest rung of each ladder, and the token rungs either side of max_num_seqs",
+}
+KINDS = ("forward", "sampler", "prompt_logprobs")  # the order of Runner.shapes()
+# Custom calls jax.export does not promise to keep stable, which the step functions use on purpose: Pallas's
+# Triton kernels and cuDNN attention. Any other one (a host callback, say) fails its bucket.
+EXPECTED_UNSTABLE_CALLS = ("__gpu$xla.gpu.triton", "__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax")
+# The CPU compiler upcasts bf16 matmul operands to f32, and loop-invariant code motion hoists those converts of
+# the stacked weights out of the layer loop (an f32 copy of every layer's weights: ~26 GiB of "activations" for
+# an 8B model, which a GPU or TPU, multiplying bf16 natively, never makes). Off, for the activation estimate.
+NO_HOISTING_FLAG = "--xla_disable_hlo_passes=while-loop-invariant-code-motion"
+MIN_POOL_PAGES = 2  # the null page and one more: the pool of the CPU activation estimate (see cpu_estimates)
+
+# config.json (+ generation_config.json's EOS ids) of the models the shipped configs name, as published on the
+# Hugging Face Hub; keyed by the folder's lower-cased name.
+_LLAMA_3_1 = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+}
+PUBLISHED_MODELS = {
+    "llama-3.1-8b-instruct": {**_LLAMA_3_1, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                              "num_attention_heads": 32, "num_key_value_heads": 8},
+    "llama-3.1-70b-instruct": {**_LLAMA_3_1, "hidden_size": 8192, "intermediate_size": 28672,
+                               "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8},
+    "qwen2.5-7b-instruct": {
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False, "use_sliding_window": False, "bos_token_id": 151643,
+        "eos_token_id": [151645, 151643],  # generation_config.json's (config.json has 151645 alone)
+    },
+}
+
+
+# ---- results ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BucketCheck:
+    """One bucket lowered for one platform."""
+
+    kind: str  # forward, sampler or prompt_logprobs
+    shape: tuple[int, ...]  # forward (T, W), sampler (R, P), prompt_logprobs (T,)
+    seconds: float  # CPU seconds of jax.export (tracing and lowering)
+    error: str | None = None  # "ErrorType: message" when it failed
+
+    def describe(self) -> str:
+        """The bucket, e.g. "forward (T=16, W=1)"."""
+        names = {"forward": ("T", "W"), "sampler": ("R", "P"), "prompt_logprobs": ("T",)}[self.kind]
+        return f"{self.kind} ({', '.join(f'{n}={v}' for n, v in zip(names, self.shape))})"
+
+
+@dataclasses.dataclass
+class PlatformCheck:
+    """One config on one target platform."""
+
+    platform: str  # cuda or tpu
+    device: str  # a DEVICE_MEMORY_BYTES name
+    backend: str | None  # the attention backend picked there (None when none could be)
+    buckets: list[BucketCheck]
+    custom_calls: list[str]  # custom-call targets in the lowered modules (the kernels), sorted
+    memory: MemoryPlan | None  # None when the config does not fit the device (see `error`)
+    error: str | None = None  # why no backend could be picked, or why the memory does not fit
+
+    @property
+    def failures(self) -> list[str]:
+        """Every failure of this platform, one line each."""
+        lines = [f"{self.platform}: {self.error}"] if self.error else []
+        return lines + [f"{self.platform} {b.describe()}: {b.error}" for b in self.buckets if b.error]
+
+
+@dataclasses.dataclass
+class ConfigCheck:
+    """One config on every target platform."""
+
+    config: str  # the YAML file
+    model_note: str  # where the architecture came from
+    tensor_parallel_size: int
+    page_size: int  # tokens per KV page
+    executables: dict[str, int]  # kind -> buckets the engine compiles at start-up
+    weight_bytes: int  # one device's shard of the weights (exact)
+    activation_bytes: int  # the largest step's peak on one device (estimate, CPU-compiled)
+    compile_seconds: dict[str, float]  # kind -> CPU seconds of compiling one bucket for the CPU (measured)
+    platforms: list[PlatformCheck]
+
+    @property
+    def name(self) -> str:
+        """The config's file name without its extension."""
+        return os.path.splitext(os.path.basename(self.config))[0]
+
+    @property
+    def compile_estimate_seconds(self) -> float:
+        """Measured CPU compile seconds per kind times that kind's executable count, summed (serial)."""
+        return sum(self.compile_seconds[kind] * self.executables[kind] for kind in KINDS)
+
+    @property
+    def failures(self) -> list[str]:
+        """Every failure, one line each, prefixed with the config's name."""
+        return [f"{self.name} {line}" for platform in self.platforms for line in platform.failures]
+
+    def to_json(self) -> dict:
+        """Everything, with the derived values, as plain JSON values."""
+        return {**dataclasses.asdict(self), "name": self.name,
+                "compile_estimate_seconds": self.compile_estimate_seconds,
+                "kv_pool_bytes": {p.platform: p.memory.kv_bytes if p.memory else None for p in self.platforms}}
+
+
+# ---- the process --------------------------------------------------------------------------------------------
+
+
+def use_host_devices(count: int) -> None:
+    """Run JAX on the CPU with `count` simulated devices and without the hoisting that inflates the CPU
+    activation estimate (NO_HOISTING_FLAG); both must be set before JAX starts its backends. ValueError when
+    it already has, without them."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count} {NO_HOISTING_FLAG}"
+        jax.config.update("jax_platforms", "cpu")
+    ready = jax.default_backend() == "cpu" and jax.device_count() >= count
+    if not ready or NO_HOISTING_FLAG not in os.environ.get("XLA_FLAGS", ""):
+        raise ValueError(f"check-config needs JAX on the CPU with {count} devices and XLA_FLAGS={NO_HOISTING_FLAG}, "
+                         f"set before JAX starts: run it in a fresh process (`jaxserve check-config`)")
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process, all threads: what a step costs an idle machine, whatever else runs on this one."""
+    return time.process_time()
+
+
+# ---- the model ------------------------------------------------------------------------------------------------
+
+
+def resolve_spec(model: str | None, model_shape: str | None) -> tuple[ModelSpec, str]:
+    """The model's architecture and a note saying where it came from: `model_shape` (a PUBLISHED_MODELS name),
+    the folder's config.json, or, when the folder is not here, the published config of the model it is named
+    after. ValueError when none applies."""
+    from jaxserve.engine import default_model_path
+
+    if model_shape is not None:
+        return _published_spec(model_shape), f"published config.json of {model_shape} (--model-shape)"
+    folder = model or default_model_path()
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return ModelSpec.from_pretrained(folder), f"{os.path.join(folder, 'config.json')}"
+    name = os.path.basename(os.path.normpath(folder)).lower()
+    if name not in PUBLISHED_MODELS:
+        raise ValueError(f"model folder {folder!r} has no config.json and its name is none of the known models "
+                         f"({', '.join(PUBLISHED_MODELS)}): pass --model-shape")
+    return _published_spec(name), f"{folder} is not here: the published config.json of {name}"
+
+
+def _published_spec(name: str) -> ModelSpec:
+    """The spec of a PUBLISHED_MODELS entry."""
+    if name not in PUBLISHED_MODELS:
+        raise ValueError(f"unknown model shape {name!r}; one of {', '.join(PUBLISHED_MODELS)}")
+    config = {"hidden_act": "silu", **PUBLISHED_MODELS[name]}
+    return ModelSpec.from_hf_config(config, {"eos_token_id": config["eos_token_id"]})
+
+
+def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_kv_heads: int) -> dict:
+    """Every params leaf as a ShapeDtypeStruct in its final sharding: the shapes the engine's dummy weights
+    have (traced, never made), the shardings the engine gives them."""
+    from jaxserve.model.loader import dummy_params
+    from jaxserve.model.sharding import named, param_partition_specs
+
+    shapes = jax.eval_shape(lambda: dummy_params(spec, mesh, dtype, num_cache_kv_heads, seed=0))
+    shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
+    return jax.tree_util.tree_map(
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), shapes, shardings)
+
+
+def shard_bytes(tree) -> int:
+    """Bytes of one device's shard of every ShapeDtypeStruct in `tree` (the largest shard, when uneven)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        total += leaf.dtype.itemsize * math.prod(leaf.sharding.shard_shape(leaf.shape))
+    return total
+
+
+# ---- buckets ------------------------------------------------------------------------------------------------
+
+
+def select_buckets(ladders, shapes: tuple[list, list, list], which: str) -> tuple[list, list, list]:
+    """Runner.shapes() itself for "all"; for "edges", the smallest and largest rung of each ladder, plus the
+    token rungs on either side of max_num_seqs (where rows stop growing with tokens), and for the sampler the
+    smallest penalty history besides none."""
+    if which == "all":
+        return shapes
+    uncapped = [t for t in ladders.tokens if ladders.rows_for(t) == t]
+    capped = [t for t in ladders.tokens if ladders.rows_for(t) < t]
+    tokens = {ladders.tokens[0], ladders.tokens[-1], *uncapped[-1:], *capped[:1]}
+    widths = {ladders.page_widths[0], ladders.page_widths[-1]}
+    rows = {min(ladders.row_buckets()), max(ladders.row_buckets())}
+    aux = {ladders.aux_widths[0], *ladders.aux_widths[1:2], ladders.aux_widths[-1]}
+    forward, sampler, prompt = shapes
+    return ([s for s in forward if s[0] in tokens and s[1] in widths],
+            [s for s in sampler if s[0] in rows and s[1] in aux],
+            [s for s in prompt if s[0] in {ladders.tokens[0], ladders.tokens[-1]}])
+
+
+def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
+    """kind -> a function from a bucket's shape to (jitted step function, abstract arguments)."""
+    return {
+        "forward": lambda shape: runner.forward_call(*shape, num_pages),
+        "sampler": lambda shape: runner.sampler_call(*shape),
+        "prompt_logprobs": lambda shape: runner.prompt_logprobs_call(*shape),
+    }
+
+
+def lower_bucket(function, args: tuple, platform: str) -> tuple[float, set[str]]:
+    """jax.export of one bucket for `platform`: (seconds it took, custom-call targets in the module)."""
+    start = cpu_seconds()
+    exported = jax.export.export(
+        function, platforms=[platform],
+        disabled_checks=[DisabledSafetyCheck.custom_call(name) for name in EXPECTED_UNSTABLE_CALLS],
+    )(*args)
+    seconds = cpu_seconds() - start
+    return seconds, set(re.findall(r"stablehlo\.custom_call @([\w$.\-]+)", exported.mlir_module()))
+
+
+def lower_all(runner, shapes: tuple[list, list, list], num_pages: int, platform: str
+              ) -> tuple[list[BucketCheck], set[str]]:
+    """Lower every bucket in `shapes` (forward, sampler, prompt-logprob lists); a failure is recorded, not raised."""
+    checks, custom_calls = [], set()
+    calls = bucket_calls(runner, num_pages)
+    for kind, kind_shapes in zip(KINDS, shapes):
+        for shape in kind_shapes:
+            start = cpu_seconds()
+            try:
+                seconds, targets = lower_bucket(*calls[kind](shape), platform)
+            except Exception as error:  # noqa: BLE001 - any failure of a bucket is the result
+                message = (str(error).strip().splitlines() or [""])[0]
+                checks.append(BucketCheck(kind, shape, cpu_seconds() - start,
+                                          f"{type(error).__name__}: {message}"[:500]))
+                continue
+            checks.append(BucketCheck(kind, shape, seconds))
+            custom_calls |= targets
+    return checks, custom_calls
+
+
+def target_chip(platform: str, device: str) -> contextlib.AbstractContextManager:
+    """Lowering for `device`'s chip: the Mosaic TPU kernel's lowering reads the chip generation from the
+    default device, a CPU here, so for a TPU attention/tpu.py's `lowering_off_tpu` answers with the device's."""
+    if platform != "tpu":
+        return contextlib.nullcontext()
+    from jax.experimental.pallas import tpu as pltpu
+
+    from jaxserve.attention.tpu import lowering_off_tpu
+
+    return lowering_off_tpu(pltpu.ChipVersion(device.removeprefix("tpu-")))
+
+
+# ---- estimates on the CPU ---------------------------------------------------------------------------------------
+
+
+def cpu_estimates(runner) -> tuple[int, dict[str, float]]:
+    """(the largest step's activation bytes per device, CPU compile seconds of one bucket of each kind), from a
+    runner on the CPU with the xla attention path: the activations as the engine sizes them
+    (Runner.peak_activation_bytes: the largest forward and sampler buckets, compiled), the compile seconds
+    measured on the largest bucket of each kind (forward and sampler share that call's time).
+
+    The pool is MIN_POOL_PAGES: the CPU compiler writes K/V into a bf16 pool by converting the whole pool to
+    f32 and back (two f32 copies of it as temporaries, which grow with the pool), a CPU-only detour that a pool
+    of the engine's size would count as activations."""
+    start = cpu_seconds()
+    activation_bytes = runner.peak_activation_bytes(MIN_POOL_PAGES)
+    forward_and_sampler = cpu_seconds() - start
+    start = cpu_seconds()
+    function, args = runner.prompt_logprobs_call(runner.ladders.tokens[-1])
+    function.lower(*args).compile()
+    prompt = cpu_seconds() - start
+    seconds = {"forward": forward_and_sampler / 2, "sampler": forward_and_sampler / 2, "prompt_logprobs": prompt}
+    return activation_bytes, seconds
+
+
+def memory_plan(device: str, utilization: float, weight_bytes: int, activation_bytes: int, page_bytes: int,
+                needed_pages: int) -> MemoryPlan:
+    """The device's split (kv/sizing.py); ValueError when nothing is left for the pool or the pool cannot hold
+    one request of max_model_len."""
+    plan = plan_kv_pages(DEVICE_MEMORY_BYTES[device], utilization, weight_bytes, activation_bytes, page_bytes)
+    if plan.num_pages < needed_pages:
+        raise ValueError(f"the KV pool of {plan.num_pages} pages cannot hold one request of max_model_len "
+                         f"({needed_pages} pages with the null page): {plan.describe()}")
+    return plan
+
+
+# ---- one config ---------------------------------------------------------------------------------------------------
+
+
+def check_config(path: str, platforms: list[str], devices: dict[str, str], model_shape: str | None = None,
+                 buckets: str = "all", attention_backend: str | None = None) -> ConfigCheck:
+    """Check one YAML config on every platform in `platforms` (see the module docstring), with the config's
+    attention backend or `attention_backend`."""
+    import jax.numpy as jnp
+
+    from jaxserve.engine_core import bucket_ladders, resolve_max_model_len
+    from jaxserve.model.loader import resolve_dtype
+    from jaxserve.model.sharding import cache_kv_heads, make_mesh
+    from jaxserve.runner import Runner
+
+    config = EngineConfig.from_yaml(path, **({"attention_backend": attention_backend} if attention_backend else {}))
+    spec, note = resolve_spec(config.model, model_shape)
+    max_model_len = resolve_max_model_len(config, spec)
+    tp = config.tensor_parallel_size
+    mesh = make_mesh(tp)
+    kv_heads = cache_kv_heads(spec, tp)
+    dtype = jnp.dtype(resolve_dtype(config.dtype, spec))
+    ladders = bucket_ladders(config, spec, max_model_len)
+    params = abstract_params(spec, mesh, dtype, kv_heads)
+    needed_pages = pages_for_tokens(max_model_len, config.page_size) + 1
+
+    def runner(backend: str, platform: str) -> Runner:
+        return Runner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads, cache_dtype=dtype,
+                      ladders=ladders, attention_backend=backend, platform=platform)
+
+    cpu_runner = runner("xla", "cpu")
+    activation_bytes, compile_seconds = cpu_estimates(cpu_runner)
+    weight_bytes = shard_bytes(params)
+    every_shape = cpu_runner.shapes()
+    checks = []
+    for platform in platforms:
+        device = devices[platform]
+        try:
+            platform_runner = runner(config.attention_backend, PLATFORMS[platform])
+        except ValueError as why:
+            checks.append(PlatformCheck(platform, device, None, [], [], None, f"attention backend: {why}"))
+            continue
+        try:  # a page as the platform's backend stores it (the TPU layout pads the head dimension)
+            plan, error = memory_plan(device, config.gpu_memory_utilization, weight_bytes, activation_bytes,
+                                      platform_runner.page_bytes() // tp, needed_pages), None
+        except ValueError as why:
+            plan, error = None, f"memory on {device}: {why}"
+        pool_pages = plan.num_pages if plan else needed_pages  # the pool the engine would compile against
+        with target_chip(platform, device):
+            bucket_checks, custom_calls = lower_all(platform_runner, select_buckets(ladders, every_shape, buckets),
+                                                    pool_pages, platform)
+        checks.append(PlatformCheck(platform, device, platform_runner.attention.name, bucket_checks,
+                                    sorted(custom_calls), plan, error))
+    return ConfigCheck(path, note, tp, config.page_size, dict(zip(KINDS, map(len, every_shape))), weight_bytes,
+                       activation_bytes, compile_seconds, checks)
+
+
+# ---- the report ---------------------------------------------------------------------------------------------------
+
+
+TABLE_HEADER = (
+    "| config | platform | attention | executables (fwd / sampler / prompt) | lowered "
+    "| lowering CPU s: total (slowest) | kernels | weights GiB | activations GiB (est.) | KV pool GiB (tokens) "
+    "| device GiB | compile est. min | result |"
+)
+
+
+def table_row(check: ConfigCheck, platform: PlatformCheck) -> str:
+    """One markdown table row: one config on one platform."""
+    counts = " / ".join(str(check.executables[kind]) for kind in KINDS)
+    failed = sum(1 for b in platform.buckets if b.error)
+    lowered = f"{len(platform.buckets) - failed} of {len(platform.buckets)}"
+    seconds = [b.seconds for b in platform.buckets]
+    timing = f"{sum(seconds):.1f} ({max(seconds):.2f})" if seconds else "-"
+    plan = platform.memory
+    pool = f"{plan.kv_bytes / GIB:.1f} ({(plan.num_pages - 1) * check.page_size:,})" if plan else "does not fit"
+    device = f"{DEVICE_MEMORY_BYTES[platform.device] / GIB:.1f} ({platform.device})"
+    result = "FAIL" if platform.failures else "ok"
+    cells = [check.name, platform.platform, platform.backend or "-", counts, lowered, timing,
+             ", ".join(platform.custom_calls) or "none", f"{check.weight_bytes / GIB:.2f}",
+             f"{check.activation_bytes / GIB:.2f}", pool, device, f"{check.compile_estimate_seconds / 60:.1f}", result]
+    return "| " + " | ".join(cells) + " |"
+
+
+def report(checks: list[ConfigCheck], buckets: str) -> str:
+    """The markdown report: notes on every estimate, the table, the memory split of each row, the failures."""
+    lines = [f"Lowered with jax.export on the CPU; buckets: {buckets} ({BUCKET_SETS[buckets]}).",
+             "Memory is per device. Weights: exact shard sizes. Activations: an estimate, XLA's memory analysis of the "
+             "largest forward and sampler buckets compiled for the CPU with the xla attention path (against a "
+             f"{MIN_POOL_PAGES}-page pool: the CPU's f32 detour through the pool left out). KV pool: what "
+             "gpu_memory_utilization of the device leaves (kv/sizing.py). Compile estimate: CPU compile seconds of the "
+             "largest bucket of each kind times the executable count, serial (not a device measurement). Times are CPU "
+             "seconds of this process (as on an idle machine).", ""]
+    lines += [f"- {check.name}: model {check.model_note}; tensor_parallel_size {check.tensor_parallel_size}"
+              for check in checks]
+    lines += ["", TABLE_HEADER, "|" + "---|" * TABLE_HEADER.count(" | ") + "---|"]
+    lines += [table_row(check, platform) for check in checks for platform in check.platforms]
+    lines += [""] + [f"- {check.name} {p.platform}: {p.memory.describe()}" for check in checks for p in check.platforms
+                     if p.memory]
+    failures = [line for check in checks for line in check.failures]
+    lines += ["", f"{len(failures)} failure(s)" + (":" if failures else ".")] + [f"- {line}" for line in failures]
+    return "\n".join(lines)
+
+
+# ---- the command --------------------------------------------------------------------------------------------------
+
+
+def device_for(platform: str, config_path: str, named: list[str]) -> str:
+    """The device of `platform`: one given with --device, else one the config's file name names (8xh200), else
+    DEFAULT_DEVICES."""
+    candidates = [name for name in DEVICE_MEMORY_BYTES if name.startswith("tpu-") == (platform == "tpu")]
+    for name in named:
+        if name in candidates:
+            return name
+    in_file_name = [name for name in candidates if name in os.path.basename(config_path).lower()]
+    return in_file_name[0] if in_file_name else DEFAULT_DEVICES[platform]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `jaxserve check-config`."""
+    parser.add_argument("configs", nargs="+", metavar="CONFIG",
+                        help="YAML engine config(s), e.g. jaxserve/configs/*.yaml")
+    parser.add_argument("--platforms", nargs="+", choices=list(PLATFORMS), default=list(PLATFORMS),
+                        help="targets to lower for (default: %(default)s)")
+    parser.add_argument("--device", action="append", default=[], choices=list(DEVICE_MEMORY_BYTES),
+                        help="device whose memory to size against, once per platform (default: one the config's file "
+                             f"name names, else {', '.join(DEFAULT_DEVICES.values())})")
+    parser.add_argument("--model-shape", choices=list(PUBLISHED_MODELS),
+                        help="use this published architecture instead of the config's model folder")
+    parser.add_argument("--buckets", choices=list(BUCKET_SETS), default="all",
+                        help="; ".join(f"{name}: {text}" for name, text in BUCKET_SETS.items()) +
+                        " (default: %(default)s)")
+    parser.add_argument("--attention-backend", choices=list(VALID_ATTENTION_BACKENDS),
+                        help="instead of the config's (e.g. xla: the fallback a GPU takes when the kernels fail)")
+    parser.add_argument("--json", metavar="PATH", help="also write every result (each bucket's time) as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check every config; print the report; 0 when every bucket lowered and every config fits, else 1."""
+    configs = [EngineConfig.from_yaml(path) for path in args.configs]
+    use_host_devices(max(config.tensor_parallel_size for config in configs))
+    checks = []
+    for path in args.configs:
+        devices = {platform: device_for(platform, path, args.device) for platform in args.platforms}
+        checks.append(check_config(path, args.platforms, devices, args.model_shape, args.buckets,
+                                   args.attention_backend))
+        print(f"checked {path}", flush=True)
+    print(report(checks, args.buckets))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([check.to_json() for check in checks], f, indent=1)
+    return 1 if any(check.failures for check in checks) else 0

@@ -1,0 +1,124 @@
+"""`jaxserve check-config` lowers every shipped config for cuda and tpu on the CPU (abstract weights, no
+checkpoint), picks the backend each platform would, and sizes device memory with kv/sizing.py.
+
+The shipped configs run in one subprocess (the 70B config needs 8 devices; this process has 4) with
+`--buckets edges`, to keep this file under a minute on a 2-core CPU (`--buckets all` is the docs run); the
+failure reports are checked in this process on the bundled model."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve import check_config
+from jaxserve.cli import build_parser
+from jaxserve.config import CONFIGS_DIR, EngineConfig
+from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = sorted(glob.glob(os.path.join(CONFIGS_DIR, "*.yaml")))
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """(the command's result, its JSON by config name) for every shipped config, both platforms, edge buckets;
+    in a fresh process, which sets its own device count and XLA flags."""
+    path = tmp_path_factory.mktemp("check") / "checks.json"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("XLA_FLAGS", None)  # this process's 4 simulated devices are not the command's business
+    command = [sys.executable, "-m", "jaxserve.cli", "check-config", *SHIPPED, "--buckets", "edges",
+               "--json", str(path)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result, {check["name"]: check for check in json.loads(path.read_text())}
+
+
+def test_every_shipped_config_lowers_for_cuda_and_tpu(shipped):
+    from jaxserve.attention import resolve_backend
+
+    result, checks = shipped
+    assert sorted(checks) == sorted(os.path.splitext(os.path.basename(p))[0] for p in SHIPPED)
+    for name, check in checks.items():
+        config = EngineConfig.from_yaml(check["config"])
+        spec, _ = check_config.resolve_spec(config.model, None)
+        assert [p["platform"] for p in check["platforms"]] == ["cuda", "tpu"]
+        for platform in check["platforms"]:
+            assert platform["error"] is None, (name, platform["error"])
+            expected = resolve_backend(config.attention_backend, spec, config.page_size,
+                                       check_config.PLATFORMS[platform["platform"]], config.tensor_parallel_size)
+            assert platform["backend"] == expected
+            assert platform["buckets"] and all(b["error"] is None and b["seconds"] > 0 for b in platform["buckets"])
+            if platform["backend"] == "pallas" and platform["platform"] == "cuda":
+                assert "__gpu$xla.gpu.triton" in platform["custom_calls"]  # the kernels, not a fallback
+    assert "0 failure(s)." in result.stdout
+    assert result.stdout.count("| cuda |") == result.stdout.count("| tpu |") == len(SHIPPED)
+
+
+def test_edges_are_each_ladders_ends_and_the_rungs_either_side_of_max_num_seqs(shipped):
+    _, checks = shipped
+    check = checks["llama-3.1-8b-1xh200"]
+    assert check["executables"] == {"forward": 70, "sampler": 35, "prompt_logprobs": 10}
+    buckets = {(b["kind"], tuple(b["shape"])) for b in check["platforms"][0]["buckets"]}
+    forward = {shape for kind, shape in buckets if kind == "forward"}
+    assert forward == {(t, w) for t in (16, 256, 512, 8192) for w in (1, 2048)}  # max_num_seqs 256
+    assert {shape[0] for kind, shape in buckets if kind == "sampler"} == {16, 256}
+    assert {shape for kind, shape in buckets if kind == "prompt_logprobs"} == {(16,), (8192,)}
+
+
+def test_memory_estimate_of_the_8b_config_on_an_h200(shipped):
+    _, checks = shipped
+    check = checks["llama-3.1-8b-1xh200"]
+    assert check["weight_bytes"] == 2 * 8_030_261_248  # Llama-3.1-8B's parameters in bfloat16
+    assert 0 < check["activation_bytes"] < 8 * 2**30
+    assert check["compile_estimate_seconds"] > 0
+    memory = check["platforms"][0]["memory"]
+    assert check["platforms"][0]["device"] == "h200"  # named by the config's file name
+    assert memory["device_bytes"] == DEVICE_MEMORY_BYTES["h200"]
+    assert memory["page_bytes"] == 2 * 32 * 16 * 8 * 128 * 2  # K and V of every layer, one page, bf16
+    used = check["weight_bytes"] + check["activation_bytes"] + memory["num_pages"] * memory["page_bytes"]
+    assert 0.9 * memory["device_bytes"] - memory["page_bytes"] < used <= 0.9 * memory["device_bytes"]
+    assert memory["num_pages"] > 32768 // 16 + 1  # holds at least one request of max_model_len
+
+
+def test_a_config_that_does_not_fit_its_device_fails_with_the_reason(tmp_path, monkeypatch, capsys):
+    """In this process (the bundled model needs one device; its XLA flags do not matter to this check), with the
+    fallback attention path a GPU takes when the kernels fail."""
+    config = tmp_path / "tiny-starved.yaml"
+    config.write_text("max_model_len: 512\nmax_num_seqs: 16\nmax_num_batched_tokens: 64\n"
+                      "gpu_memory_utilization: 0.000001\n")
+    monkeypatch.setattr(check_config, "use_host_devices", lambda count: None)
+    args = build_parser().parse_args(["check-config", str(config), "--platforms", "cuda", "--buckets", "edges",
+                                      "--attention-backend", "xla"])
+    assert args.handler(args) == 1
+    out = capsys.readouterr().out
+    assert "tiny-starved cuda: memory on h100: no memory left for the KV cache" in out
+    assert "| tiny-starved | cuda | xla |" in out and "| does not fit |" in out and out.count("| FAIL |") == 1
+
+
+def test_a_bucket_that_fails_to_lower_is_named_with_its_error(monkeypatch):
+    """In this process (the bundled model needs one device): one forward bucket's lowering raises."""
+    real = check_config.lower_bucket
+
+    def lower_bucket(function, args, platform):
+        fields = {name: shape for name, shape, _ in args[-1]}  # the packed batch's layout
+        if fields.get("input_ids") == (256,) and fields.get("page_table") == (16, 32):  # forward T=256, W=32
+            raise RuntimeError("Mosaic cannot take this shape\nsecond line")
+        return real(function, args, platform)
+
+    monkeypatch.setattr(check_config, "lower_bucket", lower_bucket)
+    config = os.path.join(CONFIGS_DIR, "tiny-cpu.yaml")
+    check = check_config.check_config(config, ["tpu"], {"tpu": "tpu-v5e"}, buckets="edges")
+    assert check.failures == ["tiny-cpu tpu forward (T=256, W=32): RuntimeError: Mosaic cannot take this shape"]
+    assert "| FAIL |" in check_config.report([check], "edges")
+
+
+def test_known_model_folders_that_are_not_here_map_to_published_configs():
+    spec, note = check_config.resolve_spec("/models/Qwen2.5-7B-Instruct", None)
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.qkv_bias) == (28, 4, 128, True)
+    assert spec.eos_token_ids == (151645, 151643)
+    assert "is not here" in note
+    with pytest.raises(ValueError, match="--model-shape"):
+        check_config.resolve_spec("/models/Unknown-13B", None)
