@@ -69,7 +69,7 @@ def make_case(seed, seq_lens, width, page_size, num_kv_heads, group, head_dim, d
 
 
 def check(seq_lens, width, page_size, num_kv_heads, group, head_dim, dtype, *, num_splits,
-          sliding_window=None, soft_cap=None, q_scale=1.0, seed=0):
+          sliding_window=None, soft_cap=None, q_scale=1.0, seed=0, pages_per_step=1):
     """Run kernel and reference on one case and compare them."""
     q, k_bad, v_bad, k_ok, v_ok, lens, table = make_case(
         seed, seq_lens, width, page_size, num_kv_heads, group, head_dim, dtype,
@@ -77,7 +77,8 @@ def check(seq_lens, width, page_size, num_kv_heads, group, head_dim, dtype, *, n
     )
     options = dict(sm_scale=1.0 / math.sqrt(head_dim), sliding_window=sliding_window, soft_cap=soft_cap)
     out = paged_decode_attention(
-        q, k_bad, v_bad, LAYER, lens, table, num_splits=num_splits, interpret=True, **options
+        q, k_bad, v_bad, LAYER, lens, table, num_splits=num_splits, pages_per_step=pages_per_step, interpret=True,
+        **options,
     )  # (R, Hq, D)
     ref = paged_decode_attention_reference(q, k_ok, v_ok, LAYER, lens, table, **options)  # (R, Hq, D)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -133,6 +134,26 @@ def test_soft_cap(soft_cap, dtype):
 def test_window_cap_small_pages_bfloat16():
     check([1, 50, 0, 29], 8, 8, 2, 3, 128, BF16, num_splits=4, sliding_window=12, soft_cap=10.0,
           q_scale=3.0, seed=4)
+
+
+@pytest.mark.parametrize(
+    "pages_per_step, page_size, num_splits, sliding_window, dtype",
+    # splits of 3 and 2 slots with 2 and 4 pages a step: a step runs past its split's end (those keys are
+    # the next split's: masked) and, on the last split, past the page table; pages of 8 with 2 a step take
+    # the dot path (16 keys) where one page a step multiplies and sums
+    [(2, 16, 3, None, F32), (4, 16, 4, None, BF16), (4, 8, 2, 12, F32), (2, 8, 1, None, F32)],
+)
+def test_pages_per_step(pages_per_step, page_size, num_splits, sliding_window, dtype):
+    check([1, 40, 0, 8 * page_size - 3, page_size], 8, page_size, 2, 4, 64, dtype, num_splits=num_splits,
+          sliding_window=sliding_window, pages_per_step=pages_per_step, seed=6)
+
+
+@pytest.mark.parametrize("pages_per_step", [0, 3])
+def test_pages_per_step_must_be_a_power_of_two(pages_per_step):
+    q, k, v, _, _, lens, table = make_case(5, [3], 2, 16, 1, 2, 64, F32)
+    with pytest.raises(ValueError, match="pages_per_step"):
+        paged_decode_attention(q, k, v, LAYER, lens, table, sm_scale=0.125, pages_per_step=pages_per_step,
+                               interpret=True)
 
 
 def test_all_rows_padded_give_zeros():
@@ -202,10 +223,11 @@ def test_combine_splits_log_sum_exp_without_nans():
 
 
 @pytest.mark.parametrize(
-    "page_size, head_dim, group, dtype, sliding_window, soft_cap",
-    [(16, 128, 4, BF16, None, None), (8, 64, 3, F32, 12, 10.0)],  # dot path; broadcast-sum path
+    "page_size, head_dim, group, dtype, sliding_window, soft_cap, pages_per_step",
+    # dot path; broadcast-sum path; several pages a step (a gather of pages into one tile)
+    [(16, 128, 4, BF16, None, None, 1), (8, 64, 3, F32, 12, 10.0, 1), (16, 128, 4, BF16, 20, None, 4)],
 )
-def test_lowers_to_triton_ir(page_size, head_dim, group, dtype, sliding_window, soft_cap):
+def test_lowers_to_triton_ir(page_size, head_dim, group, dtype, sliding_window, soft_cap, pages_per_step):
     # Pallas -> Triton IR only (no PTX, no GPU): catches ops or shapes the Triton lowering rejects
     pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
     num_rows, num_kv_heads, width = 4, 2, 8
@@ -217,8 +239,9 @@ def test_lowers_to_triton_ir(page_size, head_dim, group, dtype, sliding_window, 
     def attend(q, k, v, lens, table):
         return paged_decode_attention(
             q, k, v, LAYER, lens, table, sm_scale=0.125, sliding_window=sliding_window,
-            soft_cap=soft_cap, num_splits=2,
+            soft_cap=soft_cap, num_splits=2, num_warps=8, num_stages=3, pages_per_step=pages_per_step,
         )
 
     text = jax.jit(attend).trace(q, cache, cache, lens, table).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text
+    assert "num_stages = 3 : i32, num_warps = 8 : i32" in text  # the launch settings asked for

@@ -2,10 +2,12 @@
 
 Grid `(R, Hkv, num_splits)`: a program takes one row, one kv head and the `G = Hq // Hkv` query
 heads that share it (GQA without repeating K/V), and one contiguous chunk of the row's page-table
-slots. It walks its pages with a `fori_loop`, reading each page's `(S, D)` K and V slice of its kv
-head straight from the whole cache refs (no gather outside the kernel), and keeps an online
-softmax in float32: running max `m`, running sum `l` and the unnormalised output `acc`. Those
-partials go out per split; the wrapper merges the splits with a log-sum-exp in plain jnp.
+slots. It walks its pages with a `fori_loop`, `pages_per_step` pages a step, reading their
+`(S, D)` K and V slices of its kv head straight from the whole cache refs (no gather outside the
+kernel; several pages a step are one `(n * S, D)` tile, as `pages_per_compute_block` in JAX's own
+Triton paged attention), and keeps an online softmax in float32: running max `m`, running sum `l`
+and the unnormalised output `acc`. Those partials go out per split; the wrapper merges the splits
+with a log-sum-exp in plain jnp.
 
 Keys a row's query must not see (past `seq_len` in its last page, or before its sliding window)
 are masked in the scores *and* zeroed in V, so stale or even non-finite values in those slots can
@@ -14,11 +16,11 @@ not leak into the output; pages wholly before the window are not read at all.
 Written for the GPU Triton lowering (forced with Triton `CompilerParams`; whole-array GMEM refs
 for the caches, the page table and the lengths instead of scalar prefetch; power-of-two blocks,
 so the wrapper pads each q group to `Gp` rows, a power of two >= 16; a dot on 2-D blocks
-only when every dimension is >= 16, otherwise broadcast-multiply-sum), but its results have only
-been verified with `interpret=True` (Pallas's interpreter on the CPU). The tests also lower it
-to Triton IR for CUDA on the CPU; it has never been compiled to PTX or run on a GPU. On a GPU,
-page size and head dim must be powers of two. Interpret mode slices the whole caches once per
-program, so it is for tests only.
+only when every dimension is >= 16, otherwise broadcast-multiply-sum). The tests check it with
+`interpret=True` (Pallas's interpreter on the CPU) and lower it to Triton IR for CUDA; on an H200
+(jax 0.11.2) it compiled and passed the correctness checks at one page a step (docs/benchmarks.md);
+several pages a step has not yet run on a GPU. On a GPU, page size and head dim must be powers of
+two. Interpret mode slices the whole caches once per program, so it is for tests only.
 """
 
 from __future__ import annotations
@@ -31,7 +33,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.tile_math import dot_fits, matmul_f32
-from pallas_kernels.paged_decode_attention.tuning import TRITON_NUM_STAGES, TRITON_NUM_WARPS, choose_num_splits
+from pallas_kernels.paged_decode_attention.tuning import (
+    PAGES_PER_STEP,
+    TRITON_NUM_STAGES,
+    TRITON_NUM_WARPS,
+    choose_num_splits,
+)
 
 # Query heads of a kv head are padded to a power of two >= this many rows, so the per-program
 # q block is a legal Triton tensor and a legal `tl.dot` operand (M >= 16).
@@ -66,14 +73,36 @@ def split_page_range(split, seq_len, *, page_size: int, pages_per_split: int, sl
     return start, end
 
 
+def _load_pages(k_ref, v_ref, page_table_ref, layer, row, kv_head, first_slot, end, *, pages_per_step: int):
+    """K and V of page-table slots `[first_slot, first_slot + pages_per_step)` of `row` for one kv head.
+
+    One page is a scalar-indexed `(S, D)` read; several are one gather of `(n, S, D)` flattened to
+    `(n * S, D)` keys. Slots at or past `end` (the split's end) read the null page 0 instead (the caller
+    masks them), so a step never reads a page of the next split; the wrapper pads the page table with
+    `n - 1` null slots, so the slot slice never runs past it.
+    """
+    # k_ref, v_ref: (L, P, S, Hkv, D) whole caches; page_table_ref: (R, W + n - 1) int32
+    if pages_per_step == 1:
+        page = page_table_ref[row, first_slot]  # () int32
+        return k_ref[layer, page, :, kv_head, :], v_ref[layer, page, :, kv_head, :]  # (S, D) each
+    slots = first_slot + jax.lax.broadcasted_iota(jnp.int32, (pages_per_step,), 0)  # (n,)
+    pages = page_table_ref[row, pl.ds(first_slot, pages_per_step)]  # (n,) int32
+    pages = jnp.where(slots < end, pages, 0)  # (n,): null page for slots of the next split
+    k = k_ref[layer, pages, :, kv_head, :]  # (n, S, D)
+    v = v_ref[layer, pages, :, kv_head, :]  # (n, S, D)
+    keys = pages_per_step * k.shape[1]
+    return k.reshape(keys, k.shape[2]), v.reshape(keys, v.shape[2])  # (n * S, D) each
+
+
 def _decode_kernel(
     layer_ref, seq_lens_ref, page_table_ref, q_ref, k_ref, v_ref,  # inputs
     m_ref, l_ref, acc_ref,  # outputs
     *, sm_scale: float, sliding_window: int | None, soft_cap: float | None, page_size: int,
-    pages_per_split: int, use_dot: bool,
+    pages_per_split: int, pages_per_step: int, use_dot: bool,
 ):
-    """One (row, kv head, split): online softmax over the split's pages of that row."""
-    # layer_ref: (1,) int32; seq_lens_ref: (R,) int32; page_table_ref: (R, W) int32  (whole arrays)
+    """One (row, kv head, split): online softmax over the split's pages of that row, `pages_per_step`
+    pages (`n * S` keys) per loop step."""
+    # layer_ref: (1,) int32; seq_lens_ref: (R,) int32; page_table_ref: (R, W + n - 1) int32  (whole arrays)
     # q_ref: (Gp, D) block; k_ref, v_ref: (L, P, S, Hkv, D) whole caches
     # m_ref, l_ref: (Gp,) float32 blocks; acc_ref: (Gp, D) float32 block
     row = pl.program_id(0)
@@ -86,29 +115,33 @@ def _decode_kernel(
         split, seq_len, page_size=page_size, pages_per_split=pages_per_split,
         sliding_window=sliding_window,
     )  # () int32 each; end <= start for an empty split
+    # keys a step may see: the row's, inside the window, and (several pages a step) inside the split
+    last_key = jnp.minimum(seq_len, end * page_size)  # () int32: one past the split's last visible key
+    keys_per_step = pages_per_step * page_size
 
     q = q_ref[...]  # (Gp, D)
     group_rows, head_dim = q.shape
 
-    def body(slot, carry):
+    def body(step, carry):
         m, l, acc = carry  # (Gp,), (Gp,), (Gp, D) float32
-        page = page_table_ref[row, slot]  # () int32
-        k = k_ref[layer, page, :, kv_head, :]  # (S, D)
-        v = v_ref[layer, page, :, kv_head, :]  # (S, D)
-        key_pos = slot * page_size + jax.lax.broadcasted_iota(jnp.int32, (page_size,), 0)  # (S,)
-        visible = (key_pos < seq_len) & (key_pos >= first_key)  # (S,)
-        v = jnp.where(visible[:, None], v, jnp.zeros_like(v))  # (S, D): unseen slots may hold anything
-        s = matmul_f32(q, k.T, use_dot)  # (Gp, S)
+        first_slot = start + step * pages_per_step  # () int32
+        k, v = _load_pages(
+            k_ref, v_ref, page_table_ref, layer, row, kv_head, first_slot, end, pages_per_step=pages_per_step,
+        )  # (n * S, D) each
+        key_pos = first_slot * page_size + jax.lax.broadcasted_iota(jnp.int32, (keys_per_step,), 0)  # (n * S,)
+        visible = (key_pos < last_key) & (key_pos >= first_key)  # (n * S,)
+        v = jnp.where(visible[:, None], v, jnp.zeros_like(v))  # (n * S, D): unseen slots may hold anything
+        s = matmul_f32(q, k.T, use_dot)  # (Gp, n * S)
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(visible[None, :], s, -jnp.inf)  # (Gp, S)
+        s = jnp.where(visible[None, :], s, -jnp.inf)  # (Gp, n * S)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))  # (Gp,)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # (Gp,): no (-inf) - (-inf)
         alpha = jnp.exp(m - m_safe)  # (Gp,)
-        p = jnp.exp(s - m_safe[:, None])  # (Gp, S) float32
+        p = jnp.exp(s - m_safe[:, None])  # (Gp, n * S) float32
         l_new = alpha * l + jnp.sum(p, axis=1)  # (Gp,)
-        p = p.astype(v.dtype)  # (Gp, S)
+        p = p.astype(v.dtype)  # (Gp, n * S)
         pv = matmul_f32(p, v, use_dot)  # (Gp, D)
         acc_new = alpha[:, None] * acc + pv  # (Gp, D)
         return m_new, l_new, acc_new
@@ -116,7 +149,8 @@ def _decode_kernel(
     m0 = jnp.full((group_rows,), -jnp.inf, jnp.float32)  # (Gp,)
     l0 = jnp.zeros((group_rows,), jnp.float32)  # (Gp,)
     acc0 = jnp.zeros((group_rows, head_dim), jnp.float32)  # (Gp, D)
-    m, l, acc = jax.lax.fori_loop(start, end, body, (m0, l0, acc0))
+    num_steps = (end - start + pages_per_step - 1) // pages_per_step  # () int32; <= 0 for an empty split
+    m, l, acc = jax.lax.fori_loop(0, num_steps, body, (m0, l0, acc0))
     m_ref[...] = m
     l_ref[...] = l
     acc_ref[...] = acc
@@ -139,7 +173,11 @@ def combine_splits(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "num_splits", "interpret")
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "sliding_window", "soft_cap", "num_splits", "num_warps", "num_stages", "pages_per_step",
+        "interpret",
+    ),
 )
 def paged_decode_attention(
     q: jax.Array,
@@ -153,6 +191,9 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     num_splits: int | None = None,
+    num_warps: int = TRITON_NUM_WARPS,
+    num_stages: int = TRITON_NUM_STAGES,
+    pages_per_step: int = PAGES_PER_STEP,
     interpret: bool = False,
 ) -> jax.Array:
     """Decode attention of each row's single query (position `seq_lens[r] - 1`) over its paged K/V.
@@ -161,7 +202,10 @@ def paged_decode_attention(
     (only the last `sliding_window` keys when set); `soft_cap` maps scaled scores `s` to
     `cap * tanh(s / cap)`. Float32 softmax and accumulation; returns `(R, Hq, D)` in q's dtype,
     zeros for padded rows (`seq_len == 0`). `num_splits=None` picks
-    `tuning.choose_num_splits(R, Hkv, W)`; `interpret=True` runs Pallas's interpreter (CPU).
+    `tuning.choose_num_splits(R, Hkv, W)`; `num_warps` and `num_stages` are Triton's launch settings;
+    `pages_per_step` (a power of two) is how many pages a program reads per loop step, as one
+    `(pages_per_step * S, D)` tile (JAX's Triton paged attention calls it `pages_per_compute_block`);
+    the defaults are in `tuning`. `interpret=True` runs Pallas's interpreter (CPU).
     """
     # q: (R, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); layer: () int
     # seq_lens: (R,) int32; page_table: (R, W) int32
@@ -180,6 +224,8 @@ def paged_decode_attention(
         num_splits = choose_num_splits(num_rows, num_kv_heads, num_slots)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if pages_per_step < 1 or pages_per_step & (pages_per_step - 1):
+        raise ValueError(f"pages_per_step must be a power of two >= 1, got {pages_per_step}")
     group = num_heads // num_kv_heads
     group_rows = _padded_group(group)
     pages_per_split = pl.cdiv(num_slots, num_splits)
@@ -192,9 +238,11 @@ def paged_decode_attention(
     kernel = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
         soft_cap=None if soft_cap is None else float(soft_cap), page_size=page_size,
-        pages_per_split=pages_per_split,
-        use_dot=dot_fits(page_size, head_dim),
+        pages_per_split=pages_per_split, pages_per_step=pages_per_step,
+        use_dot=dot_fits(pages_per_step * page_size, head_dim),
     )
+    # (R, W + n - 1): null slots after the last, so a step's slot slice never runs past the table
+    page_table = jnp.pad(page_table.astype(jnp.int32), ((0, 0), (0, pages_per_step - 1)))
     whole = pl.BlockSpec()  # the whole array, read with computed indices inside the kernel
     partial_spec = pl.BlockSpec(
         (pl.squeezed, pl.squeezed, pl.squeezed, group_rows), lambda r, h, s: (r, h, s, 0)
@@ -224,10 +272,10 @@ def paged_decode_attention(
             jax.ShapeDtypeStruct((num_rows, num_kv_heads, num_splits, group_rows, head_dim), jnp.float32),
         ],
         # Triton, not Mosaic GPU (the default GPU backend would stage whole-array blocks in SMEM)
-        compiler_params=pltriton.CompilerParams(num_warps=TRITON_NUM_WARPS, num_stages=TRITON_NUM_STAGES),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="paged_decode_attention",
-    )(layer_arr, seq_lens, page_table.astype(jnp.int32), q_groups, k_cache, v_cache)
+    )(layer_arr, seq_lens, page_table, q_groups, k_cache, v_cache)
     # m, l: (R, Hkv, NS, Gp) float32; acc: (R, Hkv, NS, Gp, D) float32
 
     out = combine_splits(m[..., :group], l[..., :group], acc[..., :group, :])  # (R, Hkv, G, D)

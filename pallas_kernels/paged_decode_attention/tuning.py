@@ -29,6 +29,8 @@ MAX_SPLITS = 16  # cap on splits (partials to write and merge grow with it)
 # Triton launch settings for the kernel (pallas triton CompilerParams); untuned.
 TRITON_NUM_WARPS = 4
 TRITON_NUM_STAGES = 2
+# Pages a program reads per loop step (one `(PAGES_PER_STEP * S, D)` K and V tile per step); untuned.
+PAGES_PER_STEP = 1
 
 
 def _floor_power_of_two(n: int) -> int:

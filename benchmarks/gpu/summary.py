@@ -1,0 +1,155 @@
+"""Step 10: the summary of every step's saved result, compact (the device tool returns only the last
+12,000 characters of output), written as gpu_check.json and gpu_check.md, and the decision line.
+
+The decision, from the decode kernel's best setting at every shape with context >= the plan's goal
+context (step 5), against the copy bandwidth (step 4):
+- "keep the Triton kernels" when every such shape reaches >= 80% of copy bandwidth;
+- "tune them" when the lowest is 50-80%;
+- "make the fallback the default and write the Mosaic GPU decode kernel" below 50%, or when the kernels
+  do not compile (step 2) or give wrong results at their default settings (step 3).
+Without a measurement to decide on, the line says what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from benchmarks.gpu.config import STEP_NAMES, Plan
+from benchmarks.gpu.step import load_result, load_statuses
+
+KEEP, TUNE = 0.80, 0.50
+KEEP_TEXT = "keep the Triton kernels"
+TUNE_TEXT = "tune them"
+MOSAIC_TEXT = "make the fallback the default and write the Mosaic GPU decode kernel"
+ATTENTION_KERNELS = ("ragged_paged_attention", "paged_decode_attention")
+
+
+def decision(plan: Plan, results: dict) -> str:
+    """The DECISION line (see the module docstring)."""
+    compiles = results.get("compiles") or {}
+    not_compiling = [f"{row['kernel']} (pages of {row['page_size']})" for row in compiles.get("rows", [])
+                     if row["kernel"] in ATTENTION_KERNELS and not row["ok"]]
+    if not_compiling:
+        return f"DECISION: {MOSAIC_TEXT} (they do not compile: {', '.join(not_compiling)})"
+    wrong = [row["name"] for row in (results.get("checks") or {}).get("rows", [])
+             if not row["ok"] and "pages a step" not in row["name"] and not row["name"].startswith("kv write")]
+    if wrong:
+        return f"DECISION: {MOSAIC_TEXT} (wrong results at their default settings: {', '.join(wrong)})"
+    best = [row for row in (results.get("decode") or {}).get("best", []) if row["context"] >= plan.goal_context]
+    if not compiles.get("rows"):
+        return "DECISION: none (step 2 did not say whether the kernels compile)"
+    if not best or any(row.get("copy_share") is None for row in best):
+        return (f"DECISION: none (decode at context >= {plan.goal_context} not measured against a copy bandwidth; "
+                f"steps 4-5 did not finish)")
+    lowest = min(best, key=lambda row: row["copy_share"])
+    spread = (f"decode at context >= {plan.goal_context}, best settings: lowest {100 * lowest['copy_share']:.0f}% "
+              f"of copy bandwidth at B={lowest['batch']} ctx={lowest['context']}, highest "
+              f"{100 * max(row['copy_share'] for row in best):.0f}%, {len(best)} shapes")
+    if lowest["copy_share"] >= KEEP:
+        return f"DECISION: {KEEP_TEXT} ({spread})"
+    if lowest["copy_share"] >= TUNE:
+        return f"DECISION: {TUNE_TEXT} ({spread})"
+    return f"DECISION: {MOSAIC_TEXT} ({spread})"
+
+
+def fmt(value, spec: str = ".1f", missing: str = "-") -> str:
+    """A number in `spec`, or `missing` for None."""
+    return missing if value is None else format(value, spec)
+
+
+def steps_table(statuses: list[dict], results: dict) -> list[str]:
+    """Markdown: every step's exit status, seconds and one-line result."""
+    lines = ["| step | status | s | result |", "| --- | --- | ---: | --- |"]
+    for status in statuses:
+        result = results.get(status["name"]) or {}
+        state = {0: "ok", 124: "TIMED OUT", 137: "KILLED"}.get(status["rc"], f"FAIL (exit {status['rc']})")
+        if status.get("skipped"):
+            state = "SKIPPED"
+        summary = result.get("summary") or status.get("skipped") or "no result saved"
+        lines.append(f"| {status['number']} {status['name']} | {state} | {status['seconds']} | {summary} |")
+    return lines
+
+
+def decode_table(plan: Plan, decode: dict) -> list[str]:
+    """Markdown: per decode shape, its best setting and its default setting (auto splits)."""
+    lines = ["| B | ctx | best setting | µs | GB/s | % copy | default µs | default % copy |",
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    defaults = {(row["batch"], row["context"]): row for row in decode.get("rows", [])
+                if plan.is_default(row) and "us" in row}
+    share = lambda row: None if row.get("copy_share") is None else 100 * row["copy_share"]  # noqa: E731
+    for row in decode.get("best", []):
+        default = defaults.get((row["batch"], row["context"]), {})
+        lines.append(f"| {row['batch']} | {row['context']} | {row['label']} | {row['us']:.1f} | {row['gb_per_s']:.0f} "
+                     f"| {fmt(share(row), '.0f')} | {fmt(default.get('us'))} | {fmt(share(default), '.0f')} |")
+    return lines
+
+
+def fallback_table(fallback: dict) -> list[str]:
+    """Markdown: xla backend against the Pallas backend and the bare decode kernel."""
+    lines = ["| B | ctx | xla µs | pallas backend µs | decode kernel µs | xla / pallas |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for line in fallback.get("comparison", []):
+        lines.append(f"| {line['batch']} | {line['context']} | {fmt(line['xla_us'])} | {fmt(line['pallas_us'])} | "
+                     f"{fmt(line['kernel_us'])} | {fmt(line.get('xla_over_pallas'), '.2f')} |")
+    return lines
+
+
+def prefill_table(prefill: dict) -> list[str]:
+    """Markdown: TFLOP/s of each prefill implementation."""
+    lines = ["| rows x new tokens | cached | implementation | µs | TFLOP/s | err vs dense |",
+             "| --- | ---: | --- | ---: | ---: | ---: |"]
+    for row in prefill.get("rows", []):
+        if "us" in row:
+            lines.append(f"| {row['chunks']} x {row['chunk_len']} | {row['prefix']} | {row['name']} | "
+                         f"{row['us']:.1f} | {row['tflop_per_s']:.1f} | {fmt(row.get('error_vs_dense'), '.1e')} |")
+        else:
+            lines.append(f"| | {row['prefix']} | {row['name']} | {row.get('skipped') or row.get('error', '')} | | |")
+    return lines
+
+
+def report(plan: Plan, statuses: list[dict], results: dict, decided: str) -> str:
+    """The whole summary as markdown."""
+    env = results.get("env") or {}
+    versions = env.get("versions", {})
+    bandwidth = results.get("bandwidth") or {}
+    e2e = results.get("e2e") or {}
+    kv = results.get("kv_write") or {}
+    lines = ["# GPU check" + (" (tiny plan: Pallas interpret mode on the CPU; the numbers only show the script runs)"
+                              if plan.tiny else ""), ""]
+    lines += [f"jax {versions.get('jax', '?')}, jaxlib {versions.get('jaxlib', '?')}, backend "
+              f"{versions.get('backend', '?')}; CUDA runtime {versions.get('cuda_runtime_get_version', '-')}, "
+              f"driver {versions.get('cuda_driver_get_version', '-')}, cuDNN {versions.get('cudnn_get_version', '-')}",
+              f"deprecation warnings: {'; '.join(env.get('warnings', [])) or 'none'}", ""]
+    lines += steps_table(statuses, results) + [""]
+    copies = [f"{row['variant']} {row['gb_per_s']:.0f}" for row in bandwidth.get("rows", []) if "gb_per_s" in row]
+    lines += [f"copy bandwidth GB/s: {', '.join(copies) or 'not measured'}; "
+              f"best {fmt(bandwidth.get('gb_per_s'), '.0f')}", ""]
+    lines += ["decode (step 5), best setting per shape:", ""] + decode_table(plan, results.get("decode") or {}) + [""]
+    lines += ["fallback (step 6), decode:", ""] + fallback_table(results.get("fallback") or {}) + [""]
+    lines += ["prefill (step 7):", ""] + prefill_table(results.get("prefill") or {}) + [""]
+    writes = [f"T={row['tokens']} {row['us']:.1f} µs {row['gb_per_s']:.0f} GB/s" for row in kv.get("rows", [])
+              if "us" in row]
+    lines += [f"kv write (step 8): {', '.join(writes) or 'not measured'}", ""]
+    lines += [f"end to end (step 9): {e2e.get('summary', 'no result saved')}", "", decided]
+    return "\n".join(lines)
+
+
+def run(plan: Plan, work_dir: str, out_dir: str | None) -> int:
+    """Print the summary and the decision; write gpu_check.json and gpu_check.md under `out_dir`. Exit 0."""
+    results = {name: load_result(work_dir, name) for name in STEP_NAMES}
+    statuses = load_statuses(work_dir)
+    decided = decision(plan, results)
+    text = report(plan, statuses, results, decided)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            json.dump({"tiny": plan.tiny, "decision": decided, "steps": statuses, "results": results}, f, indent=1,
+                      default=str)
+        with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
+            f.write(text + "\n")
+    print(text, flush=True)
+    if out_dir:
+        print(f"(written: {out_dir}/gpu_check.json, {out_dir}/gpu_check.md)")
+    print(decided, flush=True)
+    return 0
