@@ -24,6 +24,7 @@
 #   10 summary    a compact table and the DECISION line; gpu_check.json and gpu_check.md
 # Budget: GPU_CHECK_BUDGET_S seconds in all (default 450); each step gets its own cap or what the budget leaves
 # after SUMMARY_RESERVE_S for the summary, whichever is less (the end-to-end run: all that is left).
+# GPU_CHECK_STEPS="env decode ..." runs only the steps it names (for a lease with little device time left).
 # Output: the whole log (gpu_check.log), gpu_check.json, gpu_check.md and e2e_bench.json under $OUT (else
 # /tmp/gpu_check). Exit status 0 when every step succeeded, else 1 (the summary's table says which did not).
 set -uo pipefail
@@ -57,6 +58,11 @@ record() {
 # run_step NUMBER NAME CAP_S: `python -m benchmarks.gpu NAME` under min(CAP_S, what the budget leaves)
 run_step() {
     local number=$1 name=$2 cap=$3
+    if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+        echo "== [$number/10] $name: SKIPPED (not in GPU_CHECK_STEPS)"
+        record "$number" "$name" 0 0 "not in GPU_CHECK_STEPS"
+        return
+    fi
     local left=$((BUDGET_S - (SECONDS - START) - SUMMARY_RESERVE_S))
     local limit=$((cap < left ? cap : left))
     if [ "$limit" -lt 10 ]; then
