@@ -165,11 +165,14 @@ def test_all_rows_padded_give_zeros():
 def test_choose_num_splits_rules():
     # enough rows x heads already fill the GPU: no split
     assert choose_num_splits(TARGET_PROGRAMS, 1, 4096) == 1
-    assert choose_num_splits(64, 8, 4096) == 1
-    # few programs and long rows: split up to the cap
+    assert choose_num_splits(1024, 8, 4096) == 1
+    # few programs and long rows: split up to the cap; the H200 sweep's best settings
     assert choose_num_splits(1, 1, 4096) == MAX_SPLITS
-    assert choose_num_splits(1, 8, 1024) == MAX_SPLITS
-    assert choose_num_splits(16, 8, 1024) == 4  # 128 programs x 4 >= 264 > 128 x 2
+    assert choose_num_splits(1, 8, 2048) == MAX_SPLITS
+    assert choose_num_splits(8, 8, 2048) == 64  # 8 rows at 32k
+    assert choose_num_splits(64, 8, 2048) == 16  # 64 rows at 32k
+    assert choose_num_splits(64, 8, 512) == 16  # 64 rows at 8k
+    assert choose_num_splits(8, 8, 128) == 8  # 8 rows at 2k: at least 16 pages a split
     # short rows: at least MIN_PAGES_PER_SPLIT slots per split, never more splits than slots
     assert choose_num_splits(1, 8, 2 * MIN_PAGES_PER_SPLIT) == 2
     assert choose_num_splits(1, 8, MIN_PAGES_PER_SPLIT - 1) == 1
