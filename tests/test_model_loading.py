@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
@@ -90,11 +91,11 @@ def test_sharded_checkpoint_reads_every_tensor():
 
 
 def test_pool_too_small_for_one_request_is_a_value_error():
-    spec = ModelSpec.from_pretrained(checkpoint("llama"))
     config = EngineConfig(model=checkpoint("llama"), page_size=16, num_pages=8)
+    runner = SimpleNamespace(page_bytes=lambda: 2 * 16 * 1024)  # the runner's bytes of one page
     with pytest.raises(ValueError, match="cannot hold one request"):
-        resolve_num_pages(config, spec, spec.num_kv_heads, jnp.float32, max_model_len=128)
-    assert resolve_num_pages(config, spec, spec.num_kv_heads, jnp.float32, max_model_len=112) == 8
+        resolve_num_pages(config, max_model_len=128, runner=runner)
+    assert resolve_num_pages(config, max_model_len=112, runner=runner) == 8
 
 
 @pytest.mark.parametrize(
