@@ -1,10 +1,11 @@
-"""XLA ragged paged attention on the CPU: query tiles of different sizes, side by side in one run.
+"""The engine's XLA attention path on the CPU: query tiles of different sizes, side by side in one run.
 
     python benchmarks/attention_tiles.py
 
 Two step shapes of the throughput benchmark's model (8 query heads, 2 KV heads, head dim 32,
 pages of 16): a mixed prefill step (T=512, 55 decodes plus prefill chunks, W=32) and a decode
-step (T=64, 64 decodes, W=32). Prints the median time of one layer's attention per tile size.
+step (T=64, 64 decodes, W=32). Prints the median time of one layer's attention
+(`jaxserve.attention.xla.tiled_attention`, pages per chunk as the engine picks them on the CPU) per tile size.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.attention import xla
 from pallas_kernels.ragged_paged_attention import reference
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, LAYERS, PAGES, WIDTH = 8, 2, 32, 16, 4, 2000, 32
@@ -35,7 +37,9 @@ def make_step(query_lens: list[int], num_tokens: int, num_rows: int, rng: np.ran
     for row, length in enumerate(query_lens):
         positions[starts[row] : starts[row] + length] = seq_lens[row] - length + np.arange(length)
     page_table = rng.integers(1, PAGES, (num_rows, WIDTH)).astype(np.int32)  # (R, W)
-    return q, k_cache, v_cache, 1, jnp.asarray(positions), jnp.asarray(query_start_loc), jnp.asarray(page_table)
+    token_rows = reference.token_request_index(jnp.asarray(query_start_loc), num_tokens)  # (T,)
+    positions[starts[-1]:] = -1  # padded tokens see nothing
+    return q, k_cache, v_cache, 1, jnp.asarray(positions), token_rows, jnp.asarray(page_table)
 
 
 def median_ms(fn, args, repeats: int) -> float:
@@ -63,9 +67,14 @@ def main() -> None:
     }
     print(f"{'query tile':>10}  " + "  ".join(f"{name:>14}" for name in steps) + "   (ms per layer, median)")
     for tile_name in args.tiles.split(","):
-        tile = None if tile_name == "none" else int(tile_name)
-        attend = functools.partial(reference.ragged_paged_attention, sm_scale=HEAD_DIM**-0.5, query_tile=tile)
-        row = [median_ms(attend, step, args.repeats) for step in steps.values()]
+        row = []
+        for step in steps.values():
+            num_tokens = step[0].shape[0]
+            queries = num_tokens if tile_name == "none" else min(int(tile_name), num_tokens)
+            # keys in one chunk of W pages, narrowed per tile, as the engine's CPU tiles take them at these shapes
+            attend = functools.partial(xla.tiled_attention, sm_scale=HEAD_DIM**-0.5, sliding_window=None,
+                                       tiles=xla.Tiles(queries=queries, pages=WIDTH))
+            row.append(median_ms(attend, step, args.repeats))
         print(f"{tile_name:>10}  " + "  ".join(f"{ms:14.2f}" for ms in row))
     print(f"jax {jax.__version__}, backend {jax.default_backend()}")
 

@@ -8,12 +8,11 @@ written into the pages (see `write_kv`).
 
 Work scales with the page-table width the caller passes (`W`), not with the pool or with
 `max_model_len`: the batch builder sizes `W` to the longest sequence in the step. Each query
-token gathers its own row's pages; tiling the queries keeps that gather in cache on the CPU.
+token gathers its own row's pages at once, so this is for tests and small shapes; the engine's XLA path
+(jaxserve/attention/xla.py) computes the same in bounded tiles.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -58,48 +57,18 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    query_tile: int | None = None,
 ) -> jax.Array:
     """Causal attention of every query token over its own request's paged K/V.
 
     A query at absolute position `p` sees the keys at positions `0..p` of its request (and only
     the last `sliding_window` of them when a window is set). Softmax runs in float32.
-
-    `query_tile` processes the queries `query_tile` tokens at a time (a sequential `lax.map`), so
-    each tile's gathered K/V stays in the CPU's caches; None does all tokens at once.
     """
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); positions: (T,) int32
     # query_start_loc: (R + 1,) int32; page_table: (R, W) int32
     num_tokens = q.shape[0]
     token_pages = page_table[token_request_index(query_start_loc, num_tokens)]  # (T, W)
-    attend = functools.partial(
-        _attend_tokens, k_cache=k_cache, v_cache=v_cache, layer=layer, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap,
-    )
-    if query_tile is None or query_tile >= num_tokens:
-        return attend(q, positions, token_pages)
-    num_tiles = -(-num_tokens // query_tile)
-    pad = num_tiles * query_tile - num_tokens
-    tiles = [jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) for x in (q, positions, token_pages)]
-    tiles = [x.reshape(num_tiles, query_tile, *x.shape[1:]) for x in tiles]
-    page_size = k_cache.shape[2]
-    out = jax.lax.map(lambda tile: _attend_tile(attend, page_size, *tile), tiles)  # (num_tiles, tile, Hq, D)
-    return out.reshape(num_tiles * query_tile, *q.shape[1:])[:num_tokens]
-
-
-def _attend_tile(attend, page_size: int, q, positions, token_pages):
-    """Attend one tile over only the leading pages its furthest query can see.
-
-    Keys past a query's position are masked anyway, so cutting the page table to W/4 or W/2
-    pages when the tile's positions fit is exact; it saves the work a short prefill chunk would
-    otherwise spend on the width the step's longest row needs.
-    """
-    # q: (N, Hq, D); positions: (N,) int32; token_pages: (N, W) int32
-    width = token_pages.shape[1]
-    widths = sorted({max(width // 4, 1), max(width // 2, 1), width})
-    pages_needed = jnp.max(positions) // page_size + 1  # () int32
-    branch = jnp.sum(jnp.asarray(widths[:-1]) < pages_needed)  # () index of the first width that fits
-    return jax.lax.switch(branch, [lambda w=w: attend(q, positions, token_pages[:, :w]) for w in widths])
+    return _attend_tokens(q, positions, token_pages, k_cache=k_cache, v_cache=v_cache, layer=layer,
+                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 def _attend_tokens(q, positions, token_pages, *, k_cache, v_cache, layer, sm_scale, sliding_window, soft_cap):
