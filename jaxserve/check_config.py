@@ -326,13 +326,16 @@ def cpu_estimates(runner) -> tuple[int, dict[str, float]]:
 
 
 def memory_plan(device: str, utilization: float, weight_bytes: int, activation_bytes: int, page_bytes: int,
-                needed_pages: int) -> MemoryPlan:
+                max_model_len: int, page_size: int) -> MemoryPlan:
     """The device's split (kv/sizing.py); ValueError when nothing is left for the pool or the pool cannot hold
-    one request of max_model_len."""
+    one request of max_model_len (the engine's own check)."""
+    from jaxserve.engine_core import check_pool_holds_a_request
+
     plan = plan_kv_pages(DEVICE_MEMORY_BYTES[device], utilization, weight_bytes, activation_bytes, page_bytes)
-    if plan.num_pages < needed_pages:
-        raise ValueError(f"the KV pool of {plan.num_pages} pages cannot hold one request of max_model_len "
-                         f"({needed_pages} pages with the null page): {plan.describe()}")
+    try:
+        check_pool_holds_a_request(plan.num_pages, max_model_len, page_size)
+    except ValueError as why:
+        raise ValueError(f"{why}; {plan.describe()}") from None
     return plan
 
 
@@ -379,7 +382,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
             continue
         try:  # a page as the platform's backend stores it (the TPU layout pads the head dimension)
             plan, error = memory_plan(device, config.gpu_memory_utilization, weight_bytes, activation_bytes,
-                                      platform_runner.page_bytes() // tp, needed_pages), None
+                                      platform_runner.page_bytes() // tp, max_model_len, config.page_size), None
         except ValueError as why:
             plan, error = None, f"memory on {device}: {why}"
         pool_pages = plan.num_pages if plan else needed_pages  # the pool the engine would compile against

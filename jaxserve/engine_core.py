@@ -235,7 +235,6 @@ def resolve_num_pages(config: EngineConfig, max_model_len: int, runner: Runner) 
     """Pages from `num_pages`, or what `gpu_memory_utilization` of the device leaves after the weights and the
     largest step's activations (kv/sizing.py), or the CPU's `cpu_kv_cache_gib`."""
     per_page = runner.page_bytes()
-    needed = pages_for_tokens(max_model_len, config.page_size) + 1
     platform = device_platform()
     if config.num_pages is not None:
         num_pages = config.num_pages
@@ -250,18 +249,24 @@ def resolve_num_pages(config: EngineConfig, max_model_len: int, runner: Runner) 
             device_bytes=device_memory_bytes(stats, platform),
             utilization=config.gpu_memory_utilization,
             used_bytes=int(stats.get("bytes_in_use", 0)),
-            activation_bytes=runner.peak_activation_bytes(needed),
+            activation_bytes=runner.peak_activation_bytes(pages_for_tokens(max_model_len, config.page_size) + 1),
             page_bytes=per_page // tp,
         )
         logger.info("KV cache sizing: %s", plan.describe())
         num_pages = plan.num_pages
+    check_pool_holds_a_request(num_pages, max_model_len, config.page_size)
+    return num_pages
+
+
+def check_pool_holds_a_request(num_pages: int, max_model_len: int, page_size: int) -> None:
+    """ValueError when a pool of `num_pages` cannot hold one request of `max_model_len` plus the null page."""
+    needed = pages_for_tokens(max_model_len, page_size) + 1
     if num_pages < needed:
         raise ValueError(
             f"the KV pool of {num_pages} pages cannot hold one request of max_model_len={max_model_len} "
-            f"({needed - 1} pages of {config.page_size} tokens plus the null page): raise num_pages or the "
+            f"({needed - 1} pages of {page_size} tokens plus the null page): raise num_pages or the "
             f"memory for the cache, or lower max_model_len"
         )
-    return num_pages
 
 
 def device_platform() -> str:

@@ -157,7 +157,9 @@ def test_bench_serve_smoke(server_url, tmp_path):
         assert 1 <= rate["max_concurrency_reached"] <= 3
         assert rate["goodput"]["count"] == 4 and rate["prefix_cache_reset"]
         assert rate["latency_ms"]["ttft_ms"]["p50"] > 0 and rate["latency_ms"]["tpot_ms"]["p99"] > 0
-        assert rate["client"]["chunks"] == 16 and rate["client"]["parse_us_per_chunk"] > 0
+        # At most one chunk per token: a token whose text the detokenizer holds back (part of a UTF-8
+        # character) streams no text, so the random model's output can take fewer chunks.
+        assert 4 <= rate["client"]["chunks"] <= 16 and rate["client"]["parse_us_per_chunk"] > 0
     assert json.loads((tmp_path / "r.json").read_text())["rates"][1]["completed"] == 4
     assert os.path.getsize(result["plots"][0]) > 0
 
