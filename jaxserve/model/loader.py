@@ -73,10 +73,8 @@ class SafetensorsFolder:
         (bfloat16 via ml_dtypes)."""
         if name not in self._location:
             raise ValueError(f"weight {name!r} not found in the checkpoint")
-        with jax.default_device(jax.devices("cpu")[0]), safe_open(self._location[name], framework="flax") as f:
-            if index is None:
-                return np.asarray(f.get_tensor(name))
-            return np.asarray(f.get_slice(name)[index])
+        with safe_open(self._location[name], framework="numpy") as f:  # numpy: no copy through a jax array
+            return f.get_tensor(name) if index is None else f.get_slice(name)[index]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, without reading it."""
@@ -146,7 +144,7 @@ def _load_one(folder: SafetensorsFolder, name: str, layout: _Layout, sharding, d
     slice of the checkpoint tensor."""
     shape = shape or layout.shape(folder.shape(name))
     return jax.make_array_from_callback(
-        shape, sharding, lambda index: layout.read(folder, name, index, shape).astype(dtype))
+        shape, sharding, lambda index: layout.read(folder, name, index, shape).astype(dtype, copy=False))
 
 
 def _load_stacked(folder: SafetensorsFolder, names: list[str], layout: _Layout, sharding, dtype) -> jax.Array:
