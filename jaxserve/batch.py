@@ -66,8 +66,12 @@ class BucketLadders:
         return tuple(sorted({self.rows_for(t) for t in self.tokens}))
 
 
-def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders) -> BatchDescriptor:
-    """Flatten the scheduled chunks into padded numpy arrays (host side; the runner moves them)."""
+def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders,
+                device_rows: dict[str, int] | None = None) -> BatchDescriptor:
+    """Flatten the scheduled chunks into padded numpy arrays (host side; the runner moves them).
+
+    A request whose last token the previous step sampled and the host has not seen yet (asynchronous
+    scheduling) finds it on the device: `device_rows` maps its id to its row in that step."""
     num_tokens = pick_bucket(ladders.tokens, max(output.total_num_tokens, 1))
     num_rows = ladders.rows_for(num_tokens)
     widest = max((pages_for_tokens(s.num_computed_tokens + s.num_new_tokens, page_size) for s in output.scheduled),
@@ -86,7 +90,12 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders)
         first = item.num_computed_tokens
         token_positions = np.arange(first, first + item.num_new_tokens, dtype=np.int32)
         pages = np.asarray(item.page_ids, np.int32)
-        input_ids[start:stop] = item.request.token_ids(first, first + item.num_new_tokens)
+        known = min(item.num_new_tokens, item.request.num_known_tokens - first)  # tokens whose ids the host has
+        if known < item.num_new_tokens:
+            if known != item.num_new_tokens - 1 or item.request.request_id not in (device_rows or {}):
+                raise RuntimeError(f"request {item.request.request_id} is scheduled over tokens nobody has")
+            arrays["device_token_index"][stop - 1] = device_rows[item.request.request_id]
+        input_ids[start : start + known] = item.request.token_ids(first, first + known)
         positions[start:stop] = token_positions
         slot_mapping[start:stop] = pages[token_positions // page_size] * page_size + token_positions % page_size
         slot_mapping[start : start + item.num_present_tokens] = NULL_PAGE * page_size  # KV already held
@@ -108,6 +117,7 @@ def padded_batch_arrays(num_tokens: int, num_rows: int, width: int, page_size: i
     """Every BatchDescriptor field at its padding value, for T tokens, R rows and W pages per row."""
     return {
         "input_ids": np.full((num_tokens,), PAD_TOKEN_ID, np.int32),  # (T,)
+        "device_token_index": np.full((num_tokens,), -1, np.int32),  # (T,)
         "positions": np.zeros((num_tokens,), np.int32),  # (T,)
         "slot_mapping": np.full((num_tokens,), NULL_PAGE * page_size, np.int32),  # (T,)
         "query_start_loc": np.zeros((num_rows + 1,), np.int32),  # (R + 1,)
@@ -162,7 +172,7 @@ def padded_prompt_logprob_arrays(num_tokens: int) -> dict[str, np.ndarray]:
 
 def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: BucketLadders) -> SamplingBatch:
     """Per-row sampling parameters, padded to `num_rows`; penalty/ban token lists padded to a P bucket."""
-    aux_rows = [_aux_tokens(item.request) for item in output.scheduled]
+    aux_rows = [_aux_tokens(item.request, item.sample_index) for item in output.scheduled]
     aux_width = pick_bucket(ladders.aux_widths, max((len(ids) for ids, _, _ in aux_rows), default=0))
 
     arrays = padded_sampling_arrays(num_rows, aux_width)
@@ -179,7 +189,7 @@ def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: Bucket
         arrays["repetition_penalty"][row] = params.repetition_penalty
         seed = request.seed % (1 << 64)
         arrays["seeds"][row] = (seed & 0xFFFFFFFF, seed >> 32)
-        arrays["sample_index"][row] = request.num_output_tokens
+        arrays["sample_index"][row] = item.sample_index
         ids, kinds, values = aux_rows[row]
         arrays["aux_token_ids"][row, : len(ids)] = ids
         arrays["aux_token_kind"][row, : len(kinds)] = kinds
@@ -209,9 +219,10 @@ def padded_sampling_arrays(num_rows: int, aux_width: int) -> dict[str, np.ndarra
     }
 
 
-def _aux_tokens(request: Request) -> tuple[list[int], list[int], list[float]]:
+def _aux_tokens(request: Request, sample_index: int) -> tuple[list[int], list[int], list[float]]:
     """Token ids the sampler must see for this row, their KIND_* and values: history for penalties,
-    stop ids banned by min_tokens, banned last tokens of bad words, logit biases, allowed ids."""
+    stop ids banned by min_tokens, banned last tokens of bad words, logit biases, allowed ids.
+    `sample_index` is the output index of the token the row samples."""
     params = request.sampling_params
     ids: list[int] = []
     kinds: list[int] = []
@@ -219,7 +230,7 @@ def _aux_tokens(request: Request) -> tuple[list[int], list[int], list[float]]:
         ids += request.prompt_token_ids + request.output_token_ids
         kinds += [KIND_PROMPT] * len(request.prompt_token_ids) + [KIND_OUTPUT] * request.num_output_tokens
     banned = _banned_bad_word_tokens(request)
-    if request.num_output_tokens < params.min_tokens:
+    if sample_index < params.min_tokens:
         banned += list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
     ids += banned
     kinds += [KIND_BANNED] * len(banned)

@@ -14,6 +14,8 @@ class BatchDescriptor:
     """The model step's only input besides params and KV pages. Shapes: T tokens, R rows, W pages per row."""
 
     input_ids: jax.Array  # (T,) int32 token ids, flattened over requests
+    # (T,) int32 for a token whose id is still on the device: its row in the previous step's samples; else -1
+    device_token_index: jax.Array
     positions: jax.Array  # (T,) int32 absolute position of each token in its sequence
     slot_mapping: jax.Array  # (T,) int32 page * page_size + offset where each token's K/V is written
     query_start_loc: jax.Array  # (R + 1,) int32 first token of each row; padded rows start at the real total

@@ -24,7 +24,7 @@ ENGINE_FLAGS = (
     "model", "tokenizer", "dtype", "max_model_len", "page_size", "num_pages", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
-    "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format",
+    "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format", "async_scheduling",
 )
 
 
@@ -61,6 +61,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "sequence reserving max_model_len of KV)")
     parser.add_argument("--load-format", choices=list(VALID_LOAD_FORMATS),
                         help="auto (the folder's safetensors) or dummy (random weights, for benchmarks)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                        help="plan each step while the device runs the one before it")
 
 
 def generate(args: argparse.Namespace) -> int:

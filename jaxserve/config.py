@@ -58,6 +58,8 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a folder
     batching: str = "continuous"
     load_format: str = "auto"
+    # Plan step N + 1 while the device runs step N (its samples reach step N + 1 on the device).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -66,6 +68,8 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, VALID_ATTENTION_BACKENDS)
         _check_choice("batching", self.batching, VALID_BATCHING)
         _check_choice("load_format", self.load_format, VALID_LOAD_FORMATS)
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")

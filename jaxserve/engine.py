@@ -184,10 +184,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; outputs for the user requests that moved."""
-        changed = self.core.step()
-        outputs, to_finish = self.output_processor.process(changed)
-        for request_id, status in to_finish:
-            self.core.finish_requests([request_id], status)
+        timing = self.core.timing
+        with timing.measure("step"):
+            changed = self.core.step()
+        with timing.measure("output"):
+            outputs, to_finish = self.output_processor.process(changed)
+            for request_id, status in to_finish:
+                self.core.finish_requests([request_id], status)
         return outputs
 
     def stats(self) -> dict:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
+import time
 
 import jax
 
@@ -23,10 +25,12 @@ from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
-from jaxserve.runner import CompileCounter, Runner, StepOutput, TokenLogprobs
+from jaxserve.runner import CompileCounter, PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
+from jaxserve.step_timing import StepTiming
 
 logger = logging.getLogger("jaxserve")
+COMPILATION_CACHE_MAX_BYTES = 16 * 2**30  # the least recently used entries go beyond this
 
 
 class EngineCore:
@@ -61,6 +65,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv)
         self._compiles_after_warmup_base = CompileCounter.count()
         self.counters = collections.Counter()
+        self._in_flight: collections.deque[_InFlight] = collections.deque()  # dispatched, samples not brought
+        self.timing = StepTiming()
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request."""
@@ -82,30 +88,63 @@ class EngineCore:
     def step(self) -> list[Request]:
         """One engine step; returns the requests that got a new token or finished.
 
+        Plans and dispatches a step, then brings the samples of the step before it (asynchronous
+        scheduling: the device computes this step meanwhile) or of this one (synchronous). A planned
+        step reads the tokens the host has not seen yet on the device; when a running request needs
+        its output on the host to be planned (penalties, bad words), the step in flight is brought first.
+
         When the step's inputs cannot be built because of one request (a value that passed validation
         but does not fit its array, say), that request alone ends with FINISHED_ERROR and the others
         run in the next step.
         """
-        output = self.scheduler.schedule()
+        changed: list[Request] = []
+        if self._in_flight and any(request.needs_output_on_host for request in self.scheduler.running):
+            changed += self._collect()
+        launched, failed = self._launch()
+        changed += failed
+        keep = 1 if self.config.async_scheduling and launched else 0  # steps left on the device
+        while len(self._in_flight) > keep:
+            changed += self._collect()
+        return changed
+
+    def _launch(self) -> tuple[bool, list[Request]]:
+        """Schedule, build and dispatch one step; (whether one was dispatched, requests that failed)."""
+        with self.timing.measure("schedule"):
+            output = self.scheduler.schedule()
         self.counters["preemptions"] += len(output.preempted_ids)
         if output.is_empty:
-            return []
-        try:
-            batch, sampling, (prompt, prompt_counts) = self._build_inputs(output)
-        except Exception:
-            return self._fail_unbuildable(output)
-        result = self.runner.step(batch, sampling, prompt)
-        if prompt is not None:
-            self._record_prompt_logprobs(output, prompt_counts, result.prompt_logprobs)
-        changed = self.scheduler.update(output, self._sampled_tokens(output, result))
+            return False, []
+        with self.timing.measure("build"):
+            try:
+                batch, sampling, (prompt, prompt_counts) = self._build_inputs(output)
+            except Exception:
+                return False, self._fail_unbuildable(output)
+        started = time.perf_counter()
+        with self.timing.measure("dispatch"):
+            pending = self.runner.dispatch(batch, sampling, prompt)
+        self.timing.dispatched(started, pending.ready)
+        self._in_flight.append(_InFlight(output, prompt_counts, pending))
         self.counters["steps"] += 1
         self.counters["scheduled_tokens"] += output.total_num_tokens
         self.counters["padded_tokens"] += batch.input_ids.shape[0]
-        return changed
+        return True, []
+
+    def _collect(self) -> list[Request]:
+        """Wait for the oldest step in flight and bring its samples to the scheduler."""
+        step = self._in_flight.popleft()
+        with self.timing.measure("wait"):
+            result = step.pending.fetch()
+        with self.timing.measure("update"):
+            if step.prompt_counts:
+                self._record_prompt_logprobs(step.output, step.prompt_counts, result.prompt_logprobs)
+            return self.scheduler.update(step.output, self._sampled_tokens(step.output, result))
 
     def _build_inputs(self, output: SchedulerOutput):
         """The step's padded inputs: BatchDescriptor, SamplingBatch, (PromptLogprobBatch or None, counts)."""
-        batch = build_batch(output, self.config.page_size, self.ladders)
+        device_rows = {}  # request id -> its row in the step in flight, whose samples stay on the device
+        if self._in_flight:
+            device_rows = {item.request.request_id: row for row, item in enumerate(self._in_flight[-1].output.scheduled)}
+        batch = build_batch(output, self.config.page_size, self.ladders, device_rows)
         sampling = build_sampling_batch(output, batch.page_table.shape[0], self.ladders)
         return batch, sampling, build_prompt_logprob_batch(output, batch.input_ids.shape[0])
 
@@ -178,7 +217,17 @@ class EngineCore:
             "num_requests_waiting": len(self.scheduler.waiting),
             "compilations_after_warmup": CompileCounter.count() - self._compiles_after_warmup_base,
             "lazy_bucket_compilations": self.runner.num_lazy_compiles,
+            "timing": self.timing.summary(),
         }
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched step whose samples the scheduler has not seen."""
+
+    output: SchedulerOutput
+    prompt_counts: list[int]  # prompt-logprob entries per scheduled row ([] when none)
+    pending: PendingStep
 
 
 def _logprob_dict(scored: TokenLogprobs, index: int, token_id: int, num_top: int) -> dict[int, Logprob]:
@@ -196,6 +245,9 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
         return
     os.makedirs(cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
+    # A size limit makes JAX lock the folder around each read and write, so processes sharing it (test
+    # workers, engine replicas) never read an entry another one is still writing (that aborts the reader).
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -21,13 +21,6 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = 6  # the engine failed this request alone (bad input found late); the engine goes on
 
     @property
-    def num_prompt_logprobs_missing(self) -> int:
-        """Prompt tokens whose logprob is still to be computed (0 when none was asked for)."""
-        if self.prompt_logprobs is None:
-            return 0
-        return len(self.prompt_token_ids) - len(self.prompt_logprobs)
-
-    @property
     def is_finished(self) -> bool:
         """True once the request will never be scheduled again."""
         return self > RequestStatus.PREEMPTED
@@ -82,6 +75,9 @@ class Request:
     fork_source: str | None = None
     cache_salt: str | None = None  # requests share cached prefix pages only when their salts are equal
     num_computed_tokens: int = 0
+    # Tokens sampled by steps still on the device: they count in num_tokens (the next step computes the
+    # last of them, reading its id on the device) but their ids reach output_token_ids only later.
+    num_output_placeholders: int = 0
     num_cached_tokens: int = 0  # prompt tokens found computed at first admission (prefix cache or a fork)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -93,13 +89,29 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
+        """Prompt plus generated tokens, those still on the device included."""
+        return self.num_known_tokens + self.num_output_placeholders
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt plus generated tokens whose ids the host has."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        """Generated tokens so far."""
+        """Generated tokens whose ids the host has."""
         return len(self.output_token_ids)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Generated tokens, those still on the device included (the next sample's index)."""
+        return len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
+    def needs_output_on_host(self) -> bool:
+        """True when building this request's next sampling row reads its output token ids (penalties,
+        bad words), so a step must not be planned while one of its tokens is still on the device."""
+        return self.sampling_params.needs_penalties or bool(self.bad_words_token_ids)
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Token ids at positions [start, stop) of prompt + output."""

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import jax
@@ -82,6 +83,41 @@ class StepOutput:
     prompt_logprobs: TokenLogprobs | None = None  # of the PromptLogprobBatch's targets, when there was one
 
 
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched step: device arrays the host has not fetched yet."""
+
+    token_ids: jax.Array  # (R,) int32 samples of every row, padded rows included
+    logprobs: tuple | None  # (logprobs, ranks, top ids, top logprobs) device arrays, when some row asked
+    prompt_scored: tuple | None  # the prompt-logprob executable's outputs, when the step scored prompt tokens
+    num_seqs: int  # real rows
+    num_prompt_targets: int  # real prompt-logprob entries
+    ready: concurrent.futures.Future | None = None  # resolves to time.perf_counter() when the device is done
+
+    def fetch(self) -> StepOutput:
+        """Wait for the device and copy the real rows' results to the host."""
+        count = self.num_seqs
+        sampled_logprobs = TokenLogprobs.fetch(self.logprobs, count) if self.logprobs is not None else None
+        prompt_logprobs = None
+        if self.prompt_scored is not None:
+            prompt_logprobs = TokenLogprobs.fetch(self.prompt_scored, self.num_prompt_targets)
+        return StepOutput(np.asarray(self.token_ids)[:count], sampled_logprobs, prompt_logprobs)
+
+
+def _ready_time(arrays) -> float:
+    """Block until `arrays` are computed; the time.perf_counter() at which they were."""
+    jax.block_until_ready(arrays)
+    return time.perf_counter()
+
+
+def with_device_tokens(batch: BatchDescriptor, last_tokens: jax.Array) -> BatchDescriptor:
+    """The batch with each token whose id is still on the device read from the last step's samples."""
+    # last_tokens: (max rows,) int32; batch.device_token_index: (T,) int32 row there, or -1
+    index = batch.device_token_index
+    input_ids = jnp.where(index >= 0, last_tokens[jnp.maximum(index, 0)], batch.input_ids)  # (T,)
+    return dataclasses.replace(batch, input_ids=input_ids)
+
+
 class Runner:
     """Holds the device state of one engine and the compiled step executables."""
 
@@ -112,11 +148,14 @@ class Runner:
         forward = make_forward(spec, num_cache_kv_heads, self.attention.attention, self.attention.write_kv)
         param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
 
-        def forward_packed(params, caches, buffer, layout: Layout):
-            return forward(params, caches, unpack(buffer, layout, BatchDescriptor))
+        def forward_packed(params, caches, last_tokens, buffer, layout: Layout):
+            return forward(params, caches, with_device_tokens(unpack(buffer, layout, BatchDescriptor), last_tokens))
 
         def sample_packed(logits, buffer, layout: Layout):
-            return sample(logits, unpack(buffer, layout, SamplingBatch))
+            out = sample(logits, unpack(buffer, layout, SamplingBatch))
+            # The next step's inputs for tokens the host has not seen yet: (max rows,) int32.
+            last_tokens = jnp.zeros((self.max_rows,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
+            return out, last_tokens
 
         def prompt_logprobs_packed(params, hidden, buffer, layout: Layout):
             prompt = unpack(buffer, layout, PromptLogprobBatch)
@@ -125,15 +164,19 @@ class Runner:
 
         self._forward = jax.jit(
             forward_packed,
-            in_shardings=(param_shardings, self._kv_sharding, self._replicated),
+            in_shardings=(param_shardings, self._kv_sharding, self._replicated, self._replicated),
             out_shardings=(self._replicated, self._replicated, self._kv_sharding),
             donate_argnums=(1,),
-            static_argnums=(3,),
+            static_argnums=(4,),
         )
         self._sample = jax.jit(
             sample_packed, in_shardings=(self._replicated, self._replicated), out_shardings=self._replicated,
             static_argnums=(2,),
         )
+        self.max_rows = max(ladders.row_buckets())
+        # The last step's sampled token of each row, where the next step reads the ids the host has not seen.
+        self.last_tokens = jax.device_put(np.zeros((self.max_rows,), np.int32), self._replicated)  # (max rows,)
+        self._ready_clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-ready")
         self._prompt_logprobs = jax.jit(
             prompt_logprobs_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
             out_shardings=self._replicated, static_argnums=(3,),
@@ -229,7 +272,8 @@ class Runner:
         )
         buffer, layout = pack(example)
         caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
-        return self._forward, (self.params, caches, self._abstract(buffer), layout)
+        last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
+        return self._forward, (self.params, caches, last_tokens, self._abstract(buffer), layout)
 
     def sampler_call(self, num_rows: int, aux_width: int) -> tuple[Callable, tuple]:
         """The sampler bucket (R, P)."""
@@ -250,30 +294,29 @@ class Runner:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def step(
+    def dispatch(
         self, batch: BatchDescriptor, sampling: SamplingBatch, prompt: PromptLogprobBatch | None = None
-    ) -> StepOutput:
-        """Run the model and the sampler (and score prompt tokens when `prompt` is given); only the real
-        rows come back to the host."""
+    ) -> "PendingStep":
+        """Start the model and the sampler (and the scoring of prompt tokens when `prompt` is given) on the
+        device and return at once; `PendingStep.fetch()` waits for the samples. A token whose id the host
+        does not have yet is read from the previous dispatch's samples (`batch.device_token_index`)."""
         num_tokens, (num_rows, width) = batch.input_ids.shape[0], batch.page_table.shape
         forward = self._executable(self._forward_exec, (num_tokens, width), self._lower_forward)
         sampler = self._executable(
             self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
         )
         batch_words, sampling_words = jax.device_put((pack(batch)[0], pack(sampling)[0]), self._replicated)
-        logits, hidden, self.kv_caches = forward(self.params, self.kv_caches, batch_words)
-        out = sampler(logits, sampling_words)
-        prompt_logprobs = None
+        logits, hidden, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, batch_words)
+        out, self.last_tokens = sampler(logits, sampling_words)
+        scored, num_targets = None, 0
         if prompt is not None:
             scorer = self._executable(self._prompt_exec, (num_tokens,), self._lower_prompt_logprobs)
             scored = scorer(self.params, hidden, jax.device_put(pack(prompt)[0], self._replicated))
-            prompt_logprobs = TokenLogprobs.fetch(scored, int(prompt.num_targets))
-        num_seqs = int(batch.num_seqs)
-        sampled_logprobs = None
-        if sampling.need_logprobs:
-            sampled_logprobs = TokenLogprobs.fetch((out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs),
-                                                   num_seqs)
-        return StepOutput(np.asarray(out.token_ids)[:num_seqs], sampled_logprobs, prompt_logprobs)
+            num_targets = int(prompt.num_targets)
+        logprobs = (out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs) if sampling.need_logprobs else None
+        pending = PendingStep(out.token_ids, logprobs, scored, int(batch.num_seqs), num_targets)
+        pending.ready = self._ready_clock.submit(_ready_time, (out.token_ids, scored))
+        return pending
 
     def _executable(self, table: dict, key: tuple[int, int], lower_fn) -> jax.stages.Compiled:
         """Look up a compiled bucket; compiling here means warm-up missed a shape (counted)."""

@@ -27,6 +27,7 @@ class ScheduledRequest:
     # Leading tokens of the chunk whose KV the request's pages already hold (a fork's last prompt
     # token, computed again only for its logits): the step must not write them into shared pages.
     num_present_tokens: int = 0
+    sample_index: int = 0  # the output index of the token this chunk samples (when it samples)
 
 
 @dataclasses.dataclass
@@ -95,10 +96,11 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return
-        if request in self.running:
-            self.running.remove(request)
-        if request in self.waiting:
-            self.waiting.remove(request)
+        self._end(request, status)
+
+    def _end(self, request: Request, status: RequestStatus) -> None:
+        """Take an unfinished request out of its queue and finish it."""
+        (self.running if request in self.running else self.waiting).remove(request)
         self._finish(request, status)
 
     def has_unfinished_requests(self) -> bool:
@@ -116,6 +118,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._ends_on_the_device(request):
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             victims = self._grow_or_preempt(request, num_new)
             preempted += [victim.request_id for victim, _ in victims]
@@ -145,7 +150,21 @@ class Scheduler:
             scheduled.append(item)
             budget -= item.num_new_tokens
 
+        for item in scheduled:
+            self._advance(item)
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted)
+
+    def _advance(self, item: ScheduledRequest) -> None:
+        """Count a scheduled chunk as computed and its sample (if any) as a placeholder until update()
+        brings its id: the next step can then be planned before this one's tokens reach the host."""
+        item.request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+        item.request.num_output_placeholders += item.samples
+
+    def _ends_on_the_device(self, request: Request) -> bool:
+        """True for a request whose sampled tokens still on the device already reach max_tokens or
+        max_model_len: there is nothing more to compute for it, only its last token to wait for."""
+        return request.num_output_placeholders > 0 and (
+            request.num_sampled_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len)
 
     def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
         """Give a waiting request its pages, move it to running and schedule it; None (and no change)
@@ -220,13 +239,16 @@ class Scheduler:
         return source is not None and source.num_computed_tokens < len(request.prompt_token_ids)
 
     def unschedule(self, output: SchedulerOutput) -> None:
-        """Take back a step that never ran: the requests keep their pages and computed tokens, and their
-        next step makes the page copies this one did not."""
+        """Take back a step that never ran: the requests keep their pages and the tokens computed before it,
+        and their next step makes the page copies this one did not."""
         for item in output.scheduled:
+            item.request.num_computed_tokens = item.num_computed_tokens
+            item.request.num_output_placeholders -= item.samples
             self.kv.restore_copies(item.request.request_id, list(item.page_copies))
 
     def update(self, output: SchedulerOutput, sampled: list[SampledToken | None]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish requests; returns requests that changed.
+        """Bring a finished step's samples: each replaces a placeholder, stop checks may finish requests
+        (a request preempted since the step was planned keeps its token); returns requests that changed.
 
         `sampled[i]` belongs to `output.scheduled[i]` and is None for a chunk that does not sample.
         """
@@ -235,15 +257,15 @@ class Scheduler:
         for item, sample in zip(output.scheduled, sampled, strict=True):
             request = item.request
             if request.is_finished:
-                continue  # finished from outside during the step
-            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-            self.kv.cache_full_pages(request.request_id, request.num_computed_tokens, request.token_ids,
-                                     request.cache_salt)
+                continue  # finished from outside, or by an earlier token, after the step was planned
+            if request.status is RequestStatus.RUNNING:  # pages full of KV whose token ids the host has
+                self.kv.cache_full_pages(request.request_id, min(request.num_computed_tokens,
+                                         request.num_known_tokens), request.token_ids, request.cache_salt)
             if sample is None:
                 continue
+            request.num_output_placeholders -= 1
             if request.max_tokens == 0:  # the prompt ran (for its logprobs); nothing is generated
-                self.running.remove(request)
-                self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                self._end(request, RequestStatus.FINISHED_LENGTH_CAPPED)
                 changed.append(request)
                 continue
             request.output_token_ids.append(sample.token_id)
@@ -255,8 +277,7 @@ class Scheduler:
                 self.num_prompt_tokens += len(request.prompt_token_ids)
             status = self._stop_status(request, sample.token_id)
             if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+                self._end(request, status)
             changed.append(request)
         return changed
 
@@ -273,6 +294,7 @@ class Scheduler:
             samples=request.num_computed_tokens + num_new == request.num_tokens,
             page_copies=tuple(self.kv.pop_copies(request.request_id)),
             num_present_tokens=num_present,
+            sample_index=request.num_sampled_tokens,
         )
 
     def _grow_or_preempt(self, request: Request, num_new: int) -> list[tuple[Request, int]]:
@@ -327,6 +349,6 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if request.num_output_tokens >= request.max_tokens or request.num_known_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

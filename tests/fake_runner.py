@@ -31,10 +31,11 @@ def fake_token(request_id: str, position: int) -> int:
 def fake_step(output: SchedulerOutput) -> list[SampledToken | None]:
     """One runner step: a token for every chunk that reaches the end of its request, else None.
 
-    The new token goes at position `request.num_tokens` (the request's length before the append).
+    The new token goes at the position after the chunk's last token.
     """
     return [
-        SampledToken(fake_token(item.request.request_id, item.request.num_tokens)) if item.samples else None
+        SampledToken(fake_token(item.request.request_id, item.num_computed_tokens + item.num_new_tokens))
+        if item.samples else None
         for item in output.scheduled
     ]
 
@@ -170,8 +171,9 @@ def check_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
     for item in output.scheduled:
         request = item.request
         assert item.num_new_tokens >= 1
-        assert item.num_computed_tokens == request.num_computed_tokens
-        assert item.num_computed_tokens + item.num_new_tokens <= request.num_tokens
+        # schedule() counts the chunk as computed and its sample as a placeholder at once.
+        assert request.num_computed_tokens == item.num_computed_tokens + item.num_new_tokens
+        assert request.num_computed_tokens + item.samples <= request.num_tokens
         assert request.status == RequestStatus.RUNNING
         assert request in scheduler.running
         assert NULL_PAGE not in item.page_ids
@@ -204,7 +206,8 @@ def check_after_update(scheduler: Scheduler) -> None:
         )
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING
-        assert request.num_computed_tokens < request.num_tokens
+        # Behind its tokens, unless it only waits for its last sample to come back (asynchronous).
+        assert request.num_computed_tokens < request.num_tokens or request.num_output_placeholders > 0
         assert len(scheduler.kv.page_ids(request.request_id)) * scheduler.kv.page_size >= request.num_computed_tokens
     assert set(scheduler.requests) == {r.request_id for r in scheduler.waiting + scheduler.running}
     check_pages(scheduler)
@@ -223,8 +226,10 @@ class WorkloadResult:
     max_running: int
 
 
-def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int) -> WorkloadResult:
-    """Add requests at their arrival steps, abort some, step until nothing is left; check every step."""
+def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int, lag: int = 0) -> WorkloadResult:
+    """Add requests at their arrival steps, abort some, step until nothing is left; check every step.
+
+    `lag=1` is asynchronous scheduling: step N's samples reach update() after step N + 1 is scheduled."""
     max_model_len = scheduler.config.max_model_len
     by_step: dict[int, list[RequestSpec]] = {}
     for spec in specs:
@@ -238,6 +243,7 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int)
     aborts_mid: dict[int, list[str]] = {}
     preempted_seen = 0
     max_running = 0
+    in_flight: list[tuple[SchedulerOutput, list[SampledToken | None]]] = []  # scheduled, not yet updated
 
     step = 0
     while step <= last_arrival or scheduler.has_unfinished_requests():
@@ -259,10 +265,11 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int)
         check_schedule(scheduler, output)
         preempted_seen += len(output.preempted_ids)
         max_running = max(max_running, len(scheduler.running))
-        sampled = fake_step(output)
+        in_flight.append((output, fake_step(output)))
         for request_id in aborts_mid.get(step, []):
             scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        scheduler.update(output, sampled)
+        while len(in_flight) > (lag if not output.is_empty else 0):
+            scheduler.update(*in_flight.pop(0))
         check_after_update(scheduler)
 
         for request_id, request in requests.items():

@@ -1,8 +1,9 @@
 """The batch builder: padding rules of the BatchDescriptor and SamplingBatch."""
 
 import numpy as np
+import pytest
 
-from jaxserve.batch import BucketLadders, build_batch, build_sampling_batch
+from jaxserve.batch import PAD_TOKEN_ID, BucketLadders, build_batch, build_sampling_batch
 from jaxserve.buckets import geometric_ladder, pick_bucket
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.request import Request
@@ -53,6 +54,23 @@ def test_prefill_chunk_and_decode_are_flattened_and_padded():
     assert batch.logits_indices[:2].tolist() == [4, 5] and int(batch.num_seqs) == 2
 
 
+def test_a_token_still_on_the_device_is_read_from_the_last_steps_row():
+    """Asynchronous scheduling: a decode whose input token the last step sampled (a placeholder on the
+    host) takes it from that step's samples on the device, by row; nothing else does."""
+    known = _request("k", range(10, 14), outputs=[20])
+    pending = _request("p", range(30, 34), outputs=[40])
+    pending.num_output_placeholders = 1  # its second output token is still on the device
+    output = SchedulerOutput([
+        ScheduledRequest(known, num_new_tokens=1, num_computed_tokens=4, page_ids=(3,), samples=True),
+        ScheduledRequest(pending, num_new_tokens=1, num_computed_tokens=5, page_ids=(5,), samples=True),
+    ], [])
+    batch = build_batch(output, page_size=8, ladders=LADDERS, device_rows={"p": 6, "k": 2})
+    assert batch.input_ids[:2].tolist() == [20, PAD_TOKEN_ID]
+    assert batch.device_token_index.tolist() == [-1, 6, -1, -1, -1, -1, -1, -1]
+    with pytest.raises(RuntimeError, match="tokens nobody has"):
+        build_batch(output, page_size=8, ladders=LADDERS, device_rows={"k": 2})
+
+
 def test_page_copies_and_present_tokens():
     """A fork's first step: its copy goes in the padded copy list, and its present token (the last prompt
     token, whose KV the shared page holds) is computed but written to the null page."""
@@ -73,7 +91,8 @@ def test_sampling_rows_carry_history_only_when_needed():
     penalised = _request("b", [5, 6], outputs=[7, 8], presence_penalty=0.5, min_tokens=4, stop_token_ids=[9],
                          temperature=0.7, top_k=-1, seed=3)
     output = SchedulerOutput(
-        scheduled=[ScheduledRequest(r, 1, r.num_tokens - 1, (2,), True) for r in (plain, penalised)],
+        scheduled=[ScheduledRequest(r, 1, r.num_tokens - 1, (2,), True, sample_index=r.num_output_tokens)
+                   for r in (plain, penalised)],
         preempted_ids=[],
     )
     sampling = build_sampling_batch(output, num_rows=8, ladders=LADDERS)

@@ -58,7 +58,7 @@ def rows_by_system(result: dict) -> dict[str, dict]:
 
 def test_every_system_runs_or_says_why(result):
     ran = set(rows_by_system(result))
-    assert {"jaxserve", "jaxserve-static"} <= ran
+    assert {"jaxserve", "jaxserve-sync", "jaxserve-static"} <= ran
     assert ran | set(result["skipped"]) == set(offline.SYSTEMS)
     assert all(result["skipped"].values())
 
@@ -117,12 +117,22 @@ def test_kv_at_peak(result):
         assert 0.0 <= kv["fragmentation_at_most_tokens"] < 1.0 and 0.0 <= kv["fragmentation_mean"] < 1.0
 
 
-def test_static_outputs_equal_jaxserve_and_overhead_replays_the_same_steps(result):
-    same = result["check"]["static_equals_jaxserve"]
-    assert same["matching"] == same["of"] == 6
-    overhead = result["engine_overhead"]
-    assert overhead["recorded_steps"] == overhead["timed_steps"] > 0
-    assert overhead["overhead_best"] < 1.0
+def test_sync_and_static_outputs_equal_jaxserve_and_overhead_replays_the_same_steps(result):
+    for name in ("jaxserve-sync", "jaxserve-static"):
+        same = result["check"]["equal_to_jaxserve"][name]
+        assert same["matching"] == same["of"] == 6, name
+    assert set(result["engine_overhead"]) == {"jaxserve", "jaxserve-sync"}
+    for overhead in result["engine_overhead"].values():
+        assert overhead["recorded_steps"] == overhead["timed_steps"] > 0
+        assert overhead["overhead_best"] < 1.0
+
+
+def test_host_time_per_phase_is_reported_per_run(result):
+    for name in ("jaxserve", "jaxserve-sync"):
+        timing = result["systems"][name]["details"]["timing"]
+        assert timing["steps"] == result["systems"][name]["details"]["steps"] > 0
+        assert all(timing[phase + "_ms"] >= 0 for phase in offline.PHASES)
+        assert 0.0 <= timing["device_idle_fraction"] <= 1.0 and timing["wall_s"] > 0
 
 
 def test_json_and_plots_are_written(result, out_dir):
@@ -130,7 +140,7 @@ def test_json_and_plots_are_written(result, out_dir):
         written = json.load(f)
     assert written["rows"] == result["rows"]
     assert sorted(os.path.basename(path) for path in result["plots"]) == [
-        "throughput.png", "timeline_jaxserve-static.png", "timeline_jaxserve.png"]
+        "throughput.png", "timeline_jaxserve-static.png", "timeline_jaxserve-sync.png", "timeline_jaxserve.png"]
     assert all(os.path.getsize(path) > 0 for path in result["plots"])
 
 

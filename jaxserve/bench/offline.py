@@ -1,7 +1,9 @@
 """`jaxserve bench throughput`: one workload through several systems in turn, on the same weights and prompts.
 
-Systems (--systems; all five by default):
+Systems (--systems; all six by default):
   jaxserve         continuous batching with a paged KV cache: the engine as it serves
+  jaxserve-sync    the same with async_scheduling off: each step's samples reach the host before the next
+                   step is planned (the engine before issue 13)
   jaxserve-static  the same engine options and KV budget (same --num-pages) with batching="static" and no
                    prefix caching: a batch is admitted only when the previous one has finished, and each
                    sequence reserves max_model_len of pages up front (a pre-paging server)
@@ -24,9 +26,10 @@ ratio to jaxserve (mean over mean, best over best).
 Also reported: KV memory at the step holding the most pages (pages in use against token slots used:
 fragmentation, and for static batching what reservation wastes), the most requests running at once, the
 headline ratio jaxserve / jaxserve-static at the same KV budget, jaxserve's engine overhead (1 - device-only /
-end-to-end time: one more untimed run records every Runner.step input, and replaying them through the same
-executables gives the device-only time), and checks that jaxserve's first greedy tokens equal Hugging Face's
-(batch of one) and that jaxserve-static's outputs equal jaxserve's.
+end-to-end time: one more untimed run records every Runner.dispatch input, and replaying them through the same
+executables gives the device-only time; for jaxserve and jaxserve-sync), the host time per step by phase and
+the device's idle share (EngineCore.stats()["timing"]), and checks that jaxserve's first greedy tokens equal
+Hugging Face's (batch of one) and that jaxserve-sync's and jaxserve-static's outputs equal jaxserve's.
 
 KV budget: --num-pages defaults to enough pages for --max-num-seqs sequences of the workload's mean length
 (prompt + output, rounded up to pages), plus the null page; at least one max_model_len sequence. The paged
@@ -59,10 +62,12 @@ from jaxserve.config import VALID_DTYPES, EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.model.spec import ModelSpec
+from jaxserve.step_timing import PHASES
 from jaxserve.tokenizer import load_tokenizer
 
-SYSTEMS = ("jaxserve", "jaxserve-static", "hf-generate", "hf-continuous", "ctranslate2")
-PEERS = SYSTEMS[2:]
+SYSTEMS = ("jaxserve", "jaxserve-sync", "jaxserve-static", "hf-generate", "hf-continuous", "ctranslate2")
+JAXSERVE_SYSTEMS = SYSTEMS[:3]
+PEERS = SYSTEMS[3:]
 DEFAULT_MAX_MODEL_LEN = 1024  # tokens, bounded by the model's max_position_embeddings
 NUM_REQUESTS = 128  # default workload size
 QUICK_NUM_REQUESTS = 32  # with --quick
@@ -158,6 +163,7 @@ class JaxserveSystem:
     def timed_run(self, workload: Workload) -> None:
         """One timed run of the whole workload, from an empty prefix cache."""
         self.engine.reset_prefix_cache()
+        self.engine.core.timing.reset()
         before = self.engine.stats()
         run = drive(self.engine, workload)
         after = self.engine.stats()
@@ -165,7 +171,7 @@ class JaxserveSystem:
         if wrong:
             raise RuntimeError(f"{self.name} gave {wrong} requests the wrong number of tokens")
         self.runs.append(run)
-        self.counters.append({key: after[key] - before[key] for key in ENGINE_COUNTERS})
+        self.counters.append({**{key: after[key] - before[key] for key in ENGINE_COUNTERS}, "timing": after["timing"]})
         self.log(f"  {self.name}: {run.seconds:.2f}s, {workload.num_output_tokens / run.seconds:.1f} output tok/s, "
                  f"{len(run.steps)} steps")
 
@@ -181,31 +187,33 @@ class JaxserveSystem:
                             "max_model_len": self.engine.max_model_len, **self.counters[best]}}
 
     def device_only(self, workload: Workload, replays: int) -> dict:
-        """Engine overhead: one more (untimed) run records every Runner.step input (host copies), then the
-        recorded steps are replayed `replays` times through the same runner and executables. Returns the
-        replays' seconds and 1 - device-only / end-to-end (best over best, mean over mean)."""
+        """Engine overhead: one more (untimed) run records every Runner.dispatch input (host copies), then
+        the recorded steps are replayed `replays` times through the same runner and executables, each
+        dispatched as soon as the last one is (the host does nothing else) and the last one waited for.
+        Returns the replays' seconds and 1 - device-only / end-to-end (best over best, mean over mean)."""
         import jax
 
         runner = self.engine.core.runner
         recorded = []  # (batch, sampling, prompt) per step, as numpy copies
-        step = runner.step
+        dispatch = runner.dispatch
 
-        def recording_step(*step_args):
+        def recording_dispatch(*step_args):
             recorded.append(jax.tree_util.tree_map(lambda leaf: np.array(leaf, copy=True), step_args))
-            return step(*step_args)
+            return dispatch(*step_args)
 
-        runner.step = recording_step
+        runner.dispatch = recording_dispatch
         try:
             self.engine.reset_prefix_cache()
             drive(self.engine, workload)
         finally:
-            del runner.step  # the class's method again
+            del runner.dispatch  # the class's method again
         replay_s = []
         for _ in range(replays):
             gc.collect()
             start = time.perf_counter()
             for step_args in recorded:
-                runner.step(*step_args)
+                pending = runner.dispatch(*step_args)
+            pending.fetch()
             replay_s.append(time.perf_counter() - start)
         self.engine.reset_prefix_cache()  # the replays rewrote the KV of cached pages
         runs_s = [run.seconds for run in self.runs]
@@ -252,9 +260,11 @@ def default_num_pages(workload: Workload, max_num_seqs: int, page_size: int, max
     return 1 + max(max_num_seqs * per_sequence, pages_for_tokens(max_model_len, page_size))
 
 
-def engine_config(args: argparse.Namespace, folder: str, static: bool) -> EngineConfig:
-    """The engine options of the jaxserve systems (static: batching="static", prefix caching off)."""
-    extra = {"batching": "static"} if static else {}  # the engine turns prefix caching off for static batching
+def engine_config(args: argparse.Namespace, folder: str, system: str = "jaxserve") -> EngineConfig:
+    """The engine options of a jaxserve system (jaxserve-sync: async_scheduling off; jaxserve-static:
+    batching="static", which turns prefix caching off)."""
+    extra = {"jaxserve": {}, "jaxserve-sync": {"async_scheduling": False},
+             "jaxserve-static": {"batching": "static"}}[system]
     return EngineConfig(
         model=folder, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
         num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -279,9 +289,9 @@ def build_systems(args: argparse.Namespace, folder: str, dtype: str, pad_id: int
                   log: Callable[[str], None]) -> tuple[list, dict[str, str], object]:
     """(the systems, in --systems order; {skipped system: reason}; the Hugging Face model or None)."""
     systems, skipped, hf_model = {}, {}, None
-    for name in ("jaxserve", "jaxserve-static"):
+    for name in JAXSERVE_SYSTEMS:
         if name in args.systems:
-            systems[name] = JaxserveSystem(name, engine_config(args, folder, static=name != "jaxserve"), log)
+            systems[name] = JaxserveSystem(name, engine_config(args, folder, name), log)
     for name in (name for name in PEERS if name in args.systems):
         reason = peer_blocker(name, args, folder, dtype)
         if reason is None:
@@ -396,7 +406,7 @@ def check_outputs(outputs: dict[str, list[list[int]]], workload: Workload, hf_mo
                   num_requests: int, num_tokens: int) -> dict:
     """Greedy agreement: for `num_requests` evenly spread requests, jaxserve's first tokens against Hugging
     Face's `generate` of that prompt alone (when hf_model is given) and against every other system's; and
-    jaxserve-static's whole outputs against jaxserve's."""
+    jaxserve-sync's and jaxserve-static's whole outputs against jaxserve's."""
     reference = outputs.get("jaxserve")
     if reference is None or num_requests < 1:
         return {}
@@ -413,9 +423,9 @@ def check_outputs(outputs: dict[str, list[list[int]]], workload: Workload, hf_mo
             if reference[i][:tokens] != want:
                 mismatches.append({"request": i, "jaxserve": reference[i][:tokens], "hf": want})
         check["hf_reference"] = {"matching": len(picks) - len(mismatches), "of": len(picks), "mismatches": mismatches}
-    if "jaxserve-static" in outputs:
-        same = sum(a == b for a, b in zip(outputs["jaxserve-static"], reference))
-        check["static_equals_jaxserve"] = {"matching": same, "of": len(reference)}
+    check["equal_to_jaxserve"] = {name: {"matching": sum(a == b for a, b in zip(outputs[name], reference)),
+                                         "of": len(reference)}
+                                  for name in JAXSERVE_SYSTEMS[1:] if name in outputs}
     return check
 
 
@@ -472,12 +482,17 @@ def format_report(result: dict) -> str:
         lines.append(f"paging + continuous batching / static batching with reservation, same KV budget: "
                      f"{_ratio(result['paged_over_static']['mean'])} output tok/s (mean), "
                      f"{_ratio(result['paged_over_static']['best'])} (best)")
-    overhead = result["engine_overhead"]
-    if overhead:
-        lines.append(f"jaxserve engine overhead: {100 * overhead['overhead_best']:.1f}% (best: device-only "
+    for name, overhead in result["engine_overhead"].items():
+        lines.append(f"{name} engine overhead: {100 * overhead['overhead_best']:.1f}% (best: device-only "
                      f"{min(overhead['device_only_runs_s']):.2f}s / end-to-end "
                      f"{min(overhead['end_to_end_runs_s']):.2f}s), "
                      f"{100 * overhead['overhead_mean']:.1f}% (mean); {overhead['recorded_steps']} steps replayed")
+    for name, details in result["systems"].items():
+        timing = details["details"].get("timing")
+        if timing:
+            lines.append(f"{name} host ms per step (best run): " + ", ".join(
+                f"{phase} {timing[phase + '_ms']:.2f}" for phase in PHASES)
+                + f"; device idle {100 * timing['device_idle_fraction']:.1f}% of the step loop")
     check = result["check"]
     if "hf_reference" in check:
         hf = check["hf_reference"]
@@ -487,9 +502,8 @@ def format_report(result: dict) -> str:
     if check.get("agreement"):
         lines.append(f"check: first {check['tokens']} tokens equal to jaxserve's, of {len(check['requests'])}: "
                      + ", ".join(f"{name} {n}" for name, n in check["agreement"].items()))
-    if "static_equals_jaxserve" in check:
-        same = check["static_equals_jaxserve"]
-        lines.append(f"check: jaxserve-static's outputs equal jaxserve's for {same['matching']}/{same['of']} requests")
+    for name, same in check.get("equal_to_jaxserve", {}).items():
+        lines.append(f"check: {name}'s outputs equal jaxserve's for {same['matching']}/{same['of']} requests")
     lines.append(f"command: {result['command']}")
     return "\n".join(lines)
 
@@ -545,10 +559,11 @@ def run(args: argparse.Namespace) -> dict:
                            skipped, log)
         systems = timed_rounds(systems, skipped, workload, args.repeats, log)
         jaxserve = {system.name: system for system in systems if isinstance(system, JaxserveSystem)}
-        overhead = None
-        if "jaxserve" in jaxserve:
-            log("jaxserve engine overhead: one recorded run, then replays of its steps")
-            overhead = jaxserve["jaxserve"].device_only(workload, args.repeats)
+        overhead = {}
+        for name in ("jaxserve", "jaxserve-sync"):
+            if name in jaxserve:
+                log(f"{name} engine overhead: one recorded run, then replays of its steps")
+                overhead[name] = jaxserve[name].device_only(workload, args.repeats)
         results = {system.name: system.result() for system in systems}
         log("checks")
         check = check_outputs({name: r["output_token_ids"] for name, r in results.items()}, workload, hf_model,
