@@ -63,7 +63,8 @@ def _case(rows, page_size, num_kv_heads, group, head_dim, dtype, seed=0):
     q = rng.standard_normal((num_tokens, num_kv_heads * group, head_dim)).astype(np.float32)  # (T, Hq, D)
     zeros = jnp.zeros(len(rows), jnp.int32)
     batch = BatchDescriptor(
-        input_ids=jnp.zeros(num_tokens, jnp.int32), positions=jnp.asarray(positions),
+        input_ids=jnp.zeros(num_tokens, jnp.int32), device_token_index=jnp.full(num_tokens, -1, jnp.int32),
+        positions=jnp.asarray(positions),
         slot_mapping=jnp.zeros(num_tokens, jnp.int32), query_start_loc=jnp.asarray(query_start_loc),
         seq_lens=jnp.asarray(seq_lens), page_table=jnp.asarray(page_table), logits_indices=zeros,
         copy_src=zeros, copy_dst=zeros, num_seqs=jnp.int32(len(rows)),
@@ -117,6 +118,14 @@ def test_tiled_path_matches_the_reference(tiles, group, dtype, window):
         tiles = xla.tile_sizes(arrays["q"].shape[0], batch.page_table.shape[1], 4, 2 * group, 2, 16,
                                arrays["k_cache"].dtype.itemsize, tiles)
     _assert_matches(_tiled(arrays, batch, window, tiles), _reference(arrays, batch, window), batch, dtype)
+
+
+def test_tokens_are_taken_by_row_length_with_rows_whole_and_padding_last():
+    """Rows of like lengths share tiles; a row's tokens stay together and in order; padding goes last."""
+    positions = jnp.asarray([7, 8, 9, 3, 20, 0, 1, -1, -1], jnp.int32)  # (T,): rows of 3, 1, 1 and 2 tokens
+    token_rows = jnp.asarray([0, 0, 0, 1, 2, 3, 3, 3, 3], jnp.int32)  # (T,): padding maps to the last row
+    order = xla._length_order(positions, token_rows, num_rows=4)  # (T,)
+    assert order.tolist() == [5, 6, 3, 0, 1, 2, 4, 7, 8]
 
 
 @pytest.mark.parametrize("window", [None, 5])
@@ -196,7 +205,8 @@ def _attention_temp_bytes(spec, platform, num_tokens, num_rows, width, page_size
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
     batch = BatchDescriptor(
-        input_ids=ints(num_tokens), positions=ints(num_tokens), slot_mapping=ints(num_tokens),
+        input_ids=ints(num_tokens), device_token_index=ints(num_tokens), positions=ints(num_tokens),
+        slot_mapping=ints(num_tokens),
         query_start_loc=ints(num_rows + 1), seq_lens=ints(num_rows), page_table=ints(num_rows, width),
         logits_indices=ints(num_rows), copy_src=ints(num_rows), copy_dst=ints(num_rows), num_seqs=ints())
     q = jax.ShapeDtypeStruct((num_tokens, spec.num_heads, spec.head_dim), jnp.bfloat16)  # (T, Hq, D)

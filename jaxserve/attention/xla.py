@@ -1,11 +1,12 @@
 """The XLA attention path: tiled paged attention in plain jnp, bounded in memory on every platform.
 
-The queries are processed `Tiles.queries` tokens at a time (a sequential `lax.map`), and each tile walks
-its tokens' pages a chunk at a time with an online (flash) softmax in float32. A tile's loop runs only over
-the chunks its tokens can see: from the first key inside the sliding window of its earliest query to the
-position of its furthest query, so a short row never pays for the width the step's longest row needs. Each
-token gathers its own row's chunk, `(Tq, C * page_size, Hkv, D)`; on accelerators a tile whose tokens all
-belong to one row (the middle of a prefill chunk) gathers that row's chunk once. Either way the memory held
+The queries are taken in order of their row's length and processed `Tiles.queries` tokens at a time (a
+sequential `lax.map`), and each tile walks its tokens' pages a chunk at a time with an online (flash) softmax
+in float32. A tile's loop runs only over the chunks its tokens can see: from the first key inside the sliding
+window of its earliest query to the position of its furthest query, so a short row never pays for the width
+the step's longest row needs, and rows of like lengths share a tile. Each token gathers its own row's chunk,
+`(Tq, C * page_size, Hkv, D)`; a tile whose tokens all belong to one row (the middle of a prefill chunk)
+gathers that row's chunk once. Either way the memory held
 at once is one chunk's, never the whole `(T, W * page_size, Hkv, D)` gather.
 
 Semantics are those of `pallas_kernels/ragged_paged_attention/reference.py`: a query at position `p` sees
@@ -32,7 +33,9 @@ from jaxserve.model.spec import ModelSpec
 from pallas_kernels.ragged_paged_attention import reference
 
 CPU_QUERY_TILE = 8  # measured: 3-4x faster than untiled on a 2-core CPU (docs/benchmarks.md)
-CPU_CHUNK_BYTES = 16 << 20  # a CPU tile's gathered K + V per chunk
+# A CPU tile's gathered K + V per chunk (and, in one-row tiles, its scores): 8 pages of the benchmark models, so a
+# tile walks about the pages its tokens need (measured against whole-width chunks: benchmarks/step_profile.py).
+CPU_CHUNK_BYTES = 512 << 10
 ACCELERATOR_QUERY_TILE = 64  # fewer, larger sequential steps on a GPU or TPU
 ACCELERATOR_CHUNK_BYTES = 64 << 20  # a chunk's K + V (and, in one-row tiles, the tile's scores)
 
@@ -51,8 +54,8 @@ def tile_sizes(num_tokens: int, width: int, page_size: int, num_heads: int, num_
                itemsize: int, platform: str) -> Tiles:
     """Tile sizes for a (T tokens, W pages) bucket, from a byte budget for one chunk's temporaries.
 
-    The CPU takes query tiles of 8 and cache-sized chunks. Accelerators take tiles of 64 queries, and a tile
-    whose tokens all belong to one row (the middle of a prefill chunk) gathers that row's pages once, in
+    The CPU takes query tiles of 8 and cache-sized chunks, accelerators tiles of 64 queries and larger chunks.
+    A tile whose tokens all belong to one row (the middle of a prefill chunk) gathers that row's pages once, in
     chunks as large as the budget allows for K, V and the tile's scores. No chunk exceeds the width (a tile
     then takes one chunk, see `_walk_chunks`)."""
     cpu = platform == "cpu"
@@ -60,8 +63,6 @@ def tile_sizes(num_tokens: int, width: int, page_size: int, num_heads: int, num_
     budget = CPU_CHUNK_BYTES if cpu else ACCELERATOR_CHUNK_BYTES
     kv_bytes = page_size * 2 * num_kv_heads * head_dim * itemsize  # K and V of one page
     pages = int(max(1, min(budget // (queries * kv_bytes), width)))
-    if cpu:
-        return Tiles(queries=queries, pages=pages)
     score_bytes = page_size * queries * num_heads * 4 * 2  # a page's float32 scores and probabilities
     return Tiles(queries=queries, pages=pages, row_pages=int(max(1, min(budget // (kv_bytes + score_bytes), width))))
 
@@ -81,10 +82,14 @@ def tiled_attention(
 ) -> jax.Array:
     """Causal attention of each query token over the pages of its row, tile by tile.
 
-    A token with a negative position sees nothing and gets zeros (padding)."""
+    The tokens are taken in order of their row's length (`_length_order`), so a tile's loop over key chunks
+    stops near each of its tokens' own length, and the tiles of padding do nothing. A token with a negative
+    position sees nothing and gets zeros (padding)."""
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); positions, token_rows: (T,) int32
     # page_table: (R, W) int32
     num_tokens = q.shape[0]
+    order = _length_order(positions, token_rows, page_table.shape[0])  # (T,)
+    q, positions, token_rows = q[order], positions[order], token_rows[order]  # (T, Hq, D), (T,), (T,)
     num_tiles = -(-num_tokens // tiles.queries)
     pad = num_tiles * tiles.queries - num_tokens
     q_tiles = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(num_tiles, tiles.queries, *q.shape[1:])
@@ -96,7 +101,17 @@ def tiled_attention(
         out = attend((q_tiles[0], position_tiles[0], row_tiles[0]))[None]  # (1, Tq, Hq, D)
     else:
         out = jax.lax.map(attend, (q_tiles, position_tiles, row_tiles))  # (num_tiles, Tq, Hq, D)
-    return out.reshape(num_tiles * tiles.queries, *q.shape[1:])[:num_tokens]
+    out = out.reshape(num_tiles * tiles.queries, *q.shape[1:])[:num_tokens]  # (T, Hq, D) in sorted order
+    return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+
+
+def _length_order(positions: jax.Array, token_rows: jax.Array, num_rows: int) -> jax.Array:
+    """A stable order of the tokens by the furthest position of their row, padding last: tiles then hold rows
+    of like lengths (each walks about its own tokens' pages) and a row's tokens stay together, in order."""
+    # positions, token_rows: (T,) int32 -> (T,) int32
+    row_end = jax.ops.segment_max(positions, token_rows, num_segments=num_rows)  # (R,)
+    key = jnp.where(positions >= 0, row_end[token_rows], jnp.iinfo(jnp.int32).max)  # (T,)
+    return jnp.argsort(key, stable=True).astype(jnp.int32)
 
 
 def _attend_tile(tile, *, k_cache, v_cache, layer, page_table, sm_scale, sliding_window, tiles):
