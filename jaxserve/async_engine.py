@@ -24,6 +24,8 @@ from jaxserve.tokenizer import load_tokenizer
 logger = logging.getLogger("jaxserve")
 
 _STOP = ("stop",)
+# Engine counters whose move means an engine step did something: it dispatched a step or brought tokens.
+STEP_MOVES = ("steps", "prompt_tokens", "generation_tokens")
 
 
 class EngineDeadError(RuntimeError):
@@ -98,7 +100,9 @@ class AsyncLLMEngine:
 
     `on_outputs(outputs)` is called on the engine thread with every batch of outputs it publishes,
     including the final output of every request whatever ended it, and `on_step(before, after)` after
-    every engine step that ran, with the engine counters (EngineCore.stats) before and after it: the
+    every engine step that dispatched a step or brought tokens (under asynchronous scheduling the last step
+    of a busy spell only brings the tokens of the one before), with the engine counters (EngineCore.stats)
+    before and after it: the
     metrics hooks; both run on the engine thread, so they must be cheap. `max_waiting_requests` bounds
     the requests accepted but not yet started; past it `submit` raises EngineOverloadedError. A reader
     wakes every `stream_interval` tokens (and for the first and the last output): vLLM's option, which
@@ -266,7 +270,7 @@ class AsyncLLMEngine:
     def _publish_stats(self, stats: dict) -> None:
         """Hand the step `stats` closes (if one ran) to on_step, then make `stats` the snapshot the event
         loop reads (so a snapshot never runs ahead of the step metrics)."""
-        if self._on_step is not None and stats["steps"] > self._stats["steps"]:
+        if self._on_step is not None and any(stats[key] > self._stats[key] for key in STEP_MOVES):
             try:
                 self._on_step(self._stats, stats)
             except Exception:  # a metrics hook must not take serving down

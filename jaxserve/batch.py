@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.batch_descriptor import BatchDescriptor, PromptLogprobBatch
+from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
 from jaxserve.buckets import pick_bucket, geometric_ladder
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE
@@ -25,10 +25,17 @@ from jaxserve.sampler import (
     KIND_PROMPT,
     SamplingBatch,
 )
-from jaxserve.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_TOKEN_IDS
+from jaxserve.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_EOS_TOKEN_IDS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_STOP_TOKEN_IDS,
+)
 from jaxserve.scheduler import SchedulerOutput
 
 PAD_TOKEN_ID = 0
+STOP_WIDTH = MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS  # DecodeSteps.stop_ids per row
 # Per-row sampler tokens beyond the penalty history (prompt + output <= max_model_len): stop ids banned
 # under min_tokens, logit biases, allowed ids, and the last tokens of bad words (two spellings each).
 MAX_AUX_EXTRA = MAX_STOP_TOKEN_IDS + MAX_LOGIT_BIAS_ENTRIES + MAX_ALLOWED_TOKEN_IDS + 2 * MAX_BAD_WORDS
@@ -74,7 +81,7 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders,
     scheduling) finds it on the device: `device_rows` maps its id to its row in that step."""
     num_tokens = pick_bucket(ladders.tokens, max(output.total_num_tokens, 1))
     num_rows = ladders.rows_for(num_tokens)
-    widest = max((pages_for_tokens(s.num_computed_tokens + s.num_new_tokens, page_size) for s in output.scheduled),
+    widest = max((pages_for_tokens(s.num_computed_tokens + s.num_positions, page_size) for s in output.scheduled),
                  default=1)
     width = pick_bucket(ladders.page_widths, widest)
 
@@ -90,7 +97,7 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders,
         first = item.num_computed_tokens
         token_positions = np.arange(first, first + item.num_new_tokens, dtype=np.int32)
         pages = np.asarray(item.page_ids, np.int32)
-        known = min(item.num_new_tokens, item.request.num_known_tokens - first)  # tokens whose ids the host has
+        known = max(0, min(item.num_new_tokens, item.request.num_known_tokens - first))  # ids the host has
         if known < item.num_new_tokens:
             if known != item.num_new_tokens - 1 or item.request.request_id not in (device_rows or {}):
                 raise RuntimeError(f"request {item.request.request_id} is scheduled over tokens nobody has")
@@ -101,7 +108,7 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders,
         slot_mapping[start : start + item.num_present_tokens] = NULL_PAGE * page_size  # KV already held
         query_start_loc[row] = start
         seq_lens[row] = first + item.num_new_tokens
-        page_table[row, : len(pages)] = pages
+        page_table[row, : len(pages)] = pages  # pages for the extra iterations of a multi-step decode too
         logits_indices[row] = stop - 1
         start = stop
 
@@ -159,6 +166,28 @@ def build_prompt_logprob_batch(output: SchedulerOutput, num_tokens: int) -> tupl
         return None, []
     arrays["num_targets"] = np.asarray(filled, np.int32)
     return PromptLogprobBatch(**arrays), counts
+
+
+def build_decode_steps(output: SchedulerOutput, num_rows: int) -> DecodeSteps | None:
+    """The per-row step counts and stop ids of a multi-step decode, padded to `num_rows` rows; None when every
+    row samples one token (an ordinary step)."""
+    if all(item.num_steps == 1 for item in output.scheduled):
+        return None
+    arrays = padded_decode_step_arrays(num_rows)
+    for row, item in enumerate(output.scheduled):
+        params = item.request.sampling_params
+        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(item.request.eos_token_ids))
+        arrays["num_steps"][row] = item.num_steps
+        arrays["stop_ids"][row, : len(stop_ids)] = stop_ids
+    return DecodeSteps(**arrays)
+
+
+def padded_decode_step_arrays(num_rows: int) -> dict[str, np.ndarray]:
+    """Every DecodeSteps field at its padding value for R rows."""
+    return {
+        "num_steps": np.zeros((num_rows,), np.int32),  # (R,)
+        "stop_ids": np.full((num_rows, STOP_WIDTH), -1, np.int32),  # (R, S)
+    }
 
 
 def padded_prompt_logprob_arrays(num_tokens: int) -> dict[str, np.ndarray]:

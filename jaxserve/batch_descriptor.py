@@ -38,3 +38,13 @@ class PromptLogprobBatch:
     token_index: jax.Array  # (Q,) int32 index into the step's tokens of the predicting position; pad 0
     target_ids: jax.Array  # (Q,) int32 the prompt token whose logprob is wanted; pad 0
     num_targets: jax.Array  # () int32 real entries
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeSteps:
+    """Multi-step decoding: how many tokens each row of a decode-only batch samples in one device call, and
+    which sampled ids end a row early (its later iterations then write their KV to the null page)."""
+
+    num_steps: jax.Array  # (R,) int32 tokens each row samples; 0 for padded rows
+    stop_ids: jax.Array  # (R, S) int32 EOS (unless ignored) and stop token ids of each row; pad -1

@@ -49,7 +49,7 @@ BUCKET_SETS = {  # --buckets: which buckets are lowered
     "all": "every bucket the engine compiles",
     "edges": "the smallest and largest rung of each ladder, and the token rungs either side of max_num_seqs",
 }
-KINDS = ("forward", "sampler", "prompt_logprobs")  # the order of Runner.shapes()
+KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps")  # the order of Runner.shapes()
 # Custom calls jax.export does not promise to keep stable, which the step functions use on purpose: Pallas's
 # Triton kernels and cuDNN attention. Any other one (a host callback, say) fails its bucket.
 EXPECTED_UNSTABLE_CALLS = ("__gpu$xla.gpu.triton", "__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax")
@@ -232,7 +232,7 @@ def shard_bytes(tree) -> int:
 # ---- buckets ------------------------------------------------------------------------------------------------
 
 
-def select_buckets(ladders, shapes: tuple[list, list, list], which: str) -> tuple[list, list, list]:
+def select_buckets(ladders, shapes: tuple[list, list, list, list], which: str) -> tuple[list, list, list, list]:
     """Runner.shapes() itself for "all"; for "edges", the smallest and largest rung of each ladder, plus the
     token rungs on either side of max_num_seqs (where rows stop growing with tokens), and for the sampler the
     smallest penalty history besides none."""
@@ -244,10 +244,11 @@ def select_buckets(ladders, shapes: tuple[list, list, list], which: str) -> tupl
     widths = {ladders.page_widths[0], ladders.page_widths[-1]}
     rows = {min(ladders.row_buckets()), max(ladders.row_buckets())}
     aux = {ladders.aux_widths[0], *ladders.aux_widths[1:2], ladders.aux_widths[-1]}
-    forward, sampler, prompt = shapes
+    forward, sampler, prompt, steps = shapes
     return ([s for s in forward if s[0] in tokens and s[1] in widths],
             [s for s in sampler if s[0] in rows and s[1] in aux],
-            [s for s in prompt if s[0] in {ladders.tokens[0], ladders.tokens[-1]}])
+            [s for s in prompt if s[0] in {ladders.tokens[0], ladders.tokens[-1]}],
+            [s for s in steps if s[0] in tokens and s[1] in widths])
 
 
 def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
@@ -256,6 +257,7 @@ def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
         "forward": lambda shape: runner.forward_call(*shape, num_pages),
         "sampler": lambda shape: runner.sampler_call(*shape),
         "prompt_logprobs": lambda shape: runner.prompt_logprobs_call(*shape),
+        "decode_steps": lambda shape: runner.decode_steps_call(*shape, num_pages),
     }
 
 
@@ -270,9 +272,10 @@ def lower_bucket(function, args: tuple, platform: str) -> tuple[float, set[str]]
     return seconds, set(re.findall(r"stablehlo\.custom_call @([\w$.\-]+)", exported.mlir_module()))
 
 
-def lower_all(runner, shapes: tuple[list, list, list], num_pages: int, platform: str
+def lower_all(runner, shapes: tuple[list, list, list, list], num_pages: int, platform: str
               ) -> tuple[list[BucketCheck], set[str]]:
-    """Lower every bucket in `shapes` (forward, sampler, prompt-logprob lists); a failure is recorded, not raised."""
+    """Lower every bucket in `shapes` (forward, sampler, prompt-logprob and multi-step decode lists); a failure
+    is recorded, not raised."""
     checks, custom_calls = [], set()
     calls = bucket_calls(runner, num_pages)
     for kind, kind_shapes in zip(KINDS, shapes):
@@ -321,7 +324,9 @@ def cpu_estimates(runner) -> tuple[int, dict[str, float]]:
     function, args = runner.prompt_logprobs_call(runner.ladders.tokens[-1])
     function.lower(*args).compile()
     prompt = cpu_seconds() - start
-    seconds = {"forward": forward_and_sampler / 2, "sampler": forward_and_sampler / 2, "prompt_logprobs": prompt}
+    # A multi-step decode bucket is a forward and a sampler in a loop: counted as one of each.
+    seconds = {"forward": forward_and_sampler / 2, "sampler": forward_and_sampler / 2, "prompt_logprobs": prompt,
+               "decode_steps": forward_and_sampler}
     return activation_bytes, seconds
 
 
@@ -366,7 +371,8 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
 
     def runner(backend: str, platform: str) -> Runner:
         return Runner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads, cache_dtype=dtype,
-                      ladders=ladders, attention_backend=backend, platform=platform)
+                      ladders=ladders, attention_backend=backend, platform=platform,
+                      num_scheduler_steps=config.num_scheduler_steps)
 
     cpu_runner = runner("xla", "cpu")
     activation_bytes, compile_seconds = cpu_estimates(cpu_runner)
@@ -399,7 +405,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
 
 
 TABLE_HEADER = (
-    "| config | platform | attention | executables (fwd / sampler / prompt) | lowered "
+    "| config | platform | attention | executables (fwd / sampler / prompt / multi-step) | lowered "
     "| lowering CPU s: total (slowest) | kernels | weights GiB | activations GiB (est.) | KV pool GiB (tokens) "
     "| device GiB | compile est. min | result |"
 )

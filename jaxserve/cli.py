@@ -25,6 +25,7 @@ ENGINE_FLAGS = (
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
     "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format", "async_scheduling",
+    "num_scheduler_steps",
 )
 
 
@@ -63,6 +64,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="auto (the folder's safetensors) or dummy (random weights, for benchmarks)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         help="plan each step while the device runs the one before it")
+    parser.add_argument("--num-scheduler-steps", type=int,
+                        help="decode iterations per device call when every row of a step decodes (default 1)")
 
 
 def generate(args: argparse.Namespace) -> int:

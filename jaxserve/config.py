@@ -31,6 +31,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     static_batching: bool = False
+    num_scheduler_steps: int = 1  # decode iterations per step when every row is a plain decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,9 @@ class EngineConfig:
     load_format: str = "auto"
     # Plan step N + 1 while the device runs step N (its samples reach step N + 1 on the device).
     async_scheduling: bool = True
+    # Multi-step decoding: a step whose rows all decode runs up to this many forward + sample iterations
+    # in one device call (vLLM's old option name).
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -70,7 +74,8 @@ class EngineConfig:
         _check_choice("load_format", self.load_format, VALID_LOAD_FORMATS)
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket",
+                     "num_scheduler_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -131,6 +136,7 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
             static_batching=self.batching == "static",
+            num_scheduler_steps=self.num_scheduler_steps,
         )
 
 

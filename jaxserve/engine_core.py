@@ -14,6 +14,7 @@ from jaxserve.batch import (
     MAX_AUX_EXTRA,
     BucketLadders,
     build_batch,
+    build_decode_steps,
     build_prompt_logprob_batch,
     build_sampling_batch,
 )
@@ -30,7 +31,6 @@ from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
 from jaxserve.step_timing import StepTiming
 
 logger = logging.getLogger("jaxserve")
-COMPILATION_CACHE_MAX_BYTES = 16 * 2**30  # the least recently used entries go beyond this
 
 
 class EngineCore:
@@ -55,6 +55,7 @@ class EngineCore:
             self.spec, params, self.mesh,
             page_size=config.page_size, num_cache_kv_heads=kv_heads,
             cache_dtype=dtype, ladders=self.ladders, attention_backend=config.attention_backend,
+            num_scheduler_steps=config.num_scheduler_steps,
         )
         self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner)
         self.runner.allocate_kv(self.num_pages)
@@ -116,17 +117,17 @@ class EngineCore:
             return False, []
         with self.timing.measure("build"):
             try:
-                batch, sampling, (prompt, prompt_counts) = self._build_inputs(output)
+                batch, sampling, (prompt, prompt_counts), steps = self._build_inputs(output)
             except Exception:
                 return False, self._fail_unbuildable(output)
         started = time.perf_counter()
         with self.timing.measure("dispatch"):
-            pending = self.runner.dispatch(batch, sampling, prompt)
+            pending = self.runner.dispatch(batch, sampling, prompt, steps)
         self.timing.dispatched(started, pending.ready)
         self._in_flight.append(_InFlight(output, prompt_counts, pending))
         self.counters["steps"] += 1
-        self.counters["scheduled_tokens"] += output.total_num_tokens
-        self.counters["padded_tokens"] += batch.input_ids.shape[0]
+        self.counters["scheduled_tokens"] += sum(item.num_positions for item in output.scheduled)
+        self.counters["padded_tokens"] += batch.input_ids.shape[0] * max(item.num_steps for item in output.scheduled)
         return True, []
 
     def _collect(self) -> list[Request]:
@@ -140,13 +141,16 @@ class EngineCore:
             return self.scheduler.update(step.output, self._sampled_tokens(step.output, result))
 
     def _build_inputs(self, output: SchedulerOutput):
-        """The step's padded inputs: BatchDescriptor, SamplingBatch, (PromptLogprobBatch or None, counts)."""
+        """The step's padded inputs: BatchDescriptor, SamplingBatch, (PromptLogprobBatch or None, counts),
+        DecodeSteps or None."""
         device_rows = {}  # request id -> its row in the step in flight, whose samples stay on the device
         if self._in_flight:
             device_rows = {item.request.request_id: row for row, item in enumerate(self._in_flight[-1].output.scheduled)}
         batch = build_batch(output, self.config.page_size, self.ladders, device_rows)
-        sampling = build_sampling_batch(output, batch.page_table.shape[0], self.ladders)
-        return batch, sampling, build_prompt_logprob_batch(output, batch.input_ids.shape[0])
+        num_rows = batch.page_table.shape[0]
+        sampling = build_sampling_batch(output, num_rows, self.ladders)
+        prompt = build_prompt_logprob_batch(output, batch.input_ids.shape[0])
+        return batch, sampling, prompt, build_decode_steps(output, num_rows)
 
     def _fail_unbuildable(self, output: SchedulerOutput) -> list[Request]:
         """Find the requests whose inputs cannot be built, each on its own, and end them with an error."""
@@ -174,19 +178,19 @@ class EngineCore:
                 item.request.prompt_logprobs.append(_logprob_dict(scored, index, target, num_top))
             entry += count
 
-    def _sampled_tokens(self, output: SchedulerOutput, result: StepOutput) -> list[SampledToken | None]:
-        """Pair each scheduled chunk with its sample (None for a chunk that stops mid-prompt)."""
-        sampled: list[SampledToken | None] = []
+    def _sampled_tokens(self, output: SchedulerOutput, result: StepOutput) -> list[list[SampledToken]]:
+        """Each scheduled chunk's samples, in order (none for a chunk that stops mid-prompt)."""
+        sampled: list[list[SampledToken]] = []
         for row, item in enumerate(output.scheduled):
             if not item.samples:
-                sampled.append(None)
+                sampled.append([])
                 continue
-            token_id = int(result.token_ids[row])
+            token_ids = result.token_ids[: item.num_steps, row].tolist()
             num_logprobs = item.request.sampling_params.logprobs
             logprobs = None
-            if num_logprobs is not None:
-                logprobs = _logprob_dict(result.sampled_logprobs, row, token_id, num_logprobs)
-            sampled.append(SampledToken(token_id, logprobs))
+            if num_logprobs is not None:  # multi-step decodes have no logprobs rows
+                logprobs = _logprob_dict(result.sampled_logprobs, row, token_ids[0], num_logprobs)
+            sampled.append([SampledToken(token_ids[0], logprobs)] + [SampledToken(t) for t in token_ids[1:]])
         return sampled
 
     def kv_occupancy(self) -> tuple[int, int]:
@@ -245,9 +249,6 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
         return
     os.makedirs(cache_dir, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
-    # A size limit makes JAX lock the folder around each read and write, so processes sharing it (test
-    # workers, engine replicas) never read an entry another one is still writing (that aborts the reader).
-    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

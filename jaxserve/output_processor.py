@@ -186,20 +186,22 @@ class OutputProcessor:
             self._parent_of.pop(child_id, None)
 
     def _update_sample(self, sample: _SampleState, request: Request) -> bool:
-        """Take the request's new tokens; True when a stop string ended the sample here."""
+        """Take the request's new tokens, one at a time (a multi-step decode brings several): True when a stop
+        string ended the sample; its later tokens are dropped."""
         if sample.finish_reason is not None:
             return False
         new_ids = request.output_token_ids[sample.num_tokens_seen :]
-        new_logprobs = request.output_logprobs[sample.num_tokens_seen :]
+        new_logprobs = request.output_logprobs[sample.num_tokens_seen :] if sample.logprobs is not None else []
         sample.num_tokens_seen = len(request.output_token_ids)
-        sample.token_ids.extend(new_ids)
-        if sample.logprobs is not None:
-            for token_id, entry in zip(new_ids, new_logprobs):
-                sample.logprobs.append(entry)
-                sample.cumulative_logprob += entry[token_id].logprob
-        if sample.detokenizer is not None:
-            delta = sample.detokenizer.add_tokens(new_ids)
-            if request.is_finished:
+        for index, token_id in enumerate(new_ids):
+            sample.token_ids.append(token_id)
+            if new_logprobs:
+                sample.logprobs.append(new_logprobs[index])
+                sample.cumulative_logprob += new_logprobs[index][token_id].logprob
+            if sample.detokenizer is None:
+                continue
+            delta = sample.detokenizer.add_tokens([token_id])
+            if request.is_finished and index == len(new_ids) - 1:
                 delta += sample.detokenizer.finish()
             sample.text += delta
             match = sample.stop_checker.check(sample.text, len(delta))

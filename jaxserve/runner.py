@@ -22,8 +22,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.attention import make_attention
-from jaxserve.batch import BucketLadders, padded_batch_arrays, padded_prompt_logprob_arrays, padded_sampling_arrays
-from jaxserve.batch_descriptor import BatchDescriptor, PromptLogprobBatch
+from jaxserve.batch import (
+    BucketLadders,
+    padded_batch_arrays,
+    padded_decode_step_arrays,
+    padded_prompt_logprob_arrays,
+    padded_sampling_arrays,
+)
+from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
+from jaxserve.buckets import pick_bucket
+from jaxserve.decode_steps import run_decode_steps
 from jaxserve.model.llama import make_forward, token_logits
 from jaxserve.model.sharding import KV_CACHE_SPEC, named, param_partition_specs
 from jaxserve.model.spec import ModelSpec
@@ -78,7 +86,7 @@ class TokenLogprobs:
 class StepOutput:
     """Samples for the real rows of one step (numpy, on the host)."""
 
-    token_ids: np.ndarray  # (num_seqs,) int32
+    token_ids: np.ndarray  # (S, num_seqs) int32: iteration s's sample of each row (S = 1 but in multi-step decodes)
     sampled_logprobs: TokenLogprobs | None = None  # of token_ids; fetched only when some row asked
     prompt_logprobs: TokenLogprobs | None = None  # of the PromptLogprobBatch's targets, when there was one
 
@@ -87,7 +95,7 @@ class StepOutput:
 class PendingStep:
     """A dispatched step: device arrays the host has not fetched yet."""
 
-    token_ids: jax.Array  # (R,) int32 samples of every row, padded rows included
+    token_ids: jax.Array  # (R,) int32 samples of every row, or (K, R) for the K iterations of a multi-step decode
     logprobs: tuple | None  # (logprobs, ranks, top ids, top logprobs) device arrays, when some row asked
     prompt_scored: tuple | None  # the prompt-logprob executable's outputs, when the step scored prompt tokens
     num_seqs: int  # real rows
@@ -101,7 +109,12 @@ class PendingStep:
         prompt_logprobs = None
         if self.prompt_scored is not None:
             prompt_logprobs = TokenLogprobs.fetch(self.prompt_scored, self.num_prompt_targets)
-        return StepOutput(np.asarray(self.token_ids)[:count], sampled_logprobs, prompt_logprobs)
+        return StepOutput(np.atleast_2d(np.asarray(self.token_ids))[:, :count], sampled_logprobs, prompt_logprobs)
+
+
+def _padded_rows(token_ids: jax.Array, max_rows: int) -> jax.Array:
+    """(R,) samples -> (max_rows,), where the next step reads the ids the host has not seen yet."""
+    return jnp.zeros((max_rows,), jnp.int32).at[: token_ids.shape[0]].set(token_ids)
 
 
 def _ready_time(arrays) -> float:
@@ -133,11 +146,13 @@ class Runner:
         ladders: BucketLadders,
         attention_backend: str,
         platform: str | None = None,
+        num_scheduler_steps: int = 1,
     ):
         self.spec = spec
         self.params = params
         self.page_size = page_size
         self.ladders = ladders
+        self.num_scheduler_steps = num_scheduler_steps
         self._replicated = NamedSharding(mesh, P())
         self.attention = make_attention(spec, attention_backend, mesh, page_size, platform)
         self._cache_dtype = cache_dtype
@@ -147,15 +162,25 @@ class Runner:
 
         forward = make_forward(spec, num_cache_kv_heads, self.attention.attention, self.attention.write_kv)
         param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
+        self.max_rows = max_rows = max(ladders.row_buckets())
+        # The jitted functions below must not capture `self`: JAX's jit objects would keep the runner, its
+        # executables and their memory mappings alive after the engine is dropped.
 
         def forward_packed(params, caches, last_tokens, buffer, layout: Layout):
             return forward(params, caches, with_device_tokens(unpack(buffer, layout, BatchDescriptor), last_tokens))
 
         def sample_packed(logits, buffer, layout: Layout):
             out = sample(logits, unpack(buffer, layout, SamplingBatch))
-            # The next step's inputs for tokens the host has not seen yet: (max rows,) int32.
-            last_tokens = jnp.zeros((self.max_rows,), jnp.int32).at[: out.token_ids.shape[0]].set(out.token_ids)
-            return out, last_tokens
+            return out, _padded_rows(out.token_ids, max_rows)
+
+        def decode_steps_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
+            batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
+            sampling = unpack(buffers[1], layouts[1], SamplingBatch)
+            steps = unpack(buffers[2], layouts[2], DecodeSteps)
+            samples, caches = run_decode_steps(forward, params, caches, batch, sampling, steps,
+                                               num_scheduler_steps, page_size)  # samples: (K, R)
+            last_index = jnp.maximum(steps.num_steps - 1, 0)[None]  # (1, R) each row's last iteration
+            return samples, _padded_rows(jnp.take_along_axis(samples, last_index, axis=0)[0], max_rows), caches
 
         def prompt_logprobs_packed(params, hidden, buffer, layout: Layout):
             prompt = unpack(buffer, layout, PromptLogprobBatch)
@@ -173,7 +198,13 @@ class Runner:
             sample_packed, in_shardings=(self._replicated, self._replicated), out_shardings=self._replicated,
             static_argnums=(2,),
         )
-        self.max_rows = max(ladders.row_buckets())
+        self._decode_steps = jax.jit(
+            decode_steps_packed,
+            in_shardings=(param_shardings, self._kv_sharding, self._replicated, self._replicated),
+            out_shardings=(self._replicated, self._replicated, self._kv_sharding),
+            donate_argnums=(1,),
+            static_argnums=(4,),
+        )
         # The last step's sampled token of each row, where the next step reads the ids the host has not seen.
         self.last_tokens = jax.device_put(np.zeros((self.max_rows,), np.int32), self._replicated)  # (max rows,)
         self._ready_clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-ready")
@@ -184,6 +215,7 @@ class Runner:
         self._forward_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
         self._sample_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (R, P) -> executable
         self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
+        self._steps_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> multi-step executable
         self.num_lazy_compiles = 0
         CompileCounter.install()
 
@@ -224,19 +256,24 @@ class Runner:
 
     # ---- compilation -------------------------------------------------------------------------
 
-    def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int]]]:
-        """Every (T, W) forward shape, (R, P) sampler shape and (T,) prompt-logprob shape the ladders allow."""
+    def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int]], list[tuple[int, int]]]:
+        """Every (T, W) forward shape, (R, P) sampler shape, (T,) prompt-logprob shape and, with multi-step
+        decoding, (T, W) multi-step decode shape (T up to the token rung holding max_num_seqs decodes) the
+        ladders allow."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
         sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths))
-        return forward, sampler, [(num_tokens,) for num_tokens in self.ladders.tokens]
+        decodes = pick_bucket(self.ladders.tokens, self.ladders.max_num_seqs)  # the most tokens of a decode-only step
+        steps = [(t, w) for t, w in forward if t <= decodes] if self.num_scheduler_steps > 1 else []
+        return forward, sampler, [(num_tokens,) for num_tokens in self.ladders.tokens], steps
 
     def warmup(self, show_progress: bool = True) -> None:
         """AOT-compile every bucket, tracing here and compiling on a thread pool (XLA releases the GIL).
 
         With the persistent compilation cache on, a restart loads these instead of compiling.
         """
-        forward_shapes, sampler_shapes, prompt_shapes = self.shapes()
+        forward_shapes, sampler_shapes, prompt_shapes, step_shapes = self.shapes()
         lowered = [((self._forward_exec, key), self._lower_forward(*key)) for key in forward_shapes]
+        lowered += [((self._steps_exec, key), self._lower_decode_steps(*key)) for key in step_shapes]
         lowered += [((self._sample_exec, key), self._lower_sampler(*key)) for key in sampler_shapes]
         lowered += [((self._prompt_exec, key), self._lower_prompt_logprobs(*key)) for key in prompt_shapes]
         bar = tqdm(total=len(lowered), desc="compiling step buckets", disable=not show_progress, leave=False)
@@ -251,6 +288,10 @@ class Runner:
     def _lower_forward(self, num_tokens: int, width: int, num_pages: int | None = None) -> jax.stages.Lowered:
         """Lower the forward bucket (T, W) against the allocated pool, or an abstract one of `num_pages`."""
         function, args = self.forward_call(num_tokens, width, num_pages)
+        return function.lower(*args)
+
+    def _lower_decode_steps(self, num_tokens: int, width: int) -> jax.stages.Lowered:
+        function, args = self.decode_steps_call(num_tokens, width)
         return function.lower(*args)
 
     def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
@@ -275,6 +316,17 @@ class Runner:
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
         return self._forward, (self.params, caches, last_tokens, self._abstract(buffer), layout)
 
+    def decode_steps_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
+        """The multi-step decode bucket (T, W): T tokens, one per row, sampled with no per-row token lists."""
+        num_rows = self.ladders.rows_for(num_tokens)
+        batch = pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)))
+        sampling = pack(SamplingBatch(**padded_sampling_arrays(num_rows, 0)))
+        steps = pack(DecodeSteps(**padded_decode_step_arrays(num_rows)))
+        caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
+        last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
+        buffers = tuple(self._abstract(buffer) for buffer, _ in (batch, sampling, steps))
+        return self._decode_steps, (self.params, caches, last_tokens, buffers, (batch[1], sampling[1], steps[1]))
+
     def sampler_call(self, num_rows: int, aux_width: int) -> tuple[Callable, tuple]:
         """The sampler bucket (R, P)."""
         buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width)))
@@ -295,12 +347,16 @@ class Runner:
     # ---- one step ----------------------------------------------------------------------------
 
     def dispatch(
-        self, batch: BatchDescriptor, sampling: SamplingBatch, prompt: PromptLogprobBatch | None = None
+        self, batch: BatchDescriptor, sampling: SamplingBatch, prompt: PromptLogprobBatch | None = None,
+        decode_steps: DecodeSteps | None = None,
     ) -> "PendingStep":
         """Start the model and the sampler (and the scoring of prompt tokens when `prompt` is given) on the
         device and return at once; `PendingStep.fetch()` waits for the samples. A token whose id the host
-        does not have yet is read from the previous dispatch's samples (`batch.device_token_index`)."""
+        does not have yet is read from the previous dispatch's samples (`batch.device_token_index`). With
+        `decode_steps`, a decode-only batch runs several iterations in one call (decode_steps.py)."""
         num_tokens, (num_rows, width) = batch.input_ids.shape[0], batch.page_table.shape
+        if decode_steps is not None:
+            return self._dispatch_decode_steps(batch, sampling, decode_steps)
         forward = self._executable(self._forward_exec, (num_tokens, width), self._lower_forward)
         sampler = self._executable(
             self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
@@ -314,8 +370,23 @@ class Runner:
             scored = scorer(self.params, hidden, jax.device_put(pack(prompt)[0], self._replicated))
             num_targets = int(prompt.num_targets)
         logprobs = (out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs) if sampling.need_logprobs else None
-        pending = PendingStep(out.token_ids, logprobs, scored, int(batch.num_seqs), num_targets)
-        pending.ready = self._ready_clock.submit(_ready_time, (out.token_ids, scored))
+        return self._pending(out.token_ids, logprobs, scored, int(batch.num_seqs), num_targets)
+
+    def _dispatch_decode_steps(self, batch: BatchDescriptor, sampling: SamplingBatch,
+                               steps: DecodeSteps) -> "PendingStep":
+        """A multi-step decode: every iteration's samples come back as one (K, R) array."""
+        key = (batch.input_ids.shape[0], batch.page_table.shape[1])
+        if sampling.aux_token_ids.shape[1] or sampling.need_logprobs:
+            raise RuntimeError("a multi-step decode samples from the logits alone (no token lists, no logprobs)")
+        executable = self._executable(self._steps_exec, key, self._lower_decode_steps)
+        buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, steps)), self._replicated)
+        samples, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
+        return self._pending(samples, None, None, int(batch.num_seqs), 0)
+
+    def _pending(self, token_ids: jax.Array, logprobs, scored, num_seqs: int, num_targets: int) -> "PendingStep":
+        """A PendingStep whose `ready` the helper thread resolves when its outputs are computed."""
+        pending = PendingStep(token_ids, logprobs, scored, num_seqs, num_targets)
+        pending.ready = self._ready_clock.submit(_ready_time, (token_ids, scored))
         return pending
 
     def _executable(self, table: dict, key: tuple[int, int], lower_fn) -> jax.stages.Compiled:

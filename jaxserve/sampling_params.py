@@ -19,6 +19,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
 # Longest token lists a request may send; they bound the sampler's per-row token list (batch.py).
 MAX_STOP_TOKEN_IDS = 64
+MAX_EOS_TOKEN_IDS = 16  # multi-step decoding checks this many EOS ids on the device (more: one token per step)
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_BAD_WORDS = 64

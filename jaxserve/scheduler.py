@@ -12,6 +12,7 @@ import time
 from jaxserve.config import SchedulerConfig
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.request import Logprob, Request, RequestStatus
+from jaxserve.sampling_params import MAX_EOS_TOKEN_IDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,14 @@ class ScheduledRequest:
     # token, computed again only for its logits): the step must not write them into shared pages.
     num_present_tokens: int = 0
     sample_index: int = 0  # the output index of the token this chunk samples (when it samples)
+    # Tokens the chunk samples: 1, or up to num_scheduler_steps for a decode run as several iterations in
+    # one device call, each computing the token the last one sampled (pages for them all are allocated).
+    num_steps: int = 1
+
+    @property
+    def num_positions(self) -> int:
+        """Positions whose KV this step computes: the chunk's tokens and the extra iterations' inputs."""
+        return self.num_new_tokens + self.num_steps - 1
 
 
 @dataclasses.dataclass
@@ -124,13 +133,15 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             victims = self._grow_or_preempt(request, num_new)
             preempted += [victim.request_id for victim, _ in victims]
-            # A victim already given tokens this step leaves the batch and gives its tokens back.
+            # A victim already given tokens this step leaves the batch and gives its tokens back (one that
+            # only waits for its last samples was passed over: it had none).
             for victim, victim_index in victims:
                 if victim_index < index:
                     index -= 1
-                    entry = next(s for s in scheduled if s.request is victim)
-                    scheduled.remove(entry)
-                    budget += entry.num_new_tokens
+                    entry = next((s for s in scheduled if s.request is victim), None)
+                    if entry is not None:
+                        scheduled.remove(entry)
+                        budget += entry.num_new_tokens
             if any(victim is request for victim, _ in victims):
                 continue  # the request preempted itself; the list has shifted under `index`
             scheduled.append(self._schedule_one(request, num_new))
@@ -150,15 +161,35 @@ class Scheduler:
             scheduled.append(item)
             budget -= item.num_new_tokens
 
+        if self.config.num_scheduler_steps > 1 and not preempted:
+            scheduled = self._take_steps(scheduled)
         for item in scheduled:
             self._advance(item)
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted)
 
     def _advance(self, item: ScheduledRequest) -> None:
-        """Count a scheduled chunk as computed and its sample (if any) as a placeholder until update()
-        brings its id: the next step can then be planned before this one's tokens reach the host."""
-        item.request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-        item.request.num_output_placeholders += item.samples
+        """Count a scheduled chunk as computed and its samples (if any) as placeholders until update()
+        brings their ids: the next step can then be planned before this one's tokens reach the host."""
+        item.request.num_computed_tokens = item.num_computed_tokens + item.num_positions
+        item.request.num_output_placeholders += item.num_steps if item.samples else 0
+
+    def _take_steps(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """Multi-step decoding: when every row is a plain decode, give each up to num_scheduler_steps samples
+        (fewer near its max_tokens or max_model_len), with pages for them all; a row whose pages cannot be
+        had takes one step. Otherwise the step stays as it is."""
+        if not scheduled or not all(_decodes_plainly(item) for item in scheduled):
+            return scheduled
+        stepped = []
+        for item in scheduled:
+            request, computed = item.request, item.num_computed_tokens
+            steps = min(self.config.num_scheduler_steps, request.max_tokens - item.sample_index,
+                        self.config.max_model_len - 1 - computed)
+            if steps > 1 and self.kv.allocate_slots(request.request_id, computed + 1, computed + steps):
+                pages = self.kv.page_ids(request.request_id)[:pages_for_tokens(computed + steps, self.kv.page_size)]
+                item = dataclasses.replace(item, num_steps=steps, page_ids=tuple(pages),
+                                           page_copies=item.page_copies + tuple(self.kv.pop_copies(request.request_id)))
+            stepped.append(item)
+        return stepped
 
     def _ends_on_the_device(self, request: Request) -> bool:
         """True for a request whose sampled tokens still on the device already reach max_tokens or
@@ -243,43 +274,52 @@ class Scheduler:
         and their next step makes the page copies this one did not."""
         for item in output.scheduled:
             item.request.num_computed_tokens = item.num_computed_tokens
-            item.request.num_output_placeholders -= item.samples
+            item.request.num_output_placeholders -= item.num_steps if item.samples else 0
             self.kv.restore_copies(item.request.request_id, list(item.page_copies))
 
-    def update(self, output: SchedulerOutput, sampled: list[SampledToken | None]) -> list[Request]:
-        """Bring a finished step's samples: each replaces a placeholder, stop checks may finish requests
-        (a request preempted since the step was planned keeps its token); returns requests that changed.
+    def update(self, output: SchedulerOutput, sampled: list[list[SampledToken]]) -> list[Request]:
+        """Bring a finished step's samples: each replaces a placeholder and stop checks may finish requests
+        (tokens after a stop are dropped; a request preempted since the step was planned keeps its tokens);
+        returns requests that changed.
 
-        `sampled[i]` belongs to `output.scheduled[i]` and is None for a chunk that does not sample.
+        `sampled[i]` holds the tokens `output.scheduled[i]` sampled, in order (none for a chunk that does
+        not sample).
         """
         changed = []
         now = time.monotonic()
-        for item, sample in zip(output.scheduled, sampled, strict=True):
+        for item, samples in zip(output.scheduled, sampled, strict=True):
             request = item.request
             if request.is_finished:
                 continue  # finished from outside, or by an earlier token, after the step was planned
             if request.status is RequestStatus.RUNNING:  # pages full of KV whose token ids the host has
                 self.kv.cache_full_pages(request.request_id, min(request.num_computed_tokens,
                                          request.num_known_tokens), request.token_ids, request.cache_salt)
-            if sample is None:
+            if not samples:
                 continue
-            request.num_output_placeholders -= 1
             if request.max_tokens == 0:  # the prompt ran (for its logprobs); nothing is generated
                 self._end(request, RequestStatus.FINISHED_LENGTH_CAPPED)
-                changed.append(request)
-                continue
-            request.output_token_ids.append(sample.token_id)
-            if sample.logprobs is not None:
-                request.output_logprobs.append(sample.logprobs)
-            self.num_generation_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self.num_prompt_tokens += len(request.prompt_token_ids)
-            status = self._stop_status(request, sample.token_id)
-            if status is not None:
-                self._end(request, status)
+            else:
+                for sample in samples:
+                    if self._append(request, sample, now):
+                        break
             changed.append(request)
         return changed
+
+    def _append(self, request: Request, sample: SampledToken, now: float) -> bool:
+        """Replace one placeholder by its sampled token and apply the stop checks; True when that ended the
+        request."""
+        request.num_output_placeholders -= 1
+        request.output_token_ids.append(sample.token_id)
+        if sample.logprobs is not None:
+            request.output_logprobs.append(sample.logprobs)
+        self.num_generation_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.num_prompt_tokens += len(request.prompt_token_ids)
+        status = self._stop_status(request, sample.token_id)
+        if status is not None:
+            self._end(request, status)
+        return status is not None
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -352,3 +392,13 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens or request.num_known_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+
+def _decodes_plainly(item: ScheduledRequest) -> bool:
+    """True for a one-token decode whose sampling reads nothing but its logits and seed (no penalties, bans,
+    biases, allowed ids or logprobs), so several of its tokens can be sampled on the device in a row."""
+    request, params = item.request, item.request.sampling_params
+    return (item.samples and item.num_new_tokens == 1 and not request.needs_output_on_host
+            and item.sample_index >= params.min_tokens and not params.allowed_token_ids and not params.logit_bias
+            and params.logprobs is None and not request.num_prompt_logprobs_missing
+            and len(request.eos_token_ids) <= MAX_EOS_TOKEN_IDS)

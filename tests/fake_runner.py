@@ -28,14 +28,12 @@ def fake_token(request_id: str, position: int) -> int:
     return int.from_bytes(digest, "little") % VOCAB
 
 
-def fake_step(output: SchedulerOutput) -> list[SampledToken | None]:
-    """One runner step: a token for every chunk that reaches the end of its request, else None.
-
-    The new token goes at the position after the chunk's last token.
-    """
+def fake_step(output: SchedulerOutput) -> list[list[SampledToken]]:
+    """One runner step: the tokens of every chunk that reaches the end of its request (one, or `num_steps` for a
+    multi-step decode), at the positions after the chunk's last token; none for the other chunks."""
     return [
-        SampledToken(fake_token(item.request.request_id, item.num_computed_tokens + item.num_new_tokens))
-        if item.samples else None
+        [SampledToken(fake_token(item.request.request_id, item.num_computed_tokens + item.num_new_tokens + step))
+         for step in range(item.num_steps)] if item.samples else []
         for item in output.scheduled
     ]
 
@@ -106,6 +104,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     policy: str = "fcfs",
     static_batching: bool = False,
+    num_scheduler_steps: int = 1,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -114,6 +113,7 @@ def make_scheduler(
         enable_chunked_prefill=enable_chunked_prefill,
         policy=policy,
         static_batching=static_batching,
+        num_scheduler_steps=num_scheduler_steps,
     )
     return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size))
 
@@ -171,20 +171,24 @@ def check_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
     for item in output.scheduled:
         request = item.request
         assert item.num_new_tokens >= 1
-        # schedule() counts the chunk as computed and its sample as a placeholder at once.
-        assert request.num_computed_tokens == item.num_computed_tokens + item.num_new_tokens
+        # schedule() counts the chunk (and a multi-step decode's extra iterations) as computed and its samples
+        # as placeholders at once.
+        assert request.num_computed_tokens == item.num_computed_tokens + item.num_positions
         assert request.num_computed_tokens + item.samples <= request.num_tokens
+        if item.num_steps > 1:
+            assert item.samples and item.num_new_tokens == 1 and not output.preempted_ids
+            assert item.sample_index + item.num_steps <= request.max_tokens
+            assert request.num_computed_tokens < config.max_model_len
         assert request.status == RequestStatus.RUNNING
         assert request in scheduler.running
         assert NULL_PAGE not in item.page_ids
-        assert len(item.page_ids) * kv.page_size >= item.num_computed_tokens + item.num_new_tokens, (
-            f"{request.request_id}: {len(item.page_ids)} pages for "
-            f"{item.num_computed_tokens + item.num_new_tokens} tokens"
+        assert len(item.page_ids) * kv.page_size >= request.num_computed_tokens, (
+            f"{request.request_id}: {len(item.page_ids)} pages for {request.num_computed_tokens} tokens"
         )
         # Static batching holds a reservation; a step sees only the pages its tokens reach.
         held = kv.page_ids(request.request_id)
         if config.static_batching:
-            held = held[: pages_for_tokens(item.num_computed_tokens + item.num_new_tokens, kv.page_size)]
+            held = held[: pages_for_tokens(request.num_computed_tokens, kv.page_size)]
         assert item.page_ids == tuple(held), (
             f"{request.request_id} is scheduled with pages {item.page_ids} but holds {kv.page_ids(request.request_id)}"
         )
@@ -243,7 +247,7 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int,
     aborts_mid: dict[int, list[str]] = {}
     preempted_seen = 0
     max_running = 0
-    in_flight: list[tuple[SchedulerOutput, list[SampledToken | None]]] = []  # scheduled, not yet updated
+    in_flight: list[tuple[SchedulerOutput, list[list[SampledToken]]]] = []  # scheduled, not yet updated
 
     step = 0
     while step <= last_arrival or scheduler.has_unfinished_requests():

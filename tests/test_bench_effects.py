@@ -17,7 +17,7 @@ TINY = [
     "--decode-requests", "4", "--decode-prompt-len", "16", "--decode-output-len", "24",
     "--long-requests", "2", "--long-prompt-len", "160", "--long-output-len", "4",
     "--prefix-requests", "6", "--prefix-len", "64", "--question-len", "8", "--prefix-output-len", "8",
-    "--unshared-requests", "6",
+    "--unshared-requests", "6", "--scheduler-steps", "1", "4",
     "--n", "4", "--parallel-prompts", "2", "--parallel-prompt-len", "48", "--parallel-output-len", "8",
 ]
 
@@ -73,6 +73,20 @@ def test_prefix_cache(result):
     assert 0 < host["cache_s"] < host["run_s"] and host["methods"]["find_cached_prefix"]["calls"] == 6
     assert unshared["systems"][0]["output_tokens"] == unshared["systems"][1]["output_tokens"] > 6
     assert unshared["same_tokens"] == [6, 6]
+
+
+def test_overlap(result):
+    overlap = result["effects"]["overlap"]
+    sync, async_one, async_four = overlap["systems"]
+    assert [side["system"] for side in overlap["systems"]] == ["sync, 1 step", "async, 1 step", "async, 4 steps"]
+    for side in overlap["systems"]:
+        check_timing(side, sync["output_tokens"])
+        timing = side["timing_best_run"]
+        assert timing["steps"] == side["steps_runs"][0] > 0 and 0.0 <= timing["device_idle_fraction"] <= 1.0
+        assert side["itl_ms"]["p50"] <= side["itl_ms"]["p99"]
+    assert overlap["same_tokens_as_sync"] == [[6, 6], [6, 6]]
+    assert async_four["steps_runs"][0] < async_one["steps_runs"][0]  # decodes took 4 tokens per step
+    assert len(overlap["throughput_over_sync"]) == 2
 
 
 def test_parallel_sampling(result):

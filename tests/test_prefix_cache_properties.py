@@ -113,23 +113,23 @@ class FakeDevice:
                 f"expected {want[bad]}: pages {list(pages)}"
             )
 
-    def run(self, output: SchedulerOutput) -> list[SampledToken | None]:
+    def run(self, output: SchedulerOutput) -> list[list[SampledToken]]:
         """One step: the copies, then every row's writes, then every sampling row reads and samples."""
         assert len(output.page_copies) <= len(output.scheduled), "more page copies than batch rows"
         self.copy(output.page_copies)
         for item in output.scheduled:
             start = item.num_computed_tokens + item.num_present_tokens  # present tokens are not written
             self.write(item.page_ids, start, item.request.token_ids(start, item.num_computed_tokens + item.num_new_tokens))
-        sampled: list[SampledToken | None] = []
+        sampled: list[list[SampledToken]] = []
         for item in output.scheduled:
             if not item.samples:
-                sampled.append(None)
+                sampled.append([])
                 continue
             request = item.request
-            context = request.token_ids(0, request.num_tokens)
+            context = request.token_ids(0, item.num_computed_tokens + item.num_new_tokens)
             self.check_context(request.request_id, item.page_ids, context)
             tokens = [token for token, _ in self.read(item.page_ids, len(context))]
-            sampled.append(SampledToken(model_token(request.request_id, tokens)))
+            sampled.append([SampledToken(model_token(request.request_id, tokens))])
         return sampled
 
 

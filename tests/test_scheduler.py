@@ -151,12 +151,13 @@ def test_random_workloads_priority(workload):
 
 
 @settings(max_examples=200, deadline=None)
-@given(workloads(), st.sampled_from(["fcfs", "priority"]))
-def test_random_workloads_asynchronous(workload, policy):
-    """Asynchronous scheduling (each step planned before the last one's samples are known): the same
-    invariants, page return and outputs, under both policies."""
+@given(workloads(), st.sampled_from(["fcfs", "priority"]), st.sampled_from([0, 1]), st.sampled_from([1, 4, 8]))
+def test_random_workloads_asynchronous_and_multi_step(workload, policy, lag, steps):
+    """Asynchronous scheduling (each step planned before the last one's samples are known) and multi-step
+    decoding (several samples per decode row and step): the same invariants, page return and outputs,
+    under both policies."""
     config, specs = workload
-    _check_workload({**config, "policy": policy}, specs, lag=1)
+    _check_workload({**config, "policy": policy, "num_scheduler_steps": steps}, specs, lag=lag)
 
 
 @settings(max_examples=200, deadline=None)
@@ -362,7 +363,7 @@ def test_priority_preempted_request_sampling_a_stop_token_does_not_crash_update(
     _step(scheduler)
     _step(scheduler)
     output = scheduler.schedule()
-    sampled = [SampledToken(0) if s.samples else None for s in output.scheduled]
+    sampled = [[SampledToken(0)] if s.samples else [] for s in output.scheduled]
     a.sampling_params.stop_token_ids.append(0)  # make A's next token (0) a stop token
     scheduler.update(output, sampled)  # must not raise
     assert a.is_finished or a.num_computed_tokens == 0

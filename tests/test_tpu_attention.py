@@ -64,7 +64,8 @@ def _batch(page_size: int, num_pages: int, rng) -> tuple[BatchDescriptor, np.nda
             cached_slots[pages[p // page_size], p % page_size] = True
         start += count
     zeros = np.zeros(num_rows, np.int32)
-    batch = BatchDescriptor(input_ids=np.zeros(num_tokens, np.int32), logits_indices=zeros, copy_src=zeros,
+    batch = BatchDescriptor(input_ids=np.zeros(num_tokens, np.int32),
+                            device_token_index=np.full(num_tokens, -1, np.int32), logits_indices=zeros, copy_src=zeros,
                             copy_dst=zeros, num_seqs=np.asarray(len(ROWS) - 2, np.int32), **arrays)
     return jax.tree.map(jnp.asarray, batch), cached_slots
 
@@ -185,7 +186,8 @@ def test_lowers_for_tpu_on_the_cpu(tp):
     def step(q, k, v, cache, query_start_loc, seq_lens, page_table, slot_mapping, num_seqs):
         tokens = jnp.zeros(num_tokens, jnp.int32)
         rows = jnp.zeros(num_rows, jnp.int32)
-        batch = BatchDescriptor(input_ids=tokens, positions=tokens, slot_mapping=slot_mapping,
+        batch = BatchDescriptor(input_ids=tokens, device_token_index=tokens - 1, positions=tokens,
+                                slot_mapping=slot_mapping,
                                 query_start_loc=query_start_loc, seq_lens=seq_lens, page_table=page_table,
                                 logits_indices=rows, copy_src=rows, copy_dst=rows, num_seqs=num_seqs)
         caches = backend.write_kv((cache,), jnp.int32(1), k, v, batch)

@@ -17,6 +17,12 @@ prefix-cache       a --prefix-len system prompt shared by every request, each wi
                    could reuse the prefix's full pages), output tokens/s, mean TTFT; and a workload with no
                    shared prefixes (random prompts, long-tailed outputs) on and off: output tokens/s, and the
                    host time spent in the cache's hashing and lookups in one more, instrumented, run.
+overlap            asynchronous scheduling and multi-step decoding on the workload sharing nothing: the
+                   synchronous engine, then async scheduling with --scheduler-steps K decode iterations per
+                   device call (1, 4, 8 by default): output tokens/s, inter-token latency (p50, p99; a K-step
+                   call brings K tokens at once, so ITL trades against throughput), TPOT, the host's ms per
+                   step by phase and the device's idle share (stats()["timing"]), and whether the greedy tokens
+                   equal the synchronous engine's.
 parallel-sampling  prompts each sampled n times (temperature 1, seeded): one request with n samples (they
                    fork the prompt's pages) against n requests with seeds seed + i, on one engine with
                    prefix caching off (so the forks are the only sharing): peak KV pages, pages per running
@@ -49,9 +55,10 @@ from jaxserve.bench.workloads import BenchRequest, Workload, random_workload, sh
 from jaxserve.config import DEFAULT_CACHE_DIR, EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.step_timing import PHASES
 from jaxserve.tokenizer import load_tokenizer
 
-EFFECTS = ("chunked-prefill", "prefix-cache", "parallel-sampling")
+EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling")
 PAGE_SIZE = 16  # tokens per KV page
 WARMUP_OUTPUT_LEN = 8  # tokens generated per warm-up request
 # The workload sharing nothing (throughput.py's shape): prompts uniform in (low, high) tokens, outputs lognormal
@@ -118,6 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     median, out_low, out_high = UNSHARED_OUTPUT
     _sized(prefix, "--unshared-requests", f"requests of the no-sharing workload: prompts uniform in {low}-{high} "
                                           f"tokens, outputs lognormal with median {median} in {out_low}-{out_high}")
+    overlapping = parser.add_argument_group("overlap (its workload is prefix-cache's sharing nothing)")
+    overlapping.add_argument("--scheduler-steps", type=int, nargs="+", default=[1, 4, 8],
+                             help="num_scheduler_steps of the asynchronous systems (default: 1 4 8)")
     parallel = parser.add_argument_group("parallel-sampling")
     parallel.add_argument("--n", type=int, default=8, help="samples per prompt (default %(default)s)")
     _sized(parallel, "--parallel-prompts", "prompts")
@@ -198,6 +208,7 @@ class Run:
     prefix_cache_hits: int  # prompt tokens found computed in cached pages
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     preemptions: int
+    timing: dict  # the engine's stats()["timing"] over this run
 
     @property
     def output_tokens(self) -> int:
@@ -214,13 +225,14 @@ def run_once(engine: LLMEngine, workload: Workload, params: Callable[[BenchReque
              arrival_times: Sequence[float] | None = None) -> Run:
     """One run of `workload` on `engine`, from an empty prefix cache."""
     engine.reset_prefix_cache()
+    engine.core.timing.reset()
     gc.collect()
     before = engine.stats()
     result = drive(engine, workload, arrival_times, params)
     after = engine.stats()
     return Run(result, after["prefix_cache_hits"] - before["prefix_cache_hits"],
                after["prefix_cache_queries"] - before["prefix_cache_queries"],
-               after["preemptions"] - before["preemptions"])
+               after["preemptions"] - before["preemptions"], after["timing"])
 
 
 def compare(systems: list[System], repeats: int, log: Callable[[str], None]) -> list[list[Run]]:
@@ -499,7 +511,41 @@ def parallel_sampling(args: argparse.Namespace, engines: Engines, ids: Sequence[
             "same_tokens": same_tokens(shared_runs[0].result.output_token_ids, first_samples)}
 
 
-EXPERIMENTS = {"chunked-prefill": chunked_prefill, "prefix-cache": prefix_cache,
+# ---- asynchronous scheduling and multi-step decoding ---------------------------------------------------
+
+def overlap(args: argparse.Namespace, engines: Engines, ids: Sequence[int], log: Callable[[str], None]) -> dict:
+    """The synchronous engine against asynchronous scheduling with each of --scheduler-steps (see the module
+    docstring)."""
+    workload = random_workload(args.unshared_requests, ids, "uniform", 0, *UNSHARED_PROMPT_RANGE, "lognormal",
+                               *UNSHARED_OUTPUT, args.seed + 1)
+    warmup = random_workload(8, ids, "uniform", 0, *UNSHARED_PROMPT_RANGE, "fixed", WARMUP_OUTPUT_LEN, 1, 1,
+                             args.seed + 101)
+    log(f"overlap: {workload.description}")
+    systems = [System("sync, 1 step", engines.get(async_scheduling=False), workload, warmup)]
+    systems += [System(f"async, {steps} step{'s' if steps > 1 else ''}",
+                       engines.get(async_scheduling=True, num_scheduler_steps=steps), workload, warmup)
+                for steps in args.scheduler_steps]
+    runs = compare(systems, args.repeats, log)
+    sides = [overlap_side(system, system_runs) for system, system_runs in zip(systems, runs)]
+    return {"workload": workload.description, "systems": sides,
+            "throughput_over_sync": [ratios(side, sides[0], side_runs, runs[0])
+                                     for side, side_runs in zip(sides[1:], runs[1:])],
+            "same_tokens_as_sync": [same_tokens(side_runs[0].result.output_token_ids,
+                                                runs[0][0].result.output_token_ids) for side_runs in runs[1:]]}
+
+
+def overlap_side(system: System, runs: list[Run]) -> dict:
+    """One system of the overlap experiment: throughput, ITL and TPOT over all its runs (ms), the steps
+    dispatched to the device in each run, and the engine's timing of its best run."""
+    traces = [trace for run in runs for trace in run.result.traces]
+    best = min(runs, key=lambda run: run.result.seconds)
+    return {"system": system.name, **timing(runs),
+            "itl_ms": _spread(_ms([itl for trace in traces for itl in trace.itls])),
+            "tpot_ms": _spread(_ms([trace.tpot for trace in traces if trace.tpot is not None])),
+            "steps_runs": [run.timing["steps"] for run in runs], "timing_best_run": best.timing}  # device steps
+
+
+EXPERIMENTS = {"chunked-prefill": chunked_prefill, "prefix-cache": prefix_cache, "overlap": overlap,
                "parallel-sampling": parallel_sampling}
 
 
@@ -575,6 +621,25 @@ def prefix_lines(result: dict) -> list[str]:
             f"of {host['run_s']:.2f} s = {100 * host['share']:.2f}% ({calls})"]
 
 
+def overlap_lines(result: dict) -> list[str]:
+    """The overlap report: asynchronous scheduling and multi-step decoding against the synchronous engine."""
+    lines = [f"### asynchronous scheduling and multi-step decoding: {result['workload']}", "",
+             "| system | mean tok/s | best tok/s | timed runs (s) | device steps | ITL p50 / p99 (ms) | TPOT mean / p99 (ms) "
+             "| host ms per step: schedule / build / dispatch / wait / update / output (best run) | device idle |",
+             "|---|---:|---:|---|---:|---:|---:|---|---:|"]
+    for side in result["systems"]:
+        itl, tpot, host = side["itl_ms"], side["tpot_ms"], side["timing_best_run"]
+        phases = " / ".join(f"{host[phase + '_ms']:.2f}" for phase in PHASES)
+        lines.append(f"| {side['system']} | {_timing_cells(side)} | {side['steps_runs'][0]} | {_num(itl['p50'])} / "
+                     f"{_num(itl['p99'])} | {_num(tpot['mean'])} / {_num(tpot['p99'])} | {phases} | "
+                     f"{100 * host['device_idle_fraction']:.1f}% |")
+    lines.append("")
+    for side, ratio, same in zip(result["systems"][1:], result["throughput_over_sync"], result["same_tokens_as_sync"]):
+        lines.append(f"{side['system']} / sync: throughput {_ratio_text(ratio)}; greedy tokens equal for "
+                     f"{same[0]}/{same[1]} requests")
+    return lines
+
+
 def parallel_lines(result: dict) -> list[str]:
     """The parallel-sampling report."""
     lines = [f"### parallel sampling: {result['workload']}", "",
@@ -597,7 +662,8 @@ def report_lines(result: dict) -> list[str]:
     """The whole report, one section per experiment run."""
     lines = [f"## jaxserve bench effects: {result['model']} ({result['elapsed_s']:.0f} s in all; load average "
              f"{result['load_before']} before, {result['load_after']} after)"]
-    sections = {"chunked-prefill": chunked_lines, "prefix-cache": prefix_lines, "parallel-sampling": parallel_lines}
+    sections = {"chunked-prefill": chunked_lines, "prefix-cache": prefix_lines, "overlap": overlap_lines,
+                "parallel-sampling": parallel_lines}
     for effect, effect_result in result["effects"].items():
         lines += ["", *sections[effect](effect_result)]
     return lines
