@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from jaxserve.bench import models, stats
 from jaxserve.bench.driver import DriveResult, bench_params, drive
 from jaxserve.bench.offline import make_logger
-from jaxserve.bench.results import write_json
+from jaxserve.bench.results import command_args, write_json
 from jaxserve.bench.workloads import BenchRequest, Workload, random_workload, shared_prefix_workload, vocab_ids
 from jaxserve.config import DEFAULT_CACHE_DIR, EngineConfig
 from jaxserve.engine import LLMEngine
@@ -126,8 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _sized(prefix, "--unshared-requests", f"requests of the no-sharing workload: prompts uniform in {low}-{high} "
                                           f"tokens, outputs lognormal with median {median} in {out_low}-{out_high}")
     overlapping = parser.add_argument_group("overlap (its workload is prefix-cache's sharing nothing)")
-    overlapping.add_argument("--scheduler-steps", type=int, nargs="+", default=[1, 4, 8],
-                             help="num_scheduler_steps of the asynchronous systems (default: 1 4 8)")
+    overlapping.add_argument("--scheduler-steps", type=int, nargs="+", default=[1, 4],
+                             help="num_scheduler_steps of the asynchronous systems (default: 1 4; more systems "
+                             "may exhaust the process's memory mappings on the CPU: run K = 8 in a second command)")
     parallel = parser.add_argument_group("parallel-sampling")
     parallel.add_argument("--n", type=int, default=8, help="samples per prompt (default %(default)s)")
     _sized(parallel, "--parallel-prompts", "prompts")
@@ -683,7 +684,7 @@ def run(args: argparse.Namespace) -> dict:
     folder = models.model_from_args(args, log)
     ids = vocab_ids(load_tokenizer(folder))
     engines = Engines(args, folder, log)
-    result.update(model=folder, args=vars(args), effects={})
+    result.update(model=folder, args=command_args(args), effects={})
     for effect in EFFECTS:
         if effect in args.effect:
             result["effects"][effect] = EXPERIMENTS[effect](args, engines, ids, log)

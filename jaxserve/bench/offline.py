@@ -56,7 +56,7 @@ import numpy as np
 
 from jaxserve.bench import ct2_worker, hf_systems, models, stats
 from jaxserve.bench.driver import DriveResult, drive
-from jaxserve.bench.results import write_json
+from jaxserve.bench.results import command_args, write_json
 from jaxserve.bench.workloads import BenchRequest, Workload, add_workload_arguments, workload_from_args
 from jaxserve.config import VALID_DTYPES, EngineConfig
 from jaxserve.engine import LLMEngine
@@ -594,7 +594,7 @@ def assemble(args: argparse.Namespace, folder: str, dtype: str, workload: Worklo
         paged_over_static = {"mean": 1.0 / static["ratio_mean"], "best": 1.0 / static["ratio_best"]}
     return {
         "command": shlex.join(sys.argv),
-        "args": {key: value for key, value in vars(args).items() if not callable(value)},
+        "args": command_args(args),
         "model": {"folder": folder, "shape": None if args.model else args.model_shape, "dtype": dtype,
                   "load_format": args.load_format},
         "workload": {"name": workload.name, "description": workload.description, "seed": args.seed,

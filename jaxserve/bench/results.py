@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Callable
+
+
+def command_args(args: argparse.Namespace) -> dict:
+    """A command's parsed options for its JSON result (the CLI's handler function left out)."""
+    return {key: value for key, value in vars(args).items() if not callable(value)}
 
 
 def write_json(path: str, result: dict, log: Callable[[str], None] = print) -> None:
