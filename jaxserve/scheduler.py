@@ -34,6 +34,11 @@ class ScheduledRequest:
     num_steps: int = 1
 
     @property
+    def num_samples(self) -> int:
+        """Tokens this step samples for the request: num_steps, or 0 for a chunk that stops mid-prompt."""
+        return self.num_steps if self.samples else 0
+
+    @property
     def num_positions(self) -> int:
         """Positions whose KV this step computes: the chunk's tokens and the extra iterations' inputs."""
         return self.num_new_tokens + self.num_steps - 1
@@ -171,7 +176,7 @@ class Scheduler:
         """Count a scheduled chunk as computed and its samples (if any) as placeholders until update()
         brings their ids: the next step can then be planned before this one's tokens reach the host."""
         item.request.num_computed_tokens = item.num_computed_tokens + item.num_positions
-        item.request.num_output_placeholders += item.num_steps if item.samples else 0
+        item.request.num_output_placeholders += item.num_samples
 
     def _take_steps(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """Multi-step decoding: when every row is a plain decode, give each up to num_scheduler_steps samples
@@ -274,7 +279,7 @@ class Scheduler:
         and their next step makes the page copies this one did not."""
         for item in output.scheduled:
             item.request.num_computed_tokens = item.num_computed_tokens
-            item.request.num_output_placeholders -= item.num_steps if item.samples else 0
+            item.request.num_output_placeholders -= item.num_samples
             self.kv.restore_copies(item.request.request_id, list(item.page_copies))
 
     def update(self, output: SchedulerOutput, sampled: list[list[SampledToken]]) -> list[Request]:
