@@ -13,6 +13,7 @@ from jaxserve import check_config
 from jaxserve.bench.cli import add_bench_commands
 from jaxserve.config import (
     VALID_ATTENTION_BACKENDS, VALID_BATCHING, VALID_DTYPES, VALID_LOAD_FORMATS, VALID_PAGE_SIZES, VALID_POLICIES,
+    VALID_PREEMPTION_MODES,
     EngineConfig,
 )
 from jaxserve.engine import DEFAULT_MODEL_NAME, LLMEngine
@@ -25,7 +26,7 @@ ENGINE_FLAGS = (
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
     "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format", "async_scheduling",
-    "num_scheduler_steps",
+    "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions",
 )
 
 
@@ -66,6 +67,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="plan each step while the device runs the one before it")
     parser.add_argument("--num-scheduler-steps", type=int,
                         help="decode iterations per device call when every row of a step decodes (default 1)")
+    parser.add_argument("--preemption-mode", choices=list(VALID_PREEMPTION_MODES),
+                        help="recompute (default), swap (KV to host memory and back) or auto (swap long contexts)")
+    parser.add_argument("--swap-space", type=float, help="GiB of host memory for swapped-out KV pages (default 4)")
+    parser.add_argument("--max-preemptions", type=int,
+                        help="priority policy: preemptions in a row after which a request is not preempted by "
+                             "another again until it finishes (default 3)")
 
 
 def generate(args: argparse.Namespace) -> int:

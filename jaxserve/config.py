@@ -10,6 +10,9 @@ import yaml
 VALID_PAGE_SIZES = (8, 16, 32)
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_POLICIES = ("fcfs", "priority")
+# How a preempted request gives its KV pages back: recompute (drop them; its tokens are computed again when it
+# resumes), swap (copy them to a host-memory pool and back when it resumes), auto (swap long contexts).
+VALID_PREEMPTION_MODES = ("recompute", "swap", "auto")
 VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas-tpu-interpret")
 # continuous: requests join and leave the running batch at every step and hold only the pages they fill;
 # static: a pre-paging server, the baseline of `jaxserve bench`: a batch is admitted only when the previous
@@ -32,6 +35,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     static_batching: bool = False
     num_scheduler_steps: int = 1  # decode iterations per step when every row is a plain decode
+    preemption_mode: str = "recompute"  # auto: swap a victim with more computed tokens than the step budget
+    # priority: a request preempted this many times in a row is not preempted by another again until it yields
+    max_preemptions: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +70,13 @@ class EngineConfig:
     # Multi-step decoding: a step whose rows all decode runs up to this many forward + sample iterations
     # in one device call (vLLM's old option name).
     num_scheduler_steps: int = 1
+    # Preemption (vLLM's names): recompute, swap (to a host pool of swap_space GiB) or auto (swap the contexts
+    # longer than max_num_batched_tokens, whose recompute would take more than one step's budget).
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0
+    # scheduling_policy priority: a request preempted this many times in a row is not preempted by another
+    # request again until it finishes or yields (preempts itself for lack of pages).
+    max_preemptions: int = 3
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -72,6 +85,13 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, VALID_ATTENTION_BACKENDS)
         _check_choice("batching", self.batching, VALID_BATCHING)
         _check_choice("load_format", self.load_format, VALID_LOAD_FORMATS)
+        _check_choice("preemption_mode", self.preemption_mode, VALID_PREEMPTION_MODES)
+        if not isinstance(self.swap_space, (int, float)) or not 0 <= self.swap_space < float("inf"):
+            raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {self.swap_space!r}")
+        if self.preemption_mode != "recompute" and self.swap_space == 0:
+            raise ValueError(f"preemption_mode {self.preemption_mode} needs swap_space > 0 (GiB of host memory)")
+        if not isinstance(self.max_preemptions, int) or self.max_preemptions < 1:
+            raise ValueError(f"max_preemptions must be an integer >= 1, got {self.max_preemptions!r}")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket",
@@ -137,6 +157,8 @@ class EngineConfig:
             policy=self.scheduling_policy,
             static_batching=self.batching == "static",
             num_scheduler_steps=self.num_scheduler_steps,
+            preemption_mode=self.preemption_mode,
+            max_preemptions=self.max_preemptions,
         )
 
 

@@ -60,9 +60,14 @@ class EngineCore:
         self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner)
         self.runner.allocate_kv(self.num_pages)
         self.runner.warmup(show_progress)
+        host_pool = None
+        if config.preemption_mode != "recompute":
+            num_host_pages = resolve_num_host_pages(config.swap_space, self.runner.page_bytes())
+            self.runner.allocate_host_kv(num_host_pages, pages_for_tokens(self.max_model_len, config.page_size))
+            host_pool = PagePool(num_host_pages)
         # Static batching is the pre-paging baseline: it shares no pages, so it caches none.
         enable_prefix_caching = config.enable_prefix_caching and config.batching == "continuous"
-        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, enable_prefix_caching)
+        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, enable_prefix_caching, host_pool)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv)
         self._compiles_after_warmup_base = CompileCounter.count()
         self.counters = collections.Counter()
@@ -113,6 +118,9 @@ class EngineCore:
         with self.timing.measure("schedule"):
             output = self.scheduler.schedule()
         self.counters["preemptions"] += len(output.preempted_ids)
+        if output.swap_out or output.swap_in:
+            with self.timing.measure("swap"):
+                self.runner.swap(output.swap_out, output.swap_in)
         if output.is_empty:
             return False, []
         with self.timing.measure("build"):
@@ -135,6 +143,9 @@ class EngineCore:
         step = self._in_flight.popleft()
         with self.timing.measure("wait"):
             result = step.pending.fetch()
+        if self.runner.host_swap is not None:
+            with self.timing.measure("swap"):
+                self.runner.host_swap.flush()  # swap-outs dispatched before this step: copied by now
         with self.timing.measure("update"):
             if step.prompt_counts:
                 self._record_prompt_logprobs(step.output, step.prompt_counts, result.prompt_logprobs)
@@ -215,10 +226,18 @@ class EngineCore:
             "generation_tokens": self.scheduler.num_generation_tokens,
             "prefix_cache_queries": self.scheduler.num_prefix_cache_queries,
             "prefix_cache_hits": self.scheduler.num_prefix_cache_hits,
+            "swapped_out_requests": self.scheduler.num_swapped_out_requests,
+            "swapped_out_pages": self.scheduler.num_swapped_out_pages,
+            "swapped_in_pages": self.scheduler.num_swapped_in_pages,
+            "host_pages_total": self.kv.host_pool.num_usable if self.kv.host_pool else 0,
+            "host_pages_free": self.kv.host_pool.num_free if self.kv.host_pool else 0,
+            "cpu_cache_usage_perc": self.kv.host_pool.usage() if self.kv.host_pool else 0.0,
             "kv_pages_total": self.kv.pool.num_usable,
             "kv_pages_free": self.kv.pool.num_free,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
+            "num_requests_swapped": sum(self.kv.is_swapped(r.request_id) for r in self.scheduler.waiting),
+            "num_requests_by_priority": self.scheduler.queue_lengths_by_priority(),
             "compilations_after_warmup": CompileCounter.count() - self._compiles_after_warmup_base,
             "lazy_bucket_compilations": self.runner.num_lazy_compiles,
             "timing": self.timing.summary(),
@@ -308,6 +327,18 @@ def resolve_num_pages(config: EngineConfig, max_model_len: int, runner: Runner) 
         logger.info("KV cache sizing: %s", plan.describe())
         num_pages = plan.num_pages
     check_pool_holds_a_request(num_pages, max_model_len, config.page_size)
+    return num_pages
+
+
+def resolve_num_host_pages(swap_space_gib: float, page_bytes: int) -> int:
+    """Pages of the host swap pool that `swap_space_gib` holds, page 0 (never handed out) included; a ValueError
+    when that is not one usable page."""
+    num_pages = int(swap_space_gib * 2**30 // page_bytes)
+    if num_pages < 2:
+        raise ValueError(
+            f"swap_space={swap_space_gib} GiB does not hold one KV page of {page_bytes} bytes (plus the unused "
+            f"page 0): raise swap_space to at least {2 * page_bytes / 2**30:.6g} GiB or use preemption_mode recompute"
+        )
     return num_pages
 
 

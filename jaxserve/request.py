@@ -83,6 +83,9 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None  # why the engine failed this request (status FINISHED_ERROR)
     num_preemptions: int = 0
+    # Preemptions by other requests since this one last yielded (preempted itself for lack of pages): under the
+    # priority policy, a request at max_preemptions is not preempted by another again until it yields or ends.
+    num_preemptions_in_a_row: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

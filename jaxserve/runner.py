@@ -32,6 +32,7 @@ from jaxserve.batch import (
 from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
 from jaxserve.buckets import pick_bucket
 from jaxserve.decode_steps import run_decode_steps
+from jaxserve.kv.host_swap import HostSwap
 from jaxserve.model.llama import make_forward, token_logits
 from jaxserve.model.sharding import KV_CACHE_SPEC, named, param_partition_specs
 from jaxserve.model.spec import ModelSpec
@@ -159,6 +160,7 @@ class Runner:
         self._num_cache_kv_heads = num_cache_kv_heads
         self._kv_sharding = tuple(NamedSharding(mesh, KV_CACHE_SPEC) for _ in self._cache_shapes(1))
         self.kv_caches: tuple[jax.Array, ...] = ()  # allocate_kv: the backend's layout, each (L, P, S, heads, D)
+        self.host_swap: HostSwap | None = None  # allocate_host_kv: the swap space in host memory
 
         forward = make_forward(spec, num_cache_kv_heads, self.attention.attention, self.attention.write_kv)
         param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
@@ -241,6 +243,18 @@ class Runner:
         shapes, dtype = self._cache_shapes(num_pages), self._cache_dtype
         zeros = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes), out_shardings=self._kv_sharding)
         self.kv_caches = zeros()
+
+    def allocate_host_kv(self, num_pages: int, max_pages_per_request: int) -> None:
+        """Make the host swap pool of `num_pages` pages in the device pool's layout and compile the copies
+        between the two (after allocate_kv)."""
+        self.host_swap = HostSwap(self._cache_shapes(num_pages), self._cache_dtype, self._kv_sharding,
+                                  max_pages_per_request)
+        self.host_swap.compile(self.kv_caches)
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Dispatch a step's copies to the host pool ((device page, host page) pairs) and back ((host page,
+        device page) pairs), before the step's forward."""
+        self.kv_caches = self.host_swap.swap(self.kv_caches, swap_out, swap_in)
 
     def peak_activation_bytes(self, num_pages: int) -> int:
         """Per-device bytes the largest step needs beyond its inputs, from XLA's memory analysis of the

@@ -50,6 +50,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest]  # in batch row order
     preempted_ids: list[str]
+    # Page copies between the device pool and the host pool, made before the step runs, swap-outs first.
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device page, host page)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host page, device page)
 
     @property
     def page_copies(self) -> list[tuple[int, int]]:
@@ -76,7 +79,7 @@ class SampledToken:
 
 
 class Scheduler:
-    """FCFS or priority scheduling with a single per-step token budget and preemption by recompute.
+    """FCFS or priority scheduling with a single per-step token budget and preemption by recompute or swap.
 
     With `static_batching` it is the pre-paging baseline instead: waiting requests form a batch only
     once every request of the previous batch has finished, each member reserves the pages of
@@ -94,6 +97,9 @@ class Scheduler:
         self.num_generation_tokens = 0  # sampled tokens appended to outputs
         self.num_prefix_cache_queries = 0  # tokens of admitted requests looked up in the prefix cache
         self.num_prefix_cache_hits = 0  # of those, tokens found computed in cached pages
+        self.num_swapped_out_requests = 0  # preemptions by swap
+        self.num_swapped_out_pages = 0  # pages copied to the host pool
+        self.num_swapped_in_pages = 0  # pages copied back
         self.static_batch: list[Request] = []  # static batching: the members of the current batch
 
     # ---- requests in and out -------------------------------------------------------------
@@ -117,6 +123,16 @@ class Scheduler:
         (self.running if request in self.running else self.waiting).remove(request)
         self._finish(request, status)
 
+    def queue_lengths_by_priority(self) -> dict[int, dict[str, int]]:
+        """{priority: {"running": n, "waiting": n, "swapped": n}}: swapped requests wait too."""
+        lengths: dict[int, dict[str, int]] = {}
+        for queue, requests in (("running", self.running), ("waiting", self.waiting)):
+            for request in requests:
+                counts = lengths.setdefault(request.priority, {"running": 0, "waiting": 0, "swapped": 0})
+                counts[queue] += 1
+                counts["swapped"] += self.kv.is_swapped(request.request_id)
+        return dict(sorted(lengths.items()))
+
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""
         return bool(self.waiting or self.running)
@@ -124,53 +140,41 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Give each running request, then each waiting one, tokens from one budget."""
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[str] = []
-
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            if self._ends_on_the_device(request):
-                index += 1
-                continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            victims = self._grow_or_preempt(request, num_new)
-            preempted += [victim.request_id for victim, _ in victims]
-            # A victim already given tokens this step leaves the batch and gives its tokens back (one that
-            # only waits for its last samples was passed over: it had none).
-            for victim, victim_index in victims:
-                if victim_index < index:
-                    index -= 1
-                    entry = next((s for s in scheduled if s.request is victim), None)
-                    if entry is not None:
-                        scheduled.remove(entry)
-                        budget += entry.num_new_tokens
-            if any(victim is request for victim, _ in victims):
-                continue  # the request preempted itself; the list has shifted under `index`
-            scheduled.append(self._schedule_one(request, num_new))
-            budget -= num_new
-            index += 1
+        """Give each running request, then each waiting one, tokens from one budget (priority: the
+        most urgent first, preempting less urgent running requests for a waiting one that outranks them)."""
+        plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        for request in self._running_in_order():
+            if plan.budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING or self._ends_on_the_device(request):
+                continue  # preempted earlier in this step, or only waits for its last samples
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
+            if self._grow_or_preempt(request, num_new, plan):
+                plan.add(self._schedule_one(request, num_new))
 
         if self.config.static_batching:
             candidates = self._static_batch_waiting()
         else:
             candidates = [r for r in self._waiting_in_order() if not self._waits_for_fork(r)]
         for request in candidates:
-            if budget <= 0 or preempted or len(self.running) >= self.config.max_num_seqs:
-                break
-            item = self._admit(request, budget)
+            if request.request_id in plan.preempted_ids:
+                continue  # never readmitted in the step that preempted it
+            if plan.preempted_ids and self.config.policy == "fcfs":
+                break  # pages were short: nothing new joins this step
+            item = self._admit_or_preempt(request, plan)
             if item is None:
                 break
-            scheduled.append(item)
-            budget -= item.num_new_tokens
+            plan.add(item)
 
-        if self.config.num_scheduler_steps > 1 and not preempted:
+        scheduled = plan.scheduled
+        if self.config.num_scheduler_steps > 1 and not plan.preempted_ids:
             scheduled = self._take_steps(scheduled)
         for item in scheduled:
             self._advance(item)
-        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted)
+        self.num_swapped_out_pages += len(plan.swap_out)
+        self.num_swapped_in_pages += len(plan.swap_in)
+        return SchedulerOutput(scheduled=scheduled, preempted_ids=plan.preempted_ids, swap_out=plan.swap_out,
+                               swap_in=plan.swap_in)
 
     def _advance(self, item: ScheduledRequest) -> None:
         """Count a scheduled chunk as computed and its samples (if any) as placeholders until update()
@@ -202,15 +206,43 @@ class Scheduler:
         return request.num_output_placeholders > 0 and (
             request.num_sampled_tokens >= request.max_tokens or request.num_tokens >= self.config.max_model_len)
 
-    def _admit(self, request: Request, budget: int) -> ScheduledRequest | None:
+    def _admit_or_preempt(self, request: Request, plan: "_StepPlan") -> ScheduledRequest | None:
+        """Admit a waiting request; under the priority policy, preempt the running requests it outranks, least
+        urgent first, until it fits. None when it does not fit.
+
+        When nothing runs and it still does not fit, the shared pages that swapped-out requests keep on the
+        device are what blocks it: those requests drop their pages and will be recomputed."""
+        while True:
+            if plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+                item = self._admit(request, plan)
+                if item is not None:
+                    return item
+            victim = self._outranked_victim(request)
+            if victim is not None:
+                self._preempt(victim, plan, by=request)
+            elif self.running or not self._drop_swapped_device_pages(keep=request):
+                return None
+
+    def _admit(self, request: Request, plan: "_StepPlan") -> ScheduledRequest | None:
         """Give a waiting request its pages, move it to running and schedule it; None (and no change)
         when it does not fit.
 
-        Its computed start comes from a sibling that has computed the same prompt (a fork: the prompt's
-        pages are shared and only the last prompt token is computed again, for its logits, without
-        writing its KV, which the shared page already holds), or else from the prefix cache (the
-        longest run of its full pages already computed by anyone).
+        A swapped-out request gets its pages back from the host pool and goes on where it stopped. Else its
+        computed start comes from a sibling that has computed the same prompt (a fork: the prompt's pages
+        are shared and only the last prompt token is computed again, for its logits, without writing its
+        KV, which the shared page already holds), or from the prefix cache (the longest run of its full
+        pages already computed by anyone).
         """
+        budget = plan.budget
+        if self.kv.is_swapped(request.request_id):
+            num_computed = request.num_computed_tokens
+            num_new = min(request.num_tokens - num_computed, budget)
+            fits = num_new > 0 and (num_computed + num_new == request.num_tokens or self.config.enable_chunked_prefill)
+            copies = self.kv.swap_in(request.request_id, num_computed, num_computed + num_new) if fits else None
+            if copies is None:
+                return None
+            plan.swap_in += copies
+            return self._start_running(request, num_new)
         source = self._fork_source(request)
         cached: list[int] = []
         num_present = 0
@@ -235,6 +267,10 @@ class Scheduler:
         if source is None and request.first_scheduled_time is None:
             request.num_cached_tokens = num_computed
         request.num_computed_tokens = num_computed
+        return self._start_running(request, num_new, num_present)
+
+    def _start_running(self, request: Request, num_new: int, num_present: int = 0) -> ScheduledRequest:
+        """Move an admitted request (holding its pages) from waiting to running and schedule its chunk."""
         self.waiting.remove(request)
         request.status = RequestStatus.RUNNING
         request.first_scheduled_time = request.first_scheduled_time or time.monotonic()
@@ -266,13 +302,18 @@ class Scheduler:
         """The sibling whose computed prompt this request can share now, if any (a sibling waiting or
         preempted has computed nothing)."""
         source = self._sibling(request)
-        return source if source is not None and source.num_computed_tokens >= len(request.prompt_token_ids) else None
+        return source if source is not None and self._has_computed_prompt(source, request) else None
 
     def _waits_for_fork(self, request: Request) -> bool:
-        """True while the sibling this request will fork from is alive but has not computed the prompt yet
-        (admitting it now would compute the same prompt twice)."""
+        """True while the sibling this request will fork from is alive but has not computed the prompt yet, or
+        has it swapped out (admitting it now would compute the same prompt twice)."""
         source = self._sibling(request)
-        return source is not None and source.num_computed_tokens < len(request.prompt_token_ids)
+        return source is not None and not self._has_computed_prompt(source, request)
+
+    def _has_computed_prompt(self, source: Request, request: Request) -> bool:
+        """True when `source` holds the computed KV of `request`'s prompt on the device now (not swapped out)."""
+        return (source.num_computed_tokens >= len(request.prompt_token_ids)
+                and not self.kv.is_swapped(source.request_id))
 
     def unschedule(self, output: SchedulerOutput) -> None:
         """Take back a step that never ran: the requests keep their pages and the tokens computed before it,
@@ -342,42 +383,82 @@ class Scheduler:
             sample_index=request.num_sampled_tokens,
         )
 
-    def _grow_or_preempt(self, request: Request, num_new: int) -> list[tuple[Request, int]]:
-        """Allocate pages for `request`, preempting victims until it fits (or it is the victim).
-
-        Returns each victim with the index it had in `running` when it was preempted.
-        """
-        victims = []
+    def _grow_or_preempt(self, request: Request, num_new: int, plan: "_StepPlan") -> bool:
+        """Allocate pages for `request`'s next `num_new` tokens, preempting victims until it fits; False when
+        it had to preempt itself."""
         total = request.num_computed_tokens + num_new
         while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens, total):
-            victim = self._pick_victim()
-            victims.append((victim, self.running.index(victim)))
-            self._preempt(victim)
+            victim = self._pick_victim(request)
+            self._preempt(victim, plan, by=request)
             if victim is request:
-                break
-        return victims
+                return False
+        return True
 
-    def _pick_victim(self) -> Request:
-        """FCFS: the most recently admitted running request; priority: the lowest-priority, latest one."""
+    def _pick_victim(self, request: Request) -> Request:
+        """Whom `request` preempts for pages. FCFS: the most recently admitted running request. Priority: the
+        least urgent (then latest) of itself and the running requests not protected by max_preemptions."""
         if self.config.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            candidates = [r for r in self.running if r is request or not self._protected(r)]
+            return max(candidates, key=_urgency)
         return self.running[-1]
+
+    def _outranked_victim(self, request: Request) -> Request | None:
+        """Priority policy: the least urgent running request that `request` outranks (lower priority value)
+        and that is not protected by max_preemptions; None under FCFS or when there is none."""
+        if self.config.policy != "priority":
+            return None
+        candidates = [r for r in self.running if r.priority > request.priority and not self._protected(r)]
+        return max(candidates, key=_urgency, default=None)
+
+    def _protected(self, request: Request) -> bool:
+        """True for a request preempted max_preemptions times in a row by others (no starvation)."""
+        return request.num_preemptions_in_a_row >= self.config.max_preemptions
+
+    def _running_in_order(self) -> list[Request]:
+        """FCFS: admission order; priority: the most urgent first, so it takes the budget first."""
+        if self.config.policy == "priority":
+            return sorted(self.running, key=_urgency)
+        return list(self.running)
 
     def _waiting_in_order(self) -> list[Request]:
         """FCFS: queue order; priority: the lowest priority value, then the earliest arrival."""
         if self.config.policy == "priority":
-            return sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+            return sorted(self.waiting, key=_urgency)
         return list(self.waiting)
 
-    def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: drop its pages and re-queue it at the front."""
-        self.running.remove(request)
-        self.kv.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+    def _preempt(self, victim: Request, plan: "_StepPlan", by: Request) -> None:
+        """Preempt a running request for `by` (itself: it yields): take it out of this step's batch, swap its
+        pages to the host pool (preemption_mode swap, or auto for a context longer than the step budget, while
+        the host pool has room) or drop them to be recomputed, and re-queue it at the front."""
+        plan.remove(victim, self.kv)
+        self.running.remove(victim)
+        copies = self.kv.swap_out(victim.request_id, victim.num_computed_tokens) if self._swaps(victim) else None
+        if copies is None:
+            self.kv.free(victim.request_id)
+            victim.num_computed_tokens = 0
+        else:
+            plan.swap_out += copies
+            self.num_swapped_out_requests += 1
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        victim.num_preemptions_in_a_row = 0 if by is victim else victim.num_preemptions_in_a_row + 1
         self.num_preemptions += 1
-        self.waiting.insert(0, request)
+        plan.preempted_ids.append(victim.request_id)
+        self.waiting.insert(0, victim)
+
+    def _swaps(self, victim: Request) -> bool:
+        """Whether a victim's pages go to the host pool rather than being recomputed."""
+        mode = self.config.preemption_mode
+        return mode == "swap" or (mode == "auto" and victim.num_computed_tokens > self.config.max_num_batched_tokens)
+
+    def _drop_swapped_device_pages(self, keep: Request) -> bool:
+        """Make every swapped-out request but `keep` that holds device pages drop all its pages, to be
+        recomputed; True when any did."""
+        dropped = [r for r in self.waiting if r is not keep and self.kv.device_pages_kept(r.request_id)]
+        for request in dropped:
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+        return bool(dropped)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -397,6 +478,37 @@ class Scheduler:
         if request.num_output_tokens >= request.max_tokens or request.num_known_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+
+def _urgency(request: Request) -> tuple[int, float]:
+    """Priority order: the lower priority value first, then the earlier arrival."""
+    return request.priority, request.arrival_time
+
+
+@dataclasses.dataclass
+class _StepPlan:
+    """One schedule() call's decision while it is made: the batch, the budget left, the preemptions and the
+    page copies between the device and the host pool."""
+
+    budget: int
+    scheduled: list[ScheduledRequest] = dataclasses.field(default_factory=list)
+    preempted_ids: list[str] = dataclasses.field(default_factory=list)
+    swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device page, host page)
+    swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host page, device page)
+
+    def add(self, item: ScheduledRequest) -> None:
+        """Put a chunk in the batch, spending its tokens."""
+        self.scheduled.append(item)
+        self.budget -= item.num_new_tokens
+
+    def remove(self, request: Request, kv: KVCacheManager) -> None:
+        """Take a request that is being preempted out of the batch: its tokens return to the budget and its
+        page copies to the cache manager (a swap-out reads them)."""
+        entry = next((item for item in self.scheduled if item.request is request), None)
+        if entry is not None:
+            self.scheduled.remove(entry)
+            self.budget += entry.num_new_tokens
+            kv.restore_copies(request.request_id, list(entry.page_copies))
 
 
 def _decodes_plainly(item: ScheduledRequest) -> bool:

@@ -14,7 +14,7 @@ import concurrent.futures
 import contextlib
 import time
 
-PHASES = ("schedule", "build", "dispatch", "wait", "update", "output")  # the host's work in one step
+PHASES = ("schedule", "swap", "build", "dispatch", "wait", "update", "output")  # the host's work in one step
 
 
 class StepTiming:

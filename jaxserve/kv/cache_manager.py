@@ -7,6 +7,11 @@ sample that has computed the same prompt (`fork`). Pages shared that way are onl
 the last, partly filled page of a fork: before a request writes into a page someone else also
 holds, `allocate_slots` gives it a private copy (copy-on-write) and records the device copy the
 next step must make first.
+
+Swapping (`swap_out`, `swap_in`) moves a preempted request's computed pages to a host pool with the
+same page layout and back: a page only it holds is copied to a host page and released; a page
+others hold too stays on the device, held, and is never copied (shared KV is swapped once: not at
+all). The manager only decides the copies; the runner makes them.
 """
 
 from __future__ import annotations
@@ -52,10 +57,14 @@ class KVCacheManager:
     to call for a request that holds none.
     """
 
-    def __init__(self, pool: PagePool, page_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, pool: PagePool, page_size: int, enable_prefix_caching: bool = False,
+                 host_pool: PagePool | None = None):
         self.pool = pool
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.host_pool = host_pool  # pages of the host swap space; None when swapping is off
+        # request id -> (on the host, page id) of each of its computed pages, in order, while it is swapped out
+        self._swapped: dict[str, list[tuple[bool, int]]] = {}
         self._pages: dict[str, list[int]] = {}  # request id -> page ids in sequence order
         # request id -> (hash, registration key) of its first full computed pages; a None key ends the chain
         self._chains: dict[str, list[tuple[bytes, ParentKey | None]]] = {}
@@ -153,14 +162,82 @@ class KVCacheManager:
             hashed = page_hash(parent_hash, tokens)
             chain.append((hashed, self.pool.register(pages[index], hashed, tokens, parent)))
 
+    # ---- swapping to host memory ------------------------------------------------------------------
+
+    def is_swapped(self, request_id: str) -> bool:
+        """True while the request's pages are swapped out."""
+        return request_id in self._swapped
+
+    def device_pages_kept(self, request_id: str) -> list[int]:
+        """The shared device pages a swapped-out request still holds (empty for one not swapped out)."""
+        return [page for on_host, page in self._swapped.get(request_id, []) if not on_host]
+
+    def swap_out(self, request_id: str, num_computed: int) -> list[tuple[int, int]] | None:
+        """Move the pages holding the request's `num_computed` computed tokens to the host pool and release
+        every device page only it holds; returns the (device page, host page) copies the device must make
+        before anything writes those pages again, or None (and no change) when the host pool is short.
+
+        A page others hold too stays held on the device. A private copy-on-write page whose copy the
+        device has not made yet is swapped from its source page."""
+        if self.host_pool is None:
+            return None
+        pages = self.page_ids(request_id)
+        num_kept = pages_for_tokens(num_computed, self.page_size)
+        source_of = {copy: source for source, copy in self._copies.get(request_id, [])}
+        private = [index for index in range(num_kept)
+                   if self.pool.ref_count(pages[index]) == 1 or pages[index] in source_of]
+        if len(private) > self.host_pool.num_free:
+            return None
+        self._copies.pop(request_id, None)
+        slots = [(False, page) for page in pages[:num_kept]]
+        copies = []
+        for index, host_page in zip(private, self.host_pool.allocate(len(private))):
+            copies.append((source_of.get(pages[index], pages[index]), host_page))
+            slots[index] = (True, host_page)
+        self.pool.release([pages[index] for index in private][::-1] + pages[num_kept:][::-1])
+        del self._pages[request_id]
+        self._swapped[request_id] = slots
+        return copies
+
+    def swap_in(self, request_id: str, first_written: int, total_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request's pages back into fresh device pages and grow them to `total_tokens`
+        (as `allocate_slots`); returns the (host page, device page) copies the device must make before
+        the request's step reads them, or None (and no change) when the device pool is short."""
+        slots = self._swapped[request_id]
+        num_on_host = sum(on_host for on_host, _ in slots)
+        first_page = first_written // self.page_size
+        shared = sum(1 for index, (on_host, page) in enumerate(slots)
+                     if index >= first_page and not on_host and self.pool.ref_count(page) > 1)
+        new = max(0, pages_for_tokens(total_tokens, self.page_size) - len(slots))
+        if num_on_host + shared + new > self.pool.num_free:
+            return None
+        fresh = iter(self.pool.allocate(num_on_host))
+        pages, copies = [], []
+        for on_host, page in slots:
+            if on_host:
+                copies.append((page, next(fresh)))
+                pages.append(copies[-1][1])
+            else:
+                pages.append(page)
+        self.host_pool.release([page for page, _ in copies])
+        del self._swapped[request_id]
+        self._pages[request_id] = pages
+        if not self.allocate_slots(request_id, first_written, total_tokens):
+            raise RuntimeError("allocate_slots failed after its pages were counted")
+        return copies
+
     # ---- giving pages back --------------------------------------------------------------------------
 
     def free(self, request_id: str) -> None:
-        """Release all of the request's pages, last first, and drop its pending copies."""
-        pages = self._pages.pop(request_id, [])
+        """Release all of the request's pages (device pages last first; host pages when swapped out) and drop
+        its pending copies."""
+        pages = self._pages.pop(request_id, []) + self.device_pages_kept(request_id)
+        host_pages = [page for on_host, page in self._swapped.pop(request_id, []) if on_host]
         self._chains.pop(request_id, None)
         self._copies.pop(request_id, None)
         self.pool.release(pages[::-1])
+        if host_pages:
+            self.host_pool.release(host_pages)
 
     @property
     def num_requests(self) -> int:
