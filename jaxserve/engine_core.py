@@ -58,13 +58,13 @@ class EngineCore:
             num_scheduler_steps=config.num_scheduler_steps,
         )
         self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner)
-        self.runner.allocate_kv(self.num_pages)
-        self.runner.warmup(show_progress)
         host_pool = None
         if config.preemption_mode != "recompute":
-            num_host_pages = resolve_num_host_pages(config.swap_space, self.runner.page_bytes())
-            self.runner.allocate_host_kv(num_host_pages, pages_for_tokens(self.max_model_len, config.page_size))
-            host_pool = PagePool(num_host_pages)
+            host_pool = PagePool(resolve_num_host_pages(config.swap_space, self.runner.page_bytes()))
+        self.runner.allocate_kv(self.num_pages)
+        self.runner.warmup(show_progress)
+        if host_pool is not None:
+            self.runner.allocate_host_kv(host_pool.num_pages, pages_for_tokens(self.max_model_len, config.page_size))
         # Static batching is the pre-paging baseline: it shares no pages, so it caches none.
         enable_prefix_caching = config.enable_prefix_caching and config.batching == "continuous"
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, enable_prefix_caching, host_pool)

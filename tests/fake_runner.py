@@ -105,6 +105,9 @@ def make_scheduler(
     policy: str = "fcfs",
     static_batching: bool = False,
     num_scheduler_steps: int = 1,
+    preemption_mode: str = "recompute",
+    num_host_pages: int = 0,
+    max_preemptions: int = 3,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -114,8 +117,11 @@ def make_scheduler(
         policy=policy,
         static_batching=static_batching,
         num_scheduler_steps=num_scheduler_steps,
+        preemption_mode=preemption_mode,
+        max_preemptions=max_preemptions,
     )
-    return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size))
+    host_pool = PagePool(num_host_pages) if preemption_mode != "recompute" else None
+    return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size, host_pool=host_pool))
 
 
 # ---- invariants ------------------------------------------------------------------------------
@@ -139,7 +145,9 @@ def check_pages(scheduler: Scheduler) -> None:
         if scheduler.config.static_batching:
             assert len(pages) == reservation and _reserved(scheduler, request)
         held.extend(pages)
+    host_held: list[int] = []
     for request in scheduler.waiting:
+        host_held.extend(kv.host_pages(request.request_id))
         if _reserved(scheduler, request):
             assert len(kv.page_ids(request.request_id)) == reservation
             held.extend(kv.page_ids(request.request_id))
@@ -154,6 +162,11 @@ def check_pages(scheduler: Scheduler) -> None:
     assert pool.num_free + len(held) == pool.num_usable
     assert kv.num_requests == len(scheduler.running) + sum(_reserved(scheduler, r) for r in scheduler.waiting)
     assert 0.0 <= pool.usage() <= 1.0
+    if kv.host_pool is not None:  # swapped-out requests hold disjoint host pages; the rest are free
+        assert len(host_held) == len(set(host_held)) and NULL_PAGE not in host_held
+        assert kv.host_pool.num_free + len(host_held) == kv.host_pool.num_usable
+    else:
+        assert not host_held
 
 
 def check_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
@@ -205,6 +218,11 @@ def check_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
 def check_after_update(scheduler: Scheduler) -> None:
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if scheduler.kv.is_swapped(request.request_id):  # its computed tokens' KV waits in the host pool
+            assert request.status == RequestStatus.PREEMPTED
+            num_pages = scheduler.kv.num_swapped_pages(request.request_id)
+            assert num_pages == pages_for_tokens(request.num_computed_tokens, scheduler.kv.page_size)
+            continue
         assert request.num_computed_tokens == 0, (
             f"waiting request {request.request_id} has {request.num_computed_tokens} computed tokens but no pages"
         )
@@ -214,7 +232,43 @@ def check_after_update(scheduler: Scheduler) -> None:
         assert request.num_computed_tokens < request.num_tokens or request.num_output_placeholders > 0
         assert len(scheduler.kv.page_ids(request.request_id)) * scheduler.kv.page_size >= request.num_computed_tokens
     assert set(scheduler.requests) == {r.request_id for r in scheduler.waiting + scheduler.running}
+    if scheduler.config.policy == "priority":  # nobody is preempted by others more than this in a row
+        for request in scheduler.waiting + scheduler.running:
+            assert request.num_preemptions_in_a_row <= scheduler.config.max_preemptions
     check_pages(scheduler)
+
+
+class FakeKV:
+    """What every device and host page slot holds: the (request id, position) whose KV was written there.
+
+    `run(output)` makes a step's copies in the runner's order (swap-ins read the host pool, swap-outs
+    copy device pages to it, swap-ins write the device, copy-on-write copies) after checking that every
+    scheduled request's pages hold its computed positions, then writes the step's positions. A swap or
+    copy that lost or misplaced KV fails here even though the fake model's tokens ignore the KV.
+    """
+
+    def __init__(self, page_size: int):
+        self.page_size = page_size
+        self.device: dict[int, dict[int, tuple[str, int]]] = {}  # page -> slot -> (request id, position)
+        self.host: dict[int, dict[int, tuple[str, int]]] = {}
+
+    def run(self, output: SchedulerOutput) -> None:
+        incoming = [(device, dict(self.host.get(host, {}))) for host, device in output.swap_in]
+        for device, host in output.swap_out:
+            self.host[host] = dict(self.device.get(device, {}))
+        for device, content in incoming:
+            self.device[device] = content
+        for source, copy in output.page_copies:
+            self.device[copy] = dict(self.device.get(source, {}))
+        size = self.page_size
+        for item in output.scheduled:
+            request_id = item.request.request_id
+            for position in range(item.num_computed_tokens):
+                held = self.device.get(item.page_ids[position // size], {}).get(position % size)
+                assert held == (request_id, position), (
+                    f"{request_id}: position {position} holds the KV of {held} when its step runs")
+            for position in range(item.num_computed_tokens, item.num_computed_tokens + item.num_positions):
+                self.device.setdefault(item.page_ids[position // size], {})[position % size] = (request_id, position)
 
 
 # ---- an engine-like loop -----------------------------------------------------------------------
@@ -224,6 +278,7 @@ def check_after_update(scheduler: Scheduler) -> None:
 class WorkloadResult:
     requests: dict[str, Request]
     arrival_step: dict[str, int]
+    first_token_step: dict[str, int]  # the step whose update() brought the request's first token
     finish_step: dict[str, int]
     num_steps: int
     num_preemptions: int
@@ -243,11 +298,13 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int,
     requests: dict[str, Request] = {}
     arrival_step: dict[str, int] = {}
     finish_step: dict[str, int] = {}
+    first_token_step: dict[str, int] = {}
     aborts_before: dict[int, list[str]] = {}
     aborts_mid: dict[int, list[str]] = {}
     preempted_seen = 0
     max_running = 0
     in_flight: list[tuple[SchedulerOutput, list[list[SampledToken]]]] = []  # scheduled, not yet updated
+    kv_contents = FakeKV(scheduler.kv.page_size)
 
     step = 0
     while step <= last_arrival or scheduler.has_unfinished_requests():
@@ -267,6 +324,7 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int,
 
         output = scheduler.schedule()
         check_schedule(scheduler, output)
+        kv_contents.run(output)
         preempted_seen += len(output.preempted_ids)
         max_running = max(max_running, len(scheduler.running))
         in_flight.append((output, fake_step(output)))
@@ -280,13 +338,16 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int,
             assert request.output_token_ids == oracle[request_id][: request.num_output_tokens], (
                 f"{request_id} produced {request.output_token_ids}, expected a prefix of {oracle[request_id]}"
             )
+            if request.num_output_tokens and request_id not in first_token_step:
+                first_token_step[request_id] = step
             if request.is_finished and request_id not in finish_step:
                 finish_step[request_id] = step
         step += 1
 
     assert scheduler.num_preemptions == preempted_seen
     assert scheduler.num_preemptions == sum(r.num_preemptions for r in requests.values())
-    return WorkloadResult(requests, arrival_step, finish_step, step, scheduler.num_preemptions, max_running)
+    return WorkloadResult(requests, arrival_step, first_token_step, finish_step, step, scheduler.num_preemptions,
+                          max_running)
 
 
 def run_alone(spec: RequestSpec, config: SchedulerConfig, page_size: int) -> Request:

@@ -102,10 +102,14 @@ def _check_workload(config: dict, specs: list[RequestSpec], lag: int = 0) -> Non
     max_steps = last_arrival + (len(specs) + 1) * total_work + 10
     result = run_workload(scheduler, specs, max_steps=max_steps, lag=lag)
     event(f"preempted: {result.num_preemptions > 0}")
+    if scheduler.kv.host_pool is not None:
+        event(f"swapped: {scheduler.num_swapped_out_requests > 0}; "
+              f"recomputed: {scheduler.num_swapped_out_requests < result.num_preemptions}")
 
     # Everything is given back.
-    pool = scheduler.kv.pool
+    pool, host_pool = scheduler.kv.pool, scheduler.kv.host_pool
     assert pool.num_free == pool.num_usable
+    assert host_pool is None or host_pool.num_free == host_pool.num_usable
     assert scheduler.kv.num_requests == 0
     assert not scheduler.requests and not scheduler.waiting and not scheduler.running
     assert not scheduler.has_unfinished_requests()
@@ -158,6 +162,19 @@ def test_random_workloads_asynchronous_and_multi_step(workload, policy, lag, ste
     under both policies."""
     config, specs = workload
     _check_workload({**config, "policy": policy, "num_scheduler_steps": steps}, specs, lag=lag)
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads(), st.sampled_from(["swap", "auto"]), st.sampled_from([2, 4, 64]), st.sampled_from([0, 1]),
+       st.sampled_from([1, 4]))
+def test_random_workloads_preempting_by_swap(workload, mode, num_host_pages, lag, steps):
+    """Preemption by swap (and auto: swap contexts longer than the budget), with host pools from one page to
+    plenty (a full one falls back to recompute): the same invariants and outputs, every position's KV where
+    its next step reads it (FakeKV), every device and host page given back, under both policies,
+    asynchronous scheduling and multi-step decoding."""
+    config, specs = workload
+    _check_workload({**config, "preemption_mode": mode, "num_host_pages": num_host_pages,
+                     "num_scheduler_steps": steps}, specs, lag=lag)
 
 
 @settings(max_examples=200, deadline=None)

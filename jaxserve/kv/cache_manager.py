@@ -168,6 +168,14 @@ class KVCacheManager:
         """True while the request's pages are swapped out."""
         return request_id in self._swapped
 
+    def host_pages(self, request_id: str) -> list[int]:
+        """The host pages a swapped-out request holds (empty for one not swapped out)."""
+        return [page for on_host, page in self._swapped.get(request_id, []) if on_host]
+
+    def num_swapped_pages(self, request_id: str) -> int:
+        """Pages (on the host or kept on the device) a swapped-out request will have back when it resumes."""
+        return len(self._swapped.get(request_id, []))
+
     def device_pages_kept(self, request_id: str) -> list[int]:
         """The shared device pages a swapped-out request still holds (empty for one not swapped out)."""
         return [page for on_host, page in self._swapped.get(request_id, []) if not on_host]
@@ -232,7 +240,8 @@ class KVCacheManager:
         """Release all of the request's pages (device pages last first; host pages when swapped out) and drop
         its pending copies."""
         pages = self._pages.pop(request_id, []) + self.device_pages_kept(request_id)
-        host_pages = [page for on_host, page in self._swapped.pop(request_id, []) if on_host]
+        host_pages = self.host_pages(request_id)
+        self._swapped.pop(request_id, None)
         self._chains.pop(request_id, None)
         self._copies.pop(request_id, None)
         self.pool.release(pages[::-1])
