@@ -196,7 +196,8 @@ def test_server_cache_config_info_and_buckets(openai_server):
         "gpu_memory_utilization": str(engine.config.gpu_memory_utilization),
         "num_gpu_blocks": str(engine.core.num_pages),
         "num_gpu_blocks_override": str(engine.config.num_pages),
-        "swap_space": "0",
+        "swap_space": "0",  # preemption by recompute: no host pool
+        "num_cpu_blocks": "0",
     }]
     assert engine.config.page_size == 16 and engine.core.num_pages == 64  # the fixture's engine
     assert scrape.bounds("jaxserve:iteration_tokens_total") == VLLM_ITERATION_BUCKETS

@@ -162,3 +162,36 @@ def test_swap_space_must_hold_a_page():
         LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, preemption_mode="swap", swap_space=-1))
     with pytest.raises(ValueError, match="preemption_mode"):
         LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, preemption_mode="disk"))
+
+
+def test_metrics_show_swapped_requests_and_host_pool_usage(engines):
+    """Mid-run, with requests swapped out, /metrics' gauges follow stats(); the counters count the copies."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxserve.server.metrics import ServerMetrics, cache_config_info
+
+    llm = engines("swap")
+    engine = llm.engine
+    metrics = ServerMetrics("jaxserve", "llama", llm.stats, 128, cache_config_info(engine))
+    for index, (prompt, params, _, _) in enumerate(_heavy_jobs()):
+        engine.add_request(f"metrics-{index}", prompt, params)
+    for _ in range(500):
+        engine.step()
+        stats = llm.stats()
+        if stats["num_requests_swapped"]:
+            break
+    assert stats["num_requests_swapped"] > 0 and stats["cpu_cache_usage_perc"] > 0
+    values = {sample.name: sample.value for family in text_string_to_metric_families(
+        generate_latest(metrics.registry).decode()) for sample in family.samples}
+    assert values["jaxserve:num_requests_swapped"] == stats["num_requests_swapped"]
+    assert values["jaxserve:cpu_cache_usage_perc"] == pytest.approx(stats["cpu_cache_usage_perc"])
+    assert values["jaxserve:swapped_out_pages_total"] == stats["swapped_out_pages"] > 0
+    assert values["jaxserve:num_swapped_out_requests_total"] == stats["swapped_out_requests"]
+    labels = next(family.samples[0].labels for family in text_string_to_metric_families(
+        generate_latest(metrics.registry).decode()) if family.name == "jaxserve:cache_config_info")
+    assert labels["num_cpu_blocks"] == str(HOST_PAGES["swap"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = llm.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["host_pages_free"] == stats["host_pages_total"]

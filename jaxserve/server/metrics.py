@@ -54,7 +54,9 @@ def cache_config_info(engine: LLMEngine) -> dict[str, str]:
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "num_gpu_blocks": str(engine.core.num_pages),
         "num_gpu_blocks_override": str(config.num_pages),
-        "swap_space": "0",  # GiB of host swap: swapping is not implemented
+        # GiB of host swap space and its pages (page 0 included), allocated only when preemption swaps
+        "swap_space": str(config.swap_space if config.preemption_mode != "recompute" else 0),
+        "num_cpu_blocks": str(engine.core.kv.host_pool.num_pages if engine.core.kv.host_pool else 0),
     }
 
 
@@ -72,15 +74,20 @@ class _EngineCollector:
         gauges = {
             "num_requests_running": ("Requests in the running batch.", stats["num_requests_running"]),
             "num_requests_waiting": ("Requests waiting to be scheduled.", stats["num_requests_waiting"]),
-            "num_requests_swapped": ("Requests swapped to host memory (swapping is not implemented).", 0),
+            "num_requests_swapped": ("Preempted requests whose KV pages wait in host memory.",
+                                     stats["num_requests_swapped"]),
             "kv_cache_usage_perc": ("Fraction of KV-cache pages in use (0 to 1).", usage),
             "gpu_cache_usage_perc": ("Fraction of KV-cache pages in use (0 to 1); vLLM's older name.", usage),
-            "cpu_cache_usage_perc": ("Fraction of the host swap space in use (swapping is not implemented).", 0),
+            "cpu_cache_usage_perc": ("Fraction of the host swap space's pages in use (0 to 1).",
+                                     stats["cpu_cache_usage_perc"]),
         }
         for name, (doc, value) in gauges.items():
             yield self._family(GaugeMetricFamily, name, doc, value)
         counters = {
-            "num_preemptions": ("Preemptions by recompute.", stats["preemptions"]),
+            "num_preemptions": ("Preemptions (by recompute or by swap).", stats["preemptions"]),
+            "num_swapped_out_requests": ("Preemptions by swap to host memory.", stats["swapped_out_requests"]),
+            "swapped_out_pages": ("KV pages copied to host memory.", stats["swapped_out_pages"]),
+            "swapped_in_pages": ("KV pages copied back from host memory.", stats["swapped_in_pages"]),
             "prompt_tokens": ("Prompt tokens of requests that produced their first token.", stats["prompt_tokens"]),
             "generation_tokens": ("Generated tokens.", stats["generation_tokens"]),
             "prefix_cache_queries": ("Tokens of admitted requests looked up in the prefix cache.",
