@@ -25,11 +25,13 @@ class FakeEngine:
 
     def __init__(self):
         self.config = SimpleNamespace(tokenizer=None, scheduling_policy="fcfs", page_size=16, num_pages=None,
-                                      enable_prefix_caching=False, gpu_memory_utilization=0.9)
+                                      enable_prefix_caching=False, gpu_memory_utilization=0.9,
+                                      preemption_mode="recompute", swap_space=4.0)
         self.model_path = default_model_path()
         self.max_model_len = 128
         self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096), num_pages=11,
-                                    runner=SimpleNamespace(kv_caches=(SimpleNamespace(dtype="float32"),)))
+                                    runner=SimpleNamespace(kv_caches=(SimpleNamespace(dtype="float32"),)),
+                                    kv=SimpleNamespace(host_pool=None))
         self.generation_defaults = {}
         self.gate = threading.Event()
         self.gate.set()
@@ -74,7 +76,8 @@ class FakeEngine:
     def stats(self):
         return {"num_requests_running": len(self.running), "num_requests_waiting": 0, "kv_pages_free": 10,
                 "kv_pages_total": 10, "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": self.steps,
-                "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+                "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_requests_swapped": 0,
+                "cpu_cache_usage_perc": 0.0, "swapped_out_requests": 0, "swapped_out_pages": 0, "swapped_in_pages": 0}
 
     @staticmethod
     def _output(request_id, num_tokens, finish_reason):

@@ -38,6 +38,7 @@ class DriveResult:
     steps: list[StepRecord]
     traces: list[RequestTrace]  # in workload order; one chunk per step that gave the request tokens
     output_token_ids: list[list[int]]  # in workload order
+    preemptions: list[int]  # in workload order: how often the request's samples were preempted
 
 
 def bench_params(request: BenchRequest) -> SamplingParams:
@@ -61,6 +62,7 @@ def drive(engine: LLMEngine, workload: Workload, arrival_times: Sequence[float] 
     traces = [RequestTrace(start=0.0, chunk_times=[], chunk_tokens=[], end=0.0,
                            prompt_tokens=len(request.prompt_token_ids), output_tokens=0) for request in requests]
     outputs: list[list[int]] = [[] for _ in requests]
+    children: list[list] = [[] for _ in requests]  # each workload request's engine Requests
     steps: list[StepRecord] = []
     index_of = {f"bench-{i}": i for i in range(len(requests))}
     next_arrival = 0
@@ -69,14 +71,17 @@ def drive(engine: LLMEngine, workload: Workload, arrival_times: Sequence[float] 
         now = time.perf_counter()
         while next_arrival < len(order) and arrivals[order[next_arrival]] <= now - start:
             i = order[next_arrival]
-            engine.add_request(f"bench-{i}", list(requests[i].prompt_token_ids), params(requests[i]))
+            made = engine.make_requests(f"bench-{i}", list(requests[i].prompt_token_ids), params(requests[i]))
+            engine.submit(f"bench-{i}", made)
+            children[i] = made[1]
             traces[i].start = time.perf_counter()
             next_arrival += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, start + arrivals[order[next_arrival]] - time.perf_counter()))
             continue
         steps.append(_timed_step(engine, traces, outputs, index_of))
-    return DriveResult(seconds=time.perf_counter() - start, steps=steps, traces=traces, output_token_ids=outputs)
+    return DriveResult(seconds=time.perf_counter() - start, steps=steps, traces=traces, output_token_ids=outputs,
+                       preemptions=[sum(child.num_preemptions for child in made) for made in children])
 
 
 def _timed_step(engine: LLMEngine, traces: list[RequestTrace], outputs: list[list[int]],

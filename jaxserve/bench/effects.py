@@ -1,6 +1,6 @@
 """`jaxserve bench effects`: one engine feature on and off, side by side on the same weights and requests.
 
-Each experiment (--effect; all three by default) has its own workload:
+Each experiment (--effect; all but preemption by default) has its own workload:
 
 chunked-prefill    decode requests (short prompts, long outputs) are running when long prompts arrive, one
                    at a time, evenly spread over the decodes' lifetime (the mean of one untimed run of the
@@ -27,6 +27,8 @@ parallel-sampling  prompts each sampled n times (temperature 1, seeded): one req
                    fork the prompt's pages) against n requests with seeds seed + i, on one engine with
                    prefix caching off (so the forks are the only sharing): peak KV pages, pages per running
                    sample, output tokens/s, and whether sample 0 matches the request seeded like it.
+preemption         long contexts under memory pressure, preempted by recompute, by swap to host memory and
+                   auto: throughput, the preempted requests' latency, the swap copy bandwidth (bench/preemption.py).
 
 Timing protocol (every comparison): the same untimed warm-up for each system, then --repeats rounds each
 running every system once, the order alternating between rounds; mean and best per system, and ratios. The
@@ -35,31 +37,32 @@ prefix cache is reset before every run. Every run is `jaxserve.bench.driver.driv
 Example:
     jaxserve bench effects --json effects.json
     jaxserve bench effects --effect prefix-cache parallel-sampling --quick
+    jaxserve bench effects --effect preemption --model-shape llama-small-4k --max-model-len 2304
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import gc
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from jaxserve.bench import models, stats
-from jaxserve.bench.driver import DriveResult, bench_params, drive
+from jaxserve.bench import models, preemption, stats
+from jaxserve.bench.harness import (
+    PAGE_SIZE, Engines, Run, System, cell, compare, ms, ratios, run_once, same_tokens, spread, timing,
+)
 from jaxserve.bench.offline import make_logger
 from jaxserve.bench.results import command_args, write_json
 from jaxserve.bench.workloads import BenchRequest, Workload, random_workload, shared_prefix_workload, vocab_ids
-from jaxserve.config import DEFAULT_CACHE_DIR, EngineConfig
+from jaxserve.config import DEFAULT_CACHE_DIR
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_timing import PHASES
 from jaxserve.tokenizer import load_tokenizer
 
-EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling")
-PAGE_SIZE = 16  # tokens per KV page
+EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling", "preemption")
+DEFAULT_EFFECTS = EFFECTS[:4]  # preemption's long contexts need a model of more positions: asked for by name
 WARMUP_OUTPUT_LEN = 8  # tokens generated per warm-up request
 # The workload sharing nothing (throughput.py's shape): prompts uniform in (low, high) tokens, outputs lognormal
 # (median, low, high) tokens.
@@ -82,6 +85,9 @@ SIZES = {
     "parallel_prompts": (16, 2),
     "parallel_prompt_len": (512, 256),
     "parallel_output_len": (32, 16),
+    "swap_requests": (12, 6),
+    "swap_prompt_len": (2048, 768),
+    "swap_output_len": (128, 32),
 }
 
 
@@ -93,8 +99,8 @@ def _sized(group, flag: str, text: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxserve bench effects`."""
-    parser.add_argument("--effect", nargs="+", choices=EFFECTS, default=list(EFFECTS),
-                        help="which experiments to run (default: all)")
+    parser.add_argument("--effect", nargs="+", choices=EFFECTS, default=list(DEFAULT_EFFECTS),
+                        help=f"which experiments to run (default: {' '.join(DEFAULT_EFFECTS)})")
     _sized(parser, "--repeats", "timed rounds per comparison")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the workloads and the samples (default %(default)s)")
@@ -134,6 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _sized(parallel, "--parallel-prompts", "prompts")
     _sized(parallel, "--parallel-prompt-len", "tokens per prompt")
     _sized(parallel, "--parallel-output-len", "tokens per sample")
+    preemption.add_arguments(parser, _sized)
     output = parser.add_argument_group("output")
     output.add_argument("--json", metavar="PATH", help="write the results as JSON here")
     output.add_argument("--plot-dir", metavar="DIR",
@@ -157,137 +164,11 @@ def resolve_sizes(args: argparse.Namespace) -> None:
         ("prefix-cache", "the no-sharing workload", UNSHARED_PROMPT_RANGE[1] + UNSHARED_OUTPUT[2]),
         ("parallel-sampling", "--parallel-prompt-len + --parallel-output-len",
          args.parallel_prompt_len + args.parallel_output_len),
+        ("preemption", "--swap-prompt-len + --swap-output-len", args.swap_prompt_len + args.swap_output_len),
     ]
     for effect, flags, tokens in longest:
         if effect in args.effect and tokens > args.max_model_len:
             raise ValueError(f"{flags} = {tokens} tokens exceed --max-model-len {args.max_model_len}")
-
-
-# ---- engines and runs -------------------------------------------------------------------------------
-
-class Engines:
-    """The experiments' engines, built on first use and shared: each is the base configuration (from the
-    command line) with a few options changed."""
-
-    def __init__(self, args: argparse.Namespace, folder: str, log: Callable[[str], None]):
-        self.base = dict(model=folder, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=PAGE_SIZE,
-                         min_token_bucket=args.min_token_bucket, num_pages=args.num_pages,
-                         compilation_cache_dir=args.compilation_cache_dir, load_format=args.load_format)
-        self.log = log
-        self._built: dict[tuple, LLMEngine] = {}
-
-    def get(self, **changes) -> LLMEngine:
-        """The engine of the base configuration with `changes` (EngineConfig fields)."""
-        key = tuple(sorted(changes.items()))
-        if key not in self._built:
-            start = time.perf_counter()
-            engine = LLMEngine(EngineConfig(**{**self.base, **changes}), show_progress=False)
-            self.log(f"engine {dict(changes)} ready in {time.perf_counter() - start:.1f}s "
-                     f"({engine.stats()['kv_pages_total']} KV pages)")
-            self._built[key] = engine
-        return self._built[key]
-
-
-@dataclasses.dataclass
-class System:
-    """One side of a comparison: an engine and what it runs."""
-
-    name: str
-    engine: LLMEngine
-    workload: Workload
-    warmup: Workload  # run once, untimed, before the timed rounds
-    params: Callable[[BenchRequest], SamplingParams] = bench_params
-    arrival_times: Sequence[float] | None = None  # s after the start, one per request; None: all at once
-
-
-@dataclasses.dataclass
-class Run:
-    """One run of a system: what the driver recorded, and the engine counters it moved."""
-
-    result: DriveResult
-    prefix_cache_hits: int  # prompt tokens found computed in cached pages
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    preemptions: int
-    timing: dict  # the engine's stats()["timing"] over this run
-
-    @property
-    def output_tokens(self) -> int:
-        """Tokens generated, every sample counted."""
-        return stats.token_totals(self.result.traces)["output_tokens"]
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        """Output tokens per second of the run's wall time."""
-        return self.output_tokens / self.result.seconds
-
-
-def run_once(engine: LLMEngine, workload: Workload, params: Callable[[BenchRequest], SamplingParams] = bench_params,
-             arrival_times: Sequence[float] | None = None) -> Run:
-    """One run of `workload` on `engine`, from an empty prefix cache."""
-    engine.reset_prefix_cache()
-    engine.core.timing.reset()
-    gc.collect()
-    before = engine.stats()
-    result = drive(engine, workload, arrival_times, params)
-    after = engine.stats()
-    return Run(result, after["prefix_cache_hits"] - before["prefix_cache_hits"],
-               after["prefix_cache_queries"] - before["prefix_cache_queries"],
-               after["preemptions"] - before["preemptions"], after["timing"])
-
-
-def compare(systems: list[System], repeats: int, log: Callable[[str], None]) -> list[list[Run]]:
-    """The timing protocol: each system's warm-up, then `repeats` rounds running every system once, forward
-    in even rounds and reversed in odd ones. Returns each system's timed runs, in round order."""
-    for system in systems:
-        run_once(system.engine, system.warmup, system.params)
-    runs: list[list[Run]] = [[] for _ in systems]
-    for round_index in range(repeats):
-        order = list(range(len(systems)))
-        for i in order if round_index % 2 == 0 else order[::-1]:
-            run = run_once(systems[i].engine, systems[i].workload, systems[i].params, systems[i].arrival_times)
-            runs[i].append(run)
-            log(f"  round {round_index + 1}/{repeats} {systems[i].name}: {run.result.seconds:.2f}s, "
-                f"{run.output_tokens} output tokens ({run.output_tokens_per_s:.0f} tok/s), "
-                f"{len(run.result.steps)} steps")
-    return runs
-
-
-def timing(runs: list[Run]) -> dict:
-    """A system's timed runs, as `jaxserve bench throughput` rows: requests/s, output and total tokens/s at the
-    mean run and (best_*) at the best run, every sample's tokens counted; the runs' seconds and preemptions."""
-    totals = [stats.token_totals(run.result.traces) for run in runs]
-    counts = {(len(run.result.traces), t["prompt_tokens"], t["output_tokens"]) for run, t in zip(runs, totals)}
-    if len(counts) != 1:
-        raise RuntimeError(f"the runs of one system generated different numbers of tokens: {sorted(counts)}")
-    num_requests, prompt_tokens, output_tokens = counts.pop()
-    seconds = [run.result.seconds for run in runs]  # s, one per round
-    return {**stats.throughput_of_runs(num_requests, prompt_tokens, output_tokens, seconds),
-            "output_tokens": output_tokens, "preemptions_runs": [run.preemptions for run in runs]}
-
-
-def ratios(a: dict, b: dict, a_runs: list[Run], b_runs: list[Run]) -> dict:
-    """a's output tokens/s over b's: of the means, of the bests, and per round."""
-    return {"mean": a["output_tokens_per_s"] / b["output_tokens_per_s"],
-            "best": a["best_output_tokens_per_s"] / b["best_output_tokens_per_s"],
-            "rounds": [x.output_tokens_per_s / y.output_tokens_per_s for x, y in zip(a_runs, b_runs)]}
-
-
-def same_tokens(a: list[list[int]], b: list[list[int]]) -> list[int]:
-    """[requests whose token ids are equal in a and b, requests]."""
-    return [sum(x == y for x, y in zip(a, b)), len(a)]
-
-
-def _ms(values: Sequence[float]) -> list[float]:
-    """Seconds to milliseconds."""
-    return [1000.0 * value for value in values]
-
-
-def _spread(values_ms: Sequence[float]) -> dict:
-    """{"mean", "p50", "p90", "p99", "max"} of values in ms (all None when empty)."""
-    summary = stats.summarize(values_ms, (50, 90, 99, 100))
-    summary["max"] = summary.pop("p100")
-    return summary
 
 
 # ---- chunked prefill ---------------------------------------------------------------------------------
@@ -322,9 +203,9 @@ def chunked_side(runs: list[Run], num_decode: int) -> dict:
     TTFT."""
     decodes = [trace for run in runs for trace in run.result.traces[:num_decode]]
     longs = [trace for run in runs for trace in run.result.traces[num_decode:]]
-    return {"decode_itl_ms": _spread(_ms([itl for trace in decodes for itl in trace.itls])),
-            "decode_tpot_ms": _spread(_ms([trace.tpot for trace in decodes if trace.tpot is not None])),
-            "long_ttft_ms": _spread(_ms([trace.ttft for trace in longs])),
+    return {"decode_itl_ms": spread(ms([itl for trace in decodes for itl in trace.itls])),
+            "decode_tpot_ms": spread(ms([trace.tpot for trace in decodes if trace.tpot is not None])),
+            "long_ttft_ms": spread(ms([trace.ttft for trace in longs])),
             "max_step_tokens": max(step.num_tokens for run in runs for step in run.result.steps)}
 
 
@@ -541,21 +422,16 @@ def overlap_side(system: System, runs: list[Run]) -> dict:
     traces = [trace for run in runs for trace in run.result.traces]
     best = min(runs, key=lambda run: run.result.seconds)
     return {"system": system.name, **timing(runs),
-            "itl_ms": _spread(_ms([itl for trace in traces for itl in trace.itls])),
-            "tpot_ms": _spread(_ms([trace.tpot for trace in traces if trace.tpot is not None])),
+            "itl_ms": spread(ms([itl for trace in traces for itl in trace.itls])),
+            "tpot_ms": spread(ms([trace.tpot for trace in traces if trace.tpot is not None])),
             "steps_runs": [run.timing["steps"] for run in runs], "timing_best_run": best.timing}  # device steps
 
 
 EXPERIMENTS = {"chunked-prefill": chunked_prefill, "prefix-cache": prefix_cache, "overlap": overlap,
-               "parallel-sampling": parallel_sampling}
+               "parallel-sampling": parallel_sampling, "preemption": preemption.preemption}
 
 
 # ---- report -------------------------------------------------------------------------------------------
-
-def _num(value: float | None) -> str:
-    """A number of ms for a table cell; "-" for None."""
-    return "-" if value is None else f"{value:.1f}"
-
 
 def _timing_cells(side: dict) -> str:
     """The mean tok/s, best tok/s and timed runs cells of a table row."""
@@ -582,8 +458,8 @@ def chunked_lines(result: dict) -> list[str]:
     for side in result["systems"]:
         itl, tpot, ttft = side["decode_itl_ms"], side["decode_tpot_ms"], side["long_ttft_ms"]
         lines.append(f"| {side['system']} | {side['max_num_batched_tokens']} / {side['max_step_tokens']} | "
-                     f"{_timing_cells(side)} | {_num(itl['p50'])} / {_num(itl['p99'])} / {_num(itl['max'])} | "
-                     f"{_num(tpot['mean'])} / {_num(tpot['p99'])} | {_num(ttft['mean'])} / {_num(ttft['max'])} |")
+                     f"{_timing_cells(side)} | {cell(itl['p50'])} / {cell(itl['p99'])} / {cell(itl['max'])} | "
+                     f"{cell(tpot['mean'])} / {cell(tpot['p99'])} | {cell(ttft['mean'])} / {cell(ttft['max'])} |")
     lines += ["", f"on / off: throughput {_ratio_text(result['throughput_on_over_off'])}; decode ITL off / on: "
               f"p99 {off['decode_itl_ms']['p99'] / on['decode_itl_ms']['p99']:.2f}x, max "
               f"{off['decode_itl_ms']['max'] / on['decode_itl_ms']['max']:.2f}x; long-prompt TTFT on / off "
@@ -631,8 +507,8 @@ def overlap_lines(result: dict) -> list[str]:
     for side in result["systems"]:
         itl, tpot, host = side["itl_ms"], side["tpot_ms"], side["timing_best_run"]
         phases = " / ".join(f"{host[phase + '_ms']:.2f}" for phase in PHASES)
-        lines.append(f"| {side['system']} | {_timing_cells(side)} | {side['steps_runs'][0]} | {_num(itl['p50'])} / "
-                     f"{_num(itl['p99'])} | {_num(tpot['mean'])} / {_num(tpot['p99'])} | {phases} | "
+        lines.append(f"| {side['system']} | {_timing_cells(side)} | {side['steps_runs'][0]} | {cell(itl['p50'])} / "
+                     f"{cell(itl['p99'])} | {cell(tpot['mean'])} / {cell(tpot['p99'])} | {phases} | "
                      f"{100 * host['device_idle_fraction']:.1f}% |")
     lines.append("")
     for side, ratio, same in zip(result["systems"][1:], result["throughput_over_sync"], result["same_tokens_as_sync"]):
@@ -664,7 +540,7 @@ def report_lines(result: dict) -> list[str]:
     lines = [f"## jaxserve bench effects: {result['model']} ({result['elapsed_s']:.0f} s in all; load average "
              f"{result['load_before']} before, {result['load_after']} after)"]
     sections = {"chunked-prefill": chunked_lines, "prefix-cache": prefix_lines, "overlap": overlap_lines,
-                "parallel-sampling": parallel_lines}
+                "parallel-sampling": parallel_lines, "preemption": preemption.preemption_lines}
     for effect, effect_result in result["effects"].items():
         lines += ["", *sections[effect](effect_result)]
     return lines

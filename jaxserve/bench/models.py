@@ -71,6 +71,9 @@ SHAPES: dict[str, LlamaShape] = {
     # A random-weight Llama of a larger shape than the bundled one (benchmarks/throughput.py's model).
     "llama-small": LlamaShape(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
                               intermediate_size=1024, max_position_embeddings=1024),
+    # llama-small with 4096 positions: long-context experiments (bench effects --effect preemption).
+    "llama-small-4k": LlamaShape(vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
+                                 intermediate_size=1024, max_position_embeddings=4096),
     # Llama-3.1-8B's published shape (random weights on the device: load_format="dummy").
     "llama-3.1-8b": LlamaShape(
         vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
@@ -218,7 +221,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     choice = group.add_mutually_exclusive_group()
     choice.add_argument("--model-shape", choices=SHAPE_NAMES, default=BUNDLED,
                         help="bundled: the model shipped with jaxserve; llama-small: a random-weight Llama (4 layers, "
-                             "hidden 256, 8/2 heads, vocab 4096, float32); llama-3.1-8b: Llama-3.1-8B's shape with "
+                             "hidden 256, 8/2 heads, vocab 4096, float32, 1024 positions); llama-small-4k: the same "
+                             "with 4096 positions; llama-3.1-8b: Llama-3.1-8B's shape with "
                              "random weights made on the device (default: %(default)s)")
     choice.add_argument("--model", metavar="PATH", help="benchmark this Hugging Face folder instead of a named shape")
     group.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR,
