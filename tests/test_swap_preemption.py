@@ -32,17 +32,18 @@ _ids = itertools.count()
 
 
 class Engines:
-    """(preemption mode, policy) -> LLM, built on first use."""
+    """(preemption mode, policy, tensor-parallel size) -> LLM, built on first use."""
 
     def __init__(self):
-        self._llms: dict[tuple[str, str], LLM] = {}
+        self._llms: dict[tuple[str, str, int], LLM] = {}
 
-    def __call__(self, mode: str, policy: str = "fcfs") -> LLM:
-        key = (mode, policy)
+    def __call__(self, mode: str, policy: str = "fcfs", tp: int = 1) -> LLM:
+        key = (mode, policy, tp)
         if key not in self._llms:
             swap_space = HOST_PAGES.get(mode, 1) * PAGE_BYTES / 2**30
             self._llms[key] = LLM(checkpoint("llama"), **small_engine_args(
-                **ENGINE_ARGS, preemption_mode=mode, swap_space=swap_space, scheduling_policy=policy))
+                **ENGINE_ARGS, preemption_mode=mode, swap_space=swap_space, scheduling_policy=policy,
+                tensor_parallel_size=tp))
             assert self._llms[key].engine.core.runner.page_bytes() == PAGE_BYTES
         return self._llms[key]
 
@@ -55,9 +56,10 @@ def engines():
 def _run(llm: LLM, jobs: list[tuple[list[int], SamplingParams, int, int]]) -> tuple[dict, dict, int]:
     """Submit each (prompt, params, arrival step, priority) job at its step and step until all finish; returns
     ({job: [(token ids, finish reason) per sample]}, {job: steps from arrival to its first token}, the
-    preemptions during the run). Checks that every page is back afterwards."""
+    preemptions during the run). Checks that every page is back afterwards and that nothing compiled."""
     engine = llm.engine
     before = llm.stats()["preemptions"]
+    compiles_before = llm.stats()["compilations_after_warmup"]  # the whole process's: checked over the run
     tag = next(_ids)
     outputs, first_token, arrived = {}, {}, {}
     step = 0
@@ -79,6 +81,7 @@ def _run(llm: LLM, jobs: list[tuple[list[int], SamplingParams, int, int]]) -> tu
     assert stats["host_pages_free"] == stats["host_pages_total"], "host pages still held after the run"
     assert stats["num_requests_swapped"] == stats["num_requests_running"] == stats["num_requests_waiting"] == 0
     assert stats["lazy_bucket_compilations"] == 0
+    assert stats["compilations_after_warmup"] == compiles_before, "swap copies compiled after warm-up"
     return outputs, first_token, stats["preemptions"] - before
 
 
@@ -135,6 +138,18 @@ def test_a_preempting_workload_swaps_and_falls_back_when_the_host_pool_is_full(e
             after["swapped_out_pages"] - before["swapped_out_pages"] > 0
         if mode == "swap":  # 12 host pages: some victims do not fit and are recomputed
             assert swapped < mode_preemptions
+
+
+def test_each_device_swaps_its_own_kv_head_shard_under_tensor_parallelism(engines):
+    """TP 2 (the fixture's 2 KV heads split over 2 simulated devices): the swap copies keep the head sharding
+    and the outputs are those of the one-device engine that recomputes."""
+    want, _, _ = _run(engines("recompute"), _heavy_jobs())
+    llm = engines("swap", tp=2)
+    runner = llm.engine.core.runner
+    assert runner.kv_caches[0].addressable_shards[0].data.shape[3] == 1  # one KV head per device
+    got, _, _ = _run(llm, _heavy_jobs())
+    assert got == want
+    assert llm.stats()["swapped_out_requests"] > 0
 
 
 def test_an_urgent_request_preempts_low_priority_ones_and_everyone_finishes(engines):
