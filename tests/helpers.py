@@ -31,6 +31,15 @@ def expected(name: str) -> dict:
     return data
 
 
+def engine_stats(**values) -> dict:
+    """An engine's stats() as the metrics collector reads it: every counter and gauge 0 unless given."""
+    stats = dict.fromkeys(("num_requests_running", "num_requests_waiting", "num_requests_swapped", "preemptions",
+                           "prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
+                           "swapped_out_requests", "swapped_out_pages", "swapped_in_pages", "steps"), 0)
+    stats.update(kv_pages_free=10, kv_pages_total=10, cpu_cache_usage_perc=0.0)
+    return {**stats, **values}
+
+
 def small_engine_args(**overrides) -> dict:
     """Engine options with small bucket ladders so tests compile quickly."""
     args = dict(

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from helpers import running_server
+from helpers import engine_stats, running_server
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from jaxserve.engine import default_model_path
@@ -74,10 +74,7 @@ class FakeEngine:
         return outputs
 
     def stats(self):
-        return {"num_requests_running": len(self.running), "num_requests_waiting": 0, "kv_pages_free": 10,
-                "kv_pages_total": 10, "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "steps": self.steps,
-                "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_requests_swapped": 0,
-                "cpu_cache_usage_perc": 0.0, "swapped_out_requests": 0, "swapped_out_pages": 0, "swapped_in_pages": 0}
+        return engine_stats(num_requests_running=len(self.running), steps=self.steps)
 
     @staticmethod
     def _output(request_id, num_tokens, finish_reason):

@@ -6,6 +6,7 @@ import time
 import httpx
 import pytest
 from conftest import API_KEY
+from helpers import engine_stats
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -65,9 +66,7 @@ def _request(request_id: str, times: RequestMetrics, prompt_len: int, samples: l
 
 
 def _unit_metrics() -> ServerMetrics:
-    stats = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_pages_free": 63, "kv_pages_total": 63,
-             "preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0, "prefix_cache_queries": 0,
-             "prefix_cache_hits": 0}
+    stats = engine_stats(kv_pages_free=63, kv_pages_total=63)
     return ServerMetrics("vllm", "m", lambda: stats, max_model_len=128, cache_config=CACHE_CONFIG)
 
 
