@@ -404,8 +404,9 @@ class Scheduler:
 
     def _outranked_victim(self, request: Request) -> Request | None:
         """Priority policy: the least urgent running request that `request` outranks (lower priority value)
-        and that is not protected by max_preemptions; None under FCFS or when there is none."""
-        if self.config.policy != "priority":
+        and that is not protected by max_preemptions; None under FCFS, under static batching (members hold
+        their reservation until the batch ends) or when there is none."""
+        if self.config.policy != "priority" or self.config.static_batching:
             return None
         candidates = [r for r in self.running if r.priority > request.priority and not self._protected(r)]
         return max(candidates, key=_urgency, default=None)
