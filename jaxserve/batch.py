@@ -33,6 +33,7 @@ from jaxserve.sampling_params import (
     MAX_STOP_TOKEN_IDS,
 )
 from jaxserve.scheduler import SchedulerOutput
+from jaxserve.spec.verify import Proposals
 
 PAD_TOKEN_ID = 0
 STOP_WIDTH = MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS  # DecodeSteps.stop_ids per row
@@ -97,12 +98,15 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders,
         first = item.num_computed_tokens
         token_positions = np.arange(first, first + item.num_new_tokens, dtype=np.int32)
         pages = np.asarray(item.page_ids, np.int32)
-        known = max(0, min(item.num_new_tokens, item.request.num_known_tokens - first))  # ids the host has
-        if known < item.num_new_tokens:
-            if known != item.num_new_tokens - 1 or item.request.request_id not in (device_rows or {}):
+        proposed = len(item.spec_token_ids)  # proposals follow the request's own tokens
+        own = item.num_new_tokens - proposed
+        known = max(0, min(own, item.request.num_known_tokens - first))  # ids the host has
+        if known < own:
+            if known != own - 1 or proposed or item.request.request_id not in (device_rows or {}):
                 raise RuntimeError(f"request {item.request.request_id} is scheduled over tokens nobody has")
             arrays["device_token_index"][stop - 1] = device_rows[item.request.request_id]
         input_ids[start : start + known] = item.request.token_ids(first, first + known)
+        input_ids[stop - proposed : stop] = item.spec_token_ids
         positions[start:stop] = token_positions
         slot_mapping[start:stop] = pages[token_positions // page_size] * page_size + token_positions % page_size
         slot_mapping[start : start + item.num_present_tokens] = NULL_PAGE * page_size  # KV already held
@@ -180,6 +184,32 @@ def build_decode_steps(output: SchedulerOutput, num_rows: int) -> DecodeSteps | 
         arrays["num_steps"][row] = item.num_steps
         arrays["stop_ids"][row, : len(stop_ids)] = stop_ids
     return DecodeSteps(**arrays)
+
+
+def build_proposals(output: SchedulerOutput, num_rows: int, width: int) -> Proposals | None:
+    """The proposals each row verifies and the step tokens whose logits check them, padded to `num_rows` rows
+    of `width` positions (1 + num_speculative_tokens); None when no row verifies any (an ordinary step)."""
+    if not any(item.spec_token_ids for item in output.scheduled):
+        return None
+    arrays = padded_proposal_arrays(num_rows, width)
+    start = 0
+    for row, item in enumerate(output.scheduled):
+        count = len(item.spec_token_ids)
+        arrays["token_ids"][row, :count] = item.spec_token_ids
+        arrays["num_tokens"][row] = count
+        first = start + item.num_new_tokens - 1 - count  # the request's own last token
+        arrays["logits_index"][row] = first + np.minimum(np.arange(width), count)
+        start += item.num_new_tokens
+    return Proposals(**arrays)
+
+
+def padded_proposal_arrays(num_rows: int, width: int) -> dict[str, np.ndarray]:
+    """Every Proposals field at its padding value for R rows and S = `width` verified positions."""
+    return {
+        "token_ids": np.full((num_rows, width - 1), -1, np.int32),  # (R, S - 1)
+        "num_tokens": np.zeros((num_rows,), np.int32),  # (R,)
+        "logits_index": np.zeros((num_rows, width), np.int32),  # (R, S)
+    }
 
 
 def padded_decode_step_arrays(num_rows: int) -> dict[str, np.ndarray]:

@@ -49,7 +49,7 @@ BUCKET_SETS = {  # --buckets: which buckets are lowered
     "all": "every bucket the engine compiles",
     "edges": "the smallest and largest rung of each ladder, and the token rungs either side of max_num_seqs",
 }
-KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps")  # the order of Runner.shapes()
+KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify")  # the order of Runner.shapes()
 # Custom calls jax.export does not promise to keep stable, which the step functions use on purpose: Pallas's
 # Triton kernels and cuDNN attention. Any other one (a host callback, say) fails its bucket.
 EXPECTED_UNSTABLE_CALLS = ("__gpu$xla.gpu.triton", "__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax")
@@ -232,7 +232,7 @@ def shard_bytes(tree) -> int:
 # ---- buckets ------------------------------------------------------------------------------------------------
 
 
-def select_buckets(ladders, shapes: tuple[list, list, list, list], which: str) -> tuple[list, list, list, list]:
+def select_buckets(ladders, shapes: tuple[list, ...], which: str) -> tuple[list, ...]:
     """Runner.shapes() itself for "all"; for "edges", the smallest and largest rung of each ladder, plus the
     token rungs on either side of max_num_seqs (where rows stop growing with tokens), and for the sampler the
     smallest penalty history besides none."""
@@ -244,11 +244,12 @@ def select_buckets(ladders, shapes: tuple[list, list, list, list], which: str) -
     widths = {ladders.page_widths[0], ladders.page_widths[-1]}
     rows = {min(ladders.row_buckets()), max(ladders.row_buckets())}
     aux = {ladders.aux_widths[0], *ladders.aux_widths[1:2], ladders.aux_widths[-1]}
-    forward, sampler, prompt, steps = shapes
+    forward, sampler, prompt, steps, verify = shapes
     return ([s for s in forward if s[0] in tokens and s[1] in widths],
             [s for s in sampler if s[0] in rows and s[1] in aux],
             [s for s in prompt if s[0] in {ladders.tokens[0], ladders.tokens[-1]}],
-            [s for s in steps if s[0] in tokens and s[1] in widths])
+            [s for s in steps if s[0] in tokens and s[1] in widths],
+            [s for s in verify if s[0] in tokens and s[1] in widths])
 
 
 def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
@@ -258,6 +259,7 @@ def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
         "sampler": lambda shape: runner.sampler_call(*shape),
         "prompt_logprobs": lambda shape: runner.prompt_logprobs_call(*shape),
         "decode_steps": lambda shape: runner.decode_steps_call(*shape, num_pages),
+        "verify": lambda shape: runner.verify_call(*shape, num_pages),
     }
 
 
@@ -324,9 +326,10 @@ def cpu_estimates(runner) -> tuple[int, dict[str, float]]:
     function, args = runner.prompt_logprobs_call(runner.ladders.tokens[-1])
     function.lower(*args).compile()
     prompt = cpu_seconds() - start
-    # A multi-step decode bucket is a forward and a sampler in a loop: counted as one of each.
+    # A multi-step decode bucket is a forward and a sampler in a loop, a verification bucket a forward and a
+    # sampler of its positions: each counted as one of each.
     seconds = {"forward": forward_and_sampler / 2, "sampler": forward_and_sampler / 2, "prompt_logprobs": prompt,
-               "decode_steps": forward_and_sampler}
+               "decode_steps": forward_and_sampler, "verify": forward_and_sampler}
     return activation_bytes, seconds
 
 
@@ -372,7 +375,8 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     def runner(backend: str, platform: str) -> Runner:
         return Runner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads, cache_dtype=dtype,
                       ladders=ladders, attention_backend=backend, platform=platform,
-                      num_scheduler_steps=config.num_scheduler_steps)
+                      num_scheduler_steps=config.num_scheduler_steps,
+                      num_speculative_tokens=config.num_speculative_tokens)
 
     cpu_runner = runner("xla", "cpu")
     activation_bytes, compile_seconds = cpu_estimates(cpu_runner)

@@ -26,7 +26,7 @@ ENGINE_FLAGS = (
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
     "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format", "async_scheduling",
-    "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions",
+    "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions", "speculative_config",
 )
 
 
@@ -70,6 +70,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", choices=list(VALID_PREEMPTION_MODES),
                         help="recompute (default), swap (KV to host memory and back) or auto (swap long contexts)")
     parser.add_argument("--swap-space", type=float, help="GiB of host memory for swapped-out KV pages (default 4)")
+    parser.add_argument("--speculative-config",
+                        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
     parser.add_argument("--max-preemptions", type=int,
                         help="priority policy: preemptions in a row after which a request is not preempted by "
                              "another again until it finishes (default 3)")

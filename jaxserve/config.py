@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import yaml
@@ -13,6 +14,8 @@ VALID_POLICIES = ("fcfs", "priority")
 # How a preempted request gives its KV pages back: recompute (drop them; its tokens are computed again when it
 # resumes), swap (copy them to a host-memory pool and back when it resumes), auto (swap long contexts).
 VALID_PREEMPTION_MODES = ("recompute", "swap", "auto")
+SPECULATIVE_METHODS = ("ngram",)  # proposers of speculative_config's `method`
+SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas-tpu-interpret")
 # continuous: requests join and leave the running batch at every step and hold only the pages they fill;
 # static: a pre-paging server, the baseline of `jaxserve bench`: a batch is admitted only when the previous
@@ -38,6 +41,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"  # auto: swap a victim with more computed tokens than the step budget
     # priority: a request preempted this many times in a row is not preempted by another again until it yields
     max_preemptions: int = 3
+    num_speculative_tokens: int = 0  # most proposals a decode verifies per step (0: no speculative decoding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +81,9 @@ class EngineConfig:
     # scheduling_policy priority: a request preempted this many times in a row is not preempted by another
     # request again until it finishes or yields (preempts itself for lack of pages).
     max_preemptions: int = 3
+    # Speculative decoding (vLLM's shape): {method: ngram, num_speculative_tokens, prompt_lookup_min,
+    # prompt_lookup_max}; None: off. The missing keys take SPECULATIVE_DEFAULTS.
+    speculative_config: dict | None = None
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -92,6 +99,10 @@ class EngineConfig:
             raise ValueError(f"preemption_mode {self.preemption_mode} needs swap_space > 0 (GiB of host memory)")
         if not isinstance(self.max_preemptions, int) or self.max_preemptions < 1:
             raise ValueError(f"max_preemptions must be an integer >= 1, got {self.max_preemptions!r}")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config", _checked_speculative_config(self.speculative_config))
+            if self.num_scheduler_steps > 1:
+                raise ValueError("speculative_config and num_scheduler_steps > 1 are alternatives: choose one")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket",
@@ -147,6 +158,11 @@ class EngineConfig:
             return cls.from_dict(overrides)
         return cls.from_yaml(config_path, **overrides)
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Tokens proposed per request and step (0 without speculative decoding)."""
+        return self.speculative_config["num_speculative_tokens"] if self.speculative_config else 0
+
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's slice of the config, with the resolved max_model_len."""
         return SchedulerConfig(
@@ -159,7 +175,32 @@ class EngineConfig:
             num_scheduler_steps=self.num_scheduler_steps,
             preemption_mode=self.preemption_mode,
             max_preemptions=self.max_preemptions,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
+
+
+def _checked_speculative_config(config) -> dict:
+    """speculative_config with its defaults filled in; a ValueError naming what to fix."""
+    if isinstance(config, str):  # the command line's JSON
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"speculative_config is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be a mapping, got {config!r}")
+    valid = ("method", *SPECULATIVE_DEFAULTS)
+    unknown = sorted(set(config) - set(valid))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
+    config = {**SPECULATIVE_DEFAULTS, **config}
+    _check_choice("speculative_config method", config.get("method"), SPECULATIVE_METHODS)
+    for key in SPECULATIVE_DEFAULTS:
+        if not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1:
+            raise ValueError(f"speculative_config {key} must be an integer >= 1, got {config[key]!r}")
+    if config["prompt_lookup_min"] > config["prompt_lookup_max"]:
+        raise ValueError(f"speculative_config prompt_lookup_min ({config['prompt_lookup_min']}) must be <= "
+                         f"prompt_lookup_max ({config['prompt_lookup_max']})")
+    return config
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:

@@ -16,6 +16,7 @@ from jaxserve.batch import (
     build_batch,
     build_decode_steps,
     build_prompt_logprob_batch,
+    build_proposals,
     build_sampling_batch,
 )
 from jaxserve.config import EngineConfig
@@ -28,6 +29,8 @@ from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner import CompileCounter, PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
+from jaxserve.spec.metrics import SpecDecodeStats
+from jaxserve.spec.ngram import NgramProposer
 from jaxserve.step_timing import StepTiming
 
 logger = logging.getLogger("jaxserve")
@@ -55,7 +58,7 @@ class EngineCore:
             self.spec, params, self.mesh,
             page_size=config.page_size, num_cache_kv_heads=kv_heads,
             cache_dtype=dtype, ladders=self.ladders, attention_backend=config.attention_backend,
-            num_scheduler_steps=config.num_scheduler_steps,
+            num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
         )
         self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner)
         host_pool = None
@@ -73,6 +76,12 @@ class EngineCore:
         self.counters = collections.Counter()
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # dispatched, samples not brought
         self.timing = StepTiming()
+        self.proposer = None  # speculative decoding's proposer, when configured
+        if config.speculative_config:
+            spec = config.speculative_config
+            self.proposer = NgramProposer(spec["num_speculative_tokens"], spec["prompt_lookup_min"],
+                                          spec["prompt_lookup_max"])
+        self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request."""
@@ -108,7 +117,9 @@ class EngineCore:
             changed += self._collect()
         launched, failed = self._launch()
         changed += failed
-        keep = 1 if self.config.async_scheduling and launched else 0  # steps left on the device
+        # Steps left on the device. A proposer reads each request's latest tokens, so speculative steps are
+        # brought before the next is planned.
+        keep = 1 if self.config.async_scheduling and launched and self.proposer is None else 0
         while len(self._in_flight) > keep:
             changed += self._collect()
         return changed
@@ -116,6 +127,8 @@ class EngineCore:
     def _launch(self) -> tuple[bool, list[Request]]:
         """Schedule, build and dispatch one step; (whether one was dispatched, requests that failed)."""
         with self.timing.measure("schedule"):
+            if self.proposer is not None:
+                self._propose()
             output = self.scheduler.schedule()
         self.counters["preemptions"] += len(output.preempted_ids)
         if output.swap_out or output.swap_in:
@@ -125,18 +138,28 @@ class EngineCore:
             return False, []
         with self.timing.measure("build"):
             try:
-                batch, sampling, (prompt, prompt_counts), steps = self._build_inputs(output)
+                batch, sampling, (prompt, prompt_counts), steps, proposals = self._build_inputs(output)
             except Exception:
                 return False, self._fail_unbuildable(output)
         started = time.perf_counter()
         with self.timing.measure("dispatch"):
-            pending = self.runner.dispatch(batch, sampling, prompt, steps)
+            pending = self.runner.dispatch(batch, sampling, prompt, steps, proposals)
         self.timing.dispatched(started, pending.ready)
         self._in_flight.append(_InFlight(output, prompt_counts, pending))
         self.counters["steps"] += 1
         self.counters["scheduled_tokens"] += sum(item.num_positions for item in output.scheduled)
         self.counters["padded_tokens"] += batch.input_ids.shape[0] * max(item.num_steps for item in output.scheduled)
         return True, []
+
+    def _propose(self) -> None:
+        """Give every running request that decodes its proposer's guess of its next tokens (the scheduler
+        verifies them when the step allows)."""
+        running = self.scheduler.running
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and not r.needs_output_on_host]
+        for request in running:
+            request.spec_token_ids = []
+        for request, guess in zip(decoding, self.proposer.propose(decoding)):
+            request.spec_token_ids = guess
 
     def _collect(self) -> list[Request]:
         """Wait for the oldest step in flight and bring its samples to the scheduler."""
@@ -153,7 +176,7 @@ class EngineCore:
 
     def _build_inputs(self, output: SchedulerOutput):
         """The step's padded inputs: BatchDescriptor, SamplingBatch, (PromptLogprobBatch or None, counts),
-        DecodeSteps or None."""
+        DecodeSteps or None, Proposals or None."""
         device_rows = {}  # request id -> its row in the step in flight, whose samples stay on the device
         if self._in_flight:
             device_rows = {item.request.request_id: row for row, item in enumerate(self._in_flight[-1].output.scheduled)}
@@ -161,7 +184,8 @@ class EngineCore:
         num_rows = batch.page_table.shape[0]
         sampling = build_sampling_batch(output, num_rows, self.ladders)
         prompt = build_prompt_logprob_batch(output, batch.input_ids.shape[0])
-        return batch, sampling, prompt, build_decode_steps(output, num_rows)
+        proposals = build_proposals(output, num_rows, 1 + self.config.num_speculative_tokens)
+        return batch, sampling, prompt, build_decode_steps(output, num_rows), proposals
 
     def _fail_unbuildable(self, output: SchedulerOutput) -> list[Request]:
         """Find the requests whose inputs cannot be built, each on its own, and end them with an error."""
@@ -196,7 +220,11 @@ class EngineCore:
             if not item.samples:
                 sampled.append([])
                 continue
-            token_ids = result.token_ids[: item.num_steps, row].tolist()
+            if item.spec_token_ids:  # the accepted proposals and the token after them; -1 after
+                token_ids = [t for t in result.token_ids[: item.num_samples, row].tolist() if t >= 0]
+                self.spec_stats.observe(len(item.spec_token_ids), len(token_ids) - 1)
+            else:
+                token_ids = result.token_ids[: item.num_steps, row].tolist()
             num_logprobs = item.request.sampling_params.logprobs
             logprobs = None
             if num_logprobs is not None:  # multi-step decodes have no logprobs rows
@@ -241,6 +269,7 @@ class EngineCore:
             "compilations_after_warmup": CompileCounter.count() - self._compiles_after_warmup_base,
             "lazy_bucket_compilations": self.runner.num_lazy_compiles,
             "timing": self.timing.summary(),
+            "spec_decode": self.spec_stats.summary(),
         }
 
 

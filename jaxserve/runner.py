@@ -27,6 +27,7 @@ from jaxserve.batch import (
     padded_batch_arrays,
     padded_decode_step_arrays,
     padded_prompt_logprob_arrays,
+    padded_proposal_arrays,
     padded_sampling_arrays,
 )
 from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
@@ -38,6 +39,7 @@ from jaxserve.model.sharding import KV_CACHE_SPEC, named, param_partition_specs
 from jaxserve.model.spec import ModelSpec
 from jaxserve.packing import Layout, pack, unpack
 from jaxserve.sampler import SamplingBatch, raw_logprobs, sample
+from jaxserve.spec.verify import Proposals, verify
 
 
 class CompileCounter:
@@ -148,12 +150,14 @@ class Runner:
         attention_backend: str,
         platform: str | None = None,
         num_scheduler_steps: int = 1,
+        num_speculative_tokens: int = 0,
     ):
         self.spec = spec
         self.params = params
         self.page_size = page_size
         self.ladders = ladders
         self.num_scheduler_steps = num_scheduler_steps
+        self.num_speculative_tokens = num_speculative_tokens
         self._replicated = NamedSharding(mesh, P())
         self.attention = make_attention(spec, attention_backend, mesh, page_size, platform)
         self._cache_dtype = cache_dtype
@@ -184,6 +188,17 @@ class Runner:
             last_index = jnp.maximum(steps.num_steps - 1, 0)[None]  # (1, R) each row's last iteration
             return samples, _padded_rows(jnp.take_along_axis(samples, last_index, axis=0)[0], max_rows), caches
 
+        def verify_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
+            batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
+            sampling = unpack(buffers[1], layouts[1], SamplingBatch)
+            proposals = unpack(buffers[2], layouts[2], Proposals)
+            _, hidden, caches = forward(params, caches, batch)
+            num_rows, width = proposals.logits_index.shape
+            logits = token_logits(params, hidden[proposals.logits_index.reshape(-1)], spec)  # (R * S, V)
+            tokens = verify(logits.reshape(num_rows, width, -1), sampling, proposals)  # (S, R), -1 after the last
+            last_index = jnp.maximum(jnp.sum(tokens >= 0, axis=0) - 1, 0)[None]  # (1, R) each row's last token
+            return tokens, _padded_rows(jnp.take_along_axis(tokens, last_index, axis=0)[0], max_rows), caches
+
         def prompt_logprobs_packed(params, hidden, buffer, layout: Layout):
             prompt = unpack(buffer, layout, PromptLogprobBatch)
             logits = token_logits(params, hidden[prompt.token_index], spec)  # (Q, V) float32
@@ -207,6 +222,13 @@ class Runner:
             donate_argnums=(1,),
             static_argnums=(4,),
         )
+        self._verify = jax.jit(
+            verify_packed,
+            in_shardings=(param_shardings, self._kv_sharding, self._replicated, self._replicated),
+            out_shardings=(self._replicated, self._replicated, self._kv_sharding),
+            donate_argnums=(1,),
+            static_argnums=(4,),
+        )
         # The last step's sampled token of each row, where the next step reads the ids the host has not seen.
         self.last_tokens = jax.device_put(np.zeros((self.max_rows,), np.int32), self._replicated)  # (max rows,)
         self._ready_clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-ready")
@@ -218,6 +240,7 @@ class Runner:
         self._sample_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (R, P) -> executable
         self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
         self._steps_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> multi-step executable
+        self._verify_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> speculative verification
         self.num_lazy_compiles = 0
         CompileCounter.install()
 
@@ -270,24 +293,34 @@ class Runner:
 
     # ---- compilation -------------------------------------------------------------------------
 
-    def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int]], list[tuple[int, int]]]:
-        """Every (T, W) forward shape, (R, P) sampler shape, (T,) prompt-logprob shape and, with multi-step
-        decoding, (T, W) multi-step decode shape (T up to the token rung holding max_num_seqs decodes) the
-        ladders allow."""
+    def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int]], list[tuple[int, int]],
+                              list[tuple[int, int]]]:
+        """Every (T, W) forward shape, (R, P) sampler shape, (T,) prompt-logprob shape, and the (T, W) shapes of
+        multi-step decodes (T up to the token rung holding max_num_seqs decodes) and of speculative verification
+        (T up to the rung holding max_num_seqs decodes with all their proposals) the ladders allow."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
         sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths))
-        decodes = pick_bucket(self.ladders.tokens, self.ladders.max_num_seqs)  # the most tokens of a decode-only step
-        steps = [(t, w) for t, w in forward if t <= decodes] if self.num_scheduler_steps > 1 else []
-        return forward, sampler, [(num_tokens,) for num_tokens in self.ladders.tokens], steps
+        steps = verify = []
+        if self.num_scheduler_steps > 1:
+            steps = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1)]
+        if self.num_speculative_tokens:
+            verify = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1 + self.num_speculative_tokens)]
+        return forward, sampler, [(num_tokens,) for num_tokens in self.ladders.tokens], steps, verify
+
+    def _decode_tokens_rung(self, tokens_per_row: int) -> int:
+        """The token rung holding max_num_seqs rows of `tokens_per_row` tokens (the top rung when none does)."""
+        tokens = min(self.ladders.max_num_seqs * tokens_per_row, self.ladders.tokens[-1])
+        return pick_bucket(self.ladders.tokens, tokens)
 
     def warmup(self, show_progress: bool = True) -> None:
         """AOT-compile every bucket, tracing here and compiling on a thread pool (XLA releases the GIL).
 
         With the persistent compilation cache on, a restart loads these instead of compiling.
         """
-        forward_shapes, sampler_shapes, prompt_shapes, step_shapes = self.shapes()
+        forward_shapes, sampler_shapes, prompt_shapes, step_shapes, verify_shapes = self.shapes()
         lowered = [((self._forward_exec, key), self._lower_forward(*key)) for key in forward_shapes]
         lowered += [((self._steps_exec, key), self._lower_decode_steps(*key)) for key in step_shapes]
+        lowered += [((self._verify_exec, key), self._lower_verify(*key)) for key in verify_shapes]
         lowered += [((self._sample_exec, key), self._lower_sampler(*key)) for key in sampler_shapes]
         lowered += [((self._prompt_exec, key), self._lower_prompt_logprobs(*key)) for key in prompt_shapes]
         bar = tqdm(total=len(lowered), desc="compiling step buckets", disable=not show_progress, leave=False)
@@ -306,6 +339,10 @@ class Runner:
 
     def _lower_decode_steps(self, num_tokens: int, width: int) -> jax.stages.Lowered:
         function, args = self.decode_steps_call(num_tokens, width)
+        return function.lower(*args)
+
+    def _lower_verify(self, num_tokens: int, width: int) -> jax.stages.Lowered:
+        function, args = self.verify_call(num_tokens, width)
         return function.lower(*args)
 
     def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
@@ -341,6 +378,18 @@ class Runner:
         buffers = tuple(self._abstract(buffer) for buffer, _ in (batch, sampling, steps))
         return self._decode_steps, (self.params, caches, last_tokens, buffers, (batch[1], sampling[1], steps[1]))
 
+    def verify_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
+        """The speculative verification bucket (T, W): T tokens, each row's last token and its proposals, sampled
+        with no per-row token lists."""
+        num_rows = self.ladders.rows_for(num_tokens)
+        batch = pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)))
+        sampling = pack(SamplingBatch(**padded_sampling_arrays(num_rows, 0)))
+        proposals = pack(Proposals(**padded_proposal_arrays(num_rows, 1 + self.num_speculative_tokens)))
+        caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
+        last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
+        buffers = tuple(self._abstract(buffer) for buffer, _ in (batch, sampling, proposals))
+        return self._verify, (self.params, caches, last_tokens, buffers, (batch[1], sampling[1], proposals[1]))
+
     def sampler_call(self, num_rows: int, aux_width: int) -> tuple[Callable, tuple]:
         """The sampler bucket (R, P)."""
         buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width)))
@@ -362,7 +411,7 @@ class Runner:
 
     def dispatch(
         self, batch: BatchDescriptor, sampling: SamplingBatch, prompt: PromptLogprobBatch | None = None,
-        decode_steps: DecodeSteps | None = None,
+        decode_steps: DecodeSteps | None = None, proposals: Proposals | None = None,
     ) -> "PendingStep":
         """Start the model and the sampler (and the scoring of prompt tokens when `prompt` is given) on the
         device and return at once; `PendingStep.fetch()` waits for the samples. A token whose id the host
@@ -371,6 +420,8 @@ class Runner:
         num_tokens, (num_rows, width) = batch.input_ids.shape[0], batch.page_table.shape
         if decode_steps is not None:
             return self._dispatch_decode_steps(batch, sampling, decode_steps)
+        if proposals is not None:
+            return self._dispatch_verify(batch, sampling, proposals)
         forward = self._executable(self._forward_exec, (num_tokens, width), self._lower_forward)
         sampler = self._executable(
             self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
@@ -396,6 +447,17 @@ class Runner:
         buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, steps)), self._replicated)
         samples, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
         return self._pending(samples, None, None, int(batch.num_seqs), 0)
+
+    def _dispatch_verify(self, batch: BatchDescriptor, sampling: SamplingBatch, proposals: Proposals) -> "PendingStep":
+        """A speculative verification: each row's accepted proposals and the token after them come back as one
+        (S, R) array, -1 after a row's last token."""
+        key = (batch.input_ids.shape[0], batch.page_table.shape[1])
+        if sampling.aux_token_ids.shape[1] or sampling.need_logprobs:
+            raise RuntimeError("a verification step samples from the logits alone (no token lists, no logprobs)")
+        executable = self._executable(self._verify_exec, key, self._lower_verify)
+        buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, proposals)), self._replicated)
+        tokens, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
+        return self._pending(tokens, None, None, int(batch.num_seqs), 0)
 
     def _pending(self, token_ids: jax.Array, logprobs, scored, num_seqs: int, num_targets: int) -> "PendingStep":
         """A PendingStep whose `ready` the helper thread resolves when its outputs are computed."""

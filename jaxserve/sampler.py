@@ -169,16 +169,22 @@ def _scatter_index(batch: SamplingBatch, vocab_size: int) -> tuple[jax.Array, ja
 def _random_sample(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
     """Sample every row with temperature, min-p, top-k, top-p and Gumbel-max."""
     # logits: (R, V) float32 (penalties applied)
+    noise = gumbel_noise(batch.seeds, batch.sample_index, logits.shape[1])  # (R, V)
+    return first_argmax(filtered_logits(logits, batch) + noise)  # (R,) int32
+
+
+def filtered_logits(logits: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """The logits of each row's sampling distribution: divided by its temperature (1 for greedy rows), with
+    the tokens min-p, top-k and top-p drop at -inf; softmax of a row is the distribution it samples from."""
+    # logits: (R, V) float32 (penalties applied)
     temperature = jnp.where(  # (R,) float32; greedy rows get 1 to stay finite
         batch.temperature < GREEDY_TEMPERATURE_EPS, 1.0, batch.temperature
     )
     scaled = _apply_min_p(logits / temperature[:, None], batch.min_p)  # (R, V)
     any_filter = jnp.any(batch.top_k > 0) | jnp.any(batch.top_p < 1.0)  # () bool
-    scaled = jax.lax.cond(  # (R, V) float32
+    return jax.lax.cond(  # (R, V) float32
         any_filter, apply_top_k_top_p, lambda x, k, p: x, scaled, batch.top_k, batch.top_p
     )
-    noise = _gumbel_noise(batch.seeds, batch.sample_index, logits.shape[1])  # (R, V)
-    return first_argmax(scaled + noise)  # (R,) int32
 
 
 def _apply_min_p(logits: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -244,15 +250,21 @@ def _sorted_threshold(
     return jnp.maximum(k_threshold, p_threshold), exact
 
 
-def _gumbel_noise(seeds: jax.Array, sample_index: jax.Array, vocab_size: int) -> jax.Array:
+def sample_key(seed: jax.Array, index: jax.Array) -> jax.Array:
+    """The key of one row's sample number `index`: a function of (64-bit seed, index) alone."""
+    # seed: (2,) uint32 low and high words; index: () int32
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), index)
+
+
+def gumbel_noise(seeds: jax.Array, sample_index: jax.Array, vocab_size: int) -> jax.Array:
     """Per-row Gumbel noise keyed only by (64-bit seed, sample_index), so rows are independent."""
     # seeds: (R, 2) uint32 low and high words; sample_index: (R,) int32
 
     def row_noise(seed: jax.Array, index: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed[0]), seed[1]), index)
-        return jax.random.gumbel(key, (vocab_size,), jnp.float32)  # (V,) float32
+        return jax.random.gumbel(sample_key(seed, index), (vocab_size,), jnp.float32)  # (V,) float32
 
     return jax.vmap(row_noise)(seeds, sample_index)  # (R, V) float32
+
 
 
 def raw_logprobs(

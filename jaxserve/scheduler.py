@@ -32,11 +32,16 @@ class ScheduledRequest:
     # Tokens the chunk samples: 1, or up to num_scheduler_steps for a decode run as several iterations in
     # one device call, each computing the token the last one sampled (pages for them all are allocated).
     num_steps: int = 1
+    # Speculative decoding: proposed tokens this chunk feeds after the request's last token (they are among
+    # its num_new_tokens); the step keeps those the target model accepts and samples one more, so it emits
+    # between 1 and 1 + len(spec_token_ids) tokens.
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def num_samples(self) -> int:
-        """Tokens this step samples for the request: num_steps, or 0 for a chunk that stops mid-prompt."""
-        return self.num_steps if self.samples else 0
+        """Tokens this step may sample for the request: num_steps (or, verifying proposals, 1 + their number),
+        or 0 for a chunk that stops mid-prompt."""
+        return self.num_steps + len(self.spec_token_ids) if self.samples else 0
 
     @property
     def num_positions(self) -> int:
@@ -169,6 +174,8 @@ class Scheduler:
         scheduled = plan.scheduled
         if self.config.num_scheduler_steps > 1 and not plan.preempted_ids:
             scheduled = self._take_steps(scheduled)
+        if self.config.num_speculative_tokens and not plan.preempted_ids:
+            scheduled = self._take_proposals(scheduled, plan.budget)
         for item in scheduled:
             self._advance(item)
         self.num_swapped_out_pages += len(plan.swap_out)
@@ -199,6 +206,26 @@ class Scheduler:
                                            page_copies=item.page_copies + tuple(self.kv.pop_copies(request.request_id)))
             stepped.append(item)
         return stepped
+
+    def _take_proposals(self, scheduled: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
+        """Speculative decoding: when every row is a plain decode, each row feeds its request's proposed tokens
+        after its last one (as many as the budget, its max_tokens and max_model_len allow and its pages can be
+        had for), so the step verifies them. Otherwise the step stays as it is."""
+        if not scheduled or not all(_decodes_plainly(item) for item in scheduled):
+            return scheduled
+        verified = []
+        for item in scheduled:
+            request, computed = item.request, item.num_computed_tokens
+            count = min(len(request.spec_token_ids), self.config.num_speculative_tokens, budget,
+                        request.max_tokens - item.sample_index - 1, self.config.max_model_len - 2 - computed)
+            if count > 0 and self.kv.allocate_slots(request.request_id, computed + 1, computed + 1 + count):
+                pages = self.kv.page_ids(request.request_id)[:pages_for_tokens(computed + 1 + count, self.kv.page_size)]
+                item = dataclasses.replace(item, num_new_tokens=1 + count,
+                                           spec_token_ids=tuple(request.spec_token_ids[:count]), page_ids=tuple(pages),
+                                           page_copies=item.page_copies + tuple(self.kv.pop_copies(request.request_id)))
+                budget -= count
+            verified.append(item)
+        return verified
 
     def _ends_on_the_device(self, request: Request) -> bool:
         """True for a request whose sampled tokens still on the device already reach max_tokens or
@@ -337,6 +364,14 @@ class Scheduler:
             request = item.request
             if request.is_finished:
                 continue  # finished from outside, or by an earlier token, after the step was planned
+            if item.spec_token_ids:
+                # Proposals the target rejected sampled nothing, and their positions were not computed: their KV
+                # slots are written again later. (Speculative steps are brought before the next is planned, so
+                # the request is still running.)
+                rejected = item.num_samples - len(samples)
+                request.num_output_placeholders -= rejected
+                if request.status is RequestStatus.RUNNING:
+                    request.num_computed_tokens -= rejected
             if request.status is RequestStatus.RUNNING:  # pages full of KV whose token ids the host has
                 self.kv.cache_full_pages(request.request_id, min(request.num_computed_tokens,
                                          request.num_known_tokens), request.token_ids, request.cache_salt)

@@ -30,12 +30,26 @@ def fake_token(request_id: str, position: int) -> int:
 
 def fake_step(output: SchedulerOutput) -> list[list[SampledToken]]:
     """One runner step: the tokens of every chunk that reaches the end of its request (one, or `num_steps` for a
-    multi-step decode), at the positions after the chunk's last token; none for the other chunks."""
-    return [
-        [SampledToken(fake_token(item.request.request_id, item.num_computed_tokens + item.num_new_tokens + step))
-         for step in range(item.num_steps)] if item.samples else []
-        for item in output.scheduled
-    ]
+    multi-step decode), at the positions after the chunk's last token; none for the other chunks. A chunk
+    verifying proposals keeps those equal to the model's tokens, up to the first that is not, then the model's
+    token after them."""
+    return [_verified(item) if item.spec_token_ids else
+            [SampledToken(fake_token(item.request.request_id, item.num_computed_tokens + item.num_new_tokens + step))
+             for step in range(item.num_steps)] if item.samples else []
+            for item in output.scheduled]
+
+
+def _verified(item) -> list[SampledToken]:
+    """The fake model's verification of a chunk's proposals (greedy: a proposal is kept when it is the model's
+    token at its position)."""
+    request_id, last = item.request.request_id, item.num_computed_tokens  # the request's own last token
+    tokens = []
+    for offset, proposal in enumerate(item.spec_token_ids, start=1):
+        if proposal != fake_token(request_id, last + offset):
+            break
+        tokens.append(proposal)
+    tokens.append(fake_token(request_id, last + len(tokens) + 1))
+    return [SampledToken(token) for token in tokens]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +122,7 @@ def make_scheduler(
     preemption_mode: str = "recompute",
     num_host_pages: int = 0,
     max_preemptions: int = 3,
+    num_speculative_tokens: int = 0,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -119,6 +134,7 @@ def make_scheduler(
         num_scheduler_steps=num_scheduler_steps,
         preemption_mode=preemption_mode,
         max_preemptions=max_preemptions,
+        num_speculative_tokens=num_speculative_tokens,
     )
     host_pool = PagePool(num_host_pages) if preemption_mode != "recompute" else None
     return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size, host_pool=host_pool))
@@ -198,10 +214,14 @@ def check_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
         assert len(item.page_ids) * kv.page_size >= request.num_computed_tokens, (
             f"{request.request_id}: {len(item.page_ids)} pages for {request.num_computed_tokens} tokens"
         )
-        # Static batching holds a reservation; a step sees only the pages its tokens reach.
+        # A step sees only the pages its tokens reach. Static batching holds a reservation beyond them; a request
+        # whose proposals were rejected may hold the pages of up to num_speculative_tokens more positions.
         held = kv.page_ids(request.request_id)
-        if config.static_batching:
-            held = held[: pages_for_tokens(request.num_computed_tokens, kv.page_size)]
+        if not config.static_batching:
+            extra = config.num_speculative_tokens
+            assert len(held) <= pages_for_tokens(request.num_computed_tokens + extra, kv.page_size), (
+                f"{request.request_id} holds {len(held)} pages for {request.num_computed_tokens} tokens")
+        held = held[: pages_for_tokens(request.num_computed_tokens, kv.page_size)]
         assert item.page_ids == tuple(held), (
             f"{request.request_id} is scheduled with pages {item.page_ids} but holds {kv.page_ids(request.request_id)}"
         )
@@ -239,7 +259,8 @@ def check_after_update(scheduler: Scheduler) -> None:
 
 
 class FakeKV:
-    """What every device and host page slot holds: the (request id, position) whose KV was written there.
+    """What every device and host page slot holds: the (request id, position, token id) whose KV was written
+    there (the token None when its id was still on the device, under asynchronous scheduling).
 
     `run(output)` makes a step's copies in the runner's order (swap-ins read the host pool, swap-outs
     copy device pages to it, swap-ins write the device, copy-on-write copies) after checking that every
@@ -249,8 +270,8 @@ class FakeKV:
 
     def __init__(self, page_size: int):
         self.page_size = page_size
-        self.device: dict[int, dict[int, tuple[str, int]]] = {}  # page -> slot -> (request id, position)
-        self.host: dict[int, dict[int, tuple[str, int]]] = {}
+        self.device: dict[int, dict[int, tuple]] = {}  # page -> slot -> (request id, position, token id)
+        self.host: dict[int, dict[int, tuple]] = {}
 
     def run(self, output: SchedulerOutput) -> None:
         incoming = [(device, dict(self.host.get(host, {}))) for host, device in output.swap_in]
@@ -262,13 +283,23 @@ class FakeKV:
             self.device[copy] = dict(self.device.get(source, {}))
         size = self.page_size
         for item in output.scheduled:
-            request_id = item.request.request_id
+            request = item.request
+            request_id, known = request.request_id, request.num_known_tokens
             for position in range(item.num_computed_tokens):
                 held = self.device.get(item.page_ids[position // size], {}).get(position % size)
-                assert held == (request_id, position), (
-                    f"{request_id}: position {position} holds the KV of {held} when its step runs")
-            for position in range(item.num_computed_tokens, item.num_computed_tokens + item.num_positions):
-                self.device.setdefault(item.page_ids[position // size], {})[position % size] = (request_id, position)
+                token = request.token_ids(position, position + 1)[0] if position < known else None
+                assert held is not None and held[:2] == (request_id, position) and held[2] in (token, None), (
+                    f"{request_id}: position {position} (token {token}) holds the KV of {held} when its step runs")
+            first, proposed = item.num_computed_tokens, len(item.spec_token_ids)
+            own = item.num_positions - proposed
+            for offset in range(item.num_positions):
+                position = first + offset
+                if offset >= own:  # a proposal: its KV is of the proposed token
+                    token = item.spec_token_ids[offset - own]
+                else:
+                    token = request.token_ids(position, position + 1)[0] if position < known else None
+                self.device.setdefault(item.page_ids[position // size], {})[position % size] = (
+                    request_id, position, token)
 
 
 # ---- an engine-like loop -----------------------------------------------------------------------
@@ -285,10 +316,13 @@ class WorkloadResult:
     max_running: int
 
 
-def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int, lag: int = 0) -> WorkloadResult:
+def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int, lag: int = 0,
+                 propose=None) -> WorkloadResult:
     """Add requests at their arrival steps, abort some, step until nothing is left; check every step.
 
-    `lag=1` is asynchronous scheduling: step N's samples reach update() after step N + 1 is scheduled."""
+    `lag=1` is asynchronous scheduling: step N's samples reach update() after step N + 1 is scheduled.
+    `propose(request) -> token ids`, when given, sets each decoding request's proposals before every
+    schedule() (speculative decoding; the engine brings such steps before planning the next: lag 0)."""
     max_model_len = scheduler.config.max_model_len
     by_step: dict[int, list[RequestSpec]] = {}
     for spec in specs:
@@ -322,6 +356,10 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int,
             scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         check_pages(scheduler)
 
+        if propose is not None:
+            for request in scheduler.running:
+                decoding = request.num_tokens - request.num_computed_tokens == 1
+                request.spec_token_ids = propose(request) if decoding else []
         output = scheduler.schedule()
         check_schedule(scheduler, output)
         kv_contents.run(output)

@@ -9,6 +9,7 @@ change what a request outputs. `fake_runner.run_workload` checks the per-step in
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -93,14 +94,14 @@ def _work(spec: RequestSpec, max_model_len: int) -> int:
     return spec.prompt_len + min(spec.max_tokens, max_model_len - spec.prompt_len) + 1
 
 
-def _check_workload(config: dict, specs: list[RequestSpec], lag: int = 0) -> None:
+def _check_workload(config: dict, specs: list[RequestSpec], lag: int = 0, propose=None) -> None:
     scheduler = make_scheduler(**config)
     max_model_len = config["max_model_len"]
     total_work = sum(_work(spec, max_model_len) for spec in specs)
     last_arrival = max(spec.arrival_step for spec in specs)
     # A generous global bound (any policy): the property test fails rather than hang.
     max_steps = last_arrival + (len(specs) + 1) * total_work + 10
-    result = run_workload(scheduler, specs, max_steps=max_steps, lag=lag)
+    result = run_workload(scheduler, specs, max_steps=max_steps, lag=lag, propose=propose)
     event(f"preempted: {result.num_preemptions > 0}")
     if scheduler.kv.host_pool is not None:
         event(f"swapped: {scheduler.num_swapped_out_requests > 0}; "
@@ -175,6 +176,28 @@ def test_random_workloads_preempting_by_swap(workload, mode, num_host_pages, lag
     config, specs = workload
     _check_workload({**config, "preemption_mode": mode, "num_host_pages": num_host_pages,
                      "num_scheduler_steps": steps}, specs, lag=lag)
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads(), st.integers(1, 4), st.floats(0.0, 1.0), st.integers(0, 2**32 - 1),
+       st.sampled_from(["recompute", "swap"]))
+def test_random_workloads_with_speculative_proposals(workload, num_speculative, hit_rate, seed, mode):
+    """Speculative decoding: before each step every decoding request proposes up to `num_speculative` tokens,
+    each the fake model's next token with probability `hit_rate` (else a wrong one); the step verifies them
+    and a rejected proposal's position is computed again later. The same invariants and outputs, every
+    position's KV that of the request's real token when a step reads it (FakeKV), every page back."""
+    config, specs = workload
+    rng = random.Random(seed)
+
+    def propose(request):
+        guesses = []
+        for offset in range(rng.randint(0, num_speculative)):
+            right = fake_token(request.request_id, request.num_tokens + offset)
+            guesses.append(right if rng.random() < hit_rate else (right + 1) % 1000)
+        return guesses
+
+    _check_workload({**config, "num_speculative_tokens": num_speculative, "preemption_mode": mode,
+                     "num_host_pages": 64}, specs, propose=propose)
 
 
 @settings(max_examples=200, deadline=None)

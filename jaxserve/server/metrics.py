@@ -94,8 +94,21 @@ class _EngineCollector:
                                      stats["prefix_cache_queries"]),
             "prefix_cache_hits": ("Tokens of admitted requests found in the prefix cache.", stats["prefix_cache_hits"]),
         }
+        spec = stats["spec_decode"]
+        counters.update({
+            "spec_decode_num_drafts": ("Speculative verifications (a request's proposals checked in one step).",
+                                       spec["num_drafts"]),
+            "spec_decode_num_draft_tokens": ("Proposed tokens verified.", spec["num_draft_tokens"]),
+            "spec_decode_num_accepted_tokens": ("Proposed tokens accepted.", spec["num_accepted_tokens"]),
+        })
         for name, (doc, value) in counters.items():
             yield self._family(CounterMetricFamily, name, doc, value)
+        per_position = CounterMetricFamily(f"{self.prefix}:spec_decode_num_accepted_tokens_per_pos",
+                                           "Proposed tokens accepted, by their position among a step's proposals.",
+                                           labels=["model_name", "position"])
+        for position, count in enumerate(spec["accepted_per_position"]):
+            per_position.add_metric([self.model_name, str(position)], count)
+        yield per_position
 
     def _family(self, kind, name: str, doc: str, value: float):
         family = kind(f"{self.prefix}:{name}", doc, labels=["model_name"])

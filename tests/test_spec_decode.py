@@ -1,0 +1,128 @@
+"""Speculative decoding with the n-gram proposer on the real engine (issue 15).
+
+Greedy outputs must be identical with and without speculation, on prompts that repeat themselves (so
+many proposals are made, some accepted, some rejected), under preemption and chunked prefill (the
+long workload overflows a 31-page pool, and its prompts are longer than the 32-token budget), and
+with requests that cannot speculate (penalties) in the same batch. Seeded sampling stays reproducible.
+Nothing compiles after warm-up and every page comes back. Distribution exactness of the verifier is
+tests/test_spec_verify.py's.
+
+Engines have the shapes of test_async_and_multistep's (8 rows, token buckets 16 and 32, 31 usable pages).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from helpers import checkpoint, small_engine_args
+from jaxserve import LLM, SamplingParams
+
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {"plain": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS)),
+            "spec": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, speculative_config=SPEC))}
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params) -> tuple[list, dict]:
+    """(each request's samples' token ids, the engine's stats after); checks that nothing compiled during the run
+    and that every page is back."""
+    before = llm.stats()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    after = llm.stats()
+    assert after["compilations_after_warmup"] == before["compilations_after_warmup"], "compiled after warm-up"
+    assert after["lazy_bucket_compilations"] == 0
+    assert after["kv_pages_free"] == after["kv_pages_total"]
+    return [[tuple(c.token_ids) for c in o.outputs] for o in outputs], _spec_moved(before, after)
+
+
+def _spec_moved(before: dict, after: dict) -> dict:
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    return {key: after["spec_decode"][key] - before["spec_decode"][key] for key in keys}
+
+
+def _repetitive_prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    prompts = []
+    for index in range(6):
+        motif = [rng.randrange(4, 500) for _ in range(rng.randint(2, 6))]
+        prompts.append((motif * 20)[: 12 + 3 * index])
+    return prompts
+
+
+def test_greedy_outputs_are_identical_with_speculation(engines):
+    prompts = _repetitive_prompts()
+    want, _ = _generate(engines["plain"], prompts, GREEDY)
+    got, moved = _generate(engines["spec"], prompts, GREEDY)
+    assert got == want
+    assert moved["num_draft_tokens"] > 20, f"too few proposals to mean anything: {moved}"
+    assert 0 < moved["num_accepted_tokens"] < moved["num_draft_tokens"], f"want accepts and rejects: {moved}"
+
+
+def test_greedy_outputs_are_identical_under_preemption_and_chunked_prefill(engines):
+    """Ten requests of 40-100 prompt tokens (chunked: the budget is 32) and 60 outputs for 31 pages."""
+    rng = random.Random(9)
+    prompts = [([rng.randrange(4, 500) for _ in range(rng.randint(3, 8))] * 30)[: rng.randint(40, 100)]
+               for _ in range(10)]
+    params = GREEDY.clone(max_tokens=60)
+    before = engines["spec"].stats()["preemptions"]
+    want, _ = _generate(engines["plain"], prompts, params)
+    got, moved = _generate(engines["spec"], prompts, params)
+    assert engines["spec"].stats()["preemptions"] > before, "the pool was not small enough to preempt"
+    assert got == want
+    assert moved["num_accepted_tokens"] > 0
+
+
+def test_requests_that_cannot_speculate_share_the_batch(engines):
+    """Penalties need the output on the host at each step: such a request makes its steps ordinary ones,
+    and every output still equals the plain engine's."""
+    prompts = _repetitive_prompts()[:4]
+    params = [GREEDY, GREEDY.clone(repetition_penalty=1.3), GREEDY.clone(max_tokens=5), GREEDY.clone(max_tokens=1)]
+    want = [o for o in engines["plain"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    got = [o for o in engines["spec"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [len(o.outputs[0].token_ids) for o in got] == [48, 48, 5, 1]
+
+
+def test_seeded_sampling_is_reproducible_with_speculation(engines):
+    prompts = _repetitive_prompts()
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=5, max_tokens=32, ignore_eos=True, n=2)
+    first, moved = _generate(engines["spec"], prompts, params)
+    second, _ = _generate(engines["spec"], prompts, params)
+    assert first == second
+    assert moved["num_draft_tokens"] > 0
+
+
+def test_spec_decode_stats(engines):
+    _generate(engines["spec"], _repetitive_prompts(), GREEDY)
+    stats = engines["spec"].stats()["spec_decode"]
+    assert stats["num_emitted_tokens"] == stats["num_accepted_tokens"] + stats["num_drafts"]
+    assert len(stats["accepted_per_position"]) == SPEC["num_speculative_tokens"]
+    assert sum(stats["accepted_per_position"]) == stats["num_accepted_tokens"]
+    rates = stats["acceptance_rate_per_position"]
+    assert all(a >= b for a, b in zip(rates, rates[1:])), "a later proposal is accepted only after the earlier ones"
+    assert 1.0 <= stats["mean_acceptance_length"] <= 1 + SPEC["num_speculative_tokens"]
+
+
+def test_prometheus_counters_follow_the_stats(engines):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jaxserve.server.metrics import ServerMetrics, cache_config_info
+
+    llm = engines["spec"]
+    _generate(llm, _repetitive_prompts(), GREEDY)
+    metrics = ServerMetrics("vllm", "llama", llm.stats, 128, cache_config_info(llm.engine))
+    samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
+    values = {s.name: s.value for s in samples if "position" not in s.labels}
+    stats = llm.stats()["spec_decode"]
+    assert values["vllm:spec_decode_num_drafts_total"] == stats["num_drafts"] > 0
+    assert values["vllm:spec_decode_num_draft_tokens_total"] == stats["num_draft_tokens"]
+    assert values["vllm:spec_decode_num_accepted_tokens_total"] == stats["num_accepted_tokens"]
+    per_position = {int(s.labels["position"]): s.value for s in samples if "position" in s.labels}
+    assert per_position == dict(enumerate(stats["accepted_per_position"]))

@@ -1,0 +1,130 @@
+"""Speculative verification (jaxserve/spec/verify.py) and the n-gram proposer (jaxserve/spec/ngram.py).
+
+The verifier must be exact in distribution: over many seeds, the first emitted token is distributed as the
+target's sampling distribution (temperature, top-k, top-p, min-p applied) whatever the proposal, and the
+token after an accepted proposal as the target's distribution at the next position. Chi-square tests on an
+8-token vocabulary; greedy rows keep exactly the argmax prefix.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxserve.batch import padded_sampling_arrays
+from jaxserve.sampler import SamplingBatch
+from jaxserve.spec.ngram import propose_ngram
+from jaxserve.spec.verify import Proposals
+from jaxserve.spec.verify import verify as verify_eagerly
+
+verify = jax.jit(verify_eagerly)  # one compilation for every test of a shape
+
+VOCAB = 8
+LOGITS = np.log(np.array([[0.30, 0.22, 0.15, 0.12, 0.09, 0.06, 0.04, 0.02],
+                          [0.05, 0.10, 0.40, 0.03, 0.20, 0.12, 0.06, 0.04]], np.float32))  # (2, V), no ties
+
+
+def _target(logits: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The sampling distribution the sampler's filters define (numpy reference)."""
+    scaled = logits / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    keep = probs >= min_p * probs.max()
+    order = np.argsort(-probs, kind="stable")
+    if top_k > 0:
+        keep[order[top_k:]] = False
+    kept = np.where(keep, probs, 0.0)
+    kept /= kept.sum()
+    mass_before = np.concatenate([[0.0], np.cumsum(kept[order])[:-1]])
+    keep[order[mass_before >= top_p]] = False
+    final = np.where(keep, probs, 0.0)
+    return final / final.sum()
+
+
+def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """The p-value of observing `counts` under the distribution `probs` (renormalised)."""
+    probs = np.asarray(probs, np.float64)
+    return stats.chisquare(counts, probs / probs.sum() * counts.sum()).pvalue
+
+
+def _sampling(num_rows: int, temperature: float, top_k: int, top_p: float, min_p: float) -> SamplingBatch:
+    arrays = padded_sampling_arrays(num_rows, 0)
+    arrays["temperature"][:] = temperature
+    arrays["top_k"][:] = top_k
+    arrays["top_p"][:] = top_p
+    arrays["min_p"][:] = min_p
+    arrays["seeds"][:, 0] = np.arange(num_rows)
+    arrays["seeds"][:, 1] = 77
+    arrays["sample_index"][:] = 5
+    return SamplingBatch(**arrays)
+
+
+def _proposals(num_rows: int, proposal: int, width: int = 2) -> Proposals:
+    return Proposals(token_ids=np.full((num_rows, width - 1), proposal, np.int32),
+                     num_tokens=np.full((num_rows,), width - 1, np.int32),
+                     logits_index=np.zeros((num_rows, width), np.int32))
+
+
+SETTINGS = [(1.0, 0, 1.0, 0.0), (0.8, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (0.9, 6, 0.9, 0.05)]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", SETTINGS)
+@pytest.mark.parametrize("proposal", [0, 2, 7])
+def test_emitted_tokens_follow_the_target_distribution(temperature, top_k, top_p, min_p, proposal):
+    num_rows = 6000
+    logits = np.broadcast_to(LOGITS, (num_rows, 2, VOCAB))  # (R, S, V): every row the same model
+    tokens = np.asarray(verify(logits, _sampling(num_rows, temperature, top_k, top_p, min_p),
+                               _proposals(num_rows, proposal)))  # (S, R)
+    first = _target(LOGITS[0], temperature, top_k, top_p, min_p)
+    counts = np.bincount(tokens[0], minlength=VOCAB)
+    support = first > 0
+    assert counts[~support].sum() == 0, "a token the filters drop was emitted"
+    assert _chi_square_p(counts[support], first[support]) > 1e-3
+    # After an accepted proposal comes a sample of the next position's distribution; else nothing.
+    accepted = tokens[0] == proposal
+    assert np.all(tokens[1][~accepted] == -1)
+    if accepted.sum() > 200:
+        second = _target(LOGITS[1], temperature, top_k, top_p, min_p)
+        counts = np.bincount(tokens[1][accepted], minlength=VOCAB)
+        assert counts[second == 0].sum() == 0
+        assert _chi_square_p(counts[second > 0], second[second > 0]) > 1e-3
+
+
+def test_greedy_rows_keep_the_argmax_prefix_then_the_argmax():
+    logits = np.broadcast_to(np.log(np.eye(VOCAB, dtype=np.float32)[[3, 5, 1]] + 0.01), (4, 3, VOCAB))  # argmax 3, 5, 1
+    proposals = Proposals(token_ids=np.array([[3, 5], [3, 4], [2, 5], [3, 5]], np.int32),
+                          num_tokens=np.array([2, 2, 2, 1], np.int32), logits_index=np.zeros((4, 3), np.int32))
+    tokens = np.asarray(verify(logits, _sampling(4, 0.0, 0, 1.0, 0.0), proposals)).T  # (R, S)
+    assert tokens.tolist() == [[3, 5, 1], [3, 5, -1], [3, -1, -1], [3, 5, -1]]
+
+
+def test_a_row_without_proposals_samples_as_the_plain_sampler_does():
+    from jaxserve.sampler import sample
+
+    num_rows = 64
+    sampling = _sampling(num_rows, 1.0, 0, 1.0, 0.0)
+    logits = np.broadcast_to(LOGITS, (num_rows, 2, VOCAB))
+    none = Proposals(token_ids=np.full((num_rows, 1), -1, np.int32), num_tokens=np.zeros((num_rows,), np.int32),
+                     logits_index=np.zeros((num_rows, 2), np.int32))
+    tokens = np.asarray(verify(logits, sampling, none))
+    plain = np.asarray(sample(np.ascontiguousarray(logits[:, 0]), sampling).token_ids)
+    assert tokens[0].tolist() == plain.tolist() and np.all(tokens[1] == -1)
+
+
+@pytest.mark.parametrize("sequence, expected", [
+    ([1, 2, 3, 9, 9, 1, 2, 3], [9, 9, 1]),  # the trigram 1 2 3 occurred before, followed by 9 9 1
+    ([5, 1, 2, 7, 1, 2], [7, 1, 2]),  # a bigram
+    ([4, 6, 1, 2, 8, 1, 2, 9, 1, 2], [9, 1, 2]),  # the latest earlier occurrence wins
+    ([1, 2, 3, 4], []),  # nothing repeats
+    ([7], []),
+])
+def test_ngram_proposes_what_followed_the_latest_match(sequence, expected):
+    assert propose_ngram(np.asarray(sequence), 3, 2, 4) == expected
+
+
+def test_ngram_prefers_the_longest_match_and_caps_the_guess():
+    sequence = [1, 2, 3, 4, 5, 6, 0, 3, 4, 7, 1, 2, 3, 4]  # 3 4 -> 7 (latest bigram), 1 2 3 4 -> 5 6 (longest)
+    assert propose_ngram(np.asarray(sequence), 2, 2, 4) == [5, 6]
+    assert propose_ngram(np.asarray(sequence), 2, 2, 2) == [7, 1]
