@@ -369,26 +369,27 @@ class Runner:
 
     def decode_steps_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
         """The multi-step decode bucket (T, W): T tokens, one per row, sampled with no per-row token lists."""
-        num_rows = self.ladders.rows_for(num_tokens)
-        batch = pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)))
-        sampling = pack(SamplingBatch(**padded_sampling_arrays(num_rows, 0)))
-        steps = pack(DecodeSteps(**padded_decode_step_arrays(num_rows)))
-        caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
-        last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
-        buffers = tuple(self._abstract(buffer) for buffer, _ in (batch, sampling, steps))
-        return self._decode_steps, (self.params, caches, last_tokens, buffers, (batch[1], sampling[1], steps[1]))
+        steps = DecodeSteps(**padded_decode_step_arrays(self.ladders.rows_for(num_tokens)))
+        return self._logits_only_call(self._decode_steps, num_tokens, width, steps, num_pages)
 
     def verify_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
         """The speculative verification bucket (T, W): T tokens, each row's last token and its proposals, sampled
         with no per-row token lists."""
         num_rows = self.ladders.rows_for(num_tokens)
-        batch = pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)))
-        sampling = pack(SamplingBatch(**padded_sampling_arrays(num_rows, 0)))
-        proposals = pack(Proposals(**padded_proposal_arrays(num_rows, 1 + self.num_speculative_tokens)))
+        proposals = Proposals(**padded_proposal_arrays(num_rows, 1 + self.num_speculative_tokens))
+        return self._logits_only_call(self._verify, num_tokens, width, proposals, num_pages)
+
+    def _logits_only_call(self, function: Callable, num_tokens: int, width: int, extra,
+                          num_pages: int | None) -> tuple[Callable, tuple]:
+        """A bucket of a step function taking (params, caches, last tokens, packed (batch, sampling with no token
+        lists, `extra`)) and their layouts, like the multi-step and the verification executables."""
+        num_rows = self.ladders.rows_for(num_tokens)
+        parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
+                 pack(SamplingBatch(**padded_sampling_arrays(num_rows, 0))), pack(extra))
         caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
-        buffers = tuple(self._abstract(buffer) for buffer, _ in (batch, sampling, proposals))
-        return self._verify, (self.params, caches, last_tokens, buffers, (batch[1], sampling[1], proposals[1]))
+        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
+        return function, (self.params, caches, last_tokens, buffers, tuple(layout for _, layout in parts))
 
     def sampler_call(self, num_rows: int, aux_width: int) -> tuple[Callable, tuple]:
         """The sampler bucket (R, P)."""
@@ -440,22 +441,21 @@ class Runner:
     def _dispatch_decode_steps(self, batch: BatchDescriptor, sampling: SamplingBatch,
                                steps: DecodeSteps) -> "PendingStep":
         """A multi-step decode: every iteration's samples come back as one (K, R) array."""
-        key = (batch.input_ids.shape[0], batch.page_table.shape[1])
-        if sampling.aux_token_ids.shape[1] or sampling.need_logprobs:
-            raise RuntimeError("a multi-step decode samples from the logits alone (no token lists, no logprobs)")
-        executable = self._executable(self._steps_exec, key, self._lower_decode_steps)
-        buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, steps)), self._replicated)
-        samples, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
-        return self._pending(samples, None, None, int(batch.num_seqs), 0)
+        return self._dispatch_logits_only(self._steps_exec, self._lower_decode_steps, batch, sampling, steps)
 
     def _dispatch_verify(self, batch: BatchDescriptor, sampling: SamplingBatch, proposals: Proposals) -> "PendingStep":
         """A speculative verification: each row's accepted proposals and the token after them come back as one
         (S, R) array, -1 after a row's last token."""
+        return self._dispatch_logits_only(self._verify_exec, self._lower_verify, batch, sampling, proposals)
+
+    def _dispatch_logits_only(self, table: dict, lower_fn, batch: BatchDescriptor, sampling: SamplingBatch,
+                              extra) -> "PendingStep":
+        """Run the (T, W) executable of `table` (see _logits_only_call) on a batch sampled from its logits alone."""
         key = (batch.input_ids.shape[0], batch.page_table.shape[1])
         if sampling.aux_token_ids.shape[1] or sampling.need_logprobs:
-            raise RuntimeError("a verification step samples from the logits alone (no token lists, no logprobs)")
-        executable = self._executable(self._verify_exec, key, self._lower_verify)
-        buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, proposals)), self._replicated)
+            raise RuntimeError("this step samples from the logits alone (no token lists, no logprobs)")
+        executable = self._executable(table, key, lower_fn)
+        buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, extra)), self._replicated)
         tokens, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
         return self._pending(tokens, None, None, int(batch.num_seqs), 0)
 

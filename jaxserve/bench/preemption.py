@@ -1,4 +1,5 @@
-"""The preemption experiment of `jaxserve bench effects`: preemption by swap against recompute under memory pressure.
+"""The preemption experiment of `jaxserve bench effects`: preemption by swap against recompute under memory
+pressure.
 
 --swap-requests requests of --swap-prompt-len prompt and --swap-output-len output tokens arrive at once on a KV
 pool sized to hold --swap-pool-contexts of them with half their output, so the running requests outgrow it as
