@@ -29,6 +29,9 @@ parallel-sampling  prompts each sampled n times (temperature 1, seeded): one req
                    sample, output tokens/s, and whether sample 0 matches the request seeded like it.
 preemption         long contexts under memory pressure, preempted by recompute, by swap to host memory and
                    auto: throughput, the preempted requests' latency, the swap copy bandwidth (bench/preemption.py).
+speculation        n-gram speculative decoding off and on, on code-editing prompts (the answer is in the prompt), at
+                   batch sizes 1, 8 and 64: throughput, inter-token latency, acceptance length
+                   (bench/speculation.py).
 
 Timing protocol (every comparison): the same untimed warm-up for each system, then --repeats rounds each
 running every system once, the order alternating between rounds; mean and best per system, and ratios. The
@@ -38,6 +41,7 @@ Example:
     jaxserve bench effects --json effects.json
     jaxserve bench effects --effect prefix-cache parallel-sampling --quick
     jaxserve bench effects --effect preemption --model-shape llama-small-4k --max-model-len 2304
+    jaxserve bench effects --effect speculation --model-shape bundled
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from jaxserve.bench import models, preemption, stats
+from jaxserve.bench import models, preemption, speculation, stats
 from jaxserve.bench.harness import (
     PAGE_SIZE, Engines, Run, System, cell, compare, ms, ratios, run_once, same_tokens, spread, timing,
 )
@@ -61,8 +65,9 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_timing import PHASES
 from jaxserve.tokenizer import load_tokenizer
 
-EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling", "preemption")
-DEFAULT_EFFECTS = EFFECTS[:4]  # preemption's long contexts need a model of more positions: asked for by name
+EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling", "preemption", "speculation")
+# Asked for by name: preemption's long contexts need a model of more positions, speculation one that can copy.
+DEFAULT_EFFECTS = EFFECTS[:4]
 WARMUP_OUTPUT_LEN = 8  # tokens generated per warm-up request
 # The workload sharing nothing (throughput.py's shape): prompts uniform in (low, high) tokens, outputs lognormal
 # (median, low, high) tokens.
@@ -141,6 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _sized(parallel, "--parallel-prompt-len", "tokens per prompt")
     _sized(parallel, "--parallel-output-len", "tokens per sample")
     preemption.add_arguments(parser, _sized)
+    speculation.add_arguments(parser)
     output = parser.add_argument_group("output")
     output.add_argument("--json", metavar="PATH", help="write the results as JSON here")
     output.add_argument("--plot-dir", metavar="DIR",
@@ -428,7 +434,8 @@ def overlap_side(system: System, runs: list[Run]) -> dict:
 
 
 EXPERIMENTS = {"chunked-prefill": chunked_prefill, "prefix-cache": prefix_cache, "overlap": overlap,
-               "parallel-sampling": parallel_sampling, "preemption": preemption.preemption}
+               "parallel-sampling": parallel_sampling, "preemption": preemption.preemption,
+               "speculation": speculation.speculation}
 
 
 # ---- report -------------------------------------------------------------------------------------------
@@ -540,7 +547,8 @@ def report_lines(result: dict) -> list[str]:
     lines = [f"## jaxserve bench effects: {result['model']} ({result['elapsed_s']:.0f} s in all; load average "
              f"{result['load_before']} before, {result['load_after']} after)"]
     sections = {"chunked-prefill": chunked_lines, "prefix-cache": prefix_lines, "overlap": overlap_lines,
-                "parallel-sampling": parallel_lines, "preemption": preemption.preemption_lines}
+                "parallel-sampling": parallel_lines, "preemption": preemption.preemption_lines,
+                "speculation": speculation.speculation_lines}
     for effect, effect_result in result["effects"].items():
         lines += ["", *sections[effect](effect_result)]
     return lines

@@ -1,0 +1,106 @@
+"""The speculation experiment of `jaxserve bench effects`: n-gram speculative decoding on against off.
+
+A repetitive workload, where the answer is in the prompt (code editing): each prompt is a piece of
+jaxserve's own Python source (--spec-prompt-chars characters, so the workload is the same for a given
+commit) followed by "# the same code again:" and the piece's first third; greedy, --spec-output-len
+tokens. At each batch size of --spec-batch-sizes (that many requests at once), the engine without
+speculation and the one with `{method: ngram}` (--spec-tokens proposals, prompt lookup 2-4) run the
+same requests alike: output tokens/s (mean, best), inter-token latency (p50, p99), TPOT, the mean
+acceptance length (tokens emitted per verification) and whether the greedy tokens agree. Meant for a
+model that can copy (the bundled one, trained on Python); a random-weight model accepts little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from collections.abc import Callable, Sequence
+
+import jaxserve
+from jaxserve.bench.harness import Engines, Run, System, cell, compare, ms, ratios, same_tokens, spread, timing
+from jaxserve.bench.workloads import BenchRequest, Workload
+from jaxserve.tokenizer import load_tokenizer
+
+MARKER = "\n# the same code again:\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The experiment's options."""
+    group = parser.add_argument_group("speculation")
+    group.add_argument("--spec-batch-sizes", type=int, nargs="+", default=[1, 8, 64],
+                       help="requests at once (default: 1 8 64)")
+    group.add_argument("--spec-tokens", type=int, default=4, help="num_speculative_tokens (default %(default)s)")
+    group.add_argument("--spec-prompt-chars", type=int, default=900,
+                       help="characters of source per prompt (default %(default)s)")
+    group.add_argument("--spec-output-len", type=int, default=128, help="output tokens (default %(default)s)")
+
+
+def code_editing_workload(model: str, num_requests: int, prompt_chars: int, output_len: int) -> Workload:
+    """`num_requests` prompts, each a piece of jaxserve's source, the marker and the piece's first third."""
+    tokenizer = load_tokenizer(model)
+    package = os.path.dirname(jaxserve.__file__)
+    text = "".join(open(path).read() for path in sorted(glob.glob(os.path.join(package, "*.py"))))
+    requests = []
+    for index in range(num_requests):
+        start = (index * prompt_chars) % max(1, len(text) - prompt_chars)
+        piece = text[start : start + prompt_chars]
+        prompt = piece + MARKER + piece[: len(piece) // 3]
+        requests.append(BenchRequest(tuple(tokenizer.encode(prompt, add_special_tokens=False)), output_len, prompt))
+    mean = sum(len(r.prompt_token_ids) for r in requests) / num_requests
+    return Workload("code-editing", tuple(requests),
+                    f"{num_requests} code-editing prompts (a {prompt_chars}-character piece of jaxserve's source, "
+                    f"then its first third again; {mean:.0f} tokens on average), {output_len} output tokens, greedy")
+
+
+def speculation(args: argparse.Namespace, engines: Engines, ids: Sequence[int], log: Callable[[str], None]) -> dict:
+    """Speculation off and on at each batch size (see the module docstring)."""
+    spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.spec_tokens, "prompt_lookup_min": 2,
+                       "prompt_lookup_max": 4})
+    off, on = engines.get(), engines.get(speculative_config=spec)
+    model = engines.base["model"]
+    results = []
+    for batch in args.spec_batch_sizes:
+        workload = code_editing_workload(model, batch, args.spec_prompt_chars, args.spec_output_len)
+        warmup = code_editing_workload(model, min(batch, 4), args.spec_prompt_chars, 8)
+        log(f"speculation: {workload.description}")
+        systems = [System("off", off, workload, warmup), System(f"ngram, {args.spec_tokens} tokens", on, workload, warmup)]
+        before = on.stats()["spec_decode"]
+        runs = compare(systems, args.repeats, log)
+        after = on.stats()["spec_decode"]
+        drafts = after["num_drafts"] - before["num_drafts"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        sides = [speculation_side(system, system_runs) for system, system_runs in zip(systems, runs)]
+        results.append({"batch": batch, "workload": workload.description, "systems": sides,
+                        "throughput_on_over_off": ratios(sides[1], sides[0], runs[1], runs[0]),
+                        "mean_acceptance_length": (accepted + drafts) / max(drafts, 1),
+                        "same_tokens": same_tokens(runs[1][0].result.output_token_ids,
+                                                   runs[0][0].result.output_token_ids)})
+    return {"batches": results}
+
+
+def speculation_side(system: System, runs: list[Run]) -> dict:
+    """One system at one batch size: throughput, and ITL and TPOT over all its runs (ms)."""
+    traces = [trace for run in runs for trace in run.result.traces]
+    return {"system": system.name, **timing(runs),
+            "itl_ms": spread(ms([itl for trace in traces for itl in trace.itls])),
+            "tpot_ms": spread(ms([trace.tpot for trace in traces if trace.tpot is not None]))}
+
+
+def speculation_lines(result: dict) -> list[str]:
+    """The speculation report: one table row per (batch size, system)."""
+    lines = ["### n-gram speculative decoding on a code-editing workload", "",
+             "| batch | system | mean tok/s | best tok/s | timed runs (s) | ITL p50 / p99 (ms) | TPOT mean (ms) "
+             "| on / off (mean, best) | acceptance length | greedy tokens equal |",
+             "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for entry in result["batches"]:
+        ratio = entry["throughput_on_over_off"]
+        for index, side in enumerate(entry["systems"]):
+            extra = (f"{ratio['mean']:.2f}x, {ratio['best']:.2f}x | {entry['mean_acceptance_length']:.2f} | "
+                     f"{entry['same_tokens'][0]}/{entry['same_tokens'][1]}") if index else "| |"
+            lines.append(f"| {entry['batch']} | {side['system']} | {side['output_tokens_per_s']:.0f} | "
+                         f"{side['best_output_tokens_per_s']:.0f} | {', '.join(f'{s:.2f}' for s in side['runs_s'])} | "
+                         f"{cell(side['itl_ms']['p50'])} / {cell(side['itl_ms']['p99'])} | "
+                         f"{cell(side['tpot_ms']['mean'])} | {extra} |")
+    return lines
