@@ -476,6 +476,7 @@ class Scheduler:
             plan.swap_out += copies
             self.num_swapped_out_requests += 1
         victim.status = RequestStatus.PREEMPTED
+        victim.spec_token_ids = []  # guesses for a position it may not resume at
         victim.num_preemptions += 1
         victim.num_preemptions_in_a_row = 0 if by is victim else victim.num_preemptions_in_a_row + 1
         self.num_preemptions += 1
