@@ -120,3 +120,51 @@ def test_timed_methods_restores_the_methods():
         assert counter.add(1) == 2
     assert totals["add"]["calls"] == 1 and totals["add"]["seconds"] >= 0
     assert "add" not in vars(counter)
+
+
+def _side(name: str, **extra) -> dict:
+    """A system's timing block as `harness.timing` makes it (two runs)."""
+    return {"system": name, "output_tokens_per_s": 100.0, "best_output_tokens_per_s": 110.0, "runs_s": [1.1, 1.0],
+            **extra}
+
+
+def test_preemption_report_lines():
+    """The report of the preemption experiment (its engines are too large for a smoke run: docs/benchmarks.md)."""
+    from jaxserve.bench.preemption import preemption_lines
+
+    spread = {"mean": 5.0, "p50": 4.0, "p90": 6.0, "p99": 7.0, "max": 8.0}
+    sides = [_side(mode, preemptions_runs=[3, 2], preempted_requests_runs=[2, 1], swapped_out_requests_runs=[1, 0],
+                   swapped_pages_runs=[9, 0], preempted_e2e_ms=spread, all_e2e_ms=spread, mean_ttft_ms=2.0,
+                   swap_ms_per_step=0.25) for mode in ("recompute", "swap", "auto")]
+    ratio = {"mean": 1.5, "best": 1.6, "rounds": [1.4, 1.6]}
+    result = {"workload": "w", "num_pages": 33, "systems": sides, "throughput_over_recompute": [ratio, ratio],
+              "same_tokens_as_recompute": [[4, 4], [4, 4]],
+              "bandwidth": {"pages": 8, "page_bytes": 2**20, "out_gbps": (1.0, 2.0), "in_gbps": (0.5, 0.75)}}
+    text = "\n".join(preemption_lines(result))
+    assert ("| swap | 100 | 110 | 1.10, 1.00 | 3 (2), 2 (1) | 1 / 9, 0 / 0 | 4.0 / 7.0 / 8.0 | 5.0 / 8.0 | 2.0 "
+            "| 0.25 |") in text
+    assert "swap / recompute: throughput 1.50x mean, 1.60x best; greedy tokens equal for 4/4 requests" in text
+    assert "(8 pages, 8.0 MiB each way): device to host 1.00 GB/s mean, 2.00 best; host to device 0.50" in text
+
+
+def test_speculation_workload_and_report_lines():
+    from jaxserve.bench.speculation import MARKER, code_editing_workload, speculation_lines
+    from jaxserve.engine import default_model_path
+    from jaxserve.tokenizer import load_tokenizer
+
+    model = default_model_path()
+    workload = code_editing_workload(model, 3, 300, 16)
+    assert len(workload.requests) == 3 and len({r.prompt_token_ids for r in workload.requests}) == 3
+    for request in workload.requests:
+        piece, copy = request.prompt_text.split(MARKER)
+        assert len(piece) == 300 and piece.startswith(copy) and len(copy) == 100 and request.output_len == 16
+        assert list(request.prompt_token_ids) == load_tokenizer(model).encode(
+            request.prompt_text, add_special_tokens=False)
+    spread = {"mean": 2.0, "p50": 1.5, "p90": 2.5, "p99": 3.5, "max": 4.0}
+    entry = {"batch": 8, "systems": [_side("off", itl_ms=spread, tpot_ms=spread),
+                                     _side("ngram, 4 tokens", itl_ms=spread, tpot_ms=spread)],
+             "throughput_on_over_off": {"mean": 0.9, "best": 0.95}, "mean_acceptance_length": 2.5,
+             "same_tokens": [8, 8]}
+    lines = speculation_lines({"batches": [entry]})
+    assert "| 8 | off | 100 | 110 | 1.10, 1.00 | 1.5 / 3.5 | 2.0 | | | |" in lines
+    assert "| 8 | ngram, 4 tokens | 100 | 110 | 1.10, 1.00 | 1.5 / 3.5 | 2.0 | 0.90x, 0.95x | 2.50 | 8/8 |" in lines

@@ -151,9 +151,9 @@ def test_swapped_requests_drop_their_shared_device_pages_when_they_block_everyth
 @pytest.mark.parametrize("lag", [0, 1])
 def test_an_urgent_request_gets_the_engine_within_a_few_steps(mode, lag):
     """Four low-priority requests fill the pool (and preempt one another as they grow); an urgent one arrives
-    and preempts the least urgent of them at once: its first token comes within two steps (one without lag), every low-priority
-    request still completes with the oracle's tokens, nobody is preempted more than max_preemptions in a row
-    (checked every step by check_after_update)."""
+    and preempts the least urgent of them at once: its first token comes within two steps (one without lag),
+    every low-priority request still completes with the oracle's tokens, nobody is preempted more than
+    max_preemptions in a row (checked every step by check_after_update)."""
     max_model_len = 64
     config = dict(page_size=8, num_pages=4 * 4 + 1, max_num_seqs=8, max_num_batched_tokens=128,
                   max_model_len=max_model_len, policy="priority", preemption_mode=mode, num_host_pages=64,

@@ -65,7 +65,8 @@ def speculation(args: argparse.Namespace, engines: Engines, ids: Sequence[int], 
         workload = code_editing_workload(model, batch, args.spec_prompt_chars, args.spec_output_len)
         warmup = code_editing_workload(model, min(batch, 4), args.spec_prompt_chars, 8)
         log(f"speculation: {workload.description}")
-        systems = [System("off", off, workload, warmup), System(f"ngram, {args.spec_tokens} tokens", on, workload, warmup)]
+        systems = [System("off", off, workload, warmup),
+                   System(f"ngram, {args.spec_tokens} tokens", on, workload, warmup)]
         before = on.stats()["spec_decode"]
         runs = compare(systems, args.repeats, log)
         after = on.stats()["spec_decode"]
