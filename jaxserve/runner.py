@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
 import threading
@@ -179,56 +180,51 @@ class Runner:
             out = sample(logits, unpack(buffer, layout, SamplingBatch))
             return out, _padded_rows(out.token_ids, max_rows)
 
-        def decode_steps_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
+        def unpack_logits_only(buffers, layouts, last_tokens, extra_type):
+            """(batch, sampling, extra) of a step sampled from its logits alone (see _logits_only_call)."""
             batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
-            sampling = unpack(buffers[1], layouts[1], SamplingBatch)
-            steps = unpack(buffers[2], layouts[2], DecodeSteps)
+            return batch, unpack(buffers[1], layouts[1], SamplingBatch), unpack(buffers[2], layouts[2], extra_type)
+
+        def last_of_rows(tokens, counts):
+            """Each row's last token of `tokens` (K, R), of which it has `counts` (R,), padded to (max_rows,)."""
+            last_index = jnp.maximum(counts - 1, 0)[None]  # (1, R)
+            return _padded_rows(jnp.take_along_axis(tokens, last_index, axis=0)[0], max_rows)
+
+        def decode_steps_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
+            batch, sampling, steps = unpack_logits_only(buffers, layouts, last_tokens, DecodeSteps)
             samples, caches = run_decode_steps(forward, params, caches, batch, sampling, steps,
                                                num_scheduler_steps, page_size)  # samples: (K, R)
-            last_index = jnp.maximum(steps.num_steps - 1, 0)[None]  # (1, R) each row's last iteration
-            return samples, _padded_rows(jnp.take_along_axis(samples, last_index, axis=0)[0], max_rows), caches
+            return samples, last_of_rows(samples, steps.num_steps), caches
 
         def verify_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
-            batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
-            sampling = unpack(buffers[1], layouts[1], SamplingBatch)
-            proposals = unpack(buffers[2], layouts[2], Proposals)
+            batch, sampling, proposals = unpack_logits_only(buffers, layouts, last_tokens, Proposals)
             _, hidden, caches = forward(params, caches, batch)
             num_rows, width = proposals.logits_index.shape
             logits = token_logits(params, hidden[proposals.logits_index.reshape(-1)], spec)  # (R * S, V)
             tokens = verify(logits.reshape(num_rows, width, -1), sampling, proposals)  # (S, R), -1 after the last
-            last_index = jnp.maximum(jnp.sum(tokens >= 0, axis=0) - 1, 0)[None]  # (1, R) each row's last token
-            return tokens, _padded_rows(jnp.take_along_axis(tokens, last_index, axis=0)[0], max_rows), caches
+            return tokens, last_of_rows(tokens, jnp.sum(tokens >= 0, axis=0)), caches
 
         def prompt_logprobs_packed(params, hidden, buffer, layout: Layout):
             prompt = unpack(buffer, layout, PromptLogprobBatch)
             logits = token_logits(params, hidden[prompt.token_index], spec)  # (Q, V) float32
             return raw_logprobs(logits, prompt.target_ids)
 
-        self._forward = jax.jit(
-            forward_packed,
+        # Step functions of (params, caches, last tokens, packed inputs, layouts) -> (outputs, last tokens or
+        # hidden states, caches), the pool donated.
+        step_jit = functools.partial(
+            jax.jit,
             in_shardings=(param_shardings, self._kv_sharding, self._replicated, self._replicated),
             out_shardings=(self._replicated, self._replicated, self._kv_sharding),
             donate_argnums=(1,),
             static_argnums=(4,),
         )
+        self._forward = step_jit(forward_packed)
         self._sample = jax.jit(
             sample_packed, in_shardings=(self._replicated, self._replicated), out_shardings=self._replicated,
             static_argnums=(2,),
         )
-        self._decode_steps = jax.jit(
-            decode_steps_packed,
-            in_shardings=(param_shardings, self._kv_sharding, self._replicated, self._replicated),
-            out_shardings=(self._replicated, self._replicated, self._kv_sharding),
-            donate_argnums=(1,),
-            static_argnums=(4,),
-        )
-        self._verify = jax.jit(
-            verify_packed,
-            in_shardings=(param_shardings, self._kv_sharding, self._replicated, self._replicated),
-            out_shardings=(self._replicated, self._replicated, self._kv_sharding),
-            donate_argnums=(1,),
-            static_argnums=(4,),
-        )
+        self._decode_steps = step_jit(decode_steps_packed)
+        self._verify = step_jit(verify_packed)
         # The last step's sampled token of each row, where the next step reads the ids the host has not seen.
         self.last_tokens = jax.device_put(np.zeros((self.max_rows,), np.int32), self._replicated)  # (max rows,)
         self._ready_clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-ready")
