@@ -6,6 +6,7 @@ builder turns that decision into arrays.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
@@ -130,13 +131,11 @@ class Scheduler:
 
     def queue_lengths_by_priority(self) -> dict[int, dict[str, int]]:
         """{priority: {"running": n, "waiting": n, "swapped": n}}: swapped requests wait too."""
-        lengths: dict[int, dict[str, int]] = {}
-        for queue, requests in (("running", self.running), ("waiting", self.waiting)):
-            for request in requests:
-                counts = lengths.setdefault(request.priority, {"running": 0, "waiting": 0, "swapped": 0})
-                counts[queue] += 1
-                counts["swapped"] += self.kv.is_swapped(request.request_id)
-        return dict(sorted(lengths.items()))
+        counts = {"running": collections.Counter(r.priority for r in self.running),
+                  "waiting": collections.Counter(r.priority for r in self.waiting),
+                  "swapped": collections.Counter(self.requests[i].priority for i in self.kv.swapped_request_ids())}
+        priorities = sorted(set(counts["running"]) | set(counts["waiting"]))
+        return {priority: {queue: count[priority] for queue, count in counts.items()} for priority in priorities}
 
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""
@@ -197,13 +196,10 @@ class Scheduler:
             return scheduled
         stepped = []
         for item in scheduled:
-            request, computed = item.request, item.num_computed_tokens
-            steps = min(self.config.num_scheduler_steps, request.max_tokens - item.sample_index,
-                        self.config.max_model_len - 1 - computed)
-            if steps > 1 and self.kv.allocate_slots(request.request_id, computed + 1, computed + steps):
-                pages = self.kv.page_ids(request.request_id)[:pages_for_tokens(computed + steps, self.kv.page_size)]
-                item = dataclasses.replace(item, num_steps=steps, page_ids=tuple(pages),
-                                           page_copies=item.page_copies + tuple(self.kv.pop_copies(request.request_id)))
+            steps = min(self.config.num_scheduler_steps, item.request.max_tokens - item.sample_index,
+                        self.config.max_model_len - 1 - item.num_computed_tokens)
+            if steps > 1:
+                item = self._extend_decode(item, steps - 1, num_steps=steps) or item
             stepped.append(item)
         return stepped
 
@@ -215,17 +211,30 @@ class Scheduler:
             return scheduled
         verified = []
         for item in scheduled:
-            request, computed = item.request, item.num_computed_tokens
+            request = item.request
             count = min(len(request.spec_token_ids), self.config.num_speculative_tokens, budget,
-                        request.max_tokens - item.sample_index - 1, self.config.max_model_len - 2 - computed)
-            if count > 0 and self.kv.allocate_slots(request.request_id, computed + 1, computed + 1 + count):
-                pages = self.kv.page_ids(request.request_id)[:pages_for_tokens(computed + 1 + count, self.kv.page_size)]
-                item = dataclasses.replace(item, num_new_tokens=1 + count,
-                                           spec_token_ids=tuple(request.spec_token_ids[:count]), page_ids=tuple(pages),
-                                           page_copies=item.page_copies + tuple(self.kv.pop_copies(request.request_id)))
+                        request.max_tokens - item.sample_index - 1,
+                        self.config.max_model_len - 2 - item.num_computed_tokens)
+            extended = None
+            if count > 0:
+                extended = self._extend_decode(item, count, num_new_tokens=1 + count,
+                                               spec_token_ids=tuple(request.spec_token_ids[:count]))
+            if extended is not None:
+                item = extended
                 budget -= count
             verified.append(item)
         return verified
+
+    def _extend_decode(self, item: ScheduledRequest, extra: int, **changes) -> ScheduledRequest | None:
+        """A plain decode that also computes `extra` positions after its token (multi-step iterations or
+        proposals): `item` with `changes` and the pages (and page copies) for them all; None, and no change,
+        when those pages cannot be had."""
+        request_id, total = item.request.request_id, item.num_computed_tokens + 1 + extra
+        if not self.kv.allocate_slots(request_id, item.num_computed_tokens + 1, total):
+            return None
+        pages = self.kv.page_ids(request_id)[:pages_for_tokens(total, self.kv.page_size)]
+        return dataclasses.replace(item, page_ids=tuple(pages),
+                                   page_copies=item.page_copies + tuple(self.kv.pop_copies(request_id)), **changes)
 
     def _ends_on_the_device(self, request: Request) -> bool:
         """True for a request whose sampled tokens still on the device already reach max_tokens or
