@@ -264,7 +264,7 @@ class EngineCore:
             "kv_pages_free": self.kv.pool.num_free,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
-            "num_requests_swapped": sum(self.kv.is_swapped(r.request_id) for r in self.scheduler.waiting),
+            "num_requests_swapped": len(self.kv.swapped_request_ids()),
             "num_requests_by_priority": self.scheduler.queue_lengths_by_priority(),
             "compilations_after_warmup": CompileCounter.count() - self._compiles_after_warmup_base,
             "lazy_bucket_compilations": self.runner.num_lazy_compiles,

@@ -168,6 +168,10 @@ class KVCacheManager:
         """True while the request's pages are swapped out."""
         return request_id in self._swapped
 
+    def swapped_request_ids(self) -> list[str]:
+        """The requests whose pages are swapped out now."""
+        return list(self._swapped)
+
     def host_pages(self, request_id: str) -> list[int]:
         """The host pages a swapped-out request holds (empty for one not swapped out)."""
         return [page for on_host, page in self._swapped.get(request_id, []) if on_host]
