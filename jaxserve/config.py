@@ -14,7 +14,7 @@ VALID_POLICIES = ("fcfs", "priority")
 # How a preempted request gives its KV pages back: recompute (drop them; its tokens are computed again when it
 # resumes), swap (copy them to a host-memory pool and back when it resumes), auto (swap long contexts).
 VALID_PREEMPTION_MODES = ("recompute", "swap", "auto")
-SPECULATIVE_METHODS = ("ngram",)  # proposers of speculative_config's `method`
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # proposers of speculative_config's `method`
 SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas-tpu-interpret")
 # continuous: requests join and leave the running batch at every step and hold only the pages they fill;
@@ -81,8 +81,9 @@ class EngineConfig:
     # scheduling_policy priority: a request preempted this many times in a row is not preempted by another
     # request again until it finishes or yields (preempts itself for lack of pages).
     max_preemptions: int = 3
-    # Speculative decoding (vLLM's shape): {method: ngram, num_speculative_tokens, prompt_lookup_min,
-    # prompt_lookup_max}; None: off. The missing keys take SPECULATIVE_DEFAULTS.
+    # Speculative decoding (vLLM's shape): {method: ngram | draft_model, model (the draft's folder),
+    # num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (ngram)}; None: off. The missing keys take
+    # SPECULATIVE_DEFAULTS; a config with a `model` and no `method` is draft_model.
     speculative_config: dict | None = None
 
     def __post_init__(self):
@@ -188,12 +189,19 @@ def _checked_speculative_config(config) -> dict:
             raise ValueError(f"speculative_config is not valid JSON: {error}") from error
     if not isinstance(config, dict):
         raise ValueError(f"speculative_config must be a mapping, got {config!r}")
-    valid = ("method", *SPECULATIVE_DEFAULTS)
+    valid = ("method", "model", *SPECULATIVE_DEFAULTS)
     unknown = sorted(set(config) - set(valid))
     if unknown:
         raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
     config = {**SPECULATIVE_DEFAULTS, **config}
+    if "method" not in config and "model" in config:
+        config["method"] = "draft_model"
     _check_choice("speculative_config method", config.get("method"), SPECULATIVE_METHODS)
+    if config["method"] == "draft_model" and not isinstance(config.get("model"), str):
+        raise ValueError("speculative_config method draft_model needs `model`: the folder of a smaller model with "
+                         "the target's tokenizer")
+    if config["method"] == "ngram" and "model" in config:
+        raise ValueError("speculative_config method ngram takes no `model` (use method draft_model)")
     for key in SPECULATIVE_DEFAULTS:
         if not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1:
             raise ValueError(f"speculative_config {key} must be an integer >= 1, got {config[key]!r}")

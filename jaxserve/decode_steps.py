@@ -21,10 +21,17 @@ from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.sampler import SamplingBatch, sample
 
 
-def run_decode_steps(forward: Callable, params: dict, caches: tuple, batch: BatchDescriptor, sampling: SamplingBatch,
+def sampled_by(sampling: SamplingBatch) -> Callable:
+    """The `pick` of run_decode_steps that samples iteration i as output index `sample_index + i` of each row."""
+    return lambda logits, i: sample(logits, dataclasses.replace(sampling, sample_index=sampling.sample_index + i)
+                                    ).token_ids
+
+
+def run_decode_steps(forward: Callable, params: dict, caches: tuple, batch: BatchDescriptor, pick: Callable,
                      steps: DecodeSteps, max_steps: int, page_size: int) -> tuple[jax.Array, tuple]:
     """Up to `max_steps` iterations (static); returns (samples (max_steps, R) int32, -1 where a row was no
-    longer live, and the updated caches). `forward(params, caches, batch) -> (logits, hidden, caches)`."""
+    longer live, and the updated caches). `forward(params, caches, batch) -> (logits, hidden, caches)`;
+    `pick(logits, i) -> (R,) int32` chooses iteration i's tokens from its logits (R, V)."""
     num_tokens, num_rows = batch.input_ids.shape[0], batch.page_table.shape[0]
     token_rows = jnp.minimum(jnp.arange(num_tokens), num_rows - 1)  # (T,) row of each token
     real_tokens = jnp.arange(num_tokens) < batch.num_seqs  # (T,)
@@ -33,7 +40,7 @@ def run_decode_steps(forward: Callable, params: dict, caches: tuple, batch: Batc
     def iteration(i, carry):
         caches, batch, samples, done = carry  # samples: (K, R) int32; done: (R,) bool
         logits, _, caches = forward(params, caches, batch)  # logits: (R, V)
-        sampled = sample(logits, dataclasses.replace(sampling, sample_index=sampling.sample_index + i)).token_ids
+        sampled = pick(logits, i)  # (R,) int32
         live = (i < steps.num_steps) & ~done  # (R,) rows whose sample this is
         samples = samples.at[i].set(jnp.where(live, sampled, -1))
         stopped = jnp.any(sampled[:, None] == steps.stop_ids, axis=1)  # (R,)

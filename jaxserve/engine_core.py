@@ -30,7 +30,9 @@ from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner import CompileCounter, PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
 from jaxserve.spec.metrics import SpecDecodeStats
+from jaxserve.spec.draft import DraftModelProposer
 from jaxserve.spec.ngram import NgramProposer
+from jaxserve.spec.proposer import Proposer
 from jaxserve.step_timing import StepTiming
 
 logger = logging.getLogger("jaxserve")
@@ -60,28 +62,45 @@ class EngineCore:
             cache_dtype=dtype, ladders=self.ladders, attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
         )
-        self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner)
+        self.draft = None  # speculative decoding's draft model (method draft_model)
+        speculative = config.speculative_config or {}
+        if speculative.get("method") == "draft_model":
+            self.draft = DraftModelProposer.load(
+                speculative["model"], self.spec, speculative["num_speculative_tokens"], mesh=self.mesh,
+                dtype=config.dtype, load_format=config.load_format, seed=config.seed, page_size=config.page_size,
+                ladders=self.ladders, attention_backend=config.attention_backend, max_model_len=self.max_model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens)
+        # The draft's pool has as many pages as the target's, so a page of each is sized together.
+        draft_page_bytes = self.draft.runner.page_bytes() if self.draft else 0
+        self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner, draft_page_bytes)
         host_pool = None
         if config.preemption_mode != "recompute":
             host_pool = PagePool(resolve_num_host_pages(config.swap_space, self.runner.page_bytes()))
         self.runner.allocate_kv(self.num_pages)
         self.runner.warmup(show_progress)
+        if self.draft is not None:
+            self.draft.allocate(self.num_pages, show_progress)
         if host_pool is not None:
             self.runner.allocate_host_kv(host_pool.num_pages, pages_for_tokens(self.max_model_len, config.page_size))
         # Static batching is the pre-paging baseline: it shares no pages, so it caches none.
         enable_prefix_caching = config.enable_prefix_caching and config.batching == "continuous"
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, enable_prefix_caching, host_pool)
-        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv)
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv, self._make_proposer())
         self._compiles_after_warmup_base = CompileCounter.count()
         self.counters = collections.Counter()
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # dispatched, samples not brought
         self.timing = StepTiming()
-        self.proposer = None  # speculative decoding's proposer, when configured
-        if config.speculative_config:
-            spec = config.speculative_config
-            self.proposer = NgramProposer(spec["num_speculative_tokens"], spec["prompt_lookup_min"],
-                                          spec["prompt_lookup_max"])
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
+
+    def _make_proposer(self) -> Proposer | None:
+        """The proposer speculative_config names (None without speculative decoding)."""
+        speculative = self.config.speculative_config
+        if not speculative:
+            return None
+        if speculative["method"] == "draft_model":
+            return self.draft
+        return NgramProposer(speculative["num_speculative_tokens"], speculative["prompt_lookup_min"],
+                             speculative["prompt_lookup_max"])
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request."""
@@ -119,7 +138,7 @@ class EngineCore:
         changed += failed
         # Steps left on the device. A proposer reads each request's latest tokens, so speculative steps are
         # brought before the next is planned.
-        keep = 1 if self.config.async_scheduling and launched and self.proposer is None else 0
+        keep = 1 if self.config.async_scheduling and launched and self.scheduler.proposer is None else 0
         while len(self._in_flight) > keep:
             changed += self._collect()
         return changed
@@ -127,8 +146,6 @@ class EngineCore:
     def _launch(self) -> tuple[bool, list[Request]]:
         """Schedule, build and dispatch one step; (whether one was dispatched, requests that failed)."""
         with self.timing.measure("schedule"):
-            if self.proposer is not None:
-                self._propose()
             output = self.scheduler.schedule()
         self.counters["preemptions"] += len(output.preempted_ids)
         if output.swap_out or output.swap_in:
@@ -150,16 +167,6 @@ class EngineCore:
         self.counters["scheduled_tokens"] += sum(item.num_positions for item in output.scheduled)
         self.counters["padded_tokens"] += batch.input_ids.shape[0] * max(item.num_steps for item in output.scheduled)
         return True, []
-
-    def _propose(self) -> None:
-        """Give every running request that decodes its proposer's guess of its next tokens (the scheduler
-        verifies them when the step allows)."""
-        running = self.scheduler.running
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and not r.needs_output_on_host]
-        for request in running:
-            request.spec_token_ids = []
-        for request, guess in zip(decoding, self.proposer.propose(decoding)):
-            request.spec_token_ids = guess
 
     def _collect(self) -> list[Request]:
         """Wait for the oldest step in flight and bring its samples to the scheduler."""
@@ -262,6 +269,8 @@ class EngineCore:
             "cpu_cache_usage_perc": self.kv.host_pool.usage() if self.kv.host_pool else 0.0,
             "kv_pages_total": self.kv.pool.num_usable,
             "kv_pages_free": self.kv.pool.num_free,
+            "draft_kv_pages_total": self.draft.kv.pool.num_usable if self.draft else 0,
+            "draft_kv_pages_free": self.draft.kv.pool.num_free if self.draft else 0,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_swapped": len(self.kv.swapped_request_ids()),
@@ -332,10 +341,11 @@ def bucket_ladders(config: EngineConfig, spec: ModelSpec, max_model_len: int) ->
     )
 
 
-def resolve_num_pages(config: EngineConfig, max_model_len: int, runner: Runner) -> int:
+def resolve_num_pages(config: EngineConfig, max_model_len: int, runner: Runner, extra_page_bytes: int = 0) -> int:
     """Pages from `num_pages`, or what `gpu_memory_utilization` of the device leaves after the weights and the
-    largest step's activations (kv/sizing.py), or the CPU's `cpu_kv_cache_gib`."""
-    per_page = runner.page_bytes()
+    largest step's activations (kv/sizing.py), or the CPU's `cpu_kv_cache_gib`. `extra_page_bytes`: a page of
+    another pool with as many pages (the draft model's)."""
+    per_page = runner.page_bytes() + extra_page_bytes
     platform = device_platform()
     if config.num_pages is not None:
         num_pages = config.num_pages

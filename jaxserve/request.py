@@ -86,9 +86,6 @@ class Request:
     # Preemptions by other requests since this one last yielded (preempted itself for lack of pages): under the
     # priority policy, a request at max_preemptions is not preempted by another again until it yields or ends.
     num_preemptions_in_a_row: int = 0
-    # Speculative decoding: the tokens a proposer guesses follow this request's known tokens; the next step
-    # verifies them when it can (the engine sets them before each schedule()).
-    spec_token_ids: list[int] = dataclasses.field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None

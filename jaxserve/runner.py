@@ -33,7 +33,7 @@ from jaxserve.batch import (
 )
 from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
 from jaxserve.buckets import pick_bucket
-from jaxserve.decode_steps import run_decode_steps
+from jaxserve.decode_steps import run_decode_steps, sampled_by
 from jaxserve.kv.host_swap import HostSwap
 from jaxserve.model.llama import make_forward, token_logits
 from jaxserve.model.sharding import KV_CACHE_SPEC, named, param_partition_specs
@@ -135,6 +135,19 @@ def with_device_tokens(batch: BatchDescriptor, last_tokens: jax.Array) -> BatchD
     return dataclasses.replace(batch, input_ids=input_ids)
 
 
+def compile_all(lowered: list[tuple[tuple[dict, tuple], jax.stages.Lowered]], description: str,
+                show_progress: bool) -> None:
+    """Compile each ((table, key), lowered) on a thread pool (XLA releases the GIL) into `table[key]`."""
+    bar = tqdm(total=len(lowered), desc=description, disable=not show_progress, leave=False)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        futures = {pool.submit(low.compile): target for target, low in lowered}
+        for future in concurrent.futures.as_completed(futures):
+            table, key = futures[future]
+            table[key] = future.result()
+            bar.update()
+    bar.close()
+
+
 class Runner:
     """Holds the device state of one engine and the compiled step executables."""
 
@@ -168,7 +181,8 @@ class Runner:
         self.host_swap: HostSwap | None = None  # allocate_host_kv: the swap space in host memory
 
         forward = make_forward(spec, num_cache_kv_heads, self.attention.attention, self.attention.write_kv)
-        param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
+        self.model_forward = forward  # (params, caches, BatchDescriptor) -> (logits (R, V), hidden (T, H), caches)
+        self.param_shardings = param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
         self.max_rows = max_rows = max(ladders.row_buckets())
         # The jitted functions below must not capture `self`: JAX's jit objects would keep the runner, its
         # executables and their memory mappings alive after the engine is dropped.
@@ -192,7 +206,7 @@ class Runner:
 
         def decode_steps_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
             batch, sampling, steps = unpack_logits_only(buffers, layouts, last_tokens, DecodeSteps)
-            samples, caches = run_decode_steps(forward, params, caches, batch, sampling, steps,
+            samples, caches = run_decode_steps(forward, params, caches, batch, sampled_by(sampling), steps,
                                                num_scheduler_steps, page_size)  # samples: (K, R)
             return samples, last_of_rows(samples, steps.num_steps), caches
 
@@ -319,14 +333,7 @@ class Runner:
         lowered += [((self._verify_exec, key), self._lower_verify(*key)) for key in verify_shapes]
         lowered += [((self._sample_exec, key), self._lower_sampler(*key)) for key in sampler_shapes]
         lowered += [((self._prompt_exec, key), self._lower_prompt_logprobs(*key)) for key in prompt_shapes]
-        bar = tqdm(total=len(lowered), desc="compiling step buckets", disable=not show_progress, leave=False)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            futures = {pool.submit(low.compile): target for target, low in lowered}
-            for future in concurrent.futures.as_completed(futures):
-                table, key = futures[future]
-                table[key] = future.result()
-                bar.update()
-        bar.close()
+        compile_all(lowered, "compiling step buckets", show_progress)
 
     def _lower_forward(self, num_tokens: int, width: int, num_pages: int | None = None) -> jax.stages.Lowered:
         """Lower the forward bucket (T, W) against the allocated pool, or an abstract one of `num_pages`."""

@@ -14,6 +14,7 @@ from jaxserve.config import SchedulerConfig
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.sampling_params import MAX_EOS_TOKEN_IDS
+from jaxserve.spec.proposer import Proposer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,9 +93,10 @@ class Scheduler:
     max_model_len tokens when the batch forms, and members share no pages (no forks, no prefix cache).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, proposer: Proposer | None = None):
         self.config = config
         self.kv = kv
+        self.proposer = proposer  # speculative decoding's guesses, asked for in the steps that verify them
         self.waiting: list[Request] = []  # admission order (priority policy: picked by key)
         self.running: list[Request] = []  # admission order; the last is preempted first (FCFS)
         self.requests: dict[str, Request] = {}
@@ -173,7 +175,7 @@ class Scheduler:
         scheduled = plan.scheduled
         if self.config.num_scheduler_steps > 1 and not plan.preempted_ids:
             scheduled = self._take_steps(scheduled)
-        if self.config.num_speculative_tokens and not plan.preempted_ids:
+        if self.proposer is not None and not plan.preempted_ids:
             scheduled = self._take_proposals(scheduled, plan.budget)
         for item in scheduled:
             self._advance(item)
@@ -204,21 +206,22 @@ class Scheduler:
         return stepped
 
     def _take_proposals(self, scheduled: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
-        """Speculative decoding: when every row is a plain decode, each row feeds its request's proposed tokens
-        after its last one (as many as the budget, its max_tokens and max_model_len allow and its pages can be
-        had for), so the step verifies them. Otherwise the step stays as it is."""
+        """Speculative decoding: when every row is a plain decode, the proposer guesses the next tokens of the rows
+        that have room for any (before their max_tokens and max_model_len), and each such row feeds its guess
+        after its last token (as much of it as the budget allows and its pages can be had for), so the step
+        verifies it. Otherwise the step stays as it is and nothing is proposed."""
         if not scheduled or not all(_decodes_plainly(item) for item in scheduled):
             return scheduled
+        room = [min(self.config.num_speculative_tokens, item.request.max_tokens - item.sample_index - 1,
+                    self.config.max_model_len - 2 - item.num_computed_tokens) for item in scheduled]
+        guesses = iter(self.proposer.propose([item.request for item, r in zip(scheduled, room) if r > 0]))
         verified = []
-        for item in scheduled:
-            request = item.request
-            count = min(len(request.spec_token_ids), self.config.num_speculative_tokens, budget,
-                        request.max_tokens - item.sample_index - 1,
-                        self.config.max_model_len - 2 - item.num_computed_tokens)
+        for item, limit in zip(scheduled, room):
+            count = min(len(guess := next(guesses)), limit, budget) if limit > 0 else 0
             extended = None
             if count > 0:
                 extended = self._extend_decode(item, count, num_new_tokens=1 + count,
-                                               spec_token_ids=tuple(request.spec_token_ids[:count]))
+                                               spec_token_ids=tuple(guess[:count]))
             if extended is not None:
                 item = extended
                 budget -= count
@@ -485,7 +488,8 @@ class Scheduler:
             plan.swap_out += copies
             self.num_swapped_out_requests += 1
         victim.status = RequestStatus.PREEMPTED
-        victim.spec_token_ids = []  # guesses for a position it may not resume at
+        if self.proposer is not None:
+            self.proposer.release(victim.request_id)
         victim.num_preemptions += 1
         victim.num_preemptions_in_a_row = 0 if by is victim else victim.num_preemptions_in_a_row + 1
         self.num_preemptions += 1
@@ -510,6 +514,8 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         self.kv.free(request.request_id)
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
         del self.requests[request.request_id]
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -108,6 +108,23 @@ def oracle_output(spec: RequestSpec, max_model_len: int) -> tuple[list[int], str
             return out, "length", None
 
 
+class FakeProposer:
+    """A Proposer whose guesses come from `guess(request) -> token ids`; checks that it is asked only about
+    requests one token behind, and remembers which requests were released."""
+
+    def __init__(self, guess):
+        self.guess = guess
+        self.released: set[str] = set()
+
+    def propose(self, requests: list[Request]) -> list[list[int]]:
+        assert all(r.num_tokens - r.num_computed_tokens == 1 for r in requests), "asked about a non-decode"
+        assert all(r.num_output_placeholders == 0 for r in requests), "asked before the last samples came"
+        return [self.guess(request) for request in requests]
+
+    def release(self, request_id: str) -> None:
+        self.released.add(request_id)
+
+
 def make_scheduler(
     *,
     page_size: int,
@@ -123,6 +140,7 @@ def make_scheduler(
     num_host_pages: int = 0,
     max_preemptions: int = 3,
     num_speculative_tokens: int = 0,
+    proposer: FakeProposer | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -137,7 +155,7 @@ def make_scheduler(
         num_speculative_tokens=num_speculative_tokens,
     )
     host_pool = PagePool(num_host_pages) if preemption_mode != "recompute" else None
-    return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size, host_pool=host_pool))
+    return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size, host_pool=host_pool), proposer)
 
 
 # ---- invariants ------------------------------------------------------------------------------
@@ -316,13 +334,11 @@ class WorkloadResult:
     max_running: int
 
 
-def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int, lag: int = 0,
-                 propose=None) -> WorkloadResult:
+def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int, lag: int = 0) -> WorkloadResult:
     """Add requests at their arrival steps, abort some, step until nothing is left; check every step.
 
-    `lag=1` is asynchronous scheduling: step N's samples reach update() after step N + 1 is scheduled.
-    `propose(request) -> token ids`, when given, sets each decoding request's proposals before every
-    schedule() (speculative decoding; the engine brings such steps before planning the next: lag 0)."""
+    `lag=1` is asynchronous scheduling: step N's samples reach update() after step N + 1 is scheduled
+    (a scheduler with a proposer needs lag 0: the engine brings speculative steps before planning the next)."""
     max_model_len = scheduler.config.max_model_len
     by_step: dict[int, list[RequestSpec]] = {}
     for spec in specs:
@@ -356,10 +372,6 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int,
             scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         check_pages(scheduler)
 
-        if propose is not None:
-            for request in scheduler.running:
-                decoding = request.num_tokens - request.num_computed_tokens == 1
-                request.spec_token_ids = propose(request) if decoding else []
         output = scheduler.schedule()
         check_schedule(scheduler, output)
         kv_contents.run(output)
@@ -384,6 +396,8 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int,
 
     assert scheduler.num_preemptions == preempted_seen
     assert scheduler.num_preemptions == sum(r.num_preemptions for r in requests.values())
+    if scheduler.proposer is not None:
+        assert scheduler.proposer.released == set(requests), "a finished request was not released"
     return WorkloadResult(requests, arrival_step, first_token_step, finish_step, step, scheduler.num_preemptions,
                           max_running)
 

@@ -19,6 +19,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from fake_runner import (
+    FakeProposer,
     RequestSpec,
     check_after_update,
     check_schedule,
@@ -95,13 +96,13 @@ def _work(spec: RequestSpec, max_model_len: int) -> int:
 
 
 def _check_workload(config: dict, specs: list[RequestSpec], lag: int = 0, propose=None) -> None:
-    scheduler = make_scheduler(**config)
+    scheduler = make_scheduler(**config, proposer=FakeProposer(propose) if propose else None)
     max_model_len = config["max_model_len"]
     total_work = sum(_work(spec, max_model_len) for spec in specs)
     last_arrival = max(spec.arrival_step for spec in specs)
     # A generous global bound (any policy): the property test fails rather than hang.
     max_steps = last_arrival + (len(specs) + 1) * total_work + 10
-    result = run_workload(scheduler, specs, max_steps=max_steps, lag=lag, propose=propose)
+    result = run_workload(scheduler, specs, max_steps=max_steps, lag=lag)
     event(f"preempted: {result.num_preemptions > 0}")
     if scheduler.kv.host_pool is not None:
         event(f"swapped: {scheduler.num_swapped_out_requests > 0}; "
@@ -182,7 +183,7 @@ def test_random_workloads_preempting_by_swap(workload, mode, num_host_pages, lag
 @given(workloads(), st.integers(1, 4), st.floats(0.0, 1.0), st.integers(0, 2**32 - 1),
        st.sampled_from(["recompute", "swap"]))
 def test_random_workloads_with_speculative_proposals(workload, num_speculative, hit_rate, seed, mode):
-    """Speculative decoding: before each step every decoding request proposes up to `num_speculative` tokens,
+    """Speculative decoding: in each step that verifies, every decoding request proposes up to `num_speculative` tokens,
     each the fake model's next token with probability `hit_rate` (else a wrong one); the step verifies them
     and a rejected proposal's position is computed again later. The same invariants and outputs, every
     position's KV that of the request's real token when a step reads it (FakeKV), every page back."""

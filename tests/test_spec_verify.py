@@ -3,10 +3,13 @@
 The verifier must be exact in distribution: over many seeds, the first emitted token is distributed as the
 target's sampling distribution (temperature, top-k, top-p, min-p applied) whatever the proposal, and the
 token after an accepted proposal as the target's distribution at the next position. Chi-square tests on an
-8-token vocabulary; greedy rows keep exactly the argmax prefix.
+8-token vocabulary; greedy rows keep exactly the argmax prefix. Stronger still, every emitted token is the
+plain sampler's at its output index, whatever was proposed.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -100,17 +103,29 @@ def test_greedy_rows_keep_the_argmax_prefix_then_the_argmax():
     assert tokens.tolist() == [[3, 5, 1], [3, 5, -1], [3, -1, -1], [3, 5, -1]]
 
 
-def test_a_row_without_proposals_samples_as_the_plain_sampler_does():
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", SETTINGS)
+def test_every_emitted_token_is_the_plain_samplers_at_its_index(temperature, top_k, top_p, min_p):
+    """Whatever is proposed (right, wrong or nothing), the token a row emits at output index s is the one the
+    plain sampler draws at s: speculation changes how many tokens a step emits, never which."""
     from jaxserve.sampler import sample
 
-    num_rows = 64
-    sampling = _sampling(num_rows, 1.0, 0, 1.0, 0.0)
-    logits = np.broadcast_to(LOGITS, (num_rows, 2, VOCAB))
-    none = Proposals(token_ids=np.full((num_rows, 1), -1, np.int32), num_tokens=np.zeros((num_rows,), np.int32),
-                     logits_index=np.zeros((num_rows, 2), np.int32))
-    tokens = np.asarray(verify(logits, sampling, none))
-    plain = np.asarray(sample(np.ascontiguousarray(logits[:, 0]), sampling).token_ids)
-    assert tokens[0].tolist() == plain.tolist() and np.all(tokens[1] == -1)
+    num_rows, width = 512, 4
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(num_rows, width, VOCAB)).astype(np.float32) * 2  # (R, S, V)
+    sampling = _sampling(num_rows, temperature, top_k, top_p, min_p)
+    plain = np.stack([np.asarray(sample(np.ascontiguousarray(logits[:, j]), dataclasses.replace(
+        sampling, sample_index=sampling.sample_index + j)).token_ids) for j in range(width)], axis=1)  # (R, S)
+    # Proposals that match the plain samples for a random number of leading positions, then a wrong one.
+    num_right = rng.integers(0, width, num_rows)  # (R,)
+    proposed = np.where(np.arange(width - 1)[None, :] < num_right[:, None], plain[:, :-1], (plain[:, :-1] + 1) % VOCAB)
+    num_tokens = rng.integers(0, width, num_rows).astype(np.int32)  # (R,) some rows propose fewer, or none
+    proposals = Proposals(token_ids=proposed.astype(np.int32), num_tokens=num_tokens,
+                          logits_index=np.zeros((num_rows, width), np.int32))
+    tokens = np.asarray(verify(logits, sampling, proposals)).T  # (R, S)
+    emitted = np.minimum(num_right, num_tokens) + 1  # (R,) accepted proposals, then one sample
+    for row in range(num_rows):
+        assert tokens[row, : emitted[row]].tolist() == plain[row, : emitted[row]].tolist()
+        assert np.all(tokens[row, emitted[row] :] == -1)
 
 
 @pytest.mark.parametrize("sequence, expected", [

@@ -26,6 +26,9 @@ class NgramProposer:
         return [propose_ngram(np.asarray(r.token_ids(0, r.num_known_tokens), np.int64), self.num_tokens,
                               self.min_n, self.max_n) for r in requests]
 
+    def release(self, request_id: str) -> None:
+        """Nothing to forget: the n-gram proposer keeps no state per request."""
+
 
 def propose_ngram(tokens: np.ndarray, num_tokens: int, min_n: int, max_n: int) -> list[int]:
     """The up to `num_tokens` tokens that followed the latest earlier occurrence of the last n tokens of

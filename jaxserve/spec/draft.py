@@ -1,0 +1,135 @@
+"""The draft-model proposer: a smaller model of the same vocabulary guesses each request's next k tokens.
+
+The draft has its own weights, its own KV pool (as many pages as the target's: it never holds more tokens
+than the target does) and its own compiled buckets (spec/draft_runner.py: one call per engine step catches
+the draft's KV up and proposes k tokens greedily). The scheduler asks it only for the steps that verify
+proposals, and tells it when a request leaves the running batch, which gives its draft pages back.
+
+What the draft's KV holds for a request: the first `num_tokens` tokens of the request, then the proposals it
+fed after them (their KV is that of the request's real tokens as far as the target accepted them). So before
+each proposal the draft feeds the request's tokens from the first one it does not hold (usually the one or
+two the last verification emitted; the whole prompt the first time, in chunks of the step budget when it is
+longer) and proposes after the last one. A request whose draft pages cannot be had gets no proposal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.batch import BucketLadders, build_batch, padded_decode_step_arrays
+from jaxserve.batch_descriptor import DecodeSteps
+from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
+from jaxserve.kv.page_pool import PagePool
+from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
+from jaxserve.model.sharding import cache_kv_heads
+from jaxserve.model.spec import ModelSpec
+from jaxserve.request import Request
+from jaxserve.scheduler import ScheduledRequest, SchedulerOutput
+from jaxserve.spec.draft_runner import DraftRunner
+
+
+@dataclasses.dataclass
+class _Fed:
+    """What the draft's KV holds for one request."""
+
+    num_tokens: int  # the request's first tokens
+    proposals: list[int]  # proposals fed after them, in order
+
+
+class DraftModelProposer:
+    """Proposes `runner.num_proposals` tokens per request by greedy decoding with the draft model."""
+
+    def __init__(self, runner: DraftRunner, max_num_batched_tokens: int, max_model_len: int):
+        self.runner = runner
+        self.num_tokens = runner.num_proposals
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv: KVCacheManager | None = None  # allocate(): the draft's pages
+        self._fed: dict[str, _Fed] = {}  # request id -> what the draft's KV holds
+
+    @classmethod
+    def load(cls, model_path: str, target: ModelSpec, num_tokens: int, *, mesh, dtype: str, load_format: str,
+             seed: int, page_size: int, ladders: BucketLadders, attention_backend: str, max_model_len: int,
+             max_num_batched_tokens: int) -> "DraftModelProposer":
+        """Read the draft's config and weights (random ones under load_format dummy) into its sharding; a
+        ValueError when its vocabulary differs from the target's or it is shorter than max_model_len."""
+        spec = ModelSpec.from_pretrained(model_path)
+        if spec.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model {model_path!r} has vocab_size {spec.vocab_size} but the target has "
+                             f"{target.vocab_size}: a draft model must share the target's tokenizer and vocabulary")
+        if spec.max_position_embeddings < max_model_len:
+            raise ValueError(f"the draft model {model_path!r} has max_position_embeddings "
+                             f"{spec.max_position_embeddings} < max_model_len {max_model_len}: lower max_model_len")
+        kv_heads = cache_kv_heads(spec, mesh.devices.size)
+        cache_dtype = resolve_dtype(dtype, spec)
+        if load_format == "dummy":
+            params = dummy_params(spec, mesh, cache_dtype, kv_heads, seed + 1)
+        else:
+            params = load_params(model_path, spec, mesh, cache_dtype, kv_heads)
+        runner = DraftRunner(spec, params, mesh, page_size=page_size, num_cache_kv_heads=kv_heads,
+                             cache_dtype=cache_dtype, ladders=ladders, attention_backend=attention_backend,
+                             num_proposals=num_tokens)
+        return cls(runner, max_num_batched_tokens, max_model_len)
+
+    def allocate(self, num_pages: int, show_progress: bool = True) -> None:
+        """Allocate the draft's KV pool of `num_pages` pages and compile its buckets."""
+        self.runner.allocate_kv(num_pages)
+        self.runner.warmup(show_progress)
+        self.kv = KVCacheManager(PagePool(num_pages), self.runner.page_size)
+
+    def release(self, request_id: str) -> None:
+        """Give the request's draft pages back and forget what they held."""
+        self.kv.free(request_id)
+        self._fed.pop(request_id, None)
+
+    def propose(self, requests: list[Request]) -> list[list[int]]:
+        """Catch the draft up with each request (as the step budget allows) and propose after its last token."""
+        items: list[ScheduledRequest] = []
+        further: list[int] = []  # proposals each row makes after its first
+        budget = self.max_num_batched_tokens
+        for request in requests:
+            computed = self._num_valid(request)
+            known = request.num_known_tokens
+            take = min(known - computed, budget)
+            if take <= 0:
+                break
+            proposes = take == known - computed
+            extra = max(0, min(self.num_tokens - 1, self.max_model_len - known)) if proposes else 0
+            total = computed + take + extra
+            if not self.kv.allocate_slots(request.request_id, computed, total):
+                self.release(request.request_id)
+                continue
+            pages = self.kv.page_ids(request.request_id)[: pages_for_tokens(total, self.runner.page_size)]
+            items.append(ScheduledRequest(request, take, computed, tuple(pages), samples=proposes, num_steps=1 + extra))
+            further.append(extra)
+            budget -= take
+        if not items:
+            return [[] for _ in requests]
+        output = SchedulerOutput(items, [])
+        batch = build_batch(output, self.runner.page_size, self.runner.ladders)
+        steps = padded_decode_step_arrays(batch.page_table.shape[0])
+        steps["num_steps"][: len(further)] = further
+        proposals = np.asarray(self.runner.propose(batch, DecodeSteps(**steps)))  # (k, R) int32
+        guesses: dict[str, list[int]] = {}
+        for row, (item, extra) in enumerate(zip(items, further)):
+            guess = proposals[: 1 + extra, row].tolist() if item.samples else []
+            self._fed[item.request.request_id] = _Fed(item.num_computed_tokens + item.num_new_tokens, guess[:extra])
+            guesses[item.request.request_id] = guess
+        return [guesses.get(request.request_id, []) for request in requests]
+
+    def _num_valid(self, request: Request) -> int:
+        """The request's leading tokens whose KV the draft holds, short of its last (which is fed again to
+        propose after it when nothing follows it yet)."""
+        fed = self._fed.get(request.request_id)
+        if fed is None:
+            return 0
+        known = request.num_known_tokens
+        actual = request.token_ids(fed.num_tokens, min(fed.num_tokens + len(fed.proposals), known))
+        matched = 0
+        for token, proposal in zip(actual, fed.proposals):
+            if token != proposal:
+                break
+            matched += 1
+        return min(fed.num_tokens + matched, known - 1)

@@ -1,0 +1,113 @@
+"""The draft model's device side: catch its KV up with a batch of requests and propose k tokens, in one call.
+
+A draft step takes a batch built like a target step (`batch.build_batch`): each row feeds the tokens the
+draft has not computed yet (in a steady decode the token the target emitted last, plus the last accepted
+proposal when all k were accepted; a request's whole prompt the first time), so the forward writes their KV
+into the draft's own pages and gives each row's logits at its last token. Their argmax is the first
+proposal; `run_decode_steps` then feeds each proposal back for the next (k - 1 more forwards in a
+`lax.fori_loop`). Proposals are greedy: each is a point mass, which is what verify.py's rejection rule
+assumes, so the target's emitted tokens keep its exact distribution whatever the draft proposes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.batch import padded_batch_arrays, padded_decode_step_arrays
+from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps
+from jaxserve.decode_steps import run_decode_steps
+from jaxserve.kv.page_pool import NULL_PAGE
+from jaxserve.packing import Layout, pack, unpack
+from jaxserve.runner import Runner, compile_all
+from jaxserve.sampler import first_argmax
+
+
+def run_draft_steps(forward: Callable, params: dict, caches: tuple, batch: BatchDescriptor, steps: DecodeSteps,
+                    num_tokens: int, page_size: int) -> tuple[jax.Array, tuple]:
+    """Catch up and propose: (proposals (num_tokens, R) int32, the updated caches).
+
+    Row r's first proposal is the argmax at its last token; it proposes `steps.num_steps[r]` more, each
+    the argmax after feeding the one before (-1 beyond them; a row with 0 feeds nothing more).
+    `forward(params, caches, batch) -> (logits, hidden, caches)`."""
+    logits, _, caches = forward(params, caches, batch)  # logits: (R, V)
+    first = first_argmax(logits)  # (R,) int32
+    if num_tokens == 1:
+        return first[None], caches
+    greedy = lambda logits, i: first_argmax(logits)  # noqa: E731  (R, V) -> (R,)
+    later, caches = run_decode_steps(forward, params, caches, next_token_batch(batch, first, steps, page_size),
+                                     greedy, steps, num_tokens - 1, page_size)  # later: (num_tokens - 1, R)
+    return jnp.concatenate([first[None], later]), caches
+
+
+def next_token_batch(batch: BatchDescriptor, token_ids: jax.Array, steps: DecodeSteps,
+                     page_size: int) -> BatchDescriptor:
+    """A decode batch of one token per row (R tokens): row r feeds `token_ids[r]` at the position after the
+    last token `batch` fed it; a row with no steps to take writes nothing (null page)."""
+    num_rows, width = batch.page_table.shape
+    rows = jnp.arange(num_rows)  # (R,)
+    real = rows < batch.num_seqs  # (R,)
+    positions = batch.seq_lens  # (R,) each row's next position
+    pages = batch.page_table[rows, jnp.minimum(positions // page_size, width - 1)]  # (R,)
+    writes = steps.num_steps > 0  # (R,)
+    no_copies = jnp.full_like(batch.copy_src, NULL_PAGE)  # (R,) the catch-up made the step's page copies
+    return BatchDescriptor(
+        input_ids=token_ids,
+        device_token_index=jnp.full((num_rows,), -1, jnp.int32),
+        positions=positions,
+        slot_mapping=jnp.where(writes, pages * page_size + positions % page_size, NULL_PAGE * page_size),
+        query_start_loc=jnp.minimum(jnp.arange(num_rows + 1), batch.num_seqs).astype(jnp.int32),
+        seq_lens=jnp.where(real, positions + 1, 0),
+        page_table=batch.page_table,
+        logits_indices=rows.astype(jnp.int32),
+        copy_src=no_copies,
+        copy_dst=no_copies,
+        num_seqs=batch.num_seqs,
+    )
+
+
+class DraftRunner(Runner):
+    """A Runner of the draft model that compiles only its proposal executable: one per (T, W) forward bucket
+    of the ladders (the catch-up batch's shape), proposing `num_proposals` tokens per row."""
+
+    def __init__(self, *args, num_proposals: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_proposals = num_proposals
+        forward, page_size = self.model_forward, self.page_size  # the jitted function must not capture self
+
+        def propose_packed(params, caches, buffers, layouts: tuple[Layout, Layout]):
+            batch, steps = unpack(buffers[0], layouts[0], BatchDescriptor), unpack(buffers[1], layouts[1], DecodeSteps)
+            return run_draft_steps(forward, params, caches, batch, steps, num_proposals, page_size)
+
+        self._propose = jax.jit(propose_packed,
+                                in_shardings=(self.param_shardings, self._kv_sharding, self._replicated),
+                                out_shardings=(self._replicated, self._kv_sharding), donate_argnums=(1,),
+                                static_argnums=(3,))
+        self._propose_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
+
+    def warmup(self, show_progress: bool = True) -> None:
+        """AOT-compile the proposal executable of every (T, W) bucket."""
+        lowered = [((self._propose_exec, key), self._lower_propose(*key)) for key in self.shapes()[0]]
+        compile_all(lowered, "compiling draft buckets", show_progress)
+
+    def _lower_propose(self, num_tokens: int, width: int) -> jax.stages.Lowered:
+        function, args = self.propose_call(num_tokens, width)
+        return function.lower(*args)
+
+    def propose_call(self, num_tokens: int, width: int) -> tuple[Callable, tuple]:
+        """The proposal bucket (T, W): a catch-up batch of T tokens and the rows' numbers of further steps."""
+        num_rows = self.ladders.rows_for(num_tokens)
+        parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
+                 pack(DecodeSteps(**padded_decode_step_arrays(num_rows))))
+        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
+        return self._propose, (self.params, self.kv_caches, buffers, tuple(layout for _, layout in parts))
+
+    def propose(self, batch: BatchDescriptor, steps: DecodeSteps) -> jax.Array:
+        """Dispatch one proposal step; returns its (num_proposals, R) int32 proposals on the device."""
+        key = (batch.input_ids.shape[0], batch.page_table.shape[1])
+        executable = self._executable(self._propose_exec, key, self._lower_propose)
+        buffers = jax.device_put((pack(batch)[0], pack(steps)[0]), self._replicated)
+        proposals, self.kv_caches = executable(self.params, self.kv_caches, buffers)
+        return proposals

@@ -1,0 +1,211 @@
+"""Speculative decoding with a draft model (issue 15): jaxserve/spec/draft.py and spec/draft_runner.py.
+
+The proposer's bookkeeping is checked against a fake draft runner (which tokens it feeds at which positions
+as proposals are accepted or rejected, the step budget, its pages). On the real engine, greedy outputs must
+be identical with and without speculation for two drafts of the test vocabulary: the target itself (its
+greedy proposals are the target's own tokens, so nearly all are accepted) and the qwen3 test checkpoint (a
+different random model: nearly all rejected), under preemption and chunked prefill too. Nothing compiles
+after warm-up and every page of both pools comes back.
+
+Engines have the shapes of test_spec_decode's (8 rows, token buckets 16 and 32, 31 usable pages).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from fake_runner import RequestSpec
+from helpers import checkpoint, small_engine_args
+from jaxserve import LLM, SamplingParams
+from jaxserve.batch import BucketLadders
+from jaxserve.config import EngineConfig
+from jaxserve.engine import ASSETS_DIR, DEFAULT_MODEL_NAME
+from jaxserve.spec.draft import DraftModelProposer
+
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
+SELF_DRAFT = {"method": "draft_model", "model": checkpoint("llama"), "num_speculative_tokens": 3}
+OTHER_DRAFT = {"model": checkpoint("qwen3"), "num_speculative_tokens": 2}  # method inferred from `model`
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+# ---- the proposer's bookkeeping, with a fake draft runner -------------------------------------------------
+
+
+class FakeDraftRunner:
+    """Records what each proposal step feeds; row r proposes 1000 * (call) + 10 * r + i for i < k."""
+
+    page_size = 4
+
+    def __init__(self, num_proposals: int, max_num_batched_tokens: int):
+        self.num_proposals = num_proposals
+        self.ladders = BucketLadders.build(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=4,
+                                           max_model_len=64, page_size=4, min_token_bucket=4, max_aux_extra=0)
+        self.calls: list[dict] = []
+
+    def allocate_kv(self, num_pages: int) -> None:
+        pass
+
+    def warmup(self, show_progress: bool = True) -> None:
+        pass
+
+    def propose(self, batch, steps) -> np.ndarray:
+        fed = int(batch.query_start_loc[batch.num_seqs])
+        self.calls.append({"tokens": batch.input_ids[:fed].tolist(), "positions": batch.positions[:fed].tolist(),
+                           "further": steps.num_steps[: batch.num_seqs].tolist()})
+        rows = batch.page_table.shape[0]
+        base = 1000 * len(self.calls)
+        return np.asarray([[base + 10 * row + i for row in range(rows)] for i in range(self.num_proposals)])
+
+
+def _proposer(num_pages: int = 40, budget: int = 16, k: int = 3) -> tuple[DraftModelProposer, FakeDraftRunner]:
+    runner = FakeDraftRunner(k, budget)
+    proposer = DraftModelProposer(runner, max_num_batched_tokens=budget, max_model_len=64)
+    proposer.allocate(num_pages, show_progress=False)
+    return proposer, runner
+
+
+def test_draft_feeds_what_it_lacks_and_keeps_the_accepted_proposals():
+    proposer, runner = _proposer()
+    request = RequestSpec("a", prompt_len=20, max_tokens=30).build(64)
+    prompt = list(request.prompt_token_ids)
+
+    assert proposer.propose([request]) == [[]]  # the 16-token budget covers part of the prompt: no proposal yet
+    assert runner.calls[-1] == {"tokens": prompt[:16], "positions": list(range(16)), "further": [0]}
+
+    guess = proposer.propose([request])[0]  # the rest of the prompt, then 3 proposals (2 of them fed back)
+    assert guess == [2000, 2001, 2002]
+    assert runner.calls[-1] == {"tokens": prompt[16:], "positions": [16, 17, 18, 19], "further": [2]}
+
+    request.output_token_ids += [2000, 7]  # the target accepted the first proposal and emitted 7
+    guess = proposer.propose([request])[0]
+    assert runner.calls[-1] == {"tokens": [7], "positions": [21], "further": [2]}  # KV of 2000 kept, 2001 not
+
+    request.output_token_ids += guess + [9]  # all three accepted: the third was never fed
+    proposer.propose([request])
+    assert runner.calls[-1] == {"tokens": [guess[2], 9], "positions": [24, 25], "further": [2]}
+
+    proposer.release("a")
+    assert proposer.kv.pool.num_free == proposer.kv.pool.num_usable
+    proposer.propose([request])  # forgotten: starts from the prompt again
+    assert runner.calls[-1]["positions"] == list(range(16))
+
+
+def test_draft_shares_the_budget_and_stops_before_max_model_len():
+    proposer, runner = _proposer(budget=16)
+    first = RequestSpec("a", prompt_len=12, max_tokens=30).build(64)
+    second = RequestSpec("b", prompt_len=12, max_tokens=30).build(64)
+    guesses = proposer.propose([first, second])
+    assert guesses[0] == [1000, 1001, 1002] and guesses[1] == []  # b's 12 tokens do not fit the 4 left
+    assert runner.calls[-1]["positions"] == list(range(12)) + [0, 1, 2, 3]
+    assert runner.calls[-1]["further"] == [2, 0]
+
+    near_end = RequestSpec("c", prompt_len=63, max_tokens=1, resolve_max_tokens=False).build(64)
+    proposer, runner = _proposer(budget=64)
+    assert proposer.propose([near_end]) == [[1000, 1001]]  # position 63 is the last one a proposal is fed at
+    assert runner.calls[-1]["further"] == [1]
+
+
+def test_a_request_whose_draft_pages_cannot_be_had_gets_no_proposal():
+    proposer, runner = _proposer(num_pages=5)  # 4 usable pages of 4 tokens
+    small = RequestSpec("a", prompt_len=6, max_tokens=30).build(64)
+    large = RequestSpec("b", prompt_len=14, max_tokens=30).build(64)
+    assert proposer.propose([small, large]) == [[1000, 1001, 1002], []]
+    assert proposer.kv.page_ids("b") == []  # nothing left held by the request that did not fit
+    assert len(runner.calls[-1]["further"]) == 1
+
+
+# ---- the engine -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {"plain": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS)),
+            "self": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, speculative_config=SELF_DRAFT)),
+            "other": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, speculative_config=OTHER_DRAFT))}
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params) -> tuple[list, dict]:
+    """(each request's samples' token ids, the spec_decode counters' increase); checks that nothing compiled and
+    that every page of both pools is back."""
+    before = llm.stats()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    after = llm.stats()
+    assert after["compilations_after_warmup"] == before["compilations_after_warmup"], "compiled after warm-up"
+    assert after["lazy_bucket_compilations"] == 0
+    assert after["kv_pages_free"] == after["kv_pages_total"]
+    assert after["draft_kv_pages_free"] == after["draft_kv_pages_total"]
+    moved = {key: after["spec_decode"][key] - before["spec_decode"][key]
+             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    return [[tuple(c.token_ids) for c in o.outputs] for o in outputs], moved
+
+
+def _prompts(count: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 500) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("draft", ["self", "other"])
+def test_greedy_outputs_are_identical_with_a_draft_model(engines, draft):
+    prompts = _prompts(6, 3, (5, 30))
+    want, _ = _generate(engines["plain"], prompts, GREEDY)
+    got, moved = _generate(engines[draft], prompts, GREEDY)
+    assert got == want
+    assert moved["num_draft_tokens"] > 50, f"too few proposals to mean anything: {moved}"
+    rate = moved["num_accepted_tokens"] / moved["num_draft_tokens"]
+    if draft == "self":
+        assert rate > 0.9, f"the target drafting for itself should agree with itself: {moved}"
+    else:
+        assert rate < 0.5, f"an unrelated random draft should mostly miss: {moved}"
+
+
+def test_greedy_outputs_are_identical_under_preemption_and_chunked_prefill(engines):
+    """Ten requests of 40-100 prompt tokens (chunked: the budget is 32) and 60 outputs for 31 pages."""
+    prompts = _prompts(10, 9, (40, 100))
+    params = GREEDY.clone(max_tokens=60)
+    before = engines["self"].stats()["preemptions"]
+    want, _ = _generate(engines["plain"], prompts, params)
+    got, moved = _generate(engines["self"], prompts, params)
+    assert engines["self"].stats()["preemptions"] > before, "the pool was not small enough to preempt"
+    assert got == want
+    assert moved["num_accepted_tokens"] > 0
+
+
+def test_penalised_and_short_requests_share_the_batch(engines):
+    prompts = _prompts(4, 5, (5, 20))
+    params = [GREEDY, GREEDY.clone(repetition_penalty=1.3), GREEDY.clone(max_tokens=5), GREEDY.clone(max_tokens=1)]
+    want = engines["plain"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = engines["other"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [len(o.outputs[0].token_ids) for o in got] == [40, 40, 5, 1]
+
+
+def test_seeded_sampling_gives_the_plain_engines_tokens(engines):
+    """Each emitted token is the one plain sampling draws at its index (spec/verify.py), so seeded outputs equal
+    the plain engine's, run after run (the second run's prompts hit the prefix cache: other steps verify)."""
+    prompts = _prompts(4, 7, (5, 20))
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True, n=2)
+    want, _ = _generate(engines["plain"], prompts, params)
+    first, moved = _generate(engines["self"], prompts, params)
+    second, _ = _generate(engines["self"], prompts, params)
+    assert first == want and second == want
+    assert moved["num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "draft_model"}, "needs `model`"),
+    ({"method": "ngram", "model": "somewhere"}, "takes no `model`"),
+    ({"method": "eagle"}, "must be one of"),
+])
+def test_bad_speculative_configs_say_what_to_fix(config, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=config)
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    bundled = os.path.join(ASSETS_DIR, DEFAULT_MODEL_NAME)  # vocabulary 4096, the test checkpoints' 512
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLM(checkpoint("llama"), **small_engine_args(speculative_config={"model": bundled}))
