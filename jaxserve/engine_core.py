@@ -85,11 +85,11 @@ class EngineCore:
         # Static batching is the pre-paging baseline: it shares no pages, so it caches none.
         enable_prefix_caching = config.enable_prefix_caching and config.batching == "continuous"
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, enable_prefix_caching, host_pool)
+        self.timing = StepTiming()
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv, self._make_proposer())
         self._compiles_after_warmup_base = CompileCounter.count()
         self.counters = collections.Counter()
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # dispatched, samples not brought
-        self.timing = StepTiming()
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
 
     def _make_proposer(self) -> Proposer | None:
@@ -98,9 +98,11 @@ class EngineCore:
         if not speculative:
             return None
         if speculative["method"] == "draft_model":
-            return self.draft
-        return NgramProposer(speculative["num_speculative_tokens"], speculative["prompt_lookup_min"],
-                             speculative["prompt_lookup_max"])
+            proposer = self.draft
+        else:
+            proposer = NgramProposer(speculative["num_speculative_tokens"], speculative["prompt_lookup_min"],
+                                     speculative["prompt_lookup_max"])
+        return _TimedProposer(proposer, self.timing)
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request."""
@@ -280,6 +282,23 @@ class EngineCore:
             "timing": self.timing.summary(),
             "spec_decode": self.spec_stats.summary(),
         }
+
+
+@dataclasses.dataclass
+class _TimedProposer:
+    """A proposer whose time counts as the step timing's "propose" phase (part of "schedule")."""
+
+    proposer: Proposer
+    timing: StepTiming
+
+    def propose(self, requests: list[Request]) -> list[list[int]]:
+        """The proposer's guesses, timed."""
+        with self.timing.measure("propose"):
+            return self.proposer.propose(requests)
+
+    def release(self, request_id: str) -> None:
+        """Forward to the proposer."""
+        self.proposer.release(request_id)
 
 
 @dataclasses.dataclass

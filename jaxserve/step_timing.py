@@ -25,7 +25,8 @@ class StepTiming:
 
     def reset(self) -> None:
         """Start counting afresh (between benchmark runs, with no step in flight)."""
-        self.seconds = dict.fromkeys(PHASES + ("step",), 0.0)  # "step": a whole EngineCore.step()
+        # "step": a whole EngineCore.step(); "propose": a speculative proposer's share of "schedule"
+        self.seconds = dict.fromkeys(PHASES + ("step", "propose"), 0.0)
         self.num_steps = 0  # dispatched steps
         self.device_busy_s = 0.0
         self._last_ready = 0.0  # perf_counter time the last folded step's outputs were computed
@@ -62,5 +63,6 @@ class StepTiming:
         steps = max(self.num_steps, 1)
         wall = self.seconds["step"] + self.seconds["output"]
         idle = min(1.0, max(0.0, 1.0 - self.device_busy_s / wall)) if wall else 0.0
-        return {"steps": self.num_steps, **{f"{phase}_ms": 1e3 * self.seconds[phase] / steps for phase in PHASES},
+        return {"steps": self.num_steps,
+                **{f"{phase}_ms": 1e3 * self.seconds[phase] / steps for phase in PHASES + ("propose",)},
                 "wall_s": wall, "device_busy_s": self.device_busy_s, "device_idle_fraction": idle}

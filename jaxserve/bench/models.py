@@ -196,18 +196,55 @@ def ensure_model(shape_name: str, cache_dir: str, seed: int = 0,
     if shape_name not in SHAPES:
         raise ValueError(f"unknown model shape {shape_name!r}; choose one of {', '.join(SHAPE_NAMES)}")
     shape = SHAPES[shape_name]
-    fingerprint = model_fingerprint(shape, seed)
+    what = (f"a random-weight {shape_name} ({shape.num_params / 1e6:.1f}M parameters"
+            f"{'' if has_weights(shape) else ', no weights file: load_format dummy'})")
+    return _cached_folder(cache_dir, shape_name, model_fingerprint(shape, seed), what,
+                          lambda folder: _write_folder(folder, shape, seed), log)
+
+
+def early_exit_copy(model: str, num_layers: int, cache_dir: str,
+                    log: Callable[[str], None] = lambda message: None) -> str:
+    """A draft model made from `model`: its first `num_layers` layers with its embeddings, final norm and
+    head (an early exit), same tokenizer; written under `cache_dir` on first use."""
+    from safetensors.numpy import load_file, save_file
+
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    if not 1 <= num_layers < config["num_hidden_layers"]:
+        raise ValueError(f"--spec-draft-layers must be in 1..{config['num_hidden_layers'] - 1}, got {num_layers}")
+    files = sorted(os.listdir(model))
+    fingerprint = {"source": os.path.abspath(model), "num_layers": num_layers,
+                   "files": {name: os.path.getsize(os.path.join(model, name)) for name in files}}
+
+    def write(folder: str) -> None:
+        weights = {}
+        for name in files:
+            path = os.path.join(model, name)
+            if name.endswith(".safetensors"):
+                weights.update({key: value for key, value in load_file(path).items()
+                                if not key.startswith("model.layers.") or int(key.split(".")[2]) < num_layers})
+            elif os.path.isfile(path) and not name.endswith(".index.json") and name != "config.json":
+                shutil.copy(path, folder)
+        save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        _write_json(os.path.join(folder, "config.json"), {**config, "num_hidden_layers": num_layers})
+
+    name = f"{os.path.basename(os.path.normpath(model))}-first-{num_layers}-layers"
+    return _cached_folder(cache_dir, name, fingerprint, f"the first {num_layers} layers of {model}", write, log)
+
+
+def _cached_folder(cache_dir: str, name: str, fingerprint: dict, what: str, write: Callable[[str], None],
+                   log: Callable[[str], None]) -> str:
+    """`cache_dir/name-<digest of fingerprint>`, written by `write(folder)` unless a complete one is there."""
     digest = hashlib.sha1(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:10]
-    folder = os.path.join(cache_dir, f"{shape_name}-{digest}")
+    folder = os.path.join(cache_dir, f"{name}-{digest}")
     if os.path.isfile(os.path.join(folder, FINGERPRINT_FILE)):
         log(f"reusing model folder {folder}")
         return folder
-    log(f"writing a random-weight {shape_name} ({shape.num_params / 1e6:.1f}M parameters"
-        f"{'' if has_weights(shape) else ', no weights file: load_format dummy'}) to {folder}")
+    log(f"writing {what} to {folder}")
     building = f"{folder}.building-{os.getpid()}"  # renamed into place when complete
     shutil.rmtree(building, ignore_errors=True)
     os.makedirs(building)
-    _write_folder(building, shape, seed)
+    write(building)
     _write_json(os.path.join(building, FINGERPRINT_FILE), fingerprint)
     shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder left by an interrupted build
     os.rename(building, folder)
