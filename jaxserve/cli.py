@@ -72,7 +72,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swap-space", type=float, help="GiB of host memory for swapped-out KV pages (default 4)")
     parser.add_argument("--speculative-config",
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                             '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\'')
+                             '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
+                             '"model": "DRAFT_FOLDER", "num_speculative_tokens": 3}\'')
     parser.add_argument("--max-preemptions", type=int,
                         help="priority policy: preemptions in a row after which a request is not preempted by "
                              "another again until it finishes (default 3)")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
+import numpy as np
 import pytest
 
 from jaxserve.bench import effects
-from tests.helpers import TEST_CACHE_DIR
+from tests.helpers import TEST_CACHE_DIR, checkpoint
 
 TINY = [
     "--model-shape", "bundled", "--repeats", "1", "--compilation-cache-dir", TEST_CACHE_DIR,
@@ -161,10 +163,32 @@ def test_speculation_workload_and_report_lines():
         assert list(request.prompt_token_ids) == load_tokenizer(model).encode(
             request.prompt_text, add_special_tokens=False)
     spread = {"mean": 2.0, "p50": 1.5, "p90": 2.5, "p99": 3.5, "max": 4.0}
-    entry = {"batch": 8, "systems": [_side("off", itl_ms=spread, tpot_ms=spread),
-                                     _side("ngram, 4 tokens", itl_ms=spread, tpot_ms=spread)],
-             "throughput_on_over_off": {"mean": 0.9, "best": 0.95}, "mean_acceptance_length": 2.5,
-             "same_tokens": [8, 8]}
-    lines = speculation_lines({"batches": [entry]})
-    assert "| 8 | off | 100 | 110 | 1.10, 1.00 | 1.5 / 3.5 | 2.0 | | | |" in lines
-    assert "| 8 | ngram, 4 tokens | 100 | 110 | 1.10, 1.00 | 1.5 / 3.5 | 2.0 | 0.90x, 0.95x | 2.50 | 8/8 |" in lines
+    common = dict(itl_ms=spread, tpot_ms=spread, steps=130.0)
+    entry = {"batch": 8, "systems": [
+        _side("off", propose_ms=0.0, **common),
+        _side("ngram, 4 tokens", propose_ms=0.25, on_over_off={"mean": 0.9, "best": 0.95},
+              mean_acceptance_length=2.5, same_tokens=[8, 8], **common)]}
+    lines = speculation_lines({"draft_model": "/models/draft", "batches": [entry]})
+    assert "Draft model: `/models/draft`." in lines
+    assert "| 8 | off | 100 | 110 | 1.10, 1.00 | 130 | 0.00 | 1.5 / 3.5 | 2.0 | | | |" in lines
+    assert ("| 8 | ngram, 4 tokens | 100 | 110 | 1.10, 1.00 | 130 | 0.25 | 1.5 / 3.5 | 2.0 | 0.90x, 0.95x | 2.50 "
+            "| 8/8 |") in lines
+
+def test_early_exit_copy_keeps_the_first_layers(tmp_path):
+    """The speculation experiment's default draft: the target's first layers, embeddings, final norm and head."""
+    from safetensors.numpy import load_file
+
+    from jaxserve.bench.models import early_exit_copy
+
+    source = load_file(os.path.join(checkpoint("llama"), "model-00001-of-00002.safetensors"))
+    source.update(load_file(os.path.join(checkpoint("llama"), "model-00002-of-00002.safetensors")))
+    folder = early_exit_copy(checkpoint("llama"), 1, str(tmp_path))
+    assert early_exit_copy(checkpoint("llama"), 1, str(tmp_path)) == folder  # cached
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == 1
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    assert set(weights) == {key for key in source if not key.startswith("model.layers.1.")}
+    assert all(np.array_equal(weights[key], source[key]) for key in weights)
+    assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    with pytest.raises(ValueError, match="spec-draft-layers"):
+        early_exit_copy(checkpoint("llama"), 2, str(tmp_path))
