@@ -49,7 +49,8 @@ BUCKET_SETS = {  # --buckets: which buckets are lowered
     "all": "every bucket the engine compiles",
     "edges": "the smallest and largest rung of each ladder, and the token rungs either side of max_num_seqs",
 }
-KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify")  # the order of Runner.shapes()
+# The order of Runner.shapes().
+KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify", "verify_sampler")
 # Custom calls jax.export does not promise to keep stable, which the step functions use on purpose: Pallas's
 # Triton kernels and cuDNN attention. Any other one (a host callback, say) fails its bucket.
 EXPECTED_UNSTABLE_CALLS = ("__gpu$xla.gpu.triton", "__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax")
@@ -244,12 +245,13 @@ def select_buckets(ladders, shapes: tuple[list, ...], which: str) -> tuple[list,
     widths = {ladders.page_widths[0], ladders.page_widths[-1]}
     rows = {min(ladders.row_buckets()), max(ladders.row_buckets())}
     aux = {ladders.aux_widths[0], *ladders.aux_widths[1:2], ladders.aux_widths[-1]}
-    forward, sampler, prompt, steps, verify = shapes
+    forward, sampler, prompt, steps, verify, verify_sampler = shapes
     return ([s for s in forward if s[0] in tokens and s[1] in widths],
             [s for s in sampler if s[0] in rows and s[1] in aux],
             [s for s in prompt if s[0] in {ladders.tokens[0], ladders.tokens[-1]}],
             [s for s in steps if s[0] in tokens and s[1] in widths],
-            [s for s in verify if s[0] in tokens and s[1] in widths])
+            [s for s in verify if s[0] in tokens and s[1] in widths],
+            [s for s in verify_sampler if s[0] in rows and s[1] in aux])
 
 
 def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
@@ -260,6 +262,7 @@ def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
         "prompt_logprobs": lambda shape: runner.prompt_logprobs_call(*shape),
         "decode_steps": lambda shape: runner.decode_steps_call(*shape, num_pages),
         "verify": lambda shape: runner.verify_call(*shape, num_pages),
+        "verify_sampler": lambda shape: runner.verify_sampler_call(*shape),
     }
 
 
@@ -274,10 +277,9 @@ def lower_bucket(function, args: tuple, platform: str) -> tuple[float, set[str]]
     return seconds, set(re.findall(r"stablehlo\.custom_call @([\w$.\-]+)", exported.mlir_module()))
 
 
-def lower_all(runner, shapes: tuple[list, list, list, list], num_pages: int, platform: str
-              ) -> tuple[list[BucketCheck], set[str]]:
-    """Lower every bucket in `shapes` (forward, sampler, prompt-logprob and multi-step decode lists); a failure
-    is recorded, not raised."""
+def lower_all(runner, shapes: tuple[list, ...], num_pages: int, platform: str) -> tuple[list[BucketCheck], set[str]]:
+    """Lower every bucket in `shapes` (Runner.shapes()' lists, one per kind of KINDS); a failure is recorded, not
+    raised."""
     checks, custom_calls = [], set()
     calls = bucket_calls(runner, num_pages)
     for kind, kind_shapes in zip(KINDS, shapes):
@@ -326,10 +328,11 @@ def cpu_estimates(runner) -> tuple[int, dict[str, float]]:
     function, args = runner.prompt_logprobs_call(runner.ladders.tokens[-1])
     function.lower(*args).compile()
     prompt = cpu_seconds() - start
-    # A multi-step decode bucket is a forward and a sampler in a loop, a verification bucket a forward and a
-    # sampler of its positions: each counted as one of each.
+    # A multi-step decode bucket is a forward and a sampler in a loop, counted as one of each; a verification's
+    # forward and sampler buckets as a forward and a sampler.
     seconds = {"forward": forward_and_sampler / 2, "sampler": forward_and_sampler / 2, "prompt_logprobs": prompt,
-               "decode_steps": forward_and_sampler, "verify": forward_and_sampler}
+               "decode_steps": forward_and_sampler, "verify": forward_and_sampler / 2,
+               "verify_sampler": forward_and_sampler / 2}
     return activation_bytes, seconds
 
 
@@ -409,7 +412,8 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
 
 
 TABLE_HEADER = (
-    "| config | platform | attention | executables (fwd / sampler / prompt / multi-step) | lowered "
+    "| config | platform | attention | executables (fwd / sampler / prompt / multi-step / verify / verify sampler) "
+    "| lowered "
     "| lowering CPU s: total (slowest) | kernels | weights GiB | activations GiB (est.) | KV pool GiB (tokens) "
     "| device GiB | compile est. min | result |"
 )

@@ -194,29 +194,32 @@ class Runner:
             out = sample(logits, unpack(buffer, layout, SamplingBatch))
             return out, _padded_rows(out.token_ids, max_rows)
 
-        def unpack_logits_only(buffers, layouts, last_tokens, extra_type):
-            """(batch, sampling, extra) of a step sampled from its logits alone (see _logits_only_call)."""
-            batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
-            return batch, unpack(buffers[1], layouts[1], SamplingBatch), unpack(buffers[2], layouts[2], extra_type)
-
         def last_of_rows(tokens, counts):
             """Each row's last token of `tokens` (K, R), of which it has `counts` (R,), padded to (max_rows,)."""
             last_index = jnp.maximum(counts - 1, 0)[None]  # (1, R)
             return _padded_rows(jnp.take_along_axis(tokens, last_index, axis=0)[0], max_rows)
 
         def decode_steps_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
-            batch, sampling, steps = unpack_logits_only(buffers, layouts, last_tokens, DecodeSteps)
+            batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
+            sampling, steps = unpack(buffers[1], layouts[1], SamplingBatch), unpack(buffers[2], layouts[2], DecodeSteps)
             samples, caches = run_decode_steps(forward, params, caches, batch, sampled_by(sampling), steps,
                                                num_scheduler_steps, page_size)  # samples: (K, R)
             return samples, last_of_rows(samples, steps.num_steps), caches
 
-        def verify_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
-            batch, sampling, proposals = unpack_logits_only(buffers, layouts, last_tokens, Proposals)
+        def verify_logits_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout]):
+            """The target's logits (R, S, V) at each verifying row's last token and proposals."""
+            batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
+            proposals = unpack(buffers[1], layouts[1], Proposals)
             _, hidden, caches = forward(params, caches, batch)
             num_rows, width = proposals.logits_index.shape
             logits = token_logits(params, hidden[proposals.logits_index.reshape(-1)], spec)  # (R * S, V)
-            tokens = verify(logits.reshape(num_rows, width, -1), sampling, proposals)  # (S, R), -1 after the last
-            return tokens, last_of_rows(tokens, jnp.sum(tokens >= 0, axis=0)), caches
+            return logits.reshape(num_rows, width, -1), caches
+
+        def verify_sample_packed(logits, buffers, layouts: tuple[Layout, Layout]):
+            """(tokens (S, R), -1 after each row's last; each row's last token, padded to (max_rows,))."""
+            sampling, proposals = unpack(buffers[0], layouts[0], SamplingBatch), unpack(buffers[1], layouts[1], Proposals)
+            tokens = verify(logits, sampling, proposals)  # (S, R)
+            return tokens, last_of_rows(tokens, jnp.sum(tokens >= 0, axis=0))
 
         def prompt_logprobs_packed(params, hidden, buffer, layout: Layout):
             prompt = unpack(buffer, layout, PromptLogprobBatch)
@@ -238,7 +241,12 @@ class Runner:
             static_argnums=(2,),
         )
         self._decode_steps = step_jit(decode_steps_packed)
-        self._verify = step_jit(verify_packed)
+        self._verify = jax.jit(
+            verify_logits_packed, in_shardings=(param_shardings, self._kv_sharding, self._replicated, self._replicated),
+            out_shardings=(self._replicated, self._kv_sharding), donate_argnums=(1,), static_argnums=(4,),
+        )
+        self._verify_sample = jax.jit(verify_sample_packed, in_shardings=(self._replicated, self._replicated),
+                                      out_shardings=self._replicated, static_argnums=(2,))
         # The last step's sampled token of each row, where the next step reads the ids the host has not seen.
         self.last_tokens = jax.device_put(np.zeros((self.max_rows,), np.int32), self._replicated)  # (max rows,)
         self._ready_clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-ready")
@@ -250,7 +258,8 @@ class Runner:
         self._sample_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (R, P) -> executable
         self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
         self._steps_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> multi-step executable
-        self._verify_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> speculative verification
+        self._verify_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> verification's forward
+        self._verify_sample_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (R, P) -> its sampler
         self.num_lazy_compiles = 0
         CompileCounter.install()
 
@@ -303,19 +312,22 @@ class Runner:
 
     # ---- compilation -------------------------------------------------------------------------
 
-    def shapes(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int]], list[tuple[int, int]],
-                              list[tuple[int, int]]]:
-        """Every (T, W) forward shape, (R, P) sampler shape, (T,) prompt-logprob shape, and the (T, W) shapes of
+    def shapes(self) -> tuple[list[tuple[int, int]], ...]:
+        """Every (T, W) forward shape, (R, P) sampler shape, (T,) prompt-logprob shape, the (T, W) shapes of
         multi-step decodes (T up to the token rung holding max_num_seqs decodes) and of speculative verification
-        (T up to the rung holding max_num_seqs decodes with all their proposals) the ladders allow."""
+        (T up to the rung holding max_num_seqs decodes with all their proposals), and the (R, P) shapes of the
+        verification's sampler (the rows of those token rungs), that the ladders allow."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
         sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths))
-        steps = verify = []
+        steps = verify = verify_sampler = []
         if self.num_scheduler_steps > 1:
             steps = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1)]
         if self.num_speculative_tokens:
             verify = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1 + self.num_speculative_tokens)]
-        return forward, sampler, [(num_tokens,) for num_tokens in self.ladders.tokens], steps, verify
+            verify_rows = sorted({self.ladders.rows_for(t) for t, _ in verify})
+            verify_sampler = list(itertools.product(verify_rows, self.ladders.aux_widths))
+        prompt = [(num_tokens,) for num_tokens in self.ladders.tokens]
+        return forward, sampler, prompt, steps, verify, verify_sampler
 
     def _decode_tokens_rung(self, tokens_per_row: int) -> int:
         """The token rung holding max_num_seqs rows of `tokens_per_row` tokens (the top rung when none does)."""
@@ -327,10 +339,11 @@ class Runner:
 
         With the persistent compilation cache on, a restart loads these instead of compiling.
         """
-        forward_shapes, sampler_shapes, prompt_shapes, step_shapes, verify_shapes = self.shapes()
+        forward_shapes, sampler_shapes, prompt_shapes, step_shapes, verify_shapes, verify_sampler_shapes = self.shapes()
         lowered = [((self._forward_exec, key), self._lower_forward(*key)) for key in forward_shapes]
         lowered += [((self._steps_exec, key), self._lower_decode_steps(*key)) for key in step_shapes]
         lowered += [((self._verify_exec, key), self._lower_verify(*key)) for key in verify_shapes]
+        lowered += [((self._verify_sample_exec, key), self._lower_verify_sampler(*key)) for key in verify_sampler_shapes]
         lowered += [((self._sample_exec, key), self._lower_sampler(*key)) for key in sampler_shapes]
         lowered += [((self._prompt_exec, key), self._lower_prompt_logprobs(*key)) for key in prompt_shapes]
         compile_all(lowered, "compiling step buckets", show_progress)
@@ -346,6 +359,10 @@ class Runner:
 
     def _lower_verify(self, num_tokens: int, width: int) -> jax.stages.Lowered:
         function, args = self.verify_call(num_tokens, width)
+        return function.lower(*args)
+
+    def _lower_verify_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
+        function, args = self.verify_sampler_call(num_rows, aux_width)
         return function.lower(*args)
 
     def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
@@ -372,23 +389,33 @@ class Runner:
 
     def decode_steps_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
         """The multi-step decode bucket (T, W): T tokens, one per row, sampled with no per-row token lists."""
-        steps = DecodeSteps(**padded_decode_step_arrays(self.ladders.rows_for(num_tokens)))
-        return self._logits_only_call(self._decode_steps, num_tokens, width, steps, num_pages)
+        num_rows = self.ladders.rows_for(num_tokens)
+        extras = (SamplingBatch(**padded_sampling_arrays(num_rows, 0)), DecodeSteps(**padded_decode_step_arrays(num_rows)))
+        return self._packed_step_call(self._decode_steps, num_tokens, width, extras, num_pages)
 
     def verify_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
-        """The speculative verification bucket (T, W): T tokens, each row's last token and its proposals, sampled
-        with no per-row token lists."""
-        num_rows = self.ladders.rows_for(num_tokens)
-        proposals = Proposals(**padded_proposal_arrays(num_rows, 1 + self.num_speculative_tokens))
-        return self._logits_only_call(self._verify, num_tokens, width, proposals, num_pages)
+        """The speculative verification's forward bucket (T, W): T tokens, each verifying row's last token and its
+        proposals; their logits out."""
+        proposals = Proposals(**padded_proposal_arrays(self.ladders.rows_for(num_tokens),
+                                                       1 + self.num_speculative_tokens))
+        return self._packed_step_call(self._verify, num_tokens, width, (proposals,), num_pages)
 
-    def _logits_only_call(self, function: Callable, num_tokens: int, width: int, extra,
+    def verify_sampler_call(self, num_rows: int, aux_width: int) -> tuple[Callable, tuple]:
+        """The speculative verification's sampler bucket (R, P): R rows of 1 + k logits, P aux tokens per row."""
+        width = 1 + self.num_speculative_tokens
+        parts = (pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width))),
+                 pack(Proposals(**padded_proposal_arrays(num_rows, width))))
+        logits = jax.ShapeDtypeStruct((num_rows, width, self.spec.vocab_size), jnp.float32, sharding=self._replicated)
+        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
+        return self._verify_sample, (logits, buffers, tuple(layout for _, layout in parts))
+
+    def _packed_step_call(self, function: Callable, num_tokens: int, width: int, extras: tuple,
                           num_pages: int | None) -> tuple[Callable, tuple]:
-        """A bucket of a step function taking (params, caches, last tokens, packed (batch, sampling with no token
-        lists, `extra`)) and their layouts, like the multi-step and the verification executables."""
+        """A bucket of a step function taking (params, caches, last tokens, packed (batch, *extras)) and their
+        layouts, like the multi-step and the verification executables."""
         num_rows = self.ladders.rows_for(num_tokens)
-        parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
-                 pack(SamplingBatch(**padded_sampling_arrays(num_rows, 0))), pack(extra))
+        parts = [pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)))]
+        parts += [pack(extra) for extra in extras]
         caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
@@ -443,23 +470,28 @@ class Runner:
 
     def _dispatch_decode_steps(self, batch: BatchDescriptor, sampling: SamplingBatch,
                                steps: DecodeSteps) -> "PendingStep":
-        """A multi-step decode: every iteration's samples come back as one (K, R) array."""
-        return self._dispatch_logits_only(self._steps_exec, self._lower_decode_steps, batch, sampling, steps)
+        """A multi-step decode, sampled from its logits alone: every iteration's samples come back as one (K, R)
+        array."""
+        if sampling.aux_token_ids.shape[1] or sampling.need_logprobs:
+            raise RuntimeError("a multi-step decode samples from the logits alone (no token lists, no logprobs)")
+        key = (batch.input_ids.shape[0], batch.page_table.shape[1])
+        executable = self._executable(self._steps_exec, key, self._lower_decode_steps)
+        buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, steps)), self._replicated)
+        tokens, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
+        return self._pending(tokens, None, None, int(batch.num_seqs), 0)
 
     def _dispatch_verify(self, batch: BatchDescriptor, sampling: SamplingBatch, proposals: Proposals) -> "PendingStep":
         """A speculative verification: each row's accepted proposals and the token after them come back as one
         (S, R) array, -1 after a row's last token."""
-        return self._dispatch_logits_only(self._verify_exec, self._lower_verify, batch, sampling, proposals)
-
-    def _dispatch_logits_only(self, table: dict, lower_fn, batch: BatchDescriptor, sampling: SamplingBatch,
-                              extra) -> "PendingStep":
-        """Run the (T, W) executable of `table` (see _logits_only_call) on a batch sampled from its logits alone."""
-        key = (batch.input_ids.shape[0], batch.page_table.shape[1])
-        if sampling.aux_token_ids.shape[1] or sampling.need_logprobs:
-            raise RuntimeError("this step samples from the logits alone (no token lists, no logprobs)")
-        executable = self._executable(table, key, lower_fn)
-        buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, extra)), self._replicated)
-        tokens, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
+        if sampling.need_logprobs:
+            raise RuntimeError("a verification step has no logprobs")
+        (num_rows, width), aux_width = batch.page_table.shape, sampling.aux_token_ids.shape[1]
+        forward = self._executable(self._verify_exec, (batch.input_ids.shape[0], width), self._lower_verify)
+        sampler = self._executable(self._verify_sample_exec, (num_rows, aux_width), self._lower_verify_sampler)
+        batch_words, sampling_words, proposal_words = jax.device_put(
+            tuple(pack(part)[0] for part in (batch, sampling, proposals)), self._replicated)
+        logits, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, (batch_words, proposal_words))
+        tokens, self.last_tokens = sampler(logits, (sampling_words, proposal_words))
         return self._pending(tokens, None, None, int(batch.num_seqs), 0)
 
     def _pending(self, token_ids: jax.Array, logprobs, scored, num_seqs: int, num_targets: int) -> "PendingStep":

@@ -206,11 +206,11 @@ class Scheduler:
         return stepped
 
     def _take_proposals(self, scheduled: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
-        """Speculative decoding: when every row is a plain decode, the proposer guesses the next tokens of the rows
+        """Speculative decoding: when every row is a decode that can verify, the proposer guesses the next tokens of the rows
         that have room for any (before their max_tokens and max_model_len), and each such row feeds its guess
         after its last token (as much of it as the budget allows and its pages can be had for), so the step
         verifies it. Otherwise the step stays as it is and nothing is proposed."""
-        if not scheduled or not all(_decodes_plainly(item) for item in scheduled):
+        if not scheduled or not all(_verifies(item) for item in scheduled):
             return scheduled
         room = [min(self.config.num_speculative_tokens, item.request.max_tokens - item.sample_index - 1,
                     self.config.max_model_len - 2 - item.num_computed_tokens) for item in scheduled]
@@ -229,7 +229,7 @@ class Scheduler:
         return verified
 
     def _extend_decode(self, item: ScheduledRequest, extra: int, **changes) -> ScheduledRequest | None:
-        """A plain decode that also computes `extra` positions after its token (multi-step iterations or
+        """A one-token decode that also computes `extra` positions after its token (multi-step iterations or
         proposals): `item` with `changes` and the pages (and page copies) for them all; None, and no change,
         when those pages cannot be had."""
         request_id, total = item.request.request_id, item.num_computed_tokens + 1 + extra
@@ -571,3 +571,14 @@ def _decodes_plainly(item: ScheduledRequest) -> bool:
             and item.sample_index >= params.min_tokens and not params.allowed_token_ids and not params.logit_bias
             and params.logprobs is None and not request.num_prompt_logprobs_missing
             and len(request.eos_token_ids) <= MAX_EOS_TOKEN_IDS)
+
+
+def _verifies(item: ScheduledRequest) -> bool:
+    """True for a one-token decode that can verify proposals: the device draws the samples of the positions
+    after it knowing only the proposals (penalties, logit biases and allowed ids apply there, the proposals
+    joining the penalty history); not with bad words or min_tokens still banning stop ids (whose bans at the
+    next positions the host decides) or logprobs."""
+    request, params = item.request, item.request.sampling_params
+    return (item.samples and item.num_new_tokens == 1 and not request.bad_words_token_ids
+            and item.sample_index >= params.min_tokens and params.logprobs is None
+            and not request.num_prompt_logprobs_missing)

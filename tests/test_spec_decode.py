@@ -3,7 +3,7 @@
 Greedy outputs must be identical with and without speculation, on prompts that repeat themselves (so
 many proposals are made, some accepted, some rejected), under preemption and chunked prefill (the
 long workload overflows a 31-page pool, and its prompts are longer than the 32-token budget), and
-with requests that cannot speculate (penalties) in the same batch. Seeded sampling gives the plain engine's
+with requests that cannot speculate (logprobs, min_tokens) in the same batch; penalised requests speculate. Seeded sampling gives the plain engine's
 tokens.
 Nothing compiles after warm-up and every page comes back. Distribution exactness of the verifier is
 tests/test_spec_verify.py's.
@@ -81,14 +81,30 @@ def test_greedy_outputs_are_identical_under_preemption_and_chunked_prefill(engin
 
 
 def test_requests_that_cannot_speculate_share_the_batch(engines):
-    """Penalties need the output on the host at each step: such a request makes its steps ordinary ones,
-    and every output still equals the plain engine's."""
+    """Logprobs and min_tokens still banning stop ids make a request's steps ordinary ones; every output still
+    equals the plain engine's."""
     prompts = _repetitive_prompts()[:4]
-    params = [GREEDY, GREEDY.clone(repetition_penalty=1.3), GREEDY.clone(max_tokens=5), GREEDY.clone(max_tokens=1)]
+    params = [GREEDY, GREEDY.clone(logprobs=2), GREEDY.clone(max_tokens=5, min_tokens=4, stop_token_ids=[7]),
+              GREEDY.clone(max_tokens=1)]
     want = [o for o in engines["plain"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     got = [o for o in engines["spec"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [len(o.outputs[0].token_ids) for o in got] == [48, 48, 5, 1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_penalised_requests_speculate_and_keep_the_plain_tokens(engines, temperature):
+    """Penalties, logit biases and allowed ids apply at every verified position (the proposals before it
+    counted as output), so such requests verify proposals and still give the plain engine's tokens."""
+    prompts = _repetitive_prompts()
+    params = [SamplingParams(temperature=temperature, seed=11, max_tokens=40, ignore_eos=True, **extra) for extra in (
+        {"repetition_penalty": 1.2}, {"presence_penalty": 0.5, "frequency_penalty": 0.3},
+        {"logit_bias": {prompts[2][0]: 2.0}}, {"allowed_token_ids": sorted(set(prompts[3]))[:5]},
+        {"repetition_penalty": 0.9, "top_k": 20}, {})]
+    want, _ = _generate(engines["plain"], prompts, params)
+    got, moved = _generate(engines["spec"], prompts, params)
+    assert got == want
+    assert moved["num_draft_tokens"] > 20, f"too few proposals to mean anything: {moved}"
 
 
 def test_seeded_sampling_gives_the_plain_engines_tokens(engines):

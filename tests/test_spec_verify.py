@@ -128,6 +128,54 @@ def test_every_emitted_token_is_the_plain_samplers_at_its_index(temperature, top
         assert np.all(tokens[row, emitted[row] :] == -1)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_penalised_rows_count_the_proposals_before_each_position_as_output(temperature):
+    """With penalties, biases and allowed ids, position j is sampled as plain decoding samples it after the
+    proposals before it: the tokens emitted equal a plain sampler run token by token, its history growing."""
+    from jaxserve.sampler import KIND_ALLOWED, KIND_BIAS, KIND_OUTPUT, KIND_PROMPT, sample
+
+    num_rows, width = 64, 4
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(num_rows, width, VOCAB)).astype(np.float32)  # (R, S, V)
+    history = [[int(t) for t in rng.integers(0, VOCAB, 3)] for _ in range(num_rows)]  # each row's prompt
+
+    def sampling_for(tokens_so_far: list[list[int]], index_offset: int, aux_width: int) -> SamplingBatch:
+        """Each row's sampling with its prompt and `tokens_so_far` as history, a bias and allowed ids."""
+        batch = _sampling(num_rows, temperature, 0, 1.0, 0.0)
+        arrays = {f.name: np.array(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+        arrays.update(presence_penalty=np.full(num_rows, 0.7, np.float32),
+                      frequency_penalty=np.full(num_rows, 0.4, np.float32),
+                      repetition_penalty=np.full(num_rows, 1.5, np.float32))
+        arrays["sample_index"] = arrays["sample_index"] + index_offset
+        ids = np.full((num_rows, aux_width), -1, np.int32)
+        kinds = np.zeros((num_rows, aux_width), np.int8)
+        values = np.zeros((num_rows, aux_width), np.float32)
+        for row in range(num_rows):
+            entries = ([(t, KIND_PROMPT, 0.0) for t in history[row]] + [(t, KIND_OUTPUT, 0.0) for t in tokens_so_far[row]]
+                       + [(row % VOCAB, KIND_BIAS, 1.5)] + [(t, KIND_ALLOWED, 0.0) for t in range(VOCAB - 1)])
+            for column, (token, kind, value) in enumerate(entries):
+                ids[row, column], kinds[row, column], values[row, column] = token, kind, value
+        return SamplingBatch(**{**arrays, "aux_token_ids": ids, "aux_token_kind": kinds, "aux_values": values})
+
+    plain: list[list[int]] = [[] for _ in range(num_rows)]
+    for j in range(width):
+        step = sampling_for(plain, j, 32)
+        for row, token in enumerate(np.asarray(sample(np.ascontiguousarray(logits[:, j]), step).token_ids)):
+            plain[row].append(int(token))
+    plain_array = np.asarray(plain)  # (R, S)
+    assert not np.any(plain_array == VOCAB - 1), "allowed ids were not applied"
+    num_right = rng.integers(0, width, num_rows)  # (R,) proposals right for this many leading positions
+    proposed = np.where(np.arange(width - 1)[None, :] < num_right[:, None], plain_array[:, :-1],
+                        (plain_array[:, :-1] + 1) % VOCAB).astype(np.int32)
+    proposals = Proposals(token_ids=proposed, num_tokens=np.full(num_rows, width - 1, np.int32),
+                          logits_index=np.zeros((num_rows, width), np.int32))
+    tokens = np.asarray(verify(logits, sampling_for([[] for _ in range(num_rows)], 0, 32), proposals)).T  # (R, S)
+    for row in range(num_rows):
+        emitted = num_right[row] + 1
+        assert tokens[row, :emitted].tolist() == plain[row][:emitted]
+        assert np.all(tokens[row, emitted:] == -1)
+
+
 @pytest.mark.parametrize("sequence, expected", [
     ([1, 2, 3, 9, 9, 1, 2, 3], [9, 9, 1]),  # the trigram 1 2 3 occurred before, followed by 9 9 1
     ([5, 1, 2, 7, 1, 2], [7, 1, 2]),  # a bigram
