@@ -13,7 +13,7 @@ from jaxserve import check_config
 from jaxserve.bench.cli import add_bench_commands
 from jaxserve.config import (
     VALID_ATTENTION_BACKENDS, VALID_BATCHING, VALID_DTYPES, VALID_LOAD_FORMATS, VALID_PAGE_SIZES, VALID_POLICIES,
-    VALID_PREEMPTION_MODES,
+    VALID_PREEMPTION_MODES, VALID_QUANTIZATIONS,
     EngineConfig,
 )
 from jaxserve.engine import DEFAULT_MODEL_NAME, LLMEngine
@@ -26,7 +26,7 @@ ENGINE_FLAGS = (
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
     "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format", "async_scheduling",
-    "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions", "speculative_config",
+    "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions", "speculative_config", "quantization",
 )
 
 
@@ -61,6 +61,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batching", choices=list(VALID_BATCHING),
                         help="continuous (default), or static: the pre-paging baseline (a batch at a time, each "
                              "sequence reserving max_model_len of KV)")
+    parser.add_argument("--quantization", choices=list(VALID_QUANTIZATIONS),
+                        help="weight-only quantization of the linear layers: int8 or fp8 (e4m3), one scale per output "
+                             "channel, made at load time (default none)")
     parser.add_argument("--load-format", choices=list(VALID_LOAD_FORMATS),
                         help="auto (the folder's safetensors) or dummy (random weights, for benchmarks)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,

@@ -10,6 +10,7 @@ import yaml
 
 VALID_PAGE_SIZES = (8, 16, 32)
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
+VALID_QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only quantization at load time (model/quantize.py)
 VALID_POLICIES = ("fcfs", "priority")
 # How a preempted request gives its KV pages back: recompute (drop them; its tokens are computed again when it
 # resumes), swap (copy them to a host-memory pool and back when it resumes), auto (swap long contexts).
@@ -85,6 +86,9 @@ class EngineConfig:
     # num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (ngram)}; None: off. The missing keys take
     # SPECULATIVE_DEFAULTS; a config with a `model` and no `method` is draft_model.
     speculative_config: dict | None = None
+    # Weight-only quantization of the linear layers at load time (model/quantize.py): none, int8 or fp8 (vLLM's
+    # name; None means none).
+    quantization: str | None = "none"
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -94,6 +98,9 @@ class EngineConfig:
         _check_choice("batching", self.batching, VALID_BATCHING)
         _check_choice("load_format", self.load_format, VALID_LOAD_FORMATS)
         _check_choice("preemption_mode", self.preemption_mode, VALID_PREEMPTION_MODES)
+        if self.quantization is None:
+            object.__setattr__(self, "quantization", "none")
+        _check_choice("quantization", self.quantization, VALID_QUANTIZATIONS)
         if not isinstance(self.swap_space, (int, float)) or not 0 <= self.swap_space < float("inf"):
             raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {self.swap_space!r}")
         if self.preemption_mode != "recompute" and self.swap_space == 0:

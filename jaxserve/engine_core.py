@@ -24,6 +24,7 @@ from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
+from jaxserve.model.quantize import quantize_params, weight_bytes
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
@@ -55,6 +56,9 @@ class EngineCore:
             params = dummy_params(self.spec, self.mesh, dtype, kv_heads, config.seed)
         else:
             params = load_params(model_path, self.spec, self.mesh, dtype, kv_heads)
+        if config.quantization != "none":
+            params = quantize_params(params, config.quantization)
+        logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, config.quantization)
         self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
         self.runner = Runner(
             self.spec, params, self.mesh,

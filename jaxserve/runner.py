@@ -36,7 +36,7 @@ from jaxserve.buckets import pick_bucket
 from jaxserve.decode_steps import run_decode_steps, sampled_by
 from jaxserve.kv.host_swap import HostSwap
 from jaxserve.model.llama import make_forward, token_logits
-from jaxserve.model.sharding import KV_CACHE_SPEC, named, param_partition_specs
+from jaxserve.model.sharding import KV_CACHE_SPEC
 from jaxserve.model.spec import ModelSpec
 from jaxserve.packing import Layout, pack, unpack
 from jaxserve.sampler import SamplingBatch, raw_logprobs, sample
@@ -182,7 +182,8 @@ class Runner:
 
         forward = make_forward(spec, num_cache_kv_heads, self.attention.attention, self.attention.write_kv)
         self.model_forward = forward  # (params, caches, BatchDescriptor) -> (logits (R, V), hidden (T, H), caches)
-        self.param_shardings = param_shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
+        # Each leaf's own sharding (the loader's, or a quantized leaf's): params of any layout the model takes.
+        self.param_shardings = param_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, params)
         self.max_rows = max_rows = max(ladders.row_buckets())
         # The jitted functions below must not capture `self`: JAX's jit objects would keep the runner, its
         # executables and their memory mappings alive after the engine is dropped.
@@ -270,7 +271,8 @@ class Runner:
         return self.attention.cache_shapes(spec.num_layers, num_pages, self.page_size, self._num_cache_kv_heads,
                                            spec.head_dim)
 
-    def _cache_structs(self, num_pages: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    def cache_structs(self, num_pages: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The KV pool of `num_pages` pages as abstract arrays (shape, dtype, sharding)."""
         return tuple(jax.ShapeDtypeStruct(shape, self._cache_dtype, sharding=sharding)
                      for shape, sharding in zip(self._cache_shapes(num_pages), self._kv_sharding))
 
@@ -383,7 +385,7 @@ class Runner:
             **padded_batch_arrays(num_tokens, self.ladders.rows_for(num_tokens), width, self.page_size)
         )
         buffer, layout = pack(example)
-        caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
+        caches = self.kv_caches if num_pages is None else self.cache_structs(num_pages)
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
         return self._forward, (self.params, caches, last_tokens, self._abstract(buffer), layout)
 
@@ -416,7 +418,7 @@ class Runner:
         num_rows = self.ladders.rows_for(num_tokens)
         parts = [pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)))]
         parts += [pack(extra) for extra in extras]
-        caches = self.kv_caches if num_pages is None else self._cache_structs(num_pages)
+        caches = self.kv_caches if num_pages is None else self.cache_structs(num_pages)
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
         return function, (self.params, caches, last_tokens, buffers, tuple(layout for _, layout in parts))

@@ -9,6 +9,8 @@ Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`
     layers/bq (L, Hq*D)            layers/bk, bv (L, Hkv*D)          Qwen2 only
     layers/q_norm, k_norm (L, D)   Qwen3 only
     layers/w_gate, w_up (L, H, I)  layers/w_down (L, I, H)
+Under weight quantization (model/quantize.py) each of wq, wk, wv, wo, w_gate, w_up, w_down is
+{"weight": the same shape in int8 or float8_e4m3fn, "scale": (L, out) float32}.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 
 from jaxserve.attention.base import AttentionFn, WriteKVFn
 from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.model.quantize import linear
 from jaxserve.model.spec import ModelSpec
 
 
@@ -80,10 +83,10 @@ def forward(
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         caches = write_kv(caches, layer, k, v, batch)
         attn = attention(q, caches, layer, batch)  # (T, Hq, D)
-        x = x + attn.reshape(attn.shape[0], -1) @ layer_params["wo"]  # (T, H)
+        x = x + linear(attn.reshape(attn.shape[0], -1), layer_params["wo"])  # (T, H)
         h = rms_norm(x, layer_params["post_norm"], spec.rms_norm_eps)
-        gate = jax.nn.silu(h @ layer_params["w_gate"])  # (T, I)
-        x = x + (gate * (h @ layer_params["w_up"])) @ layer_params["w_down"]  # (T, H)
+        gate = jax.nn.silu(linear(h, layer_params["w_gate"]))  # (T, I)
+        x = x + linear(gate * linear(h, layer_params["w_up"]), layer_params["w_down"])  # (T, H)
         return (x, caches), None
 
     layers = jnp.arange(spec.num_layers, dtype=jnp.int32)  # (L,)
@@ -111,7 +114,7 @@ def token_logits(params: dict, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
 def _qkv(h: jax.Array, p: dict, spec: ModelSpec, num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Project to per-head q, k, v, with Qwen2's biases and Qwen3's per-head RMSNorm."""
     # h: (T, H)
-    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
+    q, k, v = linear(h, p["wq"]), linear(h, p["wk"]), linear(h, p["wv"])  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
     if spec.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     num_tokens, head_dim = h.shape[0], spec.head_dim

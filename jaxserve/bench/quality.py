@@ -1,0 +1,62 @@
+"""Teacher-forced quality of an engine's weights against a reference's: next-token distributions at every
+position of fixed prompts, compared by top-1 agreement and KL divergence (quantization, issue 16).
+
+`next_token_logprobs` runs a runner's model (its params, attention backend and KV layout) over each prompt
+as one prefill into a scratch KV pool of its own, and takes the log-softmax of the logits at every position:
+the distribution of the token after each prefix. Nothing goes through a scheduler or the runner's own pool.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch import padded_batch_arrays
+from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.buckets import geometric_ladder, pick_bucket
+from jaxserve.kv.cache_manager import pages_for_tokens
+from jaxserve.model.llama import token_logits
+from jaxserve.runner import Runner
+
+
+def next_token_logprobs(runner: Runner, prompts: list[list[int]]) -> list[np.ndarray]:
+    """For each prompt, (len, V) float32 log-probabilities of the next token after each of its prefixes, from the
+    runner's model (an engine's `engine.core.runner`; it need not have compiled or allocated anything)."""
+    page_size = runner.page_size
+    longest = max(len(prompt) for prompt in prompts)
+    num_pages = pages_for_tokens(longest, page_size) + 1  # the null page, then one prompt's pages
+    forward = runner.model_forward
+
+    @jax.jit
+    def score(params, batch):
+        caches = tuple(jnp.zeros(s.shape, s.dtype) for s in runner.cache_structs(num_pages))
+        _, hidden, _ = forward(params, caches, batch)  # hidden: (T, H)
+        return jax.nn.log_softmax(token_logits(params, hidden, runner.spec), axis=-1)  # (T, V)
+
+    num_tokens = pick_bucket(geometric_ladder(16, max(16, longest)), longest)  # one shape: one compilation
+    results = []
+    for prompt in prompts:
+        length = len(prompt)
+        arrays = padded_batch_arrays(num_tokens, 1, num_pages - 1, page_size)
+        positions = np.arange(length, dtype=np.int32)
+        pages = np.arange(1, num_pages, dtype=np.int32)  # (W,)
+        arrays["input_ids"][:length] = prompt
+        arrays["positions"][:length] = positions
+        arrays["slot_mapping"][:length] = pages[positions // page_size] * page_size + positions % page_size
+        arrays["query_start_loc"][:] = [0, length]
+        arrays["seq_lens"][0] = length
+        arrays["page_table"][0] = pages
+        arrays["logits_indices"][0] = length - 1
+        arrays["num_seqs"] = np.asarray(1, np.int32)
+        results.append(np.asarray(score(runner.params, BatchDescriptor(**arrays)))[:length])
+    return results
+
+
+def compare_distributions(reference: list[np.ndarray], candidate: list[np.ndarray]) -> dict:
+    """Top-1 agreement (the share of positions whose most likely next token is the same) and the mean and largest
+    KL(reference || candidate) over every position of every prompt (nats)."""
+    ref, cand = np.concatenate(reference).astype(np.float64), np.concatenate(candidate).astype(np.float64)  # (N, V)
+    kl = np.sum(np.exp(ref) * (ref - cand), axis=-1)  # (N,)
+    return {"positions": len(ref), "top1_agreement": float(np.mean(ref.argmax(-1) == cand.argmax(-1))),
+            "mean_kl": float(kl.mean()), "max_kl": float(kl.max())}

@@ -1,0 +1,66 @@
+"""Weight-only quantization of the decoder's linear layers (vLLM's `quantization`: int8 or fp8).
+
+Each of a layer's projections (q, k, v, o, gate, up, down) becomes `{"weight": (L, in, out) int8 or
+float8_e4m3fn, "scale": (L, out) float32}`: one scale per output channel, the channel's largest magnitude
+over the format's largest value (127, or 448 for e4m3), so `weight * scale` is the original to within the
+format's rounding. A matmul dequantizes in its operand: `(x @ weight) * scale` with the weight cast to the
+activations' dtype (exact: int8 and e4m3 values are bf16 values), the scale factored out of the sum. The
+embeddings, the LM head and the norms stay as loaded.
+
+Quantizing happens on the device after loading, one leaf at a time in the leaf's sharding (the output
+channels split as the weight's; a row-parallel weight's channel maxima are reduced across devices), so the
+quantized tree is sharded like the float one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+QUANTIZED_LAYER_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # mode -> (dtype, largest value)
+
+
+def quantize_weight(weight: jax.Array, mode: str) -> dict:
+    """{"weight": quantized (..., in, out), "scale": (..., out) float32} of a float weight (..., in, out)."""
+    dtype, largest = FORMATS[mode]
+    values = weight.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(values), axis=-2)  # (..., out)
+    scale = jnp.where(absmax > 0, absmax / largest, 1.0)  # (..., out) an all-zero channel keeps scale 1
+    scaled = jnp.clip(values / scale[..., None, :], -largest, largest)  # (..., in, out)
+    quantized = jnp.round(scaled).astype(dtype) if dtype == jnp.int8 else scaled.astype(dtype)
+    return {"weight": quantized, "scale": scale}
+
+
+def dequantize(weight: dict, dtype) -> jax.Array:
+    """The float weight (..., in, out) a quantized one stands for."""
+    return (weight["weight"].astype(jnp.float32) * weight["scale"][..., None, :]).astype(dtype)
+
+
+def linear(x: jax.Array, weight) -> jax.Array:
+    """x @ weight for a float weight (in, out) or a quantized one; the result in x's dtype."""
+    # x: (T, in) -> (T, out)
+    if not isinstance(weight, dict):
+        return x @ weight
+    product = jnp.dot(x, weight["weight"].astype(x.dtype), preferred_element_type=jnp.float32)  # (T, out)
+    return (product * weight["scale"]).astype(x.dtype)
+
+
+def quantize_params(params: dict, mode: str) -> dict:
+    """The params with every layer projection quantized (`mode` int8 or fp8), each in its weight's sharding;
+    the float leaves are dropped as they are replaced."""
+    layers = dict(params["layers"])
+    for name in QUANTIZED_LAYER_LEAVES:
+        weight = layers.pop(name)
+        sharding = weight.sharding
+        spec = sharding.spec
+        scale_spec = P(*spec[: len(spec) - 2], *spec[len(spec) - 1 :]) if len(spec) >= 2 else P()
+        out = {"weight": sharding, "scale": NamedSharding(sharding.mesh, scale_spec)}
+        layers[name] = jax.jit(quantize_weight, static_argnums=1, out_shardings=out, donate_argnums=0)(weight, mode)
+    return {**params, "layers": layers}
+
+
+def weight_bytes(params: dict) -> int:
+    """Bytes of every params leaf (all devices' shards together, replicas counted once)."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
