@@ -25,15 +25,12 @@ import pytest
 
 from helpers import checkpoint, expected, small_engine_args
 from jaxserve import LLM, SamplingParams
-from jaxserve.batch import BucketLadders
-from jaxserve.bench.quality import compare_distributions, next_token_logprobs
+from jaxserve.bench.quality import compare_distributions, next_token_logprobs, scoring_runner, source_prompts
 from jaxserve.engine import default_model_path
 from jaxserve.model.loader import load_params
 from jaxserve.model.quantize import FORMATS, dequantize, linear, quantize_params, quantize_weight, weight_bytes
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
-from jaxserve.runner import Runner
-from jaxserve.tokenizer import load_tokenizer
 
 THRESHOLDS = {  # (model, mode) -> (least top-1 agreement, largest mean KL in nats)
     ("llama", "int8"): (0.90, 1e-2), ("llama", "fp8"): (0.75, 1e-1),
@@ -72,35 +69,12 @@ def test_a_quantized_matmul_is_the_matmul_with_the_dequantized_weight(mode, dtyp
                                atol=2e-2 if dtype == jnp.bfloat16 else 1e-5)
 
 
-def _runner(path: str, mode: str) -> Runner:
-    """A Runner of the checkpoint's weights (quantized under `mode`), compiled for nothing: for scoring."""
-    spec = ModelSpec.from_pretrained(path)
-    mesh = make_mesh(1)
-    kv_heads = cache_kv_heads(spec, 1)
-    params = load_params(path, spec, mesh, jnp.float32, kv_heads)
-    if mode != "none":
-        params = quantize_params(params, mode)
-    ladders = BucketLadders.build(max_num_batched_tokens=16, max_num_seqs=1, max_model_len=256, page_size=16,
-                                  min_token_bucket=16, max_aux_extra=0)
-    return Runner(spec, params, mesh, page_size=16, num_cache_kv_heads=kv_heads, cache_dtype=jnp.float32,
-                  ladders=ladders, attention_backend="xla")
-
-
-def _bundled_prompts() -> list[list[int]]:
-    """Six 100-token pieces of jaxserve's own scheduler source (Python, which the bundled model was trained on)."""
-    import jaxserve.scheduler
-
-    text = open(jaxserve.scheduler.__file__).read()
-    tokenizer = load_tokenizer(default_model_path())
-    return [tokenizer.encode(text[i * 1500 : (i + 1) * 1500], add_special_tokens=False)[:100] for i in range(6)]
-
-
 @pytest.fixture(scope="module")
 def scored():
     """model -> mode -> next-token log-probabilities over its prompt set."""
     models = {"llama": (checkpoint("llama"), expected("llama")["prompts"]),
-              "bundled": (default_model_path(), _bundled_prompts())}
-    return {name: {mode: next_token_logprobs(_runner(path, mode), prompts) for mode in ("none", "int8", "fp8")}
+              "bundled": (default_model_path(), source_prompts(default_model_path(), 6, 100))}
+    return {name: {mode: next_token_logprobs(scoring_runner(path, mode), prompts) for mode in ("none", "int8", "fp8")}
             for name, (path, prompts) in models.items()}
 
 

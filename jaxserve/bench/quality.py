@@ -12,12 +12,45 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import padded_batch_arrays
+from jaxserve.batch import BucketLadders, padded_batch_arrays
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.buckets import geometric_ladder, pick_bucket
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.model.llama import token_logits
+from jaxserve.model.loader import load_params
+from jaxserve.model.quantize import quantize_params
+from jaxserve.model.sharding import cache_kv_heads, make_mesh
+from jaxserve.model.spec import ModelSpec
 from jaxserve.runner import Runner
+
+PAGE_SIZE = 16
+
+
+def scoring_runner(path: str, quantization: str = "none") -> Runner:
+    """A Runner of a checkpoint's float32 weights (quantized under `quantization`), compiled for nothing."""
+    spec = ModelSpec.from_pretrained(path)
+    mesh = make_mesh(1)
+    kv_heads = cache_kv_heads(spec, 1)
+    params = load_params(path, spec, mesh, jnp.float32, kv_heads)
+    if quantization != "none":
+        params = quantize_params(params, quantization)
+    ladders = BucketLadders.build(max_num_batched_tokens=PAGE_SIZE, max_num_seqs=1, max_model_len=PAGE_SIZE,
+                                  page_size=PAGE_SIZE, min_token_bucket=PAGE_SIZE, max_aux_extra=0)
+    return Runner(spec, params, mesh, page_size=PAGE_SIZE, num_cache_kv_heads=kv_heads, cache_dtype=jnp.float32,
+                  ladders=ladders, attention_backend="xla")
+
+
+def source_prompts(model: str, count: int, num_tokens: int) -> list[list[int]]:
+    """`count` prompts of `num_tokens` tokens: consecutive pieces of jaxserve's scheduler source (Python, which
+    the bundled model was trained on), in the model's tokenizer."""
+    import jaxserve.scheduler
+    from jaxserve.tokenizer import load_tokenizer
+
+    with open(jaxserve.scheduler.__file__) as f:
+        ids = load_tokenizer(model).encode(f.read(), add_special_tokens=False)
+    if len(ids) < count * num_tokens:
+        raise ValueError(f"the source has {len(ids)} tokens, fewer than {count} x {num_tokens}")
+    return [ids[i * num_tokens : (i + 1) * num_tokens] for i in range(count)]
 
 
 def next_token_logprobs(runner: Runner, prompts: list[list[int]]) -> list[np.ndarray]:

@@ -1,0 +1,64 @@
+"""Quality of weight-only quantization against the float model, teacher-forced (issue 16).
+
+    PYTHONPATH=. python benchmarks/quantization_quality.py             # the bundled model and two test checkpoints
+
+For each model and mode (int8, fp8), the next-token distribution at every position of a fixed prompt set
+(`bench/quality.py`: the bundled model gets six 100-token pieces of jaxserve's scheduler source, a test
+checkpoint its expected.json prompts) against the unquantized float32 model's: top-1 agreement and the mean
+and largest KL divergence, and the bytes of the linear layers against bfloat16. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+import jax.numpy as jnp  # noqa: E402
+
+from jaxserve.bench.quality import (  # noqa: E402
+    compare_distributions, next_token_logprobs, scoring_runner, source_prompts,
+)
+from jaxserve.engine import default_model_path  # noqa: E402
+from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, weight_bytes  # noqa: E402
+
+CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures",
+                           "checkpoints")
+
+
+def prompts_for(model: str) -> list[list[int]]:
+    """The test checkpoint's expected.json prompts, or else pieces of jaxserve's source."""
+    fixture = os.path.join(model, "expected.json")
+    if os.path.isfile(fixture):
+        with open(fixture) as f:
+            return json.load(f)["prompts"]
+    return source_prompts(model, 6, 100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="*", help="model folders (default: bundled, test llama, test qwen3)")
+    args = parser.parse_args()
+    models = args.models or [default_model_path(), os.path.join(CHECKPOINTS, "llama"), os.path.join(CHECKPOINTS, "qwen3")]
+    print("| model | mode | positions | top-1 agreement | mean KL (nats) | max KL | linear layers vs bf16 |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for model in models:
+        prompts = prompts_for(model)
+        reference_runner = scoring_runner(model)
+        reference = next_token_logprobs(reference_runner, prompts)
+        linear = {name: reference_runner.params["layers"][name] for name in QUANTIZED_LAYER_LEAVES}
+        bf16_bytes = sum(leaf.size * jnp.dtype(jnp.bfloat16).itemsize for leaf in linear.values())
+        for mode in ("int8", "fp8"):
+            runner = scoring_runner(model, mode)
+            quality = compare_distributions(reference, next_token_logprobs(runner, prompts))
+            quantized = weight_bytes({name: runner.params["layers"][name] for name in QUANTIZED_LAYER_LEAVES})
+            print(f"| {os.path.basename(os.path.normpath(model))} | {mode} | {quality['positions']} | "
+                  f"{quality['top1_agreement']:.1%} | {quality['mean_kl']:.2e} | {quality['max_kl']:.2e} | "
+                  f"{quantized / bf16_bytes:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
