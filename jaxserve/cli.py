@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 from jaxserve import check_config
 from jaxserve.bench.cli import add_bench_commands
@@ -139,6 +140,18 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def convert(args: argparse.Namespace) -> int:
+    """Write a Hugging Face folder as an orbax checkpoint of the engine's params (model/checkpoint.py)."""
+    from jaxserve.model.checkpoint import convert as convert_checkpoint
+
+    started = time.perf_counter()
+    metadata = convert_checkpoint(args.source, args.destination, dtype=args.dtype, quantization=args.quantization,
+                                  tensor_parallel_size=args.tensor_parallel_size)
+    print(f"wrote {args.destination} in {time.perf_counter() - started:.1f}s: {metadata['dtype']} weights, "
+          f"quantization {metadata['quantization']}, {metadata['num_cache_kv_heads']} KV heads stored")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxserve` argument parser."""
     parser = argparse.ArgumentParser(prog="jaxserve", description="A JAX LLM serving engine.")
@@ -177,6 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.set_defaults(handler=serve)
     add_bench_commands(commands)
+    conv = commands.add_parser("convert", help="write a Hugging Face folder as an orbax checkpoint of the engine's "
+                               "params (stacked, cast, optionally quantized), with its config and tokenizer")
+    conv.add_argument("source", help="a Hugging Face model folder")
+    conv.add_argument("destination", help="a new folder")
+    conv.add_argument("--dtype", choices=list(VALID_DTYPES), default="auto")
+    conv.add_argument("--quantization", choices=list(VALID_QUANTIZATIONS), default="none")
+    conv.add_argument("--tensor-parallel-size", type=int, default=1,
+                      help="store the KV heads replicated as this tensor parallelism needs (default 1)")
+    conv.set_defaults(handler=convert)
     check = commands.add_parser("check-config", help="lower a config's every step for GPU and TPU on the CPU, and "
                                 "estimate device memory and start-up compile time",
                                 description=check_config.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,6 +9,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 
 from jaxserve.batch import (
     MAX_AUX_EXTRA,
@@ -23,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
+from jaxserve.model.checkpoint import is_checkpoint, load_checkpoint, read_metadata
 from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
 from jaxserve.model.quantize import quantize_params, weight_bytes
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
@@ -51,14 +53,7 @@ class EngineCore:
         tp = config.tensor_parallel_size
         self.mesh = make_mesh(tp)
         kv_heads = cache_kv_heads(self.spec, tp)
-        dtype = resolve_dtype(config.dtype, self.spec)
-        if config.load_format == "dummy":
-            params = dummy_params(self.spec, self.mesh, dtype, kv_heads, config.seed)
-        else:
-            params = load_params(model_path, self.spec, self.mesh, dtype, kv_heads)
-        if config.quantization != "none":
-            params = quantize_params(params, config.quantization)
-        logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, config.quantization)
+        params, dtype = load_weights(config, model_path, self.spec, self.mesh, kv_heads)
         self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
         self.runner = Runner(
             self.spec, params, self.mesh,
@@ -331,6 +326,26 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh, kv_heads: int) -> tuple[dict, jnp.dtype]:
+    """(params in their shardings, the float dtype of the weights and the KV cache): from a converted orbax folder
+    (model/checkpoint.py), random (load_format dummy) or a Hugging Face folder, then quantized as configured."""
+    if config.load_format != "dummy" and is_checkpoint(model_path):
+        params = load_checkpoint(model_path, spec, mesh, kv_heads, config.dtype, config.quantization)
+        stored = read_metadata(model_path)
+        logger.info("weights: %.1f MiB (orbax, %s, %s)", weight_bytes(params) / 2**20, stored["dtype"],
+                    stored["quantization"])
+        return params, jnp.dtype(stored["dtype"])
+    dtype = resolve_dtype(config.dtype, spec)
+    if config.load_format == "dummy":
+        params = dummy_params(spec, mesh, dtype, kv_heads, config.seed)
+    else:
+        params = load_params(model_path, spec, mesh, dtype, kv_heads)
+    if config.quantization != "none":
+        params = quantize_params(params, config.quantization)
+    logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, config.quantization)
+    return params, dtype
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

@@ -47,16 +47,27 @@ def linear(x: jax.Array, weight) -> jax.Array:
     return (product * weight["scale"]).astype(x.dtype)
 
 
+def quantized_spec(spec: P) -> dict:
+    """The PartitionSpecs of a quantized weight whose float form has `spec` (..., in, out): the weight keeps it,
+    the scale (..., out) drops the input axis."""
+    return {"weight": spec, "scale": P(*spec[: len(spec) - 2], *spec[len(spec) - 1 :])}
+
+
+def quantized_partition_specs(specs: dict) -> dict:
+    """A params PartitionSpec tree (model/sharding.py) for the quantized params."""
+    layers = {name: quantized_spec(spec) if name in QUANTIZED_LAYER_LEAVES else spec
+              for name, spec in specs["layers"].items()}
+    return {**specs, "layers": layers}
+
+
 def quantize_params(params: dict, mode: str) -> dict:
     """The params with every layer projection quantized (`mode` int8 or fp8), each in its weight's sharding;
     the float leaves are dropped as they are replaced."""
     layers = dict(params["layers"])
     for name in QUANTIZED_LAYER_LEAVES:
         weight = layers.pop(name)
-        sharding = weight.sharding
-        spec = sharding.spec
-        scale_spec = P(*spec[: len(spec) - 2], *spec[len(spec) - 1 :]) if len(spec) >= 2 else P()
-        out = {"weight": sharding, "scale": NamedSharding(sharding.mesh, scale_spec)}
+        mesh = weight.sharding.mesh
+        out = {part: NamedSharding(mesh, spec) for part, spec in quantized_spec(weight.sharding.spec).items()}
         layers[name] = jax.jit(quantize_weight, static_argnums=1, out_shardings=out, donate_argnums=0)(weight, mode)
     return {**params, "layers": layers}
 

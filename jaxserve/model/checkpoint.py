@@ -1,0 +1,111 @@
+"""The engine's own checkpoint format: its parameter pytree (stacked, cast, optionally quantized) saved with
+orbax, next to the Hugging Face config and tokenizer files, so a converted folder is a model folder.
+
+    DST/
+        jaxserve_checkpoint.json   what the pytree is: dtype, quantization, KV heads stored
+        params/                    orbax (StandardCheckpointer) of the params pytree
+        config.json, generation_config.json, tokenizer files, chat template   copied from the source
+
+`jaxserve convert SRC DST` writes one (`convert`); an engine whose `model` is such a folder restores the
+pytree straight into its shardings (`load_checkpoint`): orbax reads each device's shard of each array, and
+nothing else, from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxserve.model.loader import load_params, resolve_dtype
+from jaxserve.model.quantize import quantize_params, quantized_partition_specs
+from jaxserve.model.sharding import cache_kv_heads, make_mesh, param_partition_specs
+from jaxserve.model.spec import ModelSpec
+
+MARKER = "jaxserve_checkpoint.json"
+PARAMS_DIR = "params"
+FORMAT_VERSION = 1
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".safetensors.index.json",
+                   ".bin.index.json")
+
+
+def is_checkpoint(path: str) -> bool:
+    """True for a folder `convert` wrote."""
+    return os.path.isfile(os.path.join(path, MARKER))
+
+
+def read_metadata(path: str) -> dict:
+    """The folder's jaxserve_checkpoint.json."""
+    with open(os.path.join(path, MARKER)) as f:
+        return json.load(f)
+
+
+def convert(source: str, destination: str, dtype: str = "auto", quantization: str = "none",
+            tensor_parallel_size: int = 1) -> dict:
+    """Load a Hugging Face folder as the engine does (cast to `dtype`, KV heads replicated for
+    `tensor_parallel_size`, quantized under `quantization`) and write it to `destination` as an orbax checkpoint
+    with the source's config and tokenizer files; returns the metadata written."""
+    import orbax.checkpoint as ocp
+
+    if os.path.exists(destination) and os.listdir(destination):
+        raise ValueError(f"{destination!r} exists and is not empty: choose a new folder")
+    spec = ModelSpec.from_pretrained(source)
+    mesh = make_mesh(tensor_parallel_size)
+    kv_heads = cache_kv_heads(spec, tensor_parallel_size)
+    cast = resolve_dtype(dtype, spec)
+    params = load_params(source, spec, mesh, cast, kv_heads)
+    if quantization != "none":
+        params = quantize_params(params, quantization)
+    os.makedirs(destination, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.abspath(os.path.join(destination, PARAMS_DIR)), params)
+    checkpointer.wait_until_finished()
+    for name in sorted(os.listdir(source)):
+        path = os.path.join(source, name)
+        if os.path.isfile(path) and not name.endswith(WEIGHT_SUFFIXES) and name != MARKER:
+            shutil.copy(path, destination)
+    metadata = {"format_version": FORMAT_VERSION, "dtype": jnp.dtype(cast).name, "quantization": quantization,
+                "num_cache_kv_heads": kv_heads, "source": os.path.abspath(source)}
+    with open(os.path.join(destination, MARKER), "w") as f:
+        json.dump(metadata, f, indent=2)
+    return metadata
+
+
+def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: int, dtype: str,
+                    quantization: str) -> dict:
+    """Restore a converted folder's params into the engine's shardings; a ValueError when the folder does not
+    match what the engine was asked for (dtype, quantization, KV heads for its tensor parallelism)."""
+    import orbax.checkpoint as ocp
+
+    metadata = read_metadata(path)
+    if metadata.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path!r} is a jaxserve checkpoint of format {metadata.get('format_version')}, this "
+                         f"jaxserve reads format {FORMAT_VERSION}: convert the model again")
+    if quantization not in ("none", metadata["quantization"]):
+        raise ValueError(f"{path!r} holds {metadata['quantization']} weights but quantization={quantization} was "
+                         f"asked: drop the option, or convert the float model with --quantization {quantization}")
+    if dtype != "auto" and jnp.dtype(resolve_dtype(dtype, spec)).name != metadata["dtype"]:
+        raise ValueError(f"{path!r} holds {metadata['dtype']} weights but dtype={dtype} was asked: use dtype auto, "
+                         f"or convert again with --dtype {dtype}")
+    if metadata["num_cache_kv_heads"] != num_cache_kv_heads:
+        raise ValueError(f"{path!r} stores {metadata['num_cache_kv_heads']} KV heads per layer but tensor parallelism "
+                         f"over {mesh.devices.size} devices needs {num_cache_kv_heads}: convert with "
+                         f"--tensor-parallel-size {mesh.devices.size}")
+    specs = param_partition_specs(spec, mesh.devices.size)
+    if metadata["quantization"] != "none":
+        specs = quantized_partition_specs(specs)
+    checkpointer = ocp.StandardCheckpointer()
+    params_path = os.path.abspath(os.path.join(path, PARAMS_DIR))
+    stored = checkpointer.metadata(params_path).item_metadata.tree
+    try:
+        abstract = jax.tree_util.tree_map(
+            lambda pspec, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, pspec)),
+            specs, stored, is_leaf=lambda node: isinstance(node, P))
+    except ValueError as error:
+        raise ValueError(f"the arrays in {params_path!r} do not match the parameters of {spec.architecture} as "
+                         f"config.json describes it: {error}") from error
+    return checkpointer.restore(params_path, abstract)

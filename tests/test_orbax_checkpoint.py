@@ -1,0 +1,63 @@
+"""orbax checkpoints of the engine's params (issue 16): `jaxserve convert`, and a converted folder as a model.
+
+A converted folder must give the Hugging Face folder's greedy tokens (float, and int8 against int8 made at
+load time), load under tensor parallelism 2, and refuse what it cannot be: another quantization or dtype
+than it holds, a tensor parallelism its stored KV heads do not fit, a destination that is not empty.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers import checkpoint, expected, small_engine_args
+from jaxserve import LLM, SamplingParams
+from jaxserve.cli import main
+from jaxserve.model.checkpoint import MARKER, convert, read_metadata
+
+ARGS = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=48)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in expected("llama")["prompts"][:6]]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, str]:
+    """The llama test checkpoint converted as it is (through the command line) and with int8 weights."""
+    folders = {"float": str(tmp_path_factory.mktemp("float") / "llama"),
+               "int8": str(tmp_path_factory.mktemp("int8") / "llama")}
+    assert main(["convert", checkpoint("llama"), folders["float"]]) == 0
+    convert(checkpoint("llama"), folders["int8"], quantization="int8")
+    return folders
+
+
+def test_a_converted_folder_is_self_contained(converted):
+    files = set(os.listdir(converted["float"]))
+    assert {MARKER, "params", "config.json", "tokenizer.json", "generation_config.json"} <= files
+    assert not any(name.endswith(".safetensors") for name in files)
+    assert read_metadata(converted["int8"])["quantization"] == "int8"
+    assert read_metadata(converted["float"])["dtype"] == "float32"
+
+
+def test_converted_weights_give_the_hugging_face_folders_tokens(converted):
+    assert _tokens(LLM(converted["float"], **ARGS)) == _tokens(LLM(checkpoint("llama"), **ARGS))
+    int8 = _tokens(LLM(converted["int8"], **ARGS))
+    assert int8 == _tokens(LLM(checkpoint("llama"), quantization="int8", **ARGS))
+    assert _tokens(LLM(converted["int8"], tensor_parallel_size=2, **ARGS)) == int8
+
+
+def test_a_converted_folder_refuses_what_it_does_not_hold(converted, tmp_path):
+    with pytest.raises(ValueError, match="holds int8 weights but quantization=fp8"):
+        LLM(converted["int8"], quantization="fp8", **ARGS)
+    with pytest.raises(ValueError, match="holds float32 weights but dtype=bfloat16"):
+        LLM(converted["float"], dtype="bfloat16", **ARGS)
+    single_kv_head = str(tmp_path / "qwen2")
+    convert(checkpoint("qwen2"), single_kv_head)  # 1 KV head: TP 2 replicates it to 2
+    with pytest.raises(ValueError, match="convert with --tensor-parallel-size 2"):
+        LLM(single_kv_head, tensor_parallel_size=2, **ARGS)
+    with pytest.raises(ValueError, match="is not empty"):
+        convert(checkpoint("llama"), converted["float"])
