@@ -210,16 +210,23 @@ def _published_spec(name: str) -> ModelSpec:
     return ModelSpec.from_hf_config(config, {"eos_token_id": config["eos_token_id"]})
 
 
-def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_kv_heads: int) -> dict:
+def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_kv_heads: int,
+                    quantization: str = "none") -> dict:
     """Every params leaf as a ShapeDtypeStruct in its final sharding: the shapes the engine's dummy weights
-    have (traced, never made), the shardings the engine gives them."""
+    have (traced, never made), quantized as configured, the shardings the engine gives them."""
     from jaxserve.model.loader import dummy_params
+    from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, quantize_weight, quantized_partition_specs
     from jaxserve.model.sharding import named, param_partition_specs
 
     shapes = jax.eval_shape(lambda: dummy_params(spec, mesh, dtype, num_cache_kv_heads, seed=0))
-    shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
+    specs = param_partition_specs(spec, mesh.devices.size)
+    if quantization != "none":
+        layers = {name: jax.eval_shape(lambda w: quantize_weight(w, quantization), leaf) if name in QUANTIZED_LAYER_LEAVES else leaf
+                  for name, leaf in shapes["layers"].items()}
+        shapes, specs = {**shapes, "layers": layers}, quantized_partition_specs(specs)
     return jax.tree_util.tree_map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), shapes, shardings)
+        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), shapes,
+        named(mesh, specs))
 
 
 def shard_bytes(tree) -> int:
@@ -372,7 +379,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     kv_heads = cache_kv_heads(spec, tp)
     dtype = jnp.dtype(resolve_dtype(config.dtype, spec))
     ladders = bucket_ladders(config, spec, max_model_len)
-    params = abstract_params(spec, mesh, dtype, kv_heads)
+    params = abstract_params(spec, mesh, dtype, kv_heads, config.quantization)
     needed_pages = pages_for_tokens(max_model_len, config.page_size) + 1
 
     def runner(backend: str, platform: str) -> Runner:

@@ -123,3 +123,20 @@ def test_known_model_folders_that_are_not_here_map_to_published_configs():
     assert "is not here" in note
     with pytest.raises(ValueError, match="--model-shape"):
         check_config.resolve_spec("/models/Unknown-13B", None)
+
+
+def test_a_quantized_config_lowers_and_counts_its_quantized_weights(tmp_path):
+    """The bundled model (one device) with fp8 weights: every edge bucket lowers for cuda, and the weights take
+    their quantized bytes (the linear layers 1 byte per weight plus a float32 scale per output channel; the
+    tied embeddings stay float32)."""
+    checks = {}
+    for mode in ("none", "fp8"):
+        config = tmp_path / f"tiny-{mode}.yaml"
+        config.write_text(f"max_model_len: 256\nmax_num_seqs: 8\nmax_num_batched_tokens: 32\nquantization: {mode}\n")
+        checks[mode] = check_config.check_config(str(config), ["cuda"], {"cuda": "h100"}, buckets="edges",
+                                                 attention_backend="xla")
+    assert checks["fp8"].failures == []
+    hidden, inner, layers, heads, kv_heads, head_dim = 128, 384, 4, 4, 2, 32  # the bundled model's shape
+    linear = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inner)
+    scales = layers * ((heads + 2 * kv_heads) * head_dim + hidden + 2 * inner + hidden)
+    assert checks["none"].weight_bytes - checks["fp8"].weight_bytes == linear * 4 - linear - scales * 4
