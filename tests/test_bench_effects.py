@@ -192,3 +192,12 @@ def test_early_exit_copy_keeps_the_first_layers(tmp_path):
     assert os.path.isfile(os.path.join(folder, "tokenizer.json"))
     with pytest.raises(ValueError, match="spec-draft-layers"):
         early_exit_copy(checkpoint("llama"), 2, str(tmp_path))
+
+
+def test_quantization_report_lines():
+    from jaxserve.bench.quantization import quantization_lines
+
+    sides = [_side("none"), _side("int8", over_float={"mean": 0.8, "best": 0.85}, same_tokens=[30, 32])]
+    lines = quantization_lines({"workload": "w", "systems": sides})
+    assert "| none | 100 | 110 | 1.10, 1.00 | | |" in lines
+    assert "| int8 | 100 | 110 | 1.10, 1.00 | 0.80x, 0.85x | 30/32 |" in lines

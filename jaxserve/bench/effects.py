@@ -32,6 +32,8 @@ preemption         long contexts under memory pressure, preempted by recompute, 
 speculation        n-gram speculative decoding off and on, on code-editing prompts (the answer is in the prompt), at
                    batch sizes 1, 8 and 64: throughput, inter-token latency, acceptance length
                    (bench/speculation.py).
+quantization       weight-only quantization none, int8 and fp8 on the workload sharing nothing: output tokens/s
+                   and greedy agreement with the float engine (bench/quantization.py).
 
 Timing protocol (every comparison): the same untimed warm-up for each system, then --repeats rounds each
 running every system once, the order alternating between rounds; mean and best per system, and ratios. The
@@ -42,6 +44,7 @@ Example:
     jaxserve bench effects --effect prefix-cache parallel-sampling --quick
     jaxserve bench effects --effect preemption --model-shape llama-small-4k --max-model-len 2304
     jaxserve bench effects --effect speculation --model-shape bundled
+    jaxserve bench effects --effect quantization --model-shape bundled
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from jaxserve.bench import models, preemption, speculation, stats
+from jaxserve.bench import models, preemption, quantization, speculation, stats
 from jaxserve.bench.harness import (
     PAGE_SIZE, Engines, Run, System, cell, compare, ms, ratios, run_once, same_tokens, spread, timing,
 )
@@ -65,8 +68,10 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.step_timing import PHASES
 from jaxserve.tokenizer import load_tokenizer
 
-EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling", "preemption", "speculation")
-# Asked for by name: preemption's long contexts need a model of more positions, speculation one that can copy.
+EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling", "preemption", "speculation",
+           "quantization")
+# Asked for by name: preemption's long contexts need a model of more positions, speculation one that can copy;
+# quantization builds two more engines.
 DEFAULT_EFFECTS = EFFECTS[:4]
 WARMUP_OUTPUT_LEN = 8  # tokens generated per warm-up request
 # The workload sharing nothing (throughput.py's shape): prompts uniform in (low, high) tokens, outputs lognormal
@@ -435,7 +440,9 @@ def overlap_side(system: System, runs: list[Run]) -> dict:
 
 EXPERIMENTS = {"chunked-prefill": chunked_prefill, "prefix-cache": prefix_cache, "overlap": overlap,
                "parallel-sampling": parallel_sampling, "preemption": preemption.preemption,
-               "speculation": speculation.speculation}
+               "speculation": speculation.speculation,
+               "quantization": lambda args, engines, ids, log: quantization.quantization(
+                   args, engines, ids, log, UNSHARED_PROMPT_RANGE, UNSHARED_OUTPUT, WARMUP_OUTPUT_LEN)}
 
 
 # ---- report -------------------------------------------------------------------------------------------
@@ -548,7 +555,7 @@ def report_lines(result: dict) -> list[str]:
              f"{result['load_before']} before, {result['load_after']} after)"]
     sections = {"chunked-prefill": chunked_lines, "prefix-cache": prefix_lines, "overlap": overlap_lines,
                 "parallel-sampling": parallel_lines, "preemption": preemption.preemption_lines,
-                "speculation": speculation.speculation_lines}
+                "speculation": speculation.speculation_lines, "quantization": quantization.quantization_lines}
     for effect, effect_result in result["effects"].items():
         lines += ["", *sections[effect](effect_result)]
     return lines
