@@ -366,7 +366,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     attention backend or `attention_backend`."""
     import jax.numpy as jnp
 
-    from jaxserve.engine_core import bucket_ladders, resolve_max_model_len
+    from jaxserve.engine_core import bucket_ladders, resolve_max_model_len, weight_quantization
     from jaxserve.model.loader import resolve_dtype
     from jaxserve.model.sharding import cache_kv_heads, make_mesh
     from jaxserve.runner import Runner
@@ -379,7 +379,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     kv_heads = cache_kv_heads(spec, tp)
     dtype = jnp.dtype(resolve_dtype(config.dtype, spec))
     ladders = bucket_ladders(config, spec, max_model_len)
-    params = abstract_params(spec, mesh, dtype, kv_heads, config.quantization)
+    params = abstract_params(spec, mesh, dtype, kv_heads, weight_quantization(config, spec))
     needed_pages = pages_for_tokens(max_model_len, config.page_size) + 1
 
     def runner(backend: str, platform: str) -> Runner:

@@ -338,14 +338,25 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh, k
                     stored["quantization"])
         return params, jnp.dtype(stored["dtype"])
     dtype = resolve_dtype(config.dtype, spec)
+    mode = weight_quantization(config, spec)
     if config.load_format == "dummy":
         params = dummy_params(spec, mesh, dtype, kv_heads, config.seed)
     else:
-        params = load_params(model_path, spec, mesh, dtype, kv_heads)
-    if config.quantization != "none":
-        params = quantize_params(params, config.quantization)
-    logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, config.quantization)
+        params = load_params(model_path, spec, mesh, dtype, kv_heads)  # an fp8 checkpoint's layers come quantized
+    if mode != "none" and (spec.checkpoint_quantization == "none" or config.load_format == "dummy"):
+        params = quantize_params(params, mode)
+    logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, mode)
     return params, dtype
+
+
+def weight_quantization(config: EngineConfig, spec: ModelSpec) -> str:
+    """The quantization the weights are served in: the configured one, or an fp8 checkpoint's own; a ValueError
+    when the two disagree."""
+    stored = spec.checkpoint_quantization
+    if stored != "none" and config.quantization not in ("none", stored):
+        raise ValueError(f"the checkpoint's weights are already {stored}: quantization={config.quantization} cannot "
+                         f"apply to them (drop it, or start from the float checkpoint)")
+    return stored if config.quantization == "none" else config.quantization
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

@@ -132,3 +132,74 @@ def test_an_unknown_quantization_is_refused():
 
     with pytest.raises(ValueError, match="quantization must be one of none, int8, fp8"):
         EngineConfig(quantization="awq")
+
+
+def _write_fp8_checkpoint(folder, strategy: str) -> None:
+    """The llama test checkpoint in compressed-tensors fp8 form: every linear weight float8_e4m3fn (out, in) with a
+    float32 `weight_scale`, (out, 1) per channel (the recipe quantize_weight uses) or one per tensor."""
+    import json
+    import os
+    import shutil
+
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    source = checkpoint("llama")
+    weights = {}
+    for name in sorted(os.listdir(source)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(source, name)))
+        elif name != "model.safetensors.index.json" and os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), folder)
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    for name in [n for n in weights if n.split(".")[-2] in projections]:
+        weight = weights[name].astype(np.float32)  # (out, in)
+        absmax = np.abs(weight).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(weight).max()
+        scale = np.where(absmax > 0, absmax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+        weights[name] = np.clip(weight / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        weights[name + "_scale"] = np.asarray(scale, np.float32).reshape(-1, 1) if strategy == "channel" else (
+            np.asarray([scale], np.float32))
+    save_file(weights, os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"],
+                                      "weights": {"type": "float", "num_bits": 8, "strategy": strategy}}}}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def test_an_fp8_checkpoint_is_served_as_it_is(engines, tmp_path):
+    """Read as-is, a compressed-tensors fp8 checkpoint made with quantize_weight's recipe gives the tokens of the
+    float checkpoint quantized to fp8 at load time; with one scale per tensor it loads too."""
+    channel, tensor = tmp_path / "channel", tmp_path / "tensor"
+    channel.mkdir(), tensor.mkdir()
+    _write_fp8_checkpoint(str(channel), "channel")
+    _write_fp8_checkpoint(str(tensor), "tensor")
+    prompts = [{"prompt_token_ids": p} for p in expected("llama")["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(str(channel), **small_engine_args(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in engines["fp8", 1].generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    spec = ModelSpec.from_pretrained(str(tensor))
+    layers = load_params(str(tensor), spec, make_mesh(1), jnp.float32, cache_kv_heads(spec, 1))["layers"]
+    scale = np.asarray(layers["wq"]["scale"])  # (L, out): one value per layer, broadcast over the channels
+    assert layers["wq"]["weight"].dtype == jnp.float8_e4m3fn and np.all(scale == scale[:, :1])
+    with pytest.raises(ValueError, match="already fp8"):
+        LLM(str(channel), quantization="int8", **small_engine_args())
+
+
+@pytest.mark.parametrize("quantization_config, message", [
+    ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4,
+                                                                                "strategy": "group"}}}},
+     "has weights"),
+])
+def test_unsupported_checkpoint_quantization_is_refused(quantization_config, message):
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 32, "quantization_config": quantization_config}
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config(config)

@@ -6,14 +6,17 @@ import dataclasses
 import glob
 import json
 import os
+import struct
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
+from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, quantized_spec
 from jaxserve.model.sharding import named, param_partition_specs
 from jaxserve.model.spec import ModelSpec
 
@@ -43,6 +46,17 @@ def resolve_dtype(dtype: str, spec: ModelSpec) -> jnp.dtype:
     return jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(name, jnp.float32))
 
 
+# safetensors dtypes its numpy reader cannot make (numpy has no float8), read by mapping the file instead.
+RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+
+
+def _safetensors_header(path: str) -> tuple[int, dict]:
+    """(the byte offset of a safetensors file's data, its header: name -> dtype, shape, data_offsets)."""
+    with open(path, "rb") as f:
+        length = struct.unpack("<Q", f.read(8))[0]
+        return 8 + length, json.loads(f.read(length))
+
+
 class SafetensorsFolder:
     """Name -> tensor access over one or several safetensors files of a folder."""
 
@@ -57,13 +71,19 @@ class SafetensorsFolder:
         if not files:
             raise ValueError(f"no *.safetensors weights in model folder {path!r}")
         self._location: dict[str, str] = {}
+        self._raw: dict[str, tuple[str, int, tuple[int, ...], np.dtype]] = {}  # float8 tensors: file, offset, shape
         for file in files:
             full = os.path.join(path, file)
             if not os.path.isfile(full):
                 raise ValueError(f"model folder {path!r} is missing weight file {file!r} named in its index")
-            with safe_open(full, framework="flax") as f:
-                for name in f.keys():
-                    self._location[name] = full
+            data_start, header = _safetensors_header(full)
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                self._location[name] = full
+                if entry["dtype"] in RAW_DTYPES:
+                    offset = data_start + entry["data_offsets"][0]
+                    self._raw[name] = (full, offset, tuple(entry["shape"]), RAW_DTYPES[entry["dtype"]])
 
     def __contains__(self, name: str) -> bool:
         return name in self._location
@@ -73,6 +93,10 @@ class SafetensorsFolder:
         (bfloat16 via ml_dtypes)."""
         if name not in self._location:
             raise ValueError(f"weight {name!r} not found in the checkpoint")
+        if name in self._raw:  # mapped from the file: only the part indexed is read
+            path, offset, shape, dtype = self._raw[name]
+            tensor = np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+            return np.array(tensor if index is None else tensor[index])
         with safe_open(self._location[name], framework="numpy") as f:  # numpy: no copy through a jax array
             return f.get_tensor(name) if index is None else f.get_slice(name)[index]
 
@@ -80,6 +104,8 @@ class SafetensorsFolder:
         """A tensor's shape, without reading it."""
         if name not in self._location:
             raise ValueError(f"weight {name!r} not found in the checkpoint")
+        if name in self._raw:
+            return self._raw[name][2]
         with safe_open(self._location[name], framework="flax") as f:
             return tuple(f.get_slice(name).get_shape())
 
@@ -95,8 +121,12 @@ def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_ca
     for leaf, sharding in shardings["layers"].items():
         template, transpose = _LAYER_WEIGHTS[leaf]
         repeat = kv_repeat if leaf in _KV_LEAVES else 1
-        layers[leaf] = _load_stacked(folder, [template.format(i=i) for i in range(spec.num_layers)],
-                                     _Layout(transpose, repeat, spec.head_dim), sharding, dtype)
+        names = [template.format(i=i) for i in range(spec.num_layers)]
+        layout = _Layout(transpose, repeat, spec.head_dim)
+        if spec.checkpoint_quantization == "fp8" and leaf in QUANTIZED_LAYER_LEAVES:
+            layers[leaf] = _load_fp8(folder, names, layout, sharding)
+        else:
+            layers[leaf] = _load_stacked(folder, names, layout, sharding, dtype)
     plain = _Layout(transpose=False, kv_repeat=1, head_dim=spec.head_dim)
     params = {
         "embed": _load_one(folder, "model.embed_tokens.weight", plain, shardings["embed"], dtype),
@@ -145,6 +175,25 @@ def _load_one(folder: SafetensorsFolder, name: str, layout: _Layout, sharding, d
     shape = shape or layout.shape(folder.shape(name))
     return jax.make_array_from_callback(
         shape, sharding, lambda index: layout.read(folder, name, index, shape).astype(dtype, copy=False))
+
+
+def _load_fp8(folder: SafetensorsFolder, names: list[str], layout: _Layout, sharding) -> dict:
+    """A quantized leaf (model/quantize.py) from an fp8 checkpoint's weights and their `weight_scale`s (one per
+    output channel, (out, 1), or one per tensor), KV heads repeated like the weights."""
+    weight = _load_stacked(folder, names, layout, sharding, jnp.float8_e4m3fn)
+    num_out = weight.shape[-1] // layout.kv_repeat
+    scales = []
+    for name in names:
+        stored = folder.get(name + "_scale").astype(np.float32).reshape(-1)  # (out,) or (1,)
+        scale = np.broadcast_to(stored, (num_out,)) if stored.size == 1 else stored
+        if scale.shape != (num_out,):
+            raise ValueError(f"{name}_scale has {stored.size} values for {num_out} output channels")
+        if layout.kv_repeat > 1:  # each KV head's channels repeated, as the weight's columns are
+            heads = scale.reshape(-1, layout.head_dim)
+            scale = np.repeat(heads, layout.kv_repeat, axis=0).reshape(-1)
+        scales.append(scale)
+    scale_sharding = NamedSharding(sharding.mesh, quantized_spec(sharding.spec)["scale"])
+    return {"weight": weight, "scale": jax.device_put(np.stack(scales), scale_sharding)}
 
 
 def _load_stacked(folder: SafetensorsFolder, names: list[str], layout: _Layout, sharding, dtype) -> jax.Array:

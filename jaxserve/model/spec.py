@@ -76,6 +76,9 @@ class ModelSpec:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # "fp8": the checkpoint's linear layers are float8_e4m3fn with a `weight_scale` per output channel or tensor
+    # (its quantization_config: compressed-tensors float-quantized, or "fp8" without blocks); else "none".
+    checkpoint_quantization: str = "none"
 
     @property
     def group_size(self) -> int:
@@ -133,6 +136,7 @@ class ModelSpec:
             torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_parse_eos(config, generation_config or {}),
+            checkpoint_quantization=_parse_checkpoint_quantization(config.get("quantization_config")),
         )
 
 
@@ -176,3 +180,28 @@ def _parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
     if isinstance(eos, int):
         return (eos,)
     return tuple(int(e) for e in eos)
+
+
+def _parse_checkpoint_quantization(quantization_config: dict | None) -> str:
+    """"fp8" for the fp8 checkpoint forms jaxserve reads (8-bit float weights with a scale per output channel or
+    per tensor, lm_head left alone), "none" without a quantization_config; a ValueError naming any other form."""
+    if not quantization_config:
+        return "none"
+    method = quantization_config.get("quant_method")
+    supported = ("jaxserve reads fp8 checkpoints whose linear weights are 8-bit floats with a scale per output "
+                 "channel or per tensor (compressed-tensors float-quantized, or quant_method fp8 without blocks)")
+    if method == "fp8":
+        if quantization_config.get("weight_block_size"):
+            raise ValueError(f"quant_method fp8 with weight_block_size (block-wise scales) is not supported: {supported}")
+        return "fp8"
+    if method != "compressed-tensors":
+        raise ValueError(f"quantization_config quant_method {method!r} is not supported: {supported}")
+    for name, group in (quantization_config.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        if (weights.get("type"), weights.get("num_bits"), weights.get("strategy")) not in (
+                ("float", 8, "channel"), ("float", 8, "tensor")):
+            raise ValueError(f"compressed-tensors group {name!r} has weights {weights}: {supported}")
+    ignored = set(quantization_config.get("ignore") or []) - {"lm_head"}
+    if ignored:
+        raise ValueError(f"compressed-tensors ignore lists layers other than lm_head ({sorted(ignored)}): {supported}")
+    return "fp8"
