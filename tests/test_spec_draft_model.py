@@ -125,7 +125,9 @@ def test_a_request_whose_draft_pages_cannot_be_had_gets_no_proposal():
 def engines():
     return {"plain": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS)),
             "self": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, speculative_config=SELF_DRAFT)),
-            "other": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, speculative_config=OTHER_DRAFT))}
+            "other": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, speculative_config=OTHER_DRAFT)),
+            "other-tp2": LLM(checkpoint("llama"), tensor_parallel_size=2,
+                             **small_engine_args(**ENGINE_ARGS, speculative_config=OTHER_DRAFT))}
 
 
 def _generate(llm: LLM, prompts: list[list[int]], params) -> tuple[list, dict]:
@@ -148,8 +150,9 @@ def _prompts(count: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]
     return [[rng.randrange(4, 500) for _ in range(rng.randint(*lengths))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("draft", ["self", "other"])
+@pytest.mark.parametrize("draft", ["self", "other", "other-tp2"])
 def test_greedy_outputs_are_identical_with_a_draft_model(engines, draft):
+    """Also under tensor parallelism 2: the target and the draft (qwen3: 2 KV heads) sharded over two devices."""
     prompts = _prompts(6, 3, (5, 30))
     want, _ = _generate(engines["plain"], prompts, GREEDY)
     got, moved = _generate(engines[draft], prompts, GREEDY)
