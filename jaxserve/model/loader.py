@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -201,9 +202,8 @@ def _load_stacked(folder: SafetensorsFolder, names: list[str], layout: _Layout, 
     update donates the stack, so the devices hold it once plus one layer)."""
     layer_shape = layout.shape(folder.shape(names[0]))
     layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
-    stacked = jax.jit(lambda: jnp.zeros((len(names), *layer_shape), dtype), out_shardings=sharding)()
-    put = jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
-                  donate_argnums=0, out_shardings=sharding)
+    stacked = jnp.zeros((len(names), *layer_shape), dtype, device=sharding)
+    put = _layer_update(sharding)
     for i, name in enumerate(names):
         stored = folder.shape(name)
         if layout.shape(stored) != layer_shape:
@@ -249,3 +249,11 @@ def _param_shapes(spec: ModelSpec, num_cache_kv_heads: int) -> dict:
     if "lm_head" in present:
         shapes["lm_head"] = (hidden, spec.vocab_size)
     return shapes
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_update(sharding: NamedSharding):
+    """The jitted `stack[i] = layer` (stack donated) of stacks in `sharding`: one function per sharding, so each
+    (shape, dtype) compiles once however many leaves and loads share it."""
+    return jax.jit(lambda stack, layer, i: jax.lax.dynamic_update_index_in_dim(stack, layer, i, 0),
+                   donate_argnums=0, out_shardings=sharding)
