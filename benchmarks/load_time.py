@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/load_time.py [--model-shape llama-small] [--repeats 5] [--quantization int8]
 
-Converts the model (`jaxserve convert`, into a temporary folder), then times `engine_core.load_weights` (the
+Converts the model (`jaxserve convert`, into a temporary folder), then times `model/checkpoint.load_weights` (the
 engine's weight loading alone: no compilation, no KV pool) for each source, alternating the order, with a warm-up
 load of each first. Prints the mean and best seconds of each and their ratio, as a markdown table.
 """
@@ -21,8 +21,7 @@ import jax  # noqa: E402
 
 from jaxserve.bench.models import SHAPE_NAMES, ensure_model  # noqa: E402
 from jaxserve.config import VALID_QUANTIZATIONS, EngineConfig  # noqa: E402
-from jaxserve.engine_core import load_weights  # noqa: E402
-from jaxserve.model.checkpoint import convert  # noqa: E402
+from jaxserve.model.checkpoint import convert, load_weights  # noqa: E402
 from jaxserve.model.quantize import weight_bytes  # noqa: E402
 from jaxserve.model.sharding import cache_kv_heads, make_mesh  # noqa: E402
 from jaxserve.model.spec import ModelSpec  # noqa: E402

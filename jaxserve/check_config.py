@@ -366,7 +366,8 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     attention backend or `attention_backend`."""
     import jax.numpy as jnp
 
-    from jaxserve.engine_core import bucket_ladders, resolve_max_model_len, weight_quantization
+    from jaxserve.engine_core import bucket_ladders, resolve_max_model_len
+    from jaxserve.model.checkpoint import weight_quantization
     from jaxserve.model.loader import resolve_dtype
     from jaxserve.model.sharding import cache_kv_heads, make_mesh
     from jaxserve.runner import Runner

@@ -9,7 +9,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 
 from jaxserve.batch import (
     MAX_AUX_EXTRA,
@@ -24,9 +23,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
-from jaxserve.model.checkpoint import is_checkpoint, load_checkpoint, read_metadata
-from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
-from jaxserve.model.quantize import quantize_params, weight_bytes
+from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
@@ -64,11 +61,7 @@ class EngineCore:
         self.draft = None  # speculative decoding's draft model (method draft_model)
         speculative = config.speculative_config or {}
         if speculative.get("method") == "draft_model":
-            self.draft = DraftModelProposer.load(
-                speculative["model"], self.spec, speculative["num_speculative_tokens"], mesh=self.mesh,
-                dtype=config.dtype, load_format=config.load_format, seed=config.seed, page_size=config.page_size,
-                ladders=self.ladders, attention_backend=config.attention_backend, max_model_len=self.max_model_len,
-                max_num_batched_tokens=config.max_num_batched_tokens)
+            self.draft = DraftModelProposer.load(config, self.spec, self.mesh, self.ladders, self.max_model_len)
         # The draft's pool has as many pages as the target's, so a page of each is sized together.
         draft_page_bytes = self.draft.runner.page_bytes() if self.draft else 0
         self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner, draft_page_bytes)
@@ -326,37 +319,6 @@ def enable_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh, kv_heads: int) -> tuple[dict, jnp.dtype]:
-    """(params in their shardings, the float dtype of the weights and the KV cache): from a converted orbax folder
-    (model/checkpoint.py), random (load_format dummy) or a Hugging Face folder, then quantized as configured."""
-    if config.load_format != "dummy" and is_checkpoint(model_path):
-        params = load_checkpoint(model_path, spec, mesh, kv_heads, config.dtype, config.quantization)
-        stored = read_metadata(model_path)
-        logger.info("weights: %.1f MiB (orbax, %s, %s)", weight_bytes(params) / 2**20, stored["dtype"],
-                    stored["quantization"])
-        return params, jnp.dtype(stored["dtype"])
-    dtype = resolve_dtype(config.dtype, spec)
-    mode = weight_quantization(config, spec)
-    if config.load_format == "dummy":
-        params = dummy_params(spec, mesh, dtype, kv_heads, config.seed)
-    else:
-        params = load_params(model_path, spec, mesh, dtype, kv_heads)  # an fp8 checkpoint's layers come quantized
-    if mode != "none" and (spec.checkpoint_quantization == "none" or config.load_format == "dummy"):
-        params = quantize_params(params, mode)
-    logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, mode)
-    return params, dtype
-
-
-def weight_quantization(config: EngineConfig, spec: ModelSpec) -> str:
-    """The quantization the weights are served in: the configured one, or an fp8 checkpoint's own; a ValueError
-    when the two disagree."""
-    stored = spec.checkpoint_quantization
-    if stored != "none" and config.quantization not in ("none", stored):
-        raise ValueError(f"the checkpoint's weights are already {stored}: quantization={config.quantization} cannot "
-                         f"apply to them (drop it, or start from the float checkpoint)")
-    return stored if config.quantization == "none" else config.quantization
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

@@ -206,10 +206,10 @@ class Scheduler:
         return stepped
 
     def _take_proposals(self, scheduled: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
-        """Speculative decoding: when every row is a decode that can verify, the proposer guesses the next tokens of the rows
-        that have room for any (before their max_tokens and max_model_len), and each such row feeds its guess
-        after its last token (as much of it as the budget allows and its pages can be had for), so the step
-        verifies it. Otherwise the step stays as it is and nothing is proposed."""
+        """Speculative decoding: when every row is a decode that can verify, the proposer guesses the next tokens
+        of the rows that have room for any (before their max_tokens and max_model_len), and each such row feeds
+        its guess after its last token (as much of it as the budget allows and its pages can be had for), so the
+        step verifies it. Otherwise the step stays as it is and nothing is proposed."""
         if not scheduled or not all(_verifies(item) for item in scheduled):
             return scheduled
         room = [min(self.config.num_speculative_tokens, item.request.max_tokens - item.sample_index - 1,

@@ -80,3 +80,42 @@ def running_server(app):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+# ---- speculative decoding: a speculative engine against the plain one (tests/test_spec_*.py) ---------------------
+
+
+def spec_generate(llm, prompts: list[list[int]], params) -> tuple[list, dict]:
+    """(each request's samples' token ids, the increase of the spec_decode counters); checks that nothing compiled
+    during the run and that every page of the KV pool (and of the draft model's, when there is one) is back."""
+    before = llm.stats()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    after = llm.stats()
+    assert after["compilations_after_warmup"] == before["compilations_after_warmup"], "compiled after warm-up"
+    assert after["lazy_bucket_compilations"] == 0
+    assert after["kv_pages_free"] == after["kv_pages_total"]
+    assert after["draft_kv_pages_free"] == after["draft_kv_pages_total"]
+    moved = {key: after["spec_decode"][key] - before["spec_decode"][key]
+             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    return [[tuple(c.token_ids) for c in o.outputs] for o in outputs], moved
+
+
+def check_same_tokens_under_preemption(plain, spec, prompts: list[list[int]], params) -> dict:
+    """Run both engines on `prompts`: the speculative one must preempt and give the plain one's tokens; returns
+    its spec_decode counters' increase."""
+    before = spec.stats()["preemptions"]
+    want, _ = spec_generate(plain, prompts, params)
+    got, moved = spec_generate(spec, prompts, params)
+    assert spec.stats()["preemptions"] > before, "the pool was not small enough to preempt"
+    assert got == want
+    return moved
+
+
+def check_seeded_runs_give_plain_tokens(plain, spec, prompts: list[list[int]], params) -> dict:
+    """Two runs of the speculative engine must each give the plain engine's seeded tokens (the second run's prompts
+    hit the prefix cache, so other steps verify); returns the first run's spec_decode counters' increase."""
+    want, _ = spec_generate(plain, prompts, params)
+    first, moved = spec_generate(spec, prompts, params)
+    second, _ = spec_generate(spec, prompts, params)
+    assert first == want and second == want
+    return moved

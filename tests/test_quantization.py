@@ -189,6 +189,9 @@ def test_an_fp8_checkpoint_is_served_as_it_is(engines, tmp_path):
     assert layers["wq"]["weight"].dtype == jnp.float8_e4m3fn and np.all(scale == scale[:, :1])
     with pytest.raises(ValueError, match="already fp8"):
         LLM(str(channel), quantization="int8", **small_engine_args())
+    from jaxserve.model.checkpoint import convert
+
+    assert convert(str(channel), str(tmp_path / "converted"))["quantization"] == "fp8"  # kept fp8 as loaded
 
 
 @pytest.mark.parametrize("quantization_config, message", [

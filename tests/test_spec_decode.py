@@ -17,7 +17,10 @@ import random
 
 import pytest
 
-from helpers import checkpoint, small_engine_args
+from helpers import (
+    check_same_tokens_under_preemption, check_seeded_runs_give_plain_tokens, checkpoint, small_engine_args,
+    spec_generate,
+)
 from jaxserve import LLM, SamplingParams
 
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
@@ -31,23 +34,6 @@ def engines():
             "spec": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, speculative_config=SPEC))}
 
 
-def _generate(llm: LLM, prompts: list[list[int]], params) -> tuple[list, dict]:
-    """(each request's samples' token ids, the engine's stats after); checks that nothing compiled during the run
-    and that every page is back."""
-    before = llm.stats()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    after = llm.stats()
-    assert after["compilations_after_warmup"] == before["compilations_after_warmup"], "compiled after warm-up"
-    assert after["lazy_bucket_compilations"] == 0
-    assert after["kv_pages_free"] == after["kv_pages_total"]
-    return [[tuple(c.token_ids) for c in o.outputs] for o in outputs], _spec_moved(before, after)
-
-
-def _spec_moved(before: dict, after: dict) -> dict:
-    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-    return {key: after["spec_decode"][key] - before["spec_decode"][key] for key in keys}
-
-
 def _repetitive_prompts() -> list[list[int]]:
     rng = random.Random(3)
     prompts = []
@@ -59,8 +45,8 @@ def _repetitive_prompts() -> list[list[int]]:
 
 def test_greedy_outputs_are_identical_with_speculation(engines):
     prompts = _repetitive_prompts()
-    want, _ = _generate(engines["plain"], prompts, GREEDY)
-    got, moved = _generate(engines["spec"], prompts, GREEDY)
+    want, _ = spec_generate(engines["plain"], prompts, GREEDY)
+    got, moved = spec_generate(engines["spec"], prompts, GREEDY)
     assert got == want
     assert moved["num_draft_tokens"] > 20, f"too few proposals to mean anything: {moved}"
     assert 0 < moved["num_accepted_tokens"] < moved["num_draft_tokens"], f"want accepts and rejects: {moved}"
@@ -71,12 +57,7 @@ def test_greedy_outputs_are_identical_under_preemption_and_chunked_prefill(engin
     rng = random.Random(9)
     prompts = [([rng.randrange(4, 500) for _ in range(rng.randint(3, 8))] * 30)[: rng.randint(40, 100)]
                for _ in range(10)]
-    params = GREEDY.clone(max_tokens=60)
-    before = engines["spec"].stats()["preemptions"]
-    want, _ = _generate(engines["plain"], prompts, params)
-    got, moved = _generate(engines["spec"], prompts, params)
-    assert engines["spec"].stats()["preemptions"] > before, "the pool was not small enough to preempt"
-    assert got == want
+    moved = check_same_tokens_under_preemption(engines["plain"], engines["spec"], prompts, GREEDY.clone(max_tokens=60))
     assert moved["num_accepted_tokens"] > 0
 
 
@@ -101,8 +82,8 @@ def test_penalised_requests_speculate_and_keep_the_plain_tokens(engines, tempera
         {"repetition_penalty": 1.2}, {"presence_penalty": 0.5, "frequency_penalty": 0.3},
         {"logit_bias": {prompts[2][0]: 2.0}}, {"allowed_token_ids": sorted(set(prompts[3]))[:5]},
         {"repetition_penalty": 0.9, "top_k": 20}, {})]
-    want, _ = _generate(engines["plain"], prompts, params)
-    got, moved = _generate(engines["spec"], prompts, params)
+    want, _ = spec_generate(engines["plain"], prompts, params)
+    got, moved = spec_generate(engines["spec"], prompts, params)
     assert got == want
     assert moved["num_draft_tokens"] > 20, f"too few proposals to mean anything: {moved}"
 
@@ -112,15 +93,12 @@ def test_seeded_sampling_gives_the_plain_engines_tokens(engines):
     the plain engine's, run after run (the second run's prompts hit the prefix cache: other steps verify)."""
     prompts = _repetitive_prompts()
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=5, max_tokens=32, ignore_eos=True, n=2)
-    want, _ = _generate(engines["plain"], prompts, params)
-    first, moved = _generate(engines["spec"], prompts, params)
-    second, _ = _generate(engines["spec"], prompts, params)
-    assert first == want and second == want
+    moved = check_seeded_runs_give_plain_tokens(engines["plain"], engines["spec"], prompts, params)
     assert moved["num_draft_tokens"] > 0
 
 
 def test_spec_decode_stats(engines):
-    _generate(engines["spec"], _repetitive_prompts(), GREEDY)
+    spec_generate(engines["spec"], _repetitive_prompts(), GREEDY)
     stats = engines["spec"].stats()["spec_decode"]
     assert stats["num_emitted_tokens"] == stats["num_accepted_tokens"] + stats["num_drafts"]
     assert len(stats["accepted_per_position"]) == SPEC["num_speculative_tokens"]
@@ -136,7 +114,7 @@ def test_prometheus_counters_follow_the_stats(engines):
     from jaxserve.server.metrics import ServerMetrics, cache_config_info
 
     llm = engines["spec"]
-    _generate(llm, _repetitive_prompts(), GREEDY)
+    spec_generate(llm, _repetitive_prompts(), GREEDY)
     metrics = ServerMetrics("vllm", "llama", llm.stats, 128, cache_config_info(llm.engine))
     samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
     values = {s.name: s.value for s in samples if "position" not in s.labels}

@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 
 from fake_runner import RequestSpec
-from helpers import checkpoint, small_engine_args
+from helpers import (
+    check_same_tokens_under_preemption, check_seeded_runs_give_plain_tokens, checkpoint, small_engine_args,
+    spec_generate,
+)
 from jaxserve import LLM, SamplingParams
 from jaxserve.batch import BucketLadders
 from jaxserve.config import EngineConfig
@@ -130,21 +133,6 @@ def engines():
                              **small_engine_args(**ENGINE_ARGS, speculative_config=OTHER_DRAFT))}
 
 
-def _generate(llm: LLM, prompts: list[list[int]], params) -> tuple[list, dict]:
-    """(each request's samples' token ids, the spec_decode counters' increase); checks that nothing compiled and
-    that every page of both pools is back."""
-    before = llm.stats()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    after = llm.stats()
-    assert after["compilations_after_warmup"] == before["compilations_after_warmup"], "compiled after warm-up"
-    assert after["lazy_bucket_compilations"] == 0
-    assert after["kv_pages_free"] == after["kv_pages_total"]
-    assert after["draft_kv_pages_free"] == after["draft_kv_pages_total"]
-    moved = {key: after["spec_decode"][key] - before["spec_decode"][key]
-             for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    return [[tuple(c.token_ids) for c in o.outputs] for o in outputs], moved
-
-
 def _prompts(count: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(4, 500) for _ in range(rng.randint(*lengths))] for _ in range(count)]
@@ -154,8 +142,8 @@ def _prompts(count: int, seed: int, lengths: tuple[int, int]) -> list[list[int]]
 def test_greedy_outputs_are_identical_with_a_draft_model(engines, draft):
     """Also under tensor parallelism 2: the target and the draft (qwen3: 2 KV heads) sharded over two devices."""
     prompts = _prompts(6, 3, (5, 30))
-    want, _ = _generate(engines["plain"], prompts, GREEDY)
-    got, moved = _generate(engines[draft], prompts, GREEDY)
+    want, _ = spec_generate(engines["plain"], prompts, GREEDY)
+    got, moved = spec_generate(engines[draft], prompts, GREEDY)
     assert got == want
     assert moved["num_draft_tokens"] > 50, f"too few proposals to mean anything: {moved}"
     rate = moved["num_accepted_tokens"] / moved["num_draft_tokens"]
@@ -168,12 +156,7 @@ def test_greedy_outputs_are_identical_with_a_draft_model(engines, draft):
 def test_greedy_outputs_are_identical_under_preemption_and_chunked_prefill(engines):
     """Ten requests of 40-100 prompt tokens (chunked: the budget is 32) and 60 outputs for 31 pages."""
     prompts = _prompts(10, 9, (40, 100))
-    params = GREEDY.clone(max_tokens=60)
-    before = engines["self"].stats()["preemptions"]
-    want, _ = _generate(engines["plain"], prompts, params)
-    got, moved = _generate(engines["self"], prompts, params)
-    assert engines["self"].stats()["preemptions"] > before, "the pool was not small enough to preempt"
-    assert got == want
+    moved = check_same_tokens_under_preemption(engines["plain"], engines["self"], prompts, GREEDY.clone(max_tokens=60))
     assert moved["num_accepted_tokens"] > 0
 
 
@@ -191,10 +174,7 @@ def test_seeded_sampling_gives_the_plain_engines_tokens(engines):
     the plain engine's, run after run (the second run's prompts hit the prefix cache: other steps verify)."""
     prompts = _prompts(4, 7, (5, 20))
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True, n=2)
-    want, _ = _generate(engines["plain"], prompts, params)
-    first, moved = _generate(engines["self"], prompts, params)
-    second, _ = _generate(engines["self"], prompts, params)
-    assert first == want and second == want
+    moved = check_seeded_runs_give_plain_tokens(engines["plain"], engines["self"], prompts, params)
     assert moved["num_accepted_tokens"] > 0
 
 

@@ -15,10 +15,10 @@ import numpy as np
 from jaxserve.batch import BucketLadders, padded_batch_arrays
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.buckets import geometric_ladder, pick_bucket
+from jaxserve.config import EngineConfig
 from jaxserve.kv.cache_manager import pages_for_tokens
+from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.llama import token_logits
-from jaxserve.model.loader import load_params
-from jaxserve.model.quantize import quantize_params
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 from jaxserve.runner import Runner
@@ -31,12 +31,11 @@ def scoring_runner(path: str, quantization: str = "none") -> Runner:
     spec = ModelSpec.from_pretrained(path)
     mesh = make_mesh(1)
     kv_heads = cache_kv_heads(spec, 1)
-    params = load_params(path, spec, mesh, jnp.float32, kv_heads)
-    if quantization != "none":
-        params = quantize_params(params, quantization)
+    config = EngineConfig(model=path, dtype="float32", quantization=quantization)
+    params, dtype = load_weights(config, path, spec, mesh, kv_heads)
     ladders = BucketLadders.build(max_num_batched_tokens=PAGE_SIZE, max_num_seqs=1, max_model_len=PAGE_SIZE,
                                   page_size=PAGE_SIZE, min_token_bucket=PAGE_SIZE, max_aux_extra=0)
-    return Runner(spec, params, mesh, page_size=PAGE_SIZE, num_cache_kv_heads=kv_heads, cache_dtype=jnp.float32,
+    return Runner(spec, params, mesh, page_size=PAGE_SIZE, num_cache_kv_heads=kv_heads, cache_dtype=dtype,
                   ladders=ladders, attention_backend="xla")
 
 

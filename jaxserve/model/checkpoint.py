@@ -8,12 +8,14 @@ orbax, next to the Hugging Face config and tokenizer files, so a converted folde
 
 `jaxserve convert SRC DST` writes one (`convert`); an engine whose `model` is such a folder restores the
 pytree straight into its shardings (`load_checkpoint`): orbax reads each device's shard of each array, and
-nothing else, from the files.
+nothing else, from the files. `load_weights` is every loader's one entry (engine, draft model, convert,
+scoring): a converted folder, random weights, or a Hugging Face folder, quantized as configured.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -21,10 +23,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxserve.model.loader import load_params, resolve_dtype
-from jaxserve.model.quantize import quantize_params, quantized_partition_specs
+from jaxserve.config import EngineConfig
+from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
+from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
 from jaxserve.model.sharding import cache_kv_heads, make_mesh, param_partition_specs
 from jaxserve.model.spec import ModelSpec
+
+logger = logging.getLogger("jaxserve")
 
 MARKER = "jaxserve_checkpoint.json"
 PARAMS_DIR = "params"
@@ -46,20 +51,19 @@ def read_metadata(path: str) -> dict:
 
 def convert(source: str, destination: str, dtype: str = "auto", quantization: str = "none",
             tensor_parallel_size: int = 1) -> dict:
-    """Load a Hugging Face folder as the engine does (cast to `dtype`, KV heads replicated for
-    `tensor_parallel_size`, quantized under `quantization`) and write it to `destination` as an orbax checkpoint
-    with the source's config and tokenizer files; returns the metadata written."""
+    """Load a model folder as the engine does (`load_weights`: cast to `dtype`, KV heads replicated for
+    `tensor_parallel_size`, quantized under `quantization` or as an fp8 checkpoint is) and write it to
+    `destination` as an orbax checkpoint with the source's config and tokenizer files; returns the metadata
+    written."""
     import orbax.checkpoint as ocp
 
     if os.path.exists(destination) and os.listdir(destination):
         raise ValueError(f"{destination!r} exists and is not empty: choose a new folder")
+    config = EngineConfig(model=source, dtype=dtype, quantization=quantization,
+                          tensor_parallel_size=tensor_parallel_size)
     spec = ModelSpec.from_pretrained(source)
-    mesh = make_mesh(tensor_parallel_size)
     kv_heads = cache_kv_heads(spec, tensor_parallel_size)
-    cast = resolve_dtype(dtype, spec)
-    params = load_params(source, spec, mesh, cast, kv_heads)
-    if quantization != "none":
-        params = quantize_params(params, quantization)
+    params, cast = load_weights(config, source, spec, make_mesh(tensor_parallel_size), kv_heads)
     os.makedirs(destination, exist_ok=True)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(os.path.abspath(os.path.join(destination, PARAMS_DIR)), params)
@@ -68,17 +72,50 @@ def convert(source: str, destination: str, dtype: str = "auto", quantization: st
         path = os.path.join(source, name)
         if os.path.isfile(path) and not name.endswith(WEIGHT_SUFFIXES) and name != MARKER:
             shutil.copy(path, destination)
-    metadata = {"format_version": FORMAT_VERSION, "dtype": jnp.dtype(cast).name, "quantization": quantization,
-                "num_cache_kv_heads": kv_heads, "source": os.path.abspath(source)}
+    metadata = {"format_version": FORMAT_VERSION, "dtype": jnp.dtype(cast).name,
+                "quantization": weight_quantization(config, spec), "num_cache_kv_heads": kv_heads,
+                "source": os.path.abspath(source)}
     with open(os.path.join(destination, MARKER), "w") as f:
         json.dump(metadata, f, indent=2)
     return metadata
 
 
+def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: Mesh, kv_heads: int
+                 ) -> tuple[dict, jnp.dtype]:
+    """(params in their shardings, the float dtype of the weights and the KV cache): from a converted orbax folder
+    (`load_checkpoint`), random (load_format dummy) or a Hugging Face folder, then quantized as configured."""
+    if config.load_format != "dummy" and is_checkpoint(model_path):
+        params, stored = load_checkpoint(model_path, spec, mesh, kv_heads, config.dtype, config.quantization)
+        logger.info("weights: %.1f MiB (orbax, %s, %s)", weight_bytes(params) / 2**20, stored["dtype"],
+                    stored["quantization"])
+        return params, jnp.dtype(stored["dtype"])
+    dtype = resolve_dtype(config.dtype, spec)
+    mode = weight_quantization(config, spec)
+    if config.load_format == "dummy":
+        params = dummy_params(spec, mesh, dtype, kv_heads, config.seed)
+    else:
+        params = load_params(model_path, spec, mesh, dtype, kv_heads)  # an fp8 checkpoint's layers come quantized
+    if mode != "none" and (spec.checkpoint_quantization == "none" or config.load_format == "dummy"):
+        params = quantize_params(params, mode)
+    logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, mode)
+    return params, dtype
+
+
+def weight_quantization(config: EngineConfig, spec: ModelSpec) -> str:
+    """The quantization the weights are served in: the configured one, or an fp8 checkpoint's own; a ValueError
+    when the two disagree."""
+    stored = spec.checkpoint_quantization
+    if stored != "none" and config.quantization not in ("none", stored):
+        raise ValueError(f"the checkpoint's weights are already {stored}: quantization={config.quantization} cannot "
+                         f"apply to them (drop it, or start from the float checkpoint)")
+    return stored if config.quantization == "none" else config.quantization
+
+
 def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: int, dtype: str,
-                    quantization: str) -> dict:
-    """Restore a converted folder's params into the engine's shardings; a ValueError when the folder does not
-    match what the engine was asked for (dtype, quantization, KV heads for its tensor parallelism)."""
+                    quantization: str) -> tuple[dict, dict]:
+    """(a converted folder's params restored into the engine's shardings, its metadata); a ValueError when the
+    folder does not match what the engine was asked for (dtype, quantization, KV heads for its tensor
+    parallelism)."""
     import orbax.checkpoint as ocp
 
     metadata = read_metadata(path)
@@ -108,4 +145,4 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
     except ValueError as error:
         raise ValueError(f"the arrays in {params_path!r} do not match the parameters of {spec.architecture} as "
                          f"config.json describes it: {error}") from error
-    return checkpointer.restore(params_path, abstract)
+    return checkpointer.restore(params_path, abstract), metadata

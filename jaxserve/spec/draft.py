@@ -20,9 +20,10 @@ import numpy as np
 
 from jaxserve.batch import BucketLadders, build_batch, padded_decode_step_arrays
 from jaxserve.batch_descriptor import DecodeSteps
+from jaxserve.config import EngineConfig
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
-from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
+from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.sharding import cache_kv_heads
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Request
@@ -50,11 +51,13 @@ class DraftModelProposer:
         self._fed: dict[str, _Fed] = {}  # request id -> what the draft's KV holds
 
     @classmethod
-    def load(cls, model_path: str, target: ModelSpec, num_tokens: int, *, mesh, dtype: str, load_format: str,
-             seed: int, page_size: int, ladders: BucketLadders, attention_backend: str, max_model_len: int,
-             max_num_batched_tokens: int) -> "DraftModelProposer":
-        """Read the draft's config and weights (random ones under load_format dummy) into its sharding; a
+    def load(cls, config: EngineConfig, target: ModelSpec, mesh, ladders: BucketLadders,
+             max_model_len: int) -> "DraftModelProposer":
+        """The draft that config's speculative_config names, its weights read as the target's are (`load_weights`:
+        the engine's dtype and load format; never quantized; dummy weights seeded apart from the target's); a
         ValueError when its vocabulary differs from the target's or it is shorter than max_model_len."""
+        speculative = config.speculative_config
+        model_path = speculative["model"]
         spec = ModelSpec.from_pretrained(model_path)
         if spec.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model {model_path!r} has vocab_size {spec.vocab_size} but the target has "
@@ -63,15 +66,12 @@ class DraftModelProposer:
             raise ValueError(f"the draft model {model_path!r} has max_position_embeddings "
                              f"{spec.max_position_embeddings} < max_model_len {max_model_len}: lower max_model_len")
         kv_heads = cache_kv_heads(spec, mesh.devices.size)
-        cache_dtype = resolve_dtype(dtype, spec)
-        if load_format == "dummy":
-            params = dummy_params(spec, mesh, cache_dtype, kv_heads, seed + 1)
-        else:
-            params = load_params(model_path, spec, mesh, cache_dtype, kv_heads)
-        runner = DraftRunner(spec, params, mesh, page_size=page_size, num_cache_kv_heads=kv_heads,
-                             cache_dtype=cache_dtype, ladders=ladders, attention_backend=attention_backend,
-                             num_proposals=num_tokens)
-        return cls(runner, max_num_batched_tokens, max_model_len)
+        draft_config = dataclasses.replace(config, model=model_path, quantization="none", seed=config.seed + 1)
+        params, cache_dtype = load_weights(draft_config, model_path, spec, mesh, kv_heads)
+        runner = DraftRunner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads,
+                             cache_dtype=cache_dtype, ladders=ladders, attention_backend=config.attention_backend,
+                             num_proposals=speculative["num_speculative_tokens"])
+        return cls(runner, config.max_num_batched_tokens, max_model_len)
 
     def allocate(self, num_pages: int, show_progress: bool = True) -> None:
         """Allocate the draft's KV pool of `num_pages` pages and compile its buckets."""
