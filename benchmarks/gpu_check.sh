@@ -19,9 +19,11 @@
 #    6 fallback   the engine's `xla` attention backend against the Pallas one on decode, B {8, 64} x ctx {2k, 8k}
 #    7 prefill    the ragged kernel on 4 x 512-token chunks (0 and 2k cached) in TFLOP/s, against cuDNN causal
 #    8 kv_write   the KV write kernel for T {64, 2048} tokens
-#    9 e2e        `jaxserve bench throughput`, Llama-3.1-8B shape, random weights, 1000 in / 1000 out tokens,
+#    9 fp8        a whole decode step at the 8B shape (random weights, B 64 x ctx 2k): bf16, fp8 weights, and fp8
+#                 weights with an fp8 KV cache (issue 16)
+#   10 e2e        `jaxserve bench throughput`, Llama-3.1-8B shape, random weights, 1000 in / 1000 out tokens,
 #                 for what is left of the budget
-#   10 summary    a compact table and the DECISION line; gpu_check.json and gpu_check.md
+#   11 summary    a compact table and the DECISION line; gpu_check.json and gpu_check.md
 # Budget: GPU_CHECK_BUDGET_S seconds in all (default 450); each step gets its own cap or what the budget leaves
 # after SUMMARY_RESERVE_S for the summary, whichever is less (the end-to-end run: all that is left).
 # GPU_CHECK_STEPS="env decode ..." runs only the steps it names (for a lease with little device time left).
@@ -59,19 +61,19 @@ record() {
 run_step() {
     local number=$1 name=$2 cap=$3
     if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
-        echo "== [$number/10] $name: SKIPPED (not in GPU_CHECK_STEPS)"
+        echo "== [$number/11] $name: SKIPPED (not in GPU_CHECK_STEPS)"
         record "$number" "$name" 0 0 "not in GPU_CHECK_STEPS"
         return
     fi
     local left=$((BUDGET_S - (SECONDS - START) - SUMMARY_RESERVE_S))
     local limit=$((cap < left ? cap : left))
     if [ "$limit" -lt 10 ]; then
-        echo "== [$number/10] $name: SKIPPED (time budget spent)"
+        echo "== [$number/11] $name: SKIPPED (time budget spent)"
         record "$number" "$name" 0 0 "time budget spent"
         FAILED=1
         return
     fi
-    echo "== [$number/10] $name (limit $limit s; $((SECONDS - START)) s elapsed)"
+    echo "== [$number/11] $name (limit $limit s; $((SECONDS - START)) s elapsed)"
     local began=$SECONDS rc=0 state
     timeout --kill-after=5 "$limit" "$PY" -m benchmarks.gpu "$name" ${MODE[@]+"${MODE[@]}"} --work-dir "$WORK" \
         --limit-s "$limit" || rc=$?
@@ -81,7 +83,7 @@ run_step() {
         137) state="KILLED" ;;
         *) state="FAILED (exit $rc)" ;;
     esac
-    echo "-- [$number/10] $name: $state in $((SECONDS - began)) s"
+    echo "-- [$number/11] $name: $state in $((SECONDS - began)) s"
     record "$number" "$name" "$rc" "$((SECONDS - began))"
     [ "$rc" -eq 0 ] || FAILED=1
 }
@@ -96,11 +98,12 @@ main() {
     run_step 6 fallback 75
     run_step 7 prefill 60
     run_step 8 kv_write 40
-    run_step 9 e2e "$BUDGET_S"
-    echo "== [10/10] summary ($((SECONDS - START)) s elapsed)"
+    run_step 9 fp8 90
+    run_step 10 e2e "$BUDGET_S"
+    echo "== [11/11] summary ($((SECONDS - START)) s elapsed)"
     if [ -f "$WORK/e2e_bench.json" ]; then cp "$WORK/e2e_bench.json" "$OUT_DIR/"; fi
     timeout --kill-after=5 "$SUMMARY_RESERVE_S" "$PY" -m benchmarks.gpu summary ${MODE[@]+"${MODE[@]}"} \
-        --work-dir "$WORK" --out-dir "$OUT_DIR" || { echo "-- [10/10] summary: FAILED"; FAILED=1; }
+        --work-dir "$WORK" --out-dir "$OUT_DIR" || { echo "-- [11/11] summary: FAILED"; FAILED=1; }
     echo "== done in $((SECONDS - START)) s"
     rm -rf "$WORK"
     return "$FAILED"

@@ -36,9 +36,11 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax.export import DisabledSafetyCheck
 
 from jaxserve.config import VALID_ATTENTION_BACKENDS, EngineConfig
+from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES, GIB, MemoryPlan, plan_kv_pages
 from jaxserve.model.spec import ModelSpec
@@ -211,9 +213,10 @@ def _published_spec(name: str) -> ModelSpec:
 
 
 def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_kv_heads: int,
-                    quantization: str = "none") -> dict:
+                    quantization: str = "none", kv_cache_dtype: str = "auto") -> dict:
     """Every params leaf as a ShapeDtypeStruct in its final sharding: the shapes the engine's dummy weights
-    have (traced, never made), quantized as configured, the shardings the engine gives them."""
+    have (traced, never made), quantized as configured, with the fp8 KV cache's scales under `kv_cache_dtype`
+    fp8, the shardings the engine gives them."""
     from jaxserve.model.loader import dummy_params
     from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, quantize_weight, quantized_partition_specs
     from jaxserve.model.sharding import named, param_partition_specs
@@ -224,6 +227,10 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
         layers = {name: jax.eval_shape(lambda w: quantize_weight(w, quantization), leaf) if name in QUANTIZED_LAYER_LEAVES else leaf
                   for name, leaf in shapes["layers"].items()}
         shapes, specs = {**shapes, "layers": layers}, quantized_partition_specs(specs)
+    if kv_cache_dtype == "fp8":
+        scale = jax.ShapeDtypeStruct((spec.num_layers, num_cache_kv_heads), jnp.float32)  # (L, Hkv)
+        shapes = {**shapes, "layers": {**shapes["layers"], **{leaf: scale for leaf in fp8.SCALE_LEAVES}}}
+        specs = {**specs, "layers": {**specs["layers"], **{leaf: fp8.SCALE_SPEC for leaf in fp8.SCALE_LEAVES}}}
     return jax.tree_util.tree_map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), shapes,
         named(mesh, specs))
@@ -364,8 +371,6 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
                  buckets: str = "all", attention_backend: str | None = None) -> ConfigCheck:
     """Check one YAML config on every platform in `platforms` (see the module docstring), with the config's
     attention backend or `attention_backend`."""
-    import jax.numpy as jnp
-
     from jaxserve.engine_core import bucket_ladders, resolve_max_model_len
     from jaxserve.model.checkpoint import weight_quantization
     from jaxserve.model.loader import resolve_dtype
@@ -380,11 +385,12 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     kv_heads = cache_kv_heads(spec, tp)
     dtype = jnp.dtype(resolve_dtype(config.dtype, spec))
     ladders = bucket_ladders(config, spec, max_model_len)
-    params = abstract_params(spec, mesh, dtype, kv_heads, weight_quantization(config, spec))
+    params = abstract_params(spec, mesh, dtype, kv_heads, weight_quantization(config, spec), config.kv_cache_dtype)
     needed_pages = pages_for_tokens(max_model_len, config.page_size) + 1
 
     def runner(backend: str, platform: str) -> Runner:
-        return Runner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads, cache_dtype=dtype,
+        return Runner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads,
+                      cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype),
                       ladders=ladders, attention_backend=backend, platform=platform,
                       num_scheduler_steps=config.num_scheduler_steps,
                       num_speculative_tokens=config.num_speculative_tokens)

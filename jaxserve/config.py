@@ -11,6 +11,7 @@ import yaml
 VALID_PAGE_SIZES = (8, 16, 32)
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only quantization at load time (model/quantize.py)
+VALID_KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the weights' dtype; fp8: e4m3 pages with per-head scales (kv/fp8.py)
 VALID_POLICIES = ("fcfs", "priority")
 # How a preempted request gives its KV pages back: recompute (drop them; its tokens are computed again when it
 # resumes), swap (copy them to a host-memory pool and back when it resumes), auto (swap long contexts).
@@ -89,6 +90,9 @@ class EngineConfig:
     # Weight-only quantization of the linear layers at load time (model/quantize.py): none, int8 or fp8 (vLLM's
     # name; None means none).
     quantization: str | None = "none"
+    # The KV pages' dtype (vLLM's field): auto (the weights' dtype) or fp8 (e4m3, one scale per layer and KV head:
+    # the checkpoint's k_scale/v_scale, else 1.0; kv/fp8.py).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -101,6 +105,7 @@ class EngineConfig:
         if self.quantization is None:
             object.__setattr__(self, "quantization", "none")
         _check_choice("quantization", self.quantization, VALID_QUANTIZATIONS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, VALID_KV_CACHE_DTYPES)
         if not isinstance(self.swap_space, (int, float)) or not 0 <= self.swap_space < float("inf"):
             raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {self.swap_space!r}")
         if self.preemption_mode != "recompute" and self.swap_space == 0:

@@ -20,6 +20,7 @@ from jaxserve.batch import (
     build_sampling_batch,
 )
 from jaxserve.config import EngineConfig
+from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
@@ -55,7 +56,7 @@ class EngineCore:
         self.runner = Runner(
             self.spec, params, self.mesh,
             page_size=config.page_size, num_cache_kv_heads=kv_heads,
-            cache_dtype=dtype, ladders=self.ladders, attention_backend=config.attention_backend,
+            cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=self.ladders, attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
         )
         self.draft = None  # speculative decoding's draft model (method draft_model)
@@ -68,6 +69,9 @@ class EngineCore:
         host_pool = None
         if config.preemption_mode != "recompute":
             host_pool = PagePool(resolve_num_host_pages(config.swap_space, self.runner.page_bytes()))
+        logger.info("KV cache: %d pages of %d tokens (%d tokens) in %s%s", self.num_pages, config.page_size,
+                    self.num_pages * config.page_size, self.runner.cache_structs(1)[0].dtype.name,
+                    fp8.tokens_note(config.kv_cache_dtype, dtype))
         self.runner.allocate_kv(self.num_pages)
         self.runner.warmup(show_progress)
         if self.draft is not None:

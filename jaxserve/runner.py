@@ -173,7 +173,7 @@ class Runner:
         self.num_scheduler_steps = num_scheduler_steps
         self.num_speculative_tokens = num_speculative_tokens
         self._replicated = NamedSharding(mesh, P())
-        self.attention = make_attention(spec, attention_backend, mesh, page_size, platform)
+        self.attention = make_attention(spec, attention_backend, mesh, page_size, platform, cache_dtype)
         self._cache_dtype = cache_dtype
         self._num_cache_kv_heads = num_cache_kv_heads
         self._kv_sharding = tuple(NamedSharding(mesh, KV_CACHE_SPEC) for _ in self._cache_shapes(1))

@@ -35,10 +35,10 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     out = result.stdout
     assert result.returncode == 0, out[-6000:] + result.stderr[-2000:]
     for number, name in enumerate(STEP_NAMES, 1):  # every step's header, its own result line and the shell's verdict
-        assert f"== [{number}/10] {name} (limit" in out
+        assert f"== [{number}/11] {name} (limit" in out
         assert f"RESULT {name}: OK" in out
-        assert f"-- [{number}/10] {name}: ok in" in out
-    assert "== [10/10] summary" in out
+        assert f"-- [{number}/11] {name}: ok in" in out
+    assert "== [11/11] summary" in out
     # a line from each step's measurements
     assert "no deprecation warning" in out or "WARNING TEXT: " in out
     assert "compile paged_decode_attention   pages of 16  OK" in out
@@ -50,6 +50,7 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     assert re.search(r"attention backend xla +B=2 .* us", out)
     assert re.search(r"prefill 2 x 16 tokens after 32 +ragged kernel .* TFLOP/s +err vs dense", out)
     assert re.search(r"kv write T=8 .* GB/s", out)
+    assert re.search(r"fp8 step fp8 weights \+ fp8 KV +[\d.]+ ms .* bf16's time", out)
     assert re.search(r"RESULT e2e: OK \d+ output tok/s", out)
     # the decision comes last, and is one of the three (every step measured something)
     decisions = re.findall(r"^DECISION: (.*)$", out, re.M)

@@ -34,7 +34,13 @@ from jaxserve.model.spec import ModelSpec
 
 THRESHOLDS = {  # (model, mode) -> (least top-1 agreement, largest mean KL in nats)
     ("llama", "int8"): (0.90, 1e-2), ("llama", "fp8"): (0.75, 1e-1),
+    ("llama", "fp8-kv"): (0.75, 1e-1), ("llama", "fp8+fp8-kv"): (0.70, 2e-1),
     ("bundled", "int8"): (0.97, 1e-3), ("bundled", "fp8"): (0.93, 1e-2),
+    ("bundled", "fp8-kv"): (0.93, 1e-2), ("bundled", "fp8+fp8-kv"): (0.90, 2e-2),
+}
+MODES = {  # mode -> (weight quantization, kv_cache_dtype)
+    "none": ("none", "auto"), "int8": ("int8", "auto"), "fp8": ("fp8", "auto"), "fp8-kv": ("none", "fp8"),
+    "fp8+fp8-kv": ("fp8", "fp8"),
 }
 
 
@@ -74,7 +80,7 @@ def scored():
     """model -> mode -> next-token log-probabilities over its prompt set."""
     models = {"llama": (checkpoint("llama"), expected("llama")["prompts"]),
               "bundled": (default_model_path(), source_prompts(default_model_path(), 6, 100))}
-    return {name: {mode: next_token_logprobs(scoring_runner(path, mode), prompts) for mode in ("none", "int8", "fp8")}
+    return {name: {mode: next_token_logprobs(scoring_runner(path, *MODES[mode]), prompts) for mode in MODES}
             for name, (path, prompts) in models.items()}
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-# the measuring steps (modules of benchmarks/gpu), in the order gpu_check.sh runs them; 10 is the summary
-STEP_NAMES = ("env", "compiles", "checks", "bandwidth", "decode", "fallback", "prefill", "kv_write", "e2e")
+# the measuring steps (modules of benchmarks/gpu), in the order gpu_check.sh runs them; 11 is the summary
+STEP_NAMES = ("env", "compiles", "checks", "bandwidth", "decode", "fallback", "prefill", "kv_write", "fp8", "e2e")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,8 @@ class Plan:
     prefill_prefixes: tuple[int, ...]  # ... after this many cached tokens
     kv_write_tokens: tuple[int, ...]
     kv_write_pool_pages: int  # pages of the one-layer pool the writes land in
-    e2e: dict  # options of `jaxserve bench throughput` (step 9)
+    fp8: dict  # step 9: model_shape, batch (rows), context, warmup, repeats of the whole-model decode step
+    e2e: dict  # options of `jaxserve bench throughput` (step 10)
 
     @property
     def interpret(self) -> bool:
@@ -128,6 +129,7 @@ FULL = Plan(
     prefill_prefixes=(0, 2048),
     kv_write_tokens=(64, 2048),
     kv_write_pool_pages=4096,
+    fp8=dict(model_shape="llama-3.1-8b", batch=64, context=2048, warmup=2, repeats=10),
     e2e=dict(
         model_shape="llama-3.1-8b", num_requests=128, input_len=1000, output_len=1000, max_model_len=2048,
         page_size=16, max_num_seqs=128, max_num_batched_tokens=2048, min_token_bucket=256,
@@ -157,6 +159,7 @@ TINY = Plan(
     prefill_prefixes=(32,),
     kv_write_tokens=(8,),
     kv_write_pool_pages=16,
+    fp8=dict(model_shape="llama-small", batch=2, context=32, warmup=2, repeats=2),
     e2e=dict(
         model_shape="bundled", num_requests=4, input_len=8, output_len=4, max_model_len=16, page_size=16,
         max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16, warmup_requests=1, warmup_tokens=1,

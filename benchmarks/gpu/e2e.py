@@ -1,4 +1,4 @@
-"""Step 9: end to end: `jaxserve bench throughput` on the plan's model (on the H200 Llama-3.1-8B's shape
+"""Step 10: end to end: `jaxserve bench throughput` on the plan's model (on the H200 Llama-3.1-8B's shape
 with random weights made on the device) with a fixed workload, 1000 input and 1000 output tokens per
 request, the workload of TensorRT-LLM's published H200 table, for as long as the step's limit allows.
 
@@ -84,7 +84,7 @@ def parse(lines: list[str]) -> dict:
 
 
 def run(step: Step) -> dict:
-    """Step 9: the end-to-end run until done or the step's deadline; its output tokens/s when measured."""
+    """Step 10: the end-to-end run until done or the step's deadline; its output tokens/s when measured."""
     argv = command(step)
     seconds = step.deadline - time.monotonic()
     print(f"running for at most {seconds:.0f} s: {' '.join(argv[1:])}", flush=True)

@@ -1,4 +1,4 @@
-"""Step 10: the summary of every step's saved result, compact (the device tool returns only the last
+"""Step 11: the summary of every step's saved result, compact (the device tool returns only the last
 12,000 characters of output), written as gpu_check.json and gpu_check.md, and the decision line.
 
 The decision, from the decode kernel's best setting at every shape with context >= the plan's goal
@@ -131,7 +131,10 @@ def report(plan: Plan, statuses: list[dict], results: dict, decided: str) -> str
     writes = [f"T={row['tokens']} {row['us']:.1f} µs {row['gb_per_s']:.0f} GB/s" for row in kv.get("rows", [])
               if "us" in row]
     lines += [f"kv write (step 8): {', '.join(writes) or 'not measured'}", ""]
-    lines += [f"end to end (step 9): {e2e.get('summary', 'no result saved')}", "", decided]
+    fp8_rows = [f"{row['mode']} {row['ms']:.2f} ms ({row['over_bf16']:.2f}x)" for row in
+                (results.get("fp8") or {}).get("rows", []) if row.get("over_bf16") is not None]
+    lines += [f"8B decode step (step 9): {', '.join(fp8_rows) or 'not measured'}", ""]
+    lines += [f"end to end (step 10): {e2e.get('summary', 'no result saved')}", "", decided]
     return "\n".join(lines)
 
 

@@ -8,7 +8,8 @@ Backends (`attention_backend`):
 - `pallas-tpu-interpret`: the TPU kernel run by JAX's TPU interpreter (CPU tests).
 - `auto`: `pallas` on a GPU or a TPU when its kernels take the model's shapes, else `xla`.
 
-Every backend is an `AttentionBackend` (attention/base.py): its cache layout, `attention` and `write_kv`.
+Every backend is an `AttentionBackend` (attention/base.py): its cache layout, `attention` and `write_kv`. Every
+backend reads a cache in the queries' dtype or in float8_e4m3fn (the fp8 KV cache, kv/fp8.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.attention.base import AttentionBackend
@@ -28,17 +30,19 @@ logger = logging.getLogger("jaxserve")
 
 
 def resolve_backend(name: str, spec: ModelSpec, page_size: int, platform: str | None = None,
-                    tensor_parallel_size: int = 1) -> str:
+                    tensor_parallel_size: int = 1, cache_dtype=jnp.bfloat16) -> str:
     """The backend `name` stands for on `platform` ('cpu', 'gpu' or 'tpu'; default: JAX's default backend).
 
     'auto' is 'pallas' on a GPU or a TPU when that platform's kernels take the model's shapes (sharded over
-    `tensor_parallel_size` devices), else 'xla'. ValueError for a Pallas backend that cannot run."""
+    `tensor_parallel_size` devices) and a cache of `cache_dtype`, else 'xla'. ValueError for a Pallas backend
+    that cannot run."""
     if name not in VALID_ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; use {', '.join(VALID_ATTENTION_BACKENDS)}")
     platform = platform or jax.default_backend()
     has_kernels = platform in ("gpu", "tpu")
     if name == "auto":
-        unsupported = has_kernels and kernels_unsupported(platform, spec, page_size, tensor_parallel_size)
+        unsupported = has_kernels and kernels_unsupported(platform, spec, page_size, tensor_parallel_size,
+                                                          cache_dtype)
         if unsupported:
             logger.warning("attention_backend auto: using the XLA path because %s", unsupported)
         return "pallas" if has_kernels and not unsupported else "xla"
@@ -46,28 +50,31 @@ def resolve_backend(name: str, spec: ModelSpec, page_size: int, platform: str | 
         raise ValueError(f"attention_backend pallas compiles the kernels for a GPU or a TPU, and this is "
                          f"{platform}: use pallas-interpret or pallas-tpu-interpret (slow, for tests) or xla")
     kernels_platform = {"pallas": platform, "pallas-tpu-interpret": "tpu"}.get(name)
-    unsupported = kernels_platform and kernels_unsupported(kernels_platform, spec, page_size, tensor_parallel_size)
+    unsupported = kernels_platform and kernels_unsupported(kernels_platform, spec, page_size, tensor_parallel_size,
+                                                           cache_dtype)
     if unsupported:
         raise ValueError(f"attention_backend {name}: {unsupported}; use attention_backend xla")
     return name
 
 
-def kernels_unsupported(platform: str, spec: ModelSpec, page_size: int, tensor_parallel_size: int) -> str | None:
-    """Why `platform`'s Pallas kernels cannot take the model's shapes, or None when they can (or it has none)."""
+def kernels_unsupported(platform: str, spec: ModelSpec, page_size: int, tensor_parallel_size: int,
+                        cache_dtype=jnp.bfloat16) -> str | None:
+    """Why `platform`'s Pallas kernels cannot take the model's shapes and cache dtype, or None when they can (or
+    it has none)."""
     if platform == "gpu":
         return gpu_unsupported(page_size, spec.head_dim)
     if platform == "tpu":
         from jaxserve.attention.tpu import tpu_unsupported
 
-        return tpu_unsupported(cache_kv_heads(spec, tensor_parallel_size) // tensor_parallel_size)
+        return tpu_unsupported(cache_kv_heads(spec, tensor_parallel_size) // tensor_parallel_size, cache_dtype)
     return None
 
 
 def make_attention(spec: ModelSpec, backend: str, mesh: Mesh, page_size: int,
-                   platform: str | None = None) -> AttentionBackend:
-    """The resolved backend with the model's static options bound."""
+                   platform: str | None = None, cache_dtype=jnp.bfloat16) -> AttentionBackend:
+    """The resolved backend (for a cache of `cache_dtype`) with the model's static options bound."""
     platform = platform or jax.default_backend()
-    backend = resolve_backend(backend, spec, page_size, platform, mesh.size)
+    backend = resolve_backend(backend, spec, page_size, platform, mesh.size, cache_dtype)
     if backend == "xla":
         from jaxserve.attention import xla
 

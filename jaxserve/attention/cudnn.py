@@ -86,17 +86,17 @@ def _fresh_attention(q, k_cache, v_cache, layer, positions, token_rows, page_tab
     k = jnp.where(fresh[:, None, None], k_cache[layer, pages, slots], 0)  # (T, Hkv, D): others may hold NaN
     v = jnp.where(fresh[:, None, None], v_cache[layer, pages, slots], 0)  # (T, Hkv, D)
     same_row = (token_rows[:, None] == token_rows[None, :]) & fresh[None, :]  # (T, T) query x key
-    out = dense(q.astype(k.dtype)[None], k[None], v[None], mask=same_row[None, None])  # (1, T, Hq, D)
-    return out[0].astype(q.dtype)
+    k, v = k.astype(q.dtype), v.astype(q.dtype)  # an fp8 cache's values in the queries' dtype
+    return dense(q[None], k[None], v[None], mask=same_row[None, None])[0]  # (T, Hq, D)
 
 
 def _dense_problem(dense, q, k_cache) -> str | None:
     """Why the dense implementation cannot take the step (a trace-time error, or a mask too large), or None."""
     num_tokens, num_heads, head_dim = q.shape
-    if num_tokens * num_tokens * k_cache.dtype.itemsize > MASK_BYTES:
+    if num_tokens * num_tokens * q.dtype.itemsize > MASK_BYTES:
         return f"a {num_tokens} x {num_tokens} mask exceeds {MASK_BYTES >> 20} MiB"
-    query = jax.ShapeDtypeStruct((1, num_tokens, num_heads, head_dim), k_cache.dtype)  # (1, T, Hq, D)
-    kv = jax.ShapeDtypeStruct((1, num_tokens, k_cache.shape[3], head_dim), k_cache.dtype)  # (1, T, Hkv, D)
+    query = jax.ShapeDtypeStruct((1, num_tokens, num_heads, head_dim), q.dtype)  # (1, T, Hq, D)
+    kv = jax.ShapeDtypeStruct((1, num_tokens, k_cache.shape[3], head_dim), q.dtype)  # (1, T, Hkv, D)
     mask = jax.ShapeDtypeStruct((1, 1, num_tokens, num_tokens), jnp.bool_)  # (1, 1, T, T)
     try:
         jax.eval_shape(lambda q, k, v, m: dense(q, k, v, mask=m), query, kv, kv, mask)

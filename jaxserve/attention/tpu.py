@@ -27,6 +27,9 @@ The kernel runs inside `shard_map` over the `model` mesh axis like our GPU kerne
 own query heads over its own KV heads. The fused head axis (2 * Hkv) is split in contiguous blocks, so a
 device holding KV heads h0..h1 holds the K/V pairs 2h0..2h1+1 of exactly those heads.
 
+An fp8 cache (kv/fp8.py): the kernel casts K and V to the queries' dtype only when given a scale, so it gets
+k_scale = v_scale = 1.0 (the real scales are folded into q and the output by the model).
+
 Interpret mode (`pallas-tpu-interpret`, CPU tests) runs the kernel in JAX's TPU interpreter, which in JAX
 0.10.2 cannot run it as shipped; `mend_tpu_interpreter` fixes the two gaps it hits. Cross-lowering (jax.export
 for 'tpu' on a host without a TPU) needs `lowering_off_tpu`: the Mosaic lowering asks the device for its chip.
@@ -60,12 +63,17 @@ UNTUNED_BLOCK_SIZES = (128, 32)
 LANE_WIDTH = 128  # a TPU vector register's minor dimension
 
 
-def tpu_unsupported(kv_heads_per_device: int) -> str | None:
-    """Why the kernel cannot take the model's heads, or None when it can: the fused heads per device
-    (2 * Hkv) must tile a 16-bit and a 32-bit cache (the kernel's `get_min_heads_per_blk`), i.e. Hkv per
-    device is 1, 2, 4, 8 or a multiple of 8."""
-    if kv_heads_per_device not in (1, 2, 4, 8) and kv_heads_per_device % 8:
-        return f"{kv_heads_per_device} KV heads per device: the TPU kernel needs 1, 2, 4, 8 or a multiple of 8"
+def tpu_unsupported(kv_heads_per_device: int, cache_dtype) -> str | None:
+    """Why the kernel cannot take the model's heads in a cache of `cache_dtype`, or None when it can: the fused
+    heads per device (2 * Hkv) must tile the cache (the kernel's `get_min_heads_per_blk`): divide into the
+    values one 32-bit word packs (1, 2 or 4 of 32, 16 or 8 bits), leaving 1, 2, 4, 8 or a multiple of 8."""
+    dtype = jnp.dtype(cache_dtype)
+    packing = 4 // dtype.itemsize
+    fused = 2 * kv_heads_per_device
+    words = fused // packing
+    if fused % packing or (words not in (1, 2, 4, 8) and words % 8):
+        return (f"{kv_heads_per_device} KV heads per device in a {dtype.name} cache: the TPU kernel needs "
+                f"2 * Hkv / {packing} to be a whole 1, 2, 4, 8 or a multiple of 8")
     return None
 
 
@@ -185,6 +193,7 @@ def run_kernel(q, seq_lens, page_indices, query_start_loc, num_seqs, *, pages, s
             q, pages, seq_lens, page_indices, query_start_loc, num_seqs.reshape(1),
             sm_scale=sm_scale, sliding_window=sliding_window,
             num_kv_pages_per_block=block_pages, num_queries_per_block=block_queries,
+            **({"k_scale": 1.0, "v_scale": 1.0} if pages.dtype.itemsize == 1 else {}),
         )  # (T, Hq, Dp)
 
 

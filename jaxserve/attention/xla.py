@@ -204,6 +204,7 @@ def _online_softmax_step(carry, q, k, v, visible, sm_scale):
     is each token's own (U = N) or the whole tile's (U = 1)."""
     # q: (N, Hkv, G, D); k, v: (U, K, Hkv, D); visible: (N, K)
     running_max, denominator, numerator = carry  # (N, Hkv, G), (N, Hkv, G), (N, Hkv, G, D) float32
+    k, v = k.astype(q.dtype), v.astype(q.dtype)  # an fp8 cache's pages in the queries' dtype
     shared = k.shape[0] == 1
     scores = (jnp.einsum("thgd,khd->thgk", q, k[0], preferred_element_type=jnp.float32) if shared else
               jnp.einsum("thgd,tkhd->thgk", q, k, preferred_element_type=jnp.float32)) * sm_scale
@@ -239,7 +240,7 @@ def make_backend(spec: ModelSpec, platform: str, prefill_implementation: str | N
     def tiled(q, k_cache, v_cache, layer, positions, token_rows, page_table):
         # q: (N, Hq, D); positions, token_rows: (N,) int32; page_table: (R, W) int32
         tiles = tile_sizes(q.shape[0], page_table.shape[1], k_cache.shape[2], q.shape[1], k_cache.shape[3],
-                           k_cache.shape[4], k_cache.dtype.itemsize, platform)
+                           k_cache.shape[4], max(k_cache.dtype.itemsize, q.dtype.itemsize), platform)
         return tiled_attention(q, k_cache, v_cache, layer, positions, token_rows, page_table, sm_scale=sm_scale,
                                sliding_window=spec.sliding_window, tiles=tiles)
 

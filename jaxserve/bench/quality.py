@@ -16,6 +16,7 @@ from jaxserve.batch import BucketLadders, padded_batch_arrays
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.buckets import geometric_ladder, pick_bucket
 from jaxserve.config import EngineConfig
+from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.llama import token_logits
@@ -26,17 +27,20 @@ from jaxserve.runner import Runner
 PAGE_SIZE = 16
 
 
-def scoring_runner(path: str, quantization: str = "none") -> Runner:
-    """A Runner of a checkpoint's float32 weights (quantized under `quantization`), compiled for nothing."""
+def scoring_runner(path: str, quantization: str = "none", kv_cache_dtype: str = "auto",
+                   attention_backend: str = "xla") -> Runner:
+    """A Runner of a checkpoint's float32 weights (quantized under `quantization`, its KV cache in
+    `kv_cache_dtype`), compiled for nothing."""
     spec = ModelSpec.from_pretrained(path)
     mesh = make_mesh(1)
     kv_heads = cache_kv_heads(spec, 1)
-    config = EngineConfig(model=path, dtype="float32", quantization=quantization)
+    config = EngineConfig(model=path, dtype="float32", quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     params, dtype = load_weights(config, path, spec, mesh, kv_heads)
     ladders = BucketLadders.build(max_num_batched_tokens=PAGE_SIZE, max_num_seqs=1, max_model_len=PAGE_SIZE,
                                   page_size=PAGE_SIZE, min_token_bucket=PAGE_SIZE, max_aux_extra=0)
-    return Runner(spec, params, mesh, page_size=PAGE_SIZE, num_cache_kv_heads=kv_heads, cache_dtype=dtype,
-                  ladders=ladders, attention_backend="xla")
+    return Runner(spec, params, mesh, page_size=PAGE_SIZE, num_cache_kv_heads=kv_heads,
+                  cache_dtype=fp8.cache_dtype(kv_cache_dtype, dtype), ladders=ladders,
+                  attention_backend=attention_backend)
 
 
 def source_prompts(model: str, count: int, num_tokens: int) -> list[list[int]]:

@@ -2,7 +2,7 @@
 orbax, next to the Hugging Face config and tokenizer files, so a converted folder is a model folder.
 
     DST/
-        jaxserve_checkpoint.json   what the pytree is: dtype, quantization, KV heads stored
+        jaxserve_checkpoint.json   what the pytree is: dtype, quantization, KV heads stored, kv_cache_dtype
         params/                    orbax (StandardCheckpointer) of the params pytree
         config.json, generation_config.json, tokenizer files, chat template   copied from the source
 
@@ -21,10 +21,12 @@ import shutil
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig
-from jaxserve.model.loader import dummy_params, load_params, resolve_dtype
+from jaxserve.kv import fp8
+from jaxserve.model.loader import dummy_params, load_kv_scales, load_params, resolve_dtype
 from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
 from jaxserve.model.sharding import cache_kv_heads, make_mesh, param_partition_specs
 from jaxserve.model.spec import ModelSpec
@@ -50,16 +52,16 @@ def read_metadata(path: str) -> dict:
 
 
 def convert(source: str, destination: str, dtype: str = "auto", quantization: str = "none",
-            tensor_parallel_size: int = 1) -> dict:
+            kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> dict:
     """Load a model folder as the engine does (`load_weights`: cast to `dtype`, KV heads replicated for
-    `tensor_parallel_size`, quantized under `quantization` or as an fp8 checkpoint is) and write it to
-    `destination` as an orbax checkpoint with the source's config and tokenizer files; returns the metadata
-    written."""
+    `tensor_parallel_size`, quantized under `quantization` or as an fp8 checkpoint is, with the fp8 KV cache's
+    scales under `kv_cache_dtype` fp8) and write it to `destination` as an orbax checkpoint with the source's
+    config and tokenizer files; returns the metadata written."""
     import orbax.checkpoint as ocp
 
     if os.path.exists(destination) and os.listdir(destination):
         raise ValueError(f"{destination!r} exists and is not empty: choose a new folder")
-    config = EngineConfig(model=source, dtype=dtype, quantization=quantization,
+    config = EngineConfig(model=source, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                           tensor_parallel_size=tensor_parallel_size)
     spec = ModelSpec.from_pretrained(source)
     kv_heads = cache_kv_heads(spec, tensor_parallel_size)
@@ -74,7 +76,7 @@ def convert(source: str, destination: str, dtype: str = "auto", quantization: st
             shutil.copy(path, destination)
     metadata = {"format_version": FORMAT_VERSION, "dtype": jnp.dtype(cast).name,
                 "quantization": weight_quantization(config, spec), "num_cache_kv_heads": kv_heads,
-                "source": os.path.abspath(source)}
+                "kv_cache_dtype": kv_cache_dtype, "source": os.path.abspath(source)}
     with open(os.path.join(destination, MARKER), "w") as f:
         json.dump(metadata, f, indent=2)
     return metadata
@@ -82,13 +84,14 @@ def convert(source: str, destination: str, dtype: str = "auto", quantization: st
 
 def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: Mesh, kv_heads: int
                  ) -> tuple[dict, jnp.dtype]:
-    """(params in their shardings, the float dtype of the weights and the KV cache): from a converted orbax folder
-    (`load_checkpoint`), random (load_format dummy) or a Hugging Face folder, then quantized as configured."""
+    """(params in their shardings, the float dtype of the weights): from a converted orbax folder
+    (`load_checkpoint`), random (load_format dummy) or a Hugging Face folder, then quantized as configured, with
+    the fp8 KV cache's scales when `kv_cache_dtype` is fp8 (and none otherwise)."""
     if config.load_format != "dummy" and is_checkpoint(model_path):
         params, stored = load_checkpoint(model_path, spec, mesh, kv_heads, config.dtype, config.quantization)
         logger.info("weights: %.1f MiB (orbax, %s, %s)", weight_bytes(params) / 2**20, stored["dtype"],
                     stored["quantization"])
-        return params, jnp.dtype(stored["dtype"])
+        return with_kv_scales(params, config.kv_cache_dtype, None, mesh, kv_heads), jnp.dtype(stored["dtype"])
     dtype = resolve_dtype(config.dtype, spec)
     mode = weight_quantization(config, spec)
     if config.load_format == "dummy":
@@ -98,7 +101,28 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: M
     if mode != "none" and (spec.checkpoint_quantization == "none" or config.load_format == "dummy"):
         params = quantize_params(params, mode)
     logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, mode)
-    return params, dtype
+    scales = None
+    if config.kv_cache_dtype == "fp8" and config.load_format != "dummy":
+        scales = load_kv_scales(model_path, spec, kv_heads)
+    return with_kv_scales(params, config.kv_cache_dtype, scales, mesh, kv_heads), dtype
+
+
+def with_kv_scales(params: dict, kv_cache_dtype: str, scales: dict | None, mesh: Mesh, kv_heads: int) -> dict:
+    """The params with the fp8 KV cache's scale leaves (kv/fp8.py) under `kv_cache_dtype` fp8, without them
+    otherwise. The scales are `scales` (from a Hugging Face checkpoint), else the ones a converted folder holds,
+    else 1.0 (vLLM's default, with a warning)."""
+    layers = {name: leaf for name, leaf in params["layers"].items() if name not in fp8.SCALE_LEAVES}
+    if kv_cache_dtype != "fp8":
+        return {**params, "layers": layers}
+    if scales is None and "k_scale" in params["layers"]:
+        return params
+    if scales is None:
+        logger.warning("kv_cache_dtype fp8: the checkpoint has no self_attn.k_scale / v_scale, so every KV scale "
+                       "is 1.0 (K and V beyond +-%g saturate)", fp8.FP8_MAX)
+        num_layers = layers["input_norm"].shape[0]
+        scales = {leaf: np.ones((num_layers, kv_heads), np.float32) for leaf in fp8.SCALE_LEAVES}
+    sharding = NamedSharding(mesh, fp8.SCALE_SPEC)
+    return {**params, "layers": {**layers, **{leaf: jax.device_put(scales[leaf], sharding) for leaf in scales}}}
 
 
 def weight_quantization(config: EngineConfig, spec: ModelSpec) -> str:
@@ -135,6 +159,8 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
     specs = param_partition_specs(spec, mesh.devices.size)
     if metadata["quantization"] != "none":
         specs = quantized_partition_specs(specs)
+    if metadata.get("kv_cache_dtype") == "fp8":
+        specs["layers"].update({leaf: fp8.SCALE_SPEC for leaf in fp8.SCALE_LEAVES})
     checkpointer = ocp.StandardCheckpointer()
     params_path = os.path.abspath(os.path.join(path, PARAMS_DIR))
     stored = checkpointer.metadata(params_path).item_metadata.tree

@@ -11,6 +11,7 @@ Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`
     layers/w_gate, w_up (L, H, I)  layers/w_down (L, I, H)
 Under weight quantization (model/quantize.py) each of wq, wk, wv, wo, w_gate, w_up, w_down is
 {"weight": the same shape in int8 or float8_e4m3fn, "scale": (L, out) float32}.
+Under an fp8 KV cache (kv/fp8.py): layers/k_scale, v_scale (L, Hkv) float32.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from jaxserve.attention.base import AttentionFn, WriteKVFn
 from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.kv.fp8 import write_and_attend
 from jaxserve.model.quantize import linear
 from jaxserve.model.spec import ModelSpec
 
@@ -81,8 +83,8 @@ def forward(
         h = rms_norm(x, layer_params["input_norm"], spec.rms_norm_eps)  # (T, H)
         q, k, v = _qkv(h, layer_params, spec, num_kv_heads)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        caches = write_kv(caches, layer, k, v, batch)
-        attn = attention(q, caches, layer, batch)  # (T, Hq, D)
+        attn, caches = write_and_attend(q, k, v, caches, layer, batch, layer_params, attention=attention,
+                                        write_kv=write_kv)  # (T, Hq, D)
         x = x + linear(attn.reshape(attn.shape[0], -1), layer_params["wo"])  # (T, H)
         h = rms_norm(x, layer_params["post_norm"], spec.rms_norm_eps)
         gate = jax.nn.silu(linear(h, layer_params["w_gate"]))  # (T, I)

@@ -39,6 +39,8 @@ _LAYER_WEIGHTS = {
     "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
 }
 _KV_LEAVES = ("wk", "wv", "bk", "bv")
+# The fp8 KV cache's scales (kv/fp8.py): params leaf -> HF name template (vLLM's names; a scalar or one per KV head)
+_KV_SCALES = {"k_scale": "model.layers.{i}.self_attn.k_scale", "v_scale": "model.layers.{i}.self_attn.v_scale"}
 
 
 def resolve_dtype(dtype: str, spec: ModelSpec) -> jnp.dtype:
@@ -138,6 +140,26 @@ def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_ca
         transposed = _Layout(transpose=True, kv_repeat=1, head_dim=spec.head_dim)
         params["lm_head"] = _load_one(folder, "lm_head.weight", transposed, shardings["lm_head"], dtype)
     return params
+
+
+def load_kv_scales(path: str, spec: ModelSpec, num_cache_kv_heads: int) -> dict | None:
+    """{"k_scale", "v_scale": (L, cache KV heads) float32} from the checkpoint's per-layer `self_attn.k_scale` and
+    `v_scale` (one value, or one per KV head; repeated like the KV heads), or None when it has none."""
+    folder = SafetensorsFolder(path)
+    if _KV_SCALES["k_scale"].format(i=0) not in folder:
+        return None
+    kv_repeat = num_cache_kv_heads // spec.num_kv_heads
+    scales = {}
+    for leaf, template in _KV_SCALES.items():
+        rows = []
+        for i in range(spec.num_layers):
+            stored = folder.get(template.format(i=i)).astype(np.float32).reshape(-1)  # (1,) or (Hkv,)
+            if stored.size not in (1, spec.num_kv_heads) or not np.all(np.isfinite(stored) & (stored > 0)):
+                raise ValueError(f"{template.format(i=i)} must hold one positive scale or one per KV head "
+                                 f"({spec.num_kv_heads}), got {stored.tolist()}")
+            rows.append(np.repeat(np.broadcast_to(stored, (spec.num_kv_heads,)), kv_repeat))
+        scales[leaf] = np.stack(rows)  # (L, cache KV heads)
+    return scales
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ import numpy as np
 from jaxserve.batch import BucketLadders, build_batch, padded_decode_step_arrays
 from jaxserve.batch_descriptor import DecodeSteps
 from jaxserve.config import EngineConfig
+from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.model.checkpoint import load_weights
@@ -54,7 +55,7 @@ class DraftModelProposer:
     def load(cls, config: EngineConfig, target: ModelSpec, mesh, ladders: BucketLadders,
              max_model_len: int) -> "DraftModelProposer":
         """The draft that config's speculative_config names, its weights read as the target's are (`load_weights`:
-        the engine's dtype and load format; never quantized; dummy weights seeded apart from the target's); a
+        the engine's dtype, load format and KV cache dtype; never quantized; dummy weights seeded apart from the target's); a
         ValueError when its vocabulary differs from the target's or it is shorter than max_model_len."""
         speculative = config.speculative_config
         model_path = speculative["model"]
@@ -67,9 +68,9 @@ class DraftModelProposer:
                              f"{spec.max_position_embeddings} < max_model_len {max_model_len}: lower max_model_len")
         kv_heads = cache_kv_heads(spec, mesh.devices.size)
         draft_config = dataclasses.replace(config, model=model_path, quantization="none", seed=config.seed + 1)
-        params, cache_dtype = load_weights(draft_config, model_path, spec, mesh, kv_heads)
+        params, dtype = load_weights(draft_config, model_path, spec, mesh, kv_heads)
         runner = DraftRunner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads,
-                             cache_dtype=cache_dtype, ladders=ladders, attention_backend=config.attention_backend,
+                             cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=ladders, attention_backend=config.attention_backend,
                              num_proposals=speculative["num_speculative_tokens"])
         return cls(runner, config.max_num_batched_tokens, max_model_len)
 

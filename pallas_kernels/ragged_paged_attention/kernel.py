@@ -11,7 +11,8 @@ Each program walks its request's pages from the page table, only those its queri
 (causal: up to the page of its last query; sliding window: from the page of its first visible
 key), and keeps an online softmax in float32. K and V are read page by page straight out of the
 `(L, P, S, Hkv, D)` caches with the layer index as an operand; nothing is gathered into a dense
-copy. Page tables, lengths and block metadata are plain int32 operands read inside the kernel
+copy. The caches are in q's dtype or in float8_e4m3fn (an fp8 KV cache: each page is cast to q's dtype
+as it is loaded; the scales are the model's to fold in, kv/fp8.py). Page tables, lengths and block metadata are plain int32 operands read inside the kernel
 (GPU Pallas lowerings have no scalar prefetch).
 
 GPU route: the Triton lowering, chosen explicitly with `triton.CompilerParams`. Mosaic GPU (JAX's
@@ -171,8 +172,8 @@ def _attention_kernel(
     def visit_page(index, carry):
         running_max, running_sum, acc = carry  # (M, 1), (M, 1), (M, D) float32
         page = page_table_ref[row, index]
-        k = k_ref[layer, page, :, kv_head, :]  # (S, D)
-        v = v_ref[layer, page, :, kv_head, :]  # (S, D)
+        k = k_ref[layer, page, :, kv_head, :].astype(q.dtype)  # (S, D): an fp8 page in the queries' dtype
+        v = v_ref[layer, page, :, kv_head, :].astype(q.dtype)  # (S, D)
         # Slots past the sequence hold whatever a page's earlier owner left: keep it out of the sums.
         v = jnp.where(index * page_size + value_offset < seq_len, v, jnp.zeros_like(v))
         scores = matmul_f32(q, k.T, use_dot) * sm_scale  # (M, S)

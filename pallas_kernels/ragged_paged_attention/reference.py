@@ -61,7 +61,8 @@ def ragged_paged_attention(
     """Causal attention of every query token over its own request's paged K/V.
 
     A query at absolute position `p` sees the keys at positions `0..p` of its request (and only
-    the last `sliding_window` of them when a window is set). Softmax runs in float32.
+    the last `sliding_window` of them when a window is set). Softmax runs in float32. The caches are in
+    q's dtype or in float8_e4m3fn (read as q's dtype, unscaled: the model folds the scales in).
     """
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); positions: (T,) int32
     # query_start_loc: (R + 1,) int32; page_table: (R, W) int32
@@ -78,8 +79,9 @@ def _attend_tokens(q, positions, token_pages, *, k_cache, v_cache, layer, sm_sca
     page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
     num_keys = token_pages.shape[1] * page_size
-    k = k_cache[layer, token_pages].reshape(num_tokens, num_keys, num_kv_heads, head_dim)  # (N, K, Hkv, D)
-    v = v_cache[layer, token_pages].reshape(num_tokens, num_keys, num_kv_heads, head_dim)  # (N, K, Hkv, D)
+    shape = (num_tokens, num_keys, num_kv_heads, head_dim)
+    k = k_cache[layer, token_pages].reshape(shape).astype(q.dtype)  # (N, K, Hkv, D): an fp8 cache's in q's dtype
+    v = v_cache[layer, token_pages].reshape(shape).astype(q.dtype)  # (N, K, Hkv, D)
 
     q = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # (N, Hkv, G, D)
     scores = jnp.einsum("thgd,tkhd->thgk", q, k, preferred_element_type=jnp.float32) * sm_scale

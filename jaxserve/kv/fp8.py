@@ -1,0 +1,69 @@
+"""The fp8 KV cache (`kv_cache_dtype: fp8`, vLLM's field): pages hold K and V in float8_e4m3fn, one scale per
+(layer, KV head), so the pool holds twice the tokens of a 16-bit cache in the same memory.
+
+A page stores `clip(x / scale, -448, 448)` in e4m3, so `x ~ stored * scale`. The scales are two params leaves,
+`layers/k_scale` and `layers/v_scale` (L, Hkv) float32, from the checkpoint's `self_attn.k_scale` / `v_scale`
+(one per layer or one per KV head) or 1.0 (vLLM's default) when it has none.
+
+No backend dequantizes a page: a K scale multiplies its head group's queries before the scores
+(`q . (s k) = (s q) . k`) and a V scale multiplies the attention output after (`sum p (s v) = s sum p v`), so
+every attention backend reads the fp8 pages as they are and only casts them to the queries' dtype where it
+loads them (the Pallas kernels in VMEM / SRAM, the XLA path after its gather).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.attention.base import AttentionFn, WriteKVFn
+from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.model.sharding import MODEL_AXIS
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+SCALE_LEAVES = ("k_scale", "v_scale")  # params["layers"] leaves of an fp8 cache, each (L, Hkv) float32
+SCALE_SPEC = P(None, MODEL_AXIS)  # split over the KV heads, as the cache is
+
+
+def cache_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype:
+    """The dtype the pages hold: e4m3 under `fp8`, else the weights' `dtype` (`auto`)."""
+    return jnp.dtype(FP8_DTYPE if kv_cache_dtype == "fp8" else dtype)
+
+
+def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """K or V in e4m3 under per-head `scale`, saturating at the format's largest value (no NaN)."""
+    # x: (T, Hkv, D); scale: (Hkv,) float32 -> (T, Hkv, D) float8_e4m3fn
+    return jnp.clip(x.astype(jnp.float32) / scale[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def scale_heads(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """Every query head times its KV head's scale (query head h reads KV head h // (Hq / Hkv))."""
+    # x: (T, Hq, D); scale: (Hkv,) float32 -> (T, Hq, D) in x's dtype
+    group = x.shape[1] // scale.shape[0]
+    return (x.astype(jnp.float32) * jnp.repeat(scale, group)[None, :, None]).astype(x.dtype)
+
+
+def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array,
+                     batch: BatchDescriptor, layer_params: dict, *, attention: AttentionFn, write_kv: WriteKVFn
+                     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Write the step's K/V into layer `layer`'s pages and attend over them: (attention out, caches). With the
+    fp8 scales in `layer_params`, K/V are stored quantized and the scales folded into q and the output."""
+    # q: (T, Hq, D); k, v: (T, Hkv, D) -> out (T, Hq, D)
+    if "k_scale" not in layer_params:
+        caches = write_kv(caches, layer, k, v, batch)
+        return attention(q, caches, layer, batch), caches
+    k_scale, v_scale = layer_params["k_scale"], layer_params["v_scale"]  # (Hkv,) each
+    caches = write_kv(caches, layer, quantize(k, k_scale), quantize(v, v_scale), batch)
+    out = attention(scale_heads(q, k_scale), caches, layer, batch)  # (T, Hq, D)
+    return scale_heads(out, v_scale), caches
+
+
+def tokens_note(kv_cache_dtype: str, weight_dtype) -> str:
+    """What the start-up log adds about the cache's dtype: under fp8, how many times the tokens a cache in the
+    weights' dtype would hold in the same memory."""
+    if kv_cache_dtype != "fp8":
+        return ""
+    ratio = jnp.dtype(weight_dtype).itemsize // jnp.dtype(FP8_DTYPE).itemsize
+    return f" (fp8 e4m3: {ratio}x the tokens a {jnp.dtype(weight_dtype).name} cache holds in the same memory)"
