@@ -1,11 +1,13 @@
-"""Quality of weight-only quantization against the float model, teacher-forced (issue 16).
+"""Quality of quantized weights and an fp8 KV cache against the float model, teacher-forced (issue 16).
 
     PYTHONPATH=. python benchmarks/quantization_quality.py             # the bundled model and two test checkpoints
 
-For each model and mode (int8, fp8), the next-token distribution at every position of a fixed prompt set
+For each model and mode (int8 or fp8 weights, an fp8 KV cache with scale 1.0 or calibrated scales, fp8 weights
+and KV together), the next-token distribution at every position of a fixed prompt set
 (`bench/quality.py`: the bundled model gets six 100-token pieces of jaxserve's scheduler source, a test
 checkpoint its expected.json prompts) against the unquantized float32 model's: top-1 agreement and the mean
-and largest KL divergence, and the bytes of the linear layers against bfloat16. Prints a markdown table.
+and largest KL divergence, and the bytes of the linear layers and of a KV page against bfloat16. Prints a
+markdown table.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ from jaxserve.bench.quality import (  # noqa: E402
 from jaxserve.engine import default_model_path  # noqa: E402
 from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, weight_bytes  # noqa: E402
 
+MODES = {  # mode -> scoring_runner options
+    "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
+    "fp8 KV (scale 1)": {"kv_cache_dtype": "fp8"},
+    "fp8 KV (calibrated)": {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
+    "fp8 + fp8 KV (scale 1)": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+}
 CHECKPOINTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures",
                            "checkpoints")
 
@@ -43,21 +51,24 @@ def main() -> None:
     parser.add_argument("models", nargs="*", help="model folders (default: bundled, test llama, test qwen3)")
     args = parser.parse_args()
     models = args.models or [default_model_path(), os.path.join(CHECKPOINTS, "llama"), os.path.join(CHECKPOINTS, "qwen3")]
-    print("| model | mode | positions | top-1 agreement | mean KL (nats) | max KL | linear layers vs bf16 |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| model | mode | positions | top-1 agreement | mean KL (nats) | max KL | linear layers vs bf16 "
+          "| KV page vs bf16 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for model in models:
         prompts = prompts_for(model)
         reference_runner = scoring_runner(model)
         reference = next_token_logprobs(reference_runner, prompts)
         linear = {name: reference_runner.params["layers"][name] for name in QUANTIZED_LAYER_LEAVES}
         bf16_bytes = sum(leaf.size * jnp.dtype(jnp.bfloat16).itemsize for leaf in linear.values())
-        for mode in ("int8", "fp8"):
-            runner = scoring_runner(model, mode)
+        for mode, options in MODES.items():
+            runner = scoring_runner(model, **options)
             quality = compare_distributions(reference, next_token_logprobs(runner, prompts))
             quantized = weight_bytes({name: runner.params["layers"][name] for name in QUANTIZED_LAYER_LEAVES})
+            linear_share = f"{quantized / bf16_bytes:.3f}" if "quantization" in options else "-"
+            kv_share = runner.cache_structs(1)[0].dtype.itemsize / jnp.dtype(jnp.bfloat16).itemsize
             print(f"| {os.path.basename(os.path.normpath(model))} | {mode} | {quality['positions']} | "
                   f"{quality['top1_agreement']:.1%} | {quality['mean_kl']:.2e} | {quality['max_kl']:.2e} | "
-                  f"{quantized / bf16_bytes:.3f} |", flush=True)
+                  f"{linear_share} | {kv_share if 'kv_cache_dtype' in options else '-'} |", flush=True)
 
 
 if __name__ == "__main__":

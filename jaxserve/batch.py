@@ -124,6 +124,24 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders,
     return BatchDescriptor(**arrays)
 
 
+def prefill_batch(prompt: list[int], num_tokens: int, width: int, page_size: int) -> BatchDescriptor:
+    """One whole prompt as a step of `num_tokens` tokens (padded) whose KV goes to pages 1 .. `width` in order: the
+    step of a scratch pool holding one prompt (teacher-forced scoring, KV-scale calibration)."""
+    length = len(prompt)
+    arrays = padded_batch_arrays(num_tokens, 1, width, page_size)
+    positions = np.arange(length, dtype=np.int32)  # (n,)
+    pages = np.arange(1, width + 1, dtype=np.int32)  # (W,)
+    arrays["input_ids"][:length] = prompt
+    arrays["positions"][:length] = positions
+    arrays["slot_mapping"][:length] = pages[positions // page_size] * page_size + positions % page_size
+    arrays["query_start_loc"][:] = [0, length]
+    arrays["seq_lens"][0] = length
+    arrays["page_table"][0] = pages
+    arrays["logits_indices"][0] = length - 1
+    arrays["num_seqs"] = np.asarray(1, np.int32)
+    return BatchDescriptor(**arrays)
+
+
 def padded_batch_arrays(num_tokens: int, num_rows: int, width: int, page_size: int) -> dict[str, np.ndarray]:
     """Every BatchDescriptor field at its padding value, for T tokens, R rows and W pages per row."""
     return {

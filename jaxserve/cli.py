@@ -28,7 +28,7 @@ ENGINE_FLAGS = (
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
     "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format", "async_scheduling",
     "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions", "speculative_config", "quantization",
-    "kv_cache_dtype",
+    "kv_cache_dtype", "calculate_kv_scales",
 )
 
 
@@ -69,6 +69,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=list(VALID_KV_CACHE_DTYPES),
                         help="the KV pages' dtype: auto (the weights') or fp8 (e4m3 with a scale per layer and KV "
                              "head: twice the tokens in the same memory)")
+    parser.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --kv-cache-dtype fp8: compute the scales from a calibration pass at start-up "
+                             "instead of taking the checkpoint's k_scale/v_scale (or 1.0)")
     parser.add_argument("--load-format", choices=list(VALID_LOAD_FORMATS),
                         help="auto (the folder's safetensors) or dummy (random weights, for benchmarks)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
@@ -150,7 +153,8 @@ def convert(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     metadata = convert_checkpoint(args.source, args.destination, dtype=args.dtype, quantization=args.quantization,
-                                  kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
+                                  kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales,
+                                  tensor_parallel_size=args.tensor_parallel_size)
     print(f"wrote {args.destination} in {time.perf_counter() - started:.1f}s: {metadata['dtype']} weights, "
           f"quantization {metadata['quantization']}, {metadata['num_cache_kv_heads']} KV heads stored")
     return 0
@@ -202,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--quantization", choices=list(VALID_QUANTIZATIONS), default="none")
     conv.add_argument("--kv-cache-dtype", choices=list(VALID_KV_CACHE_DTYPES), default="auto",
                       help="fp8: store the fp8 KV cache's scales (the source's k_scale/v_scale, else 1.0)")
+    conv.add_argument("--calculate-kv-scales", action="store_true",
+                      help="with --kv-cache-dtype fp8: store scales from a calibration pass (kv/calibration.py)")
     conv.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="store the KV heads replicated as this tensor parallelism needs (default 1)")
     conv.set_defaults(handler=convert)

@@ -93,6 +93,9 @@ class EngineConfig:
     # The KV pages' dtype (vLLM's field): auto (the weights' dtype) or fp8 (e4m3, one scale per layer and KV head:
     # the checkpoint's k_scale/v_scale, else 1.0; kv/fp8.py).
     kv_cache_dtype: str = "auto"
+    # kv_cache_dtype fp8: compute the scales at start-up from a calibration pass over a bundled text
+    # (kv/calibration.py) instead of taking the checkpoint's (or 1.0).
+    calculate_kv_scales: bool = False
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -106,6 +109,10 @@ class EngineConfig:
             object.__setattr__(self, "quantization", "none")
         _check_choice("quantization", self.quantization, VALID_QUANTIZATIONS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, VALID_KV_CACHE_DTYPES)
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be true or false, got {self.calculate_kv_scales!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ValueError("calculate_kv_scales computes the fp8 KV cache's scales: set kv_cache_dtype fp8 too")
         if not isinstance(self.swap_space, (int, float)) or not 0 <= self.swap_space < float("inf"):
             raise ValueError(f"swap_space must be a finite number of GiB >= 0, got {self.swap_space!r}")
         if self.preemption_mode != "recompute" and self.swap_space == 0:

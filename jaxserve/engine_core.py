@@ -70,7 +70,7 @@ class EngineCore:
         if config.preemption_mode != "recompute":
             host_pool = PagePool(resolve_num_host_pages(config.swap_space, self.runner.page_bytes()))
         logger.info("KV cache: %d pages of %d tokens (%d tokens) in %s%s", self.num_pages, config.page_size,
-                    self.num_pages * config.page_size, self.runner.cache_structs(1)[0].dtype.name,
+                    self.num_pages * config.page_size, self.runner.cache_dtype.name,
                     fp8.tokens_note(config.kv_cache_dtype, dtype))
         self.runner.allocate_kv(self.num_pages)
         self.runner.warmup(show_progress)

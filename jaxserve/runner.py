@@ -174,7 +174,8 @@ class Runner:
         self.num_speculative_tokens = num_speculative_tokens
         self._replicated = NamedSharding(mesh, P())
         self.attention = make_attention(spec, attention_backend, mesh, page_size, platform, cache_dtype)
-        self._cache_dtype = cache_dtype
+        self.cache_dtype = jnp.dtype(cache_dtype)  # what the pages hold (float8_e4m3fn for an fp8 cache)
+        self._cache_dtype = self.attention.storage_dtype(cache_dtype)  # the arrays' dtype (kv/fp8.py)
         self._num_cache_kv_heads = num_cache_kv_heads
         self._kv_sharding = tuple(NamedSharding(mesh, KV_CACHE_SPEC) for _ in self._cache_shapes(1))
         self.kv_caches: tuple[jax.Array, ...] = ()  # allocate_kv: the backend's layout, each (L, P, S, heads, D)

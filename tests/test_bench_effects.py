@@ -197,7 +197,8 @@ def test_early_exit_copy_keeps_the_first_layers(tmp_path):
 def test_quantization_report_lines():
     from jaxserve.bench.quantization import quantization_lines
 
-    sides = [_side("none"), _side("int8", over_float={"mean": 0.8, "best": 0.85}, same_tokens=[30, 32])]
+    sides = [_side("none", kv_tokens=4096),
+             _side("fp8 KV", kv_tokens=16384, over_float={"mean": 0.8, "best": 0.85}, same_tokens=[30, 32])]
     lines = quantization_lines({"workload": "w", "systems": sides})
-    assert "| none | 100 | 110 | 1.10, 1.00 | | |" in lines
-    assert "| int8 | 100 | 110 | 1.10, 1.00 | 0.80x, 0.85x | 30/32 |" in lines
+    assert "| none | 4,096 | 100 | 110 | 1.10, 1.00 | | |" in lines
+    assert "| fp8 KV | 16,384 | 100 | 110 | 1.10, 1.00 | 0.80x, 0.85x | 30/32 |" in lines

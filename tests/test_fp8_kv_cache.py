@@ -106,7 +106,8 @@ def test_every_backend_reads_fp8_pages_as_the_dequantized_values(backend_name):
     quantized = _backends(spec, fp8.FP8_DTYPE)[backend_name]
     plain = _backends(spec, jnp.float32)[backend_name]
     shapes = quantized.cache_shapes(NUM_LAYERS, NUM_PAGES, PAGE_SIZE, spec.num_kv_heads, spec.head_dim)
-    fp8_caches = tuple(jnp.zeros(shape, fp8.FP8_DTYPE) for shape in shapes)
+    storage = quantized.storage_dtype(fp8.FP8_DTYPE)  # uint8 bits, or float8 on the TPU kernel's layout
+    fp8_caches = tuple(jnp.zeros(shape, storage) for shape in shapes)
     float_caches = tuple(jnp.zeros(shape, jnp.float32) for shape in shapes)
 
     def run(backend, caches, q, k, v, batch, layer_params):
@@ -130,7 +131,7 @@ def test_every_backend_reads_fp8_pages_as_the_dequantized_values(backend_name):
         got, want = np.asarray(got), np.asarray(want)
         assert np.abs(got[:real] - want[:real]).max() <= 1e-5 * np.abs(want[:real]).max()
         assert (got[real:] == 0).all()
-    assert all(cache.dtype == fp8.FP8_DTYPE for cache in fp8_caches)
+    assert all(cache.dtype == storage and cache.dtype.itemsize == 1 for cache in fp8_caches)
 
 
 def test_tpu_kernel_refuses_an_odd_kv_head_count_in_fp8():
@@ -149,7 +150,8 @@ def engines():
 
 def test_the_pool_holds_twice_the_pages_of_bfloat16_in_the_same_memory(engines):
     bf16, fp8_pool = engines["auto", 1].engine.core, engines["fp8", 1].engine.core
-    assert bf16.runner.kv_caches[0].dtype == jnp.bfloat16 and fp8_pool.runner.kv_caches[0].dtype == fp8.FP8_DTYPE
+    assert bf16.runner.kv_caches[0].dtype == jnp.bfloat16 and fp8_pool.runner.cache_dtype == fp8.FP8_DTYPE
+    assert fp8_pool.runner.kv_caches[0].dtype == jnp.uint8  # the e4m3 values' bits (kv/fp8.py)
     assert fp8_pool.runner.page_bytes() * 2 == bf16.runner.page_bytes()
     assert fp8_pool.num_pages in (2 * bf16.num_pages, 2 * bf16.num_pages + 1)
 
@@ -229,3 +231,59 @@ def test_bad_scales_and_values_are_refused(tmp_path):
         _load(folder)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
         EngineConfig(kv_cache_dtype="int4")
+
+
+def _rescaled_checkpoint(folder: str, factor: float) -> None:
+    """The llama checkpoint with K and V `factor` times smaller and the queries and output projection `factor`
+    times larger: the same model in float (scores and attention output unchanged), but K and V far below e4m3's
+    smallest subnormal at scale 1.0."""
+    from safetensors.numpy import load_file
+
+    source = checkpoint("llama")
+    tensors = {}
+    for name in sorted(os.listdir(source)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(source, name)))
+        elif name != "model.safetensors.index.json" and os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), folder)
+    for name in list(tensors):
+        projection = name.split(".")[-2]
+        if projection in ("k_proj", "v_proj"):
+            tensors[name] = tensors[name] / factor
+        elif projection in ("q_proj", "o_proj"):
+            tensors[name] = tensors[name] * factor
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+
+
+def test_calibrated_scales_rescue_kv_outside_e4m3s_range(tmp_path):
+    from jaxserve.bench.quality import compare_distributions, next_token_logprobs, scoring_runner
+
+    folder = str(tmp_path / "tiny-kv")
+    os.makedirs(folder)
+    _rescaled_checkpoint(folder, 1e4)
+    prompts = expected("llama")["prompts"]
+    reference = next_token_logprobs(scoring_runner(checkpoint("llama")), prompts)
+    plain = compare_distributions(reference, next_token_logprobs(scoring_runner(folder), prompts))
+    assert plain["top1_agreement"] >= 0.99 and plain["mean_kl"] <= 1e-6, plain  # the same model in float
+    unit = compare_distributions(reference, next_token_logprobs(scoring_runner(folder, kv_cache_dtype="fp8"),
+                                                                prompts))
+    calibrated = compare_distributions(reference, next_token_logprobs(
+        scoring_runner(folder, kv_cache_dtype="fp8", calculate_kv_scales=True), prompts))
+    assert unit["mean_kl"] > 10 * calibrated["mean_kl"], (unit, calibrated)
+    assert calibrated["top1_agreement"] >= 0.75 and calibrated["mean_kl"] <= 1e-1, calibrated  # fp8 KV's bar
+    layers = _load(folder)
+    assert "k_scale" in layers and np.all(np.asarray(layers["k_scale"]) == 1.0)
+    scales = np.asarray(_load_calibrated(folder)["k_scale"])  # (L, Hkv): the largest |K| lands at 448 / 2
+    assert np.all((scales > 0) & (scales < 1e-3)), scales
+
+
+def _load_calibrated(folder: str) -> dict:
+    spec = ModelSpec.from_pretrained(folder)
+    config = EngineConfig(model=folder, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    params, _ = load_weights(config, folder, spec, make_mesh(1), cache_kv_heads(spec, 1))
+    return params["layers"]
+
+
+def test_calculate_kv_scales_needs_an_fp8_cache():
+    with pytest.raises(ValueError, match="set kv_cache_dtype fp8 too"):
+        EngineConfig(calculate_kv_scales=True)

@@ -226,16 +226,19 @@ def test_combine_splits_log_sum_exp_without_nans():
 
 
 @pytest.mark.parametrize(
-    "page_size, head_dim, group, dtype, sliding_window, soft_cap, pages_per_step",
+    "page_size, head_dim, group, dtype, sliding_window, soft_cap, pages_per_step, cache_dtype",
     # dot path; broadcast-sum path; several pages a step (a gather of pages into one tile)
-    [(16, 128, 4, BF16, None, None, 1), (8, 64, 3, F32, 12, 10.0, 1), (16, 128, 4, BF16, 20, None, 4)],
+    # and an fp8 cache (e4m3 bits in uint8)
+    [(16, 128, 4, BF16, None, None, 1, BF16), (8, 64, 3, F32, 12, 10.0, 1, F32), (16, 128, 4, BF16, 20, None, 4, BF16),
+     (16, 128, 4, BF16, None, None, 2, jnp.uint8)],
 )
-def test_lowers_to_triton_ir(page_size, head_dim, group, dtype, sliding_window, soft_cap, pages_per_step):
+def test_lowers_to_triton_ir(page_size, head_dim, group, dtype, sliding_window, soft_cap, pages_per_step,
+                             cache_dtype):
     # Pallas -> Triton IR only (no PTX, no GPU): catches ops or shapes the Triton lowering rejects
     pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
     num_rows, num_kv_heads, width = 4, 2, 8
     q = jax.ShapeDtypeStruct((num_rows, group * num_kv_heads, head_dim), dtype)  # (R, Hq, D)
-    cache = jax.ShapeDtypeStruct((2, 64, page_size, num_kv_heads, head_dim), dtype)  # (L, P, S, Hkv, D)
+    cache = jax.ShapeDtypeStruct((2, 64, page_size, num_kv_heads, head_dim), cache_dtype)  # (L, P, S, Hkv, D)
     lens = jax.ShapeDtypeStruct((num_rows,), jnp.int32)  # (R,)
     table = jax.ShapeDtypeStruct((num_rows, width), jnp.int32)  # (R, W)
 

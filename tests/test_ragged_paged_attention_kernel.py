@@ -149,21 +149,22 @@ def test_backend_choice_on_the_cpu():
 
 
 LOWERING_CASES = [
-    pytest.param(16, 2, 4, 128, jnp.bfloat16, None, None, id="gqa4-bf16"),
-    pytest.param(32, 1, 3, 64, jnp.float32, 64, 30.0, id="group3-window-cap"),
-    pytest.param(16, 4, 1, 64, jnp.bfloat16, None, None, id="mha"),
-    pytest.param(8, 2, 2, 128, jnp.bfloat16, None, None, id="page8"),
+    pytest.param(16, 2, 4, 128, jnp.bfloat16, None, None, None, id="gqa4-bf16"),
+    pytest.param(32, 1, 3, 64, jnp.float32, 64, 30.0, None, id="group3-window-cap"),
+    pytest.param(16, 4, 1, 64, jnp.bfloat16, None, None, None, id="mha"),
+    pytest.param(8, 2, 2, 128, jnp.bfloat16, None, None, None, id="page8"),
+    pytest.param(16, 2, 4, 128, jnp.bfloat16, None, None, jnp.uint8, id="fp8-cache"),  # e4m3 bits (kv/fp8.py)
 ]
 
 
-@pytest.mark.parametrize("page_size,num_kv_heads,group,head_dim,dtype,window,soft_cap", LOWERING_CASES)
-def test_kernels_lower_to_triton_ir(page_size, num_kv_heads, group, head_dim, dtype, window, soft_cap):
+@pytest.mark.parametrize("page_size,num_kv_heads,group,head_dim,dtype,window,soft_cap,cache_dtype", LOWERING_CASES)
+def test_kernels_lower_to_triton_ir(page_size, num_kv_heads, group, head_dim, dtype, window, soft_cap, cache_dtype):
     """Pallas -> Triton IR for CUDA on the CPU (no PTX, no GPU): catches operations or block shapes
     the Triton lowering rejects."""
     num_tokens, num_rows, width = 64, 8, 8
     q = jax.ShapeDtypeStruct((num_tokens, num_kv_heads * group, head_dim), dtype)  # (T, Hq, D)
     kv = jax.ShapeDtypeStruct((num_tokens, num_kv_heads, head_dim), dtype)  # (T, Hkv, D)
-    cache = jax.ShapeDtypeStruct((2, 64, page_size, num_kv_heads, head_dim), dtype)  # (L, P, S, Hkv, D)
+    cache = jax.ShapeDtypeStruct((2, 64, page_size, num_kv_heads, head_dim), cache_dtype or dtype)  # (L, P, S, Hkv, D)
 
     def ints(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)

@@ -190,7 +190,7 @@ def test_server_cache_config_info_and_buckets(openai_server):
     assert scrape.labels["jaxserve:cache_config_info"] == [{
         "model_name": "tiny-stdlib-llama",
         "block_size": str(engine.config.page_size),
-        "cache_dtype": str(engine.core.runner.kv_caches[0].dtype),
+        "cache_dtype": engine.core.runner.cache_dtype.name,
         "enable_prefix_caching": str(engine.config.enable_prefix_caching),
         "gpu_memory_utilization": str(engine.config.gpu_memory_utilization),
         "num_gpu_blocks": str(engine.core.num_pages),

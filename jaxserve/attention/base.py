@@ -14,9 +14,11 @@ import math
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.batch_descriptor import BatchDescriptor
+from pallas_kernels.tile_math import FP8_BITS
 
 LAYOUTS = ("split", "fused")
 
@@ -37,12 +39,20 @@ class WriteKVFn(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-    """A resolved backend: its name, its cache layout and the two functions the model calls."""
+    """A resolved backend: its name, its cache layout, the two functions the model calls, and how it stores an
+    fp8 cache: as e4m3's uint8 bits (`FP8_BITS`, in place under every XLA scatter) or as float8_e4m3fn (a kernel
+    that reads float8 refs)."""
 
     name: str
     layout: str
     attention: AttentionFn  # (q (T, Hq, D), caches, layer, batch) -> (T, Hq, D)
     write_kv: WriteKVFn  # (caches, layer, k (T, Hkv, D), v (T, Hkv, D), batch) -> caches
+    fp8_storage: np.dtype = FP8_BITS
+
+    def storage_dtype(self, cache_dtype) -> np.dtype:
+        """The dtype of the arrays holding a cache of `cache_dtype` (an fp8 cache: `fp8_storage`)."""
+        dtype = np.dtype(cache_dtype)
+        return self.fp8_storage if dtype == np.dtype(jnp.float8_e4m3fn) else dtype
 
     def cache_shapes(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                      head_dim: int) -> tuple[tuple[int, ...], ...]:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.batch_descriptor import BatchDescriptor
+from pallas_kernels.tile_math import from_cache
 
 logger = logging.getLogger("jaxserve")
 
@@ -86,7 +87,7 @@ def _fresh_attention(q, k_cache, v_cache, layer, positions, token_rows, page_tab
     k = jnp.where(fresh[:, None, None], k_cache[layer, pages, slots], 0)  # (T, Hkv, D): others may hold NaN
     v = jnp.where(fresh[:, None, None], v_cache[layer, pages, slots], 0)  # (T, Hkv, D)
     same_row = (token_rows[:, None] == token_rows[None, :]) & fresh[None, :]  # (T, T) query x key
-    k, v = k.astype(q.dtype), v.astype(q.dtype)  # an fp8 cache's values in the queries' dtype
+    k, v = from_cache(k, q.dtype), from_cache(v, q.dtype)  # an fp8 cache's values in the queries' dtype
     return dense(q[None], k[None], v[None], mask=same_row[None, None])[0]  # (T, Hq, D)
 
 

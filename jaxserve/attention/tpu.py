@@ -119,7 +119,8 @@ def make_backend(spec: ModelSpec, mesh: Mesh, interpret: bool) -> AttentionBacke
         return (sharded_write(kv_cache, layer, k, v, batch.slot_mapping),)
 
     name = "pallas-tpu-interpret" if interpret else "pallas"
-    return LanePaddedBackend(name, "fused", attention, write_kv)
+    # an fp8 cache stays float8: the kernel reads its pages as they are stored
+    return LanePaddedBackend(name, "fused", attention, write_kv, fp8_storage=np.dtype(jnp.float8_e4m3fn))
 
 
 def write_fused(kv_cache, layer, k, v, slot_mapping):

@@ -31,6 +31,7 @@ from jaxserve.attention.base import AttentionBackend
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.model.spec import ModelSpec
 from pallas_kernels.ragged_paged_attention import reference
+from pallas_kernels.tile_math import from_cache
 
 CPU_QUERY_TILE = 8  # measured: 3-4x faster than untiled on a 2-core CPU (docs/benchmarks.md)
 # A CPU tile's gathered K + V per chunk (and, in one-row tiles, its scores): 8 pages of the benchmark models, so a
@@ -204,7 +205,7 @@ def _online_softmax_step(carry, q, k, v, visible, sm_scale):
     is each token's own (U = N) or the whole tile's (U = 1)."""
     # q: (N, Hkv, G, D); k, v: (U, K, Hkv, D); visible: (N, K)
     running_max, denominator, numerator = carry  # (N, Hkv, G), (N, Hkv, G), (N, Hkv, G, D) float32
-    k, v = k.astype(q.dtype), v.astype(q.dtype)  # an fp8 cache's pages in the queries' dtype
+    k, v = from_cache(k, q.dtype), from_cache(v, q.dtype)  # an fp8 cache's pages in the queries' dtype
     shared = k.shape[0] == 1
     scores = (jnp.einsum("thgd,khd->thgk", q, k[0], preferred_element_type=jnp.float32) if shared else
               jnp.einsum("thgd,tkhd->thgk", q, k, preferred_element_type=jnp.float32)) * sm_scale

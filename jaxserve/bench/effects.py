@@ -32,8 +32,8 @@ preemption         long contexts under memory pressure, preempted by recompute, 
 speculation        n-gram speculative decoding off and on, on code-editing prompts (the answer is in the prompt), at
                    batch sizes 1, 8 and 64: throughput, inter-token latency, acceptance length
                    (bench/speculation.py).
-quantization       weight-only quantization none, int8 and fp8 on the workload sharing nothing: output tokens/s
-                   and greedy agreement with the float engine (bench/quantization.py).
+quantization       weights none, int8 and fp8, and an fp8 KV cache, on the workload sharing nothing: output
+                   tokens/s, greedy agreement with the float engine and the KV pool's tokens (bench/quantization.py).
 
 Timing protocol (every comparison): the same untimed warm-up for each system, then --repeats rounds each
 running every system once, the order alternating between rounds; mean and best per system, and ratios. The
@@ -71,7 +71,7 @@ from jaxserve.tokenizer import load_tokenizer
 EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling", "preemption", "speculation",
            "quantization")
 # Asked for by name: preemption's long contexts need a model of more positions, speculation one that can copy;
-# quantization builds two more engines.
+# quantization builds four more engines.
 DEFAULT_EFFECTS = EFFECTS[:4]
 WARMUP_OUTPUT_LEN = 8  # tokens generated per warm-up request
 # The workload sharing nothing (throughput.py's shape): prompts uniform in (low, high) tokens, outputs lognormal

@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import BucketLadders, padded_batch_arrays
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch import BucketLadders, prefill_batch
 from jaxserve.buckets import geometric_ladder, pick_bucket
 from jaxserve.config import EngineConfig
 from jaxserve.kv import fp8
@@ -28,13 +27,14 @@ PAGE_SIZE = 16
 
 
 def scoring_runner(path: str, quantization: str = "none", kv_cache_dtype: str = "auto",
-                   attention_backend: str = "xla") -> Runner:
+                   calculate_kv_scales: bool = False, attention_backend: str = "xla") -> Runner:
     """A Runner of a checkpoint's float32 weights (quantized under `quantization`, its KV cache in
-    `kv_cache_dtype`), compiled for nothing."""
+    `kv_cache_dtype`, calibrated under `calculate_kv_scales`), compiled for nothing."""
     spec = ModelSpec.from_pretrained(path)
     mesh = make_mesh(1)
     kv_heads = cache_kv_heads(spec, 1)
-    config = EngineConfig(model=path, dtype="float32", quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    config = EngineConfig(model=path, dtype="float32", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                          calculate_kv_scales=calculate_kv_scales)
     params, dtype = load_weights(config, path, spec, mesh, kv_heads)
     ladders = BucketLadders.build(max_num_batched_tokens=PAGE_SIZE, max_num_seqs=1, max_model_len=PAGE_SIZE,
                                   page_size=PAGE_SIZE, min_token_bucket=PAGE_SIZE, max_aux_extra=0)
@@ -61,32 +61,18 @@ def next_token_logprobs(runner: Runner, prompts: list[list[int]]) -> list[np.nda
     runner's model (an engine's `engine.core.runner`; it need not have compiled or allocated anything)."""
     page_size = runner.page_size
     longest = max(len(prompt) for prompt in prompts)
-    num_pages = pages_for_tokens(longest, page_size) + 1  # the null page, then one prompt's pages
+    width = pages_for_tokens(longest, page_size)  # one prompt's pages, after the null page
     forward = runner.model_forward
 
     @jax.jit
     def score(params, batch):
-        caches = tuple(jnp.zeros(s.shape, s.dtype) for s in runner.cache_structs(num_pages))
+        caches = tuple(jnp.zeros(s.shape, s.dtype) for s in runner.cache_structs(width + 1))
         _, hidden, _ = forward(params, caches, batch)  # hidden: (T, H)
         return jax.nn.log_softmax(token_logits(params, hidden, runner.spec), axis=-1)  # (T, V)
 
     num_tokens = pick_bucket(geometric_ladder(16, max(16, longest)), longest)  # one shape: one compilation
-    results = []
-    for prompt in prompts:
-        length = len(prompt)
-        arrays = padded_batch_arrays(num_tokens, 1, num_pages - 1, page_size)
-        positions = np.arange(length, dtype=np.int32)
-        pages = np.arange(1, num_pages, dtype=np.int32)  # (W,)
-        arrays["input_ids"][:length] = prompt
-        arrays["positions"][:length] = positions
-        arrays["slot_mapping"][:length] = pages[positions // page_size] * page_size + positions % page_size
-        arrays["query_start_loc"][:] = [0, length]
-        arrays["seq_lens"][0] = length
-        arrays["page_table"][0] = pages
-        arrays["logits_indices"][0] = length - 1
-        arrays["num_seqs"] = np.asarray(1, np.int32)
-        results.append(np.asarray(score(runner.params, BatchDescriptor(**arrays)))[:length])
-    return results
+    return [np.asarray(score(runner.params, prefill_batch(prompt, num_tokens, width, page_size)))[:len(prompt)]
+            for prompt in prompts]
 
 
 def compare_distributions(reference: list[np.ndarray], candidate: list[np.ndarray]) -> dict:

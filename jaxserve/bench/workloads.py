@@ -180,7 +180,7 @@ def long_prompt_mix_workload(num_requests: int, vocab_ids: range | Sequence[int]
     return Workload("long-prompt-mix", requests, description)
 
 
-def _load_sharegpt(path: str | None) -> tuple[str, list]:
+def load_sharegpt(path: str | None) -> tuple[str, list]:
     """(a name for messages, the conversations) of a ShareGPT JSON file; the bundled sample when `path` is
     None."""
     if path is None:
@@ -214,7 +214,7 @@ def sharegpt_workload(path: str | None, tokenizer, num_requests: int, seed: int,
     shuffled with `seed`, and the first `num_requests` usable ones taken. Prompt ids are
     `tokenizer.encode(text)`, as the engine encodes a text prompt."""
     _check_positive(num_requests=num_requests)
-    name, data = _load_sharegpt(path)
+    name, data = load_sharegpt(path)
     rng = np.random.default_rng(seed)
     requests = []
     for index in rng.permutation(len(data)):

@@ -5,6 +5,10 @@ A page stores `clip(x / scale, -448, 448)` in e4m3, so `x ~ stored * scale`. The
 `layers/k_scale` and `layers/v_scale` (L, Hkv) float32, from the checkpoint's `self_attn.k_scale` / `v_scale`
 (one per layer or one per KV head) or 1.0 (vLLM's default) when it has none.
 
+The pages hold e4m3 values; a backend stores them as their uint8 bits (the XLA path and our Pallas kernels:
+integer pages are scattered in place everywhere, while XLA's CPU scatter converts a whole float8 pool) or as
+float8 (JAX's TPU kernel reads float8 pages): `AttentionBackend.storage_dtype`.
+
 No backend dequantizes a page: a K scale multiplies its head group's queries before the scores
 (`q . (s k) = (s q) . k`) and a V scale multiplies the attention output after (`sum p (s v) = s sum p v`), so
 every attention backend reads the fp8 pages as they are and only casts them to the queries' dtype where it

@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv import fp8
+from jaxserve.kv.calibration import calibrate_kv_scales, calibration_prompts
 from jaxserve.model.loader import dummy_params, load_kv_scales, load_params, resolve_dtype
 from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
 from jaxserve.model.sharding import cache_kv_heads, make_mesh, param_partition_specs
@@ -52,17 +53,17 @@ def read_metadata(path: str) -> dict:
 
 
 def convert(source: str, destination: str, dtype: str = "auto", quantization: str = "none",
-            kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> dict:
+            kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False, tensor_parallel_size: int = 1) -> dict:
     """Load a model folder as the engine does (`load_weights`: cast to `dtype`, KV heads replicated for
     `tensor_parallel_size`, quantized under `quantization` or as an fp8 checkpoint is, with the fp8 KV cache's
-    scales under `kv_cache_dtype` fp8) and write it to `destination` as an orbax checkpoint with the source's
+    scales under `kv_cache_dtype` fp8, calibrated under `calculate_kv_scales`) and write it to `destination` as an orbax checkpoint with the source's
     config and tokenizer files; returns the metadata written."""
     import orbax.checkpoint as ocp
 
     if os.path.exists(destination) and os.listdir(destination):
         raise ValueError(f"{destination!r} exists and is not empty: choose a new folder")
     config = EngineConfig(model=source, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                          tensor_parallel_size=tensor_parallel_size)
+                          calculate_kv_scales=calculate_kv_scales, tensor_parallel_size=tensor_parallel_size)
     spec = ModelSpec.from_pretrained(source)
     kv_heads = cache_kv_heads(spec, tensor_parallel_size)
     params, cast = load_weights(config, source, spec, make_mesh(tensor_parallel_size), kv_heads)
@@ -91,7 +92,7 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: M
         params, stored = load_checkpoint(model_path, spec, mesh, kv_heads, config.dtype, config.quantization)
         logger.info("weights: %.1f MiB (orbax, %s, %s)", weight_bytes(params) / 2**20, stored["dtype"],
                     stored["quantization"])
-        return with_kv_scales(params, config.kv_cache_dtype, None, mesh, kv_heads), jnp.dtype(stored["dtype"])
+        return with_kv_scales(params, config, model_path, None, spec, mesh, kv_heads), jnp.dtype(stored["dtype"])
     dtype = resolve_dtype(config.dtype, spec)
     mode = weight_quantization(config, spec)
     if config.load_format == "dummy":
@@ -102,21 +103,28 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: M
         params = quantize_params(params, mode)
     logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, mode)
     scales = None
-    if config.kv_cache_dtype == "fp8" and config.load_format != "dummy":
+    if config.kv_cache_dtype == "fp8" and config.load_format != "dummy" and not config.calculate_kv_scales:
         scales = load_kv_scales(model_path, spec, kv_heads)
-    return with_kv_scales(params, config.kv_cache_dtype, scales, mesh, kv_heads), dtype
+    return with_kv_scales(params, config, model_path, scales, spec, mesh, kv_heads), dtype
 
 
-def with_kv_scales(params: dict, kv_cache_dtype: str, scales: dict | None, mesh: Mesh, kv_heads: int) -> dict:
-    """The params with the fp8 KV cache's scale leaves (kv/fp8.py) under `kv_cache_dtype` fp8, without them
-    otherwise. The scales are `scales` (from a Hugging Face checkpoint), else the ones a converted folder holds,
-    else 1.0 (vLLM's default, with a warning)."""
+def with_kv_scales(params: dict, config: EngineConfig, model_path: str, scales: dict | None, spec: ModelSpec,
+                   mesh: Mesh, kv_heads: int) -> dict:
+    """The params with the fp8 KV cache's scale leaves (kv/fp8.py) under kv_cache_dtype fp8, without them
+    otherwise. The scales are calibrated under calculate_kv_scales (kv/calibration.py), else `scales` (from a
+    Hugging Face checkpoint), else the ones a converted folder holds, else 1.0 (vLLM's default, with a warning)."""
     layers = {name: leaf for name, leaf in params["layers"].items() if name not in fp8.SCALE_LEAVES}
-    if kv_cache_dtype != "fp8":
+    if config.kv_cache_dtype != "fp8":
         return {**params, "layers": layers}
-    if scales is None and "k_scale" in params["layers"]:
+    if config.calculate_kv_scales:
+        prompts = calibration_prompts(config.tokenizer or model_path, spec.max_position_embeddings)
+        scales = calibrate_kv_scales({**params, "layers": layers}, spec, mesh, kv_heads, prompts)
+        logger.info("KV scales calibrated over %d tokens: k %.3g..%.3g, v %.3g..%.3g", sum(map(len, prompts)),
+                    scales["k_scale"].min(), scales["k_scale"].max(), scales["v_scale"].min(),
+                    scales["v_scale"].max())
+    elif scales is None and "k_scale" in params["layers"]:
         return params
-    if scales is None:
+    elif scales is None:
         logger.warning("kv_cache_dtype fp8: the checkpoint has no self_attn.k_scale / v_scale, so every KV scale "
                        "is 1.0 (K and V beyond +-%g saturate)", fp8.FP8_MAX)
         num_layers = layers["input_norm"].shape[0]

@@ -49,7 +49,7 @@ def cache_config_info(engine: LLMEngine) -> dict[str, str]:
     config = engine.config
     return {
         "block_size": str(config.page_size),
-        "cache_dtype": str(engine.core.runner.kv_caches[0].dtype),
+        "cache_dtype": engine.core.runner.cache_dtype.name,
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "num_gpu_blocks": str(engine.core.num_pages),

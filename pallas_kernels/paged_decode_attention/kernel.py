@@ -8,8 +8,8 @@ kernel; several pages a step are one `(n * S, D)` tile, as `pages_per_compute_bl
 Triton paged attention), and keeps an online softmax in float32: running max `m`, running sum `l`
 and the unnormalised output `acc`. Those partials go out per split; the wrapper merges the splits
 with a log-sum-exp in plain jnp.
-The caches are in q's dtype or in float8_e4m3fn (an fp8 KV cache: pages are cast to q's dtype as
-they are loaded; the scales are the model's to fold in, kv/fp8.py).
+The caches are in q's dtype or hold e4m3 values (an fp8 KV cache, as float8 or as its uint8 bits,
+`tile_math.FP8_BITS`): pages are cast to q's dtype as they are loaded; the scales are the model's to fold in.
 
 Keys a row's query must not see (past `seq_len` in its last page, or before its sliding window)
 are masked in the scores *and* zeroed in V, so stale or even non-finite values in those slots can
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.tile_math import dot_fits, matmul_f32
+from pallas_kernels.tile_math import FP8_BITS, dot_fits, from_cache, matmul_f32
 from pallas_kernels.paged_decode_attention.tuning import (
     PAGES_PER_STEP,
     TRITON_NUM_STAGES,
@@ -130,7 +130,7 @@ def _decode_kernel(
         k, v = _load_pages(
             k_ref, v_ref, page_table_ref, layer, row, kv_head, first_slot, end, pages_per_step=pages_per_step,
         )  # (n * S, D) each
-        k, v = k.astype(q.dtype), v.astype(q.dtype)  # an fp8 cache's pages in the queries' dtype
+        k, v = from_cache(k, q.dtype), from_cache(v, q.dtype)  # an fp8 cache's pages in the queries' dtype
         key_pos = first_slot * page_size + jax.lax.broadcasted_iota(jnp.int32, (keys_per_step,), 0)  # (n * S,)
         visible = (key_pos < last_key) & (key_pos >= first_key)  # (n * S,)
         v = jnp.where(visible[:, None], v, jnp.zeros_like(v))  # (n * S, D): unseen slots may hold anything
@@ -219,9 +219,9 @@ def paged_decode_attention(
         raise ValueError(
             f"shapes do not fit: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}"
         )
-    if {k_cache.dtype, v_cache.dtype} - {q.dtype, jnp.dtype(jnp.float8_e4m3fn)}:
-        raise ValueError(f"the caches must be in q's dtype or float8_e4m3fn: {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
+    if {k_cache.dtype, v_cache.dtype} - {q.dtype, jnp.dtype(jnp.float8_e4m3fn), FP8_BITS}:
+        raise ValueError(f"the caches must be in q's dtype, float8_e4m3fn or its bits (uint8): {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
     if num_rows == 0 or num_slots == 0:
         return jnp.zeros_like(q)  # (R, Hq, D)
     if num_splits is None:

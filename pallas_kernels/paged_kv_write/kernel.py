@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton
 
+from pallas_kernels.tile_math import to_cache
+
 
 def write_kv(
     k_cache: jax.Array,
@@ -42,8 +44,8 @@ def write_kv(
         interpret=interpret,
         compiler_params=None if interpret else triton.CompilerParams(num_warps=1),
         name="paged_kv_write",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32), k.astype(k_cache.dtype),
-      v.astype(v_cache.dtype), k_cache, v_cache)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), slot_mapping.astype(jnp.int32), to_cache(k, k_cache.dtype),
+      to_cache(v, v_cache.dtype), k_cache, v_cache)
 
 
 def _write_kernel(layer_ref, slot_ref, k_ref, v_ref, _k_cache_in, _v_cache_in, k_cache_ref, v_cache_ref):

@@ -11,8 +11,8 @@ Each program walks its request's pages from the page table, only those its queri
 (causal: up to the page of its last query; sliding window: from the page of its first visible
 key), and keeps an online softmax in float32. K and V are read page by page straight out of the
 `(L, P, S, Hkv, D)` caches with the layer index as an operand; nothing is gathered into a dense
-copy. The caches are in q's dtype or in float8_e4m3fn (an fp8 KV cache: each page is cast to q's dtype
-as it is loaded; the scales are the model's to fold in, kv/fp8.py). Page tables, lengths and block metadata are plain int32 operands read inside the kernel
+copy. The caches are in q's dtype or hold e4m3 values (an fp8 KV cache, as float8 or as its uint8 bits,
+`tile_math.FP8_BITS`): each page is cast to q's dtype as it is loaded; the scales are the model's to fold in. Page tables, lengths and block metadata are plain int32 operands read inside the kernel
 (GPU Pallas lowerings have no scalar prefetch).
 
 GPU route: the Triton lowering, chosen explicitly with `triton.CompilerParams`. Mosaic GPU (JAX's
@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton
 
 from pallas_kernels.ragged_paged_attention.reference import token_request_index
-from pallas_kernels.tile_math import dot_fits, matmul_f32
+from pallas_kernels.tile_math import dot_fits, from_cache, matmul_f32
 from pallas_kernels.ragged_paged_attention.tuning import NUM_STAGES, NUM_WARPS, block_q_for, padded_group
 
 _MASKED = -1e30  # finite "minus infinity": keeps fully masked rows free of inf - inf
@@ -172,8 +172,8 @@ def _attention_kernel(
     def visit_page(index, carry):
         running_max, running_sum, acc = carry  # (M, 1), (M, 1), (M, D) float32
         page = page_table_ref[row, index]
-        k = k_ref[layer, page, :, kv_head, :].astype(q.dtype)  # (S, D): an fp8 page in the queries' dtype
-        v = v_ref[layer, page, :, kv_head, :].astype(q.dtype)  # (S, D)
+        k = from_cache(k_ref[layer, page, :, kv_head, :], q.dtype)  # (S, D): an fp8 page in the queries' dtype
+        v = from_cache(v_ref[layer, page, :, kv_head, :], q.dtype)  # (S, D)
         # Slots past the sequence hold whatever a page's earlier owner left: keep it out of the sums.
         v = jnp.where(index * page_size + value_offset < seq_len, v, jnp.zeros_like(v))
         scores = matmul_f32(q, k.T, use_dot) * sm_scale  # (M, S)

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.tile_math import from_cache, to_cache
+
 
 def token_request_index(query_start_loc: jax.Array, num_tokens: int) -> jax.Array:
     """Request row of every flattened query token; padded tokens map to the last row."""
@@ -40,8 +42,8 @@ def write_kv(
     page_size = k_cache.shape[2]
     pages = slot_mapping // page_size  # (T,)
     offsets = slot_mapping % page_size  # (T,)
-    k_cache = k_cache.at[layer, pages, offsets].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, pages, offsets].set(v.astype(v_cache.dtype))
+    k_cache = k_cache.at[layer, pages, offsets].set(to_cache(k, k_cache.dtype))
+    v_cache = v_cache.at[layer, pages, offsets].set(to_cache(v, v_cache.dtype))
     return k_cache, v_cache
 
 
@@ -62,7 +64,8 @@ def ragged_paged_attention(
 
     A query at absolute position `p` sees the keys at positions `0..p` of its request (and only
     the last `sliding_window` of them when a window is set). Softmax runs in float32. The caches are in
-    q's dtype or in float8_e4m3fn (read as q's dtype, unscaled: the model folds the scales in).
+    q's dtype, in float8_e4m3fn or in its bits (`tile_math.FP8_BITS`), read as q's dtype, unscaled (the model folds
+    the scales in).
     """
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); positions: (T,) int32
     # query_start_loc: (R + 1,) int32; page_table: (R, W) int32
@@ -80,8 +83,8 @@ def _attend_tokens(q, positions, token_pages, *, k_cache, v_cache, layer, sm_sca
     group = num_heads // num_kv_heads
     num_keys = token_pages.shape[1] * page_size
     shape = (num_tokens, num_keys, num_kv_heads, head_dim)
-    k = k_cache[layer, token_pages].reshape(shape).astype(q.dtype)  # (N, K, Hkv, D): an fp8 cache's in q's dtype
-    v = v_cache[layer, token_pages].reshape(shape).astype(q.dtype)  # (N, K, Hkv, D)
+    k = from_cache(k_cache[layer, token_pages].reshape(shape), q.dtype)  # (N, K, Hkv, D): an fp8 cache's in q's dtype
+    v = from_cache(v_cache[layer, token_pages].reshape(shape), q.dtype)  # (N, K, Hkv, D)
 
     q = q.reshape(num_tokens, num_kv_heads, group, head_dim)  # (N, Hkv, G, D)
     scores = jnp.einsum("thgd,tkhd->thgk", q, k, preferred_element_type=jnp.float32) * sm_scale
