@@ -1,7 +1,7 @@
 """orbax checkpoints of the engine's params (issue 16): `jaxserve convert`, and a converted folder as a model.
 
 A converted folder must give the Hugging Face folder's greedy tokens (float, and int8 against int8 made at
-load time), load under tensor parallelism 2, and refuse what it cannot be: another quantization or dtype
+load time), load under tensor parallelism 2 reading each shard once, and refuse what it cannot be: another quantization or dtype
 than it holds, a tensor parallelism its stored KV heads do not fit, a destination that is not empty.
 """
 
@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import os
 
+import jax
 import pytest
 
 from helpers import checkpoint, expected, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
-from jaxserve.model.checkpoint import MARKER, convert, read_metadata
+from jaxserve.model.checkpoint import MARKER, convert, load_checkpoint, read_metadata
+from jaxserve.model.sharding import cache_kv_heads, make_mesh
+from jaxserve.model.spec import ModelSpec
 
 ARGS = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=48)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -61,3 +64,25 @@ def test_a_converted_folder_refuses_what_it_does_not_hold(converted, tmp_path):
         LLM(single_kv_head, tensor_parallel_size=2, **ARGS)
     with pytest.raises(ValueError, match="is not empty"):
         convert(checkpoint("llama"), converted["float"])
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read() calls so far (Linux's /proc/self/io `rchar`)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's per-process I/O accounting")
+def test_each_shard_is_read_once_under_tensor_parallelism(converted):
+    """Restoring at TP 2 reads the checkpoint's files once, as TP 1 does: each device reads its own shard of a
+    split array, and a replicated array is read once, not once per device."""
+    folder = converted["float"]
+    files = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(os.path.join(folder, "params"))
+                for name in names)
+    spec = ModelSpec.from_pretrained(folder)
+    read = {}
+    for tp in (1, 2, 1, 2):  # the first load of each compiles (and reads the compilation cache): not counted
+        before = _bytes_read()
+        jax.block_until_ready(load_checkpoint(folder, spec, make_mesh(tp), cache_kv_heads(spec, tp), "auto", "none"))
+        read[tp] = _bytes_read() - before
+    assert read[2] <= 1.05 * read[1] and read[2] <= 1.05 * files, (read, files)
