@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import pytest
 from helpers import engine_stats, running_server
 
@@ -30,7 +31,7 @@ class FakeEngine:
         self.model_path = default_model_path()
         self.max_model_len = 128
         self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096), num_pages=11,
-                                    runner=SimpleNamespace(kv_caches=(SimpleNamespace(dtype="float32"),)),
+                                    runner=SimpleNamespace(cache_dtype=np.dtype("float32")),
                                     kv=SimpleNamespace(host_pool=None))
         self.generation_defaults = {}
         self.gate = threading.Event()

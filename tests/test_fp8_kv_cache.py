@@ -110,23 +110,24 @@ def test_every_backend_reads_fp8_pages_as_the_dequantized_values(backend_name):
     fp8_caches = tuple(jnp.zeros(shape, storage) for shape in shapes)
     float_caches = tuple(jnp.zeros(shape, jnp.float32) for shape in shapes)
 
-    def run(backend, caches, q, k, v, batch, layer_params):
+    def step(backend, layer_params):
         return jax.jit(lambda c, q, k, v, b: fp8.write_and_attend(
             q, k, v, c, jnp.int32(LAYER), b, layer_params, attention=backend.attention, write_kv=backend.write_kv,
-        ))(caches, q, k, v, batch)
+        ))
 
+    run = {"fp8": step(quantized, scales), "float": step(plain, {})}  # each compiles once: one shape for all steps
+    num_tokens = max(sum(new for _, new in rows) for rows in STEPS) + 3  # at least three padded tokens
     for rows in STEPS:
-        num_tokens = sum(new for _, new in rows) + 3  # three padded tokens
         batch = _batch(rows, num_tokens)
         q = jnp.asarray(rng.normal(size=(num_tokens, spec.num_heads, spec.head_dim)), jnp.float32)  # (T, Hq, D)
         k = jnp.asarray(rng.normal(size=(num_tokens, 2, spec.head_dim)) * 40 * np.asarray(k_scale)[:, None],
                         jnp.float32)  # (T, Hkv, D)
         v = jnp.asarray(rng.normal(size=(num_tokens, 2, spec.head_dim)) * 40 * np.asarray(v_scale)[:, None],
                         jnp.float32)
-        got, fp8_caches = run(quantized, fp8_caches, q, k, v, batch, scales)
+        got, fp8_caches = run["fp8"](fp8_caches, q, k, v, batch)
         k_back = fp8.quantize(k, k_scale).astype(jnp.float32) * k_scale[:, None]  # what the pages stand for
         v_back = fp8.quantize(v, v_scale).astype(jnp.float32) * v_scale[:, None]
-        want, float_caches = run(plain, float_caches, q, k_back, v_back, batch, {})
+        want, float_caches = run["float"](float_caches, q, k_back, v_back, batch)
         real = int(batch.query_start_loc[-1])
         got, want = np.asarray(got), np.asarray(want)
         assert np.abs(got[:real] - want[:real]).max() <= 1e-5 * np.abs(want[:real]).max()
@@ -287,3 +288,18 @@ def _load_calibrated(folder: str) -> dict:
 def test_calculate_kv_scales_needs_an_fp8_cache():
     with pytest.raises(ValueError, match="set kv_cache_dtype fp8 too"):
         EngineConfig(calculate_kv_scales=True)
+
+
+def test_a_gpu_without_fp8_conversions_takes_the_xla_path(monkeypatch):
+    """Triton converts e4m3 only from compute capability 8.9: an older GPU's `auto` takes the XLA path for an
+    fp8 cache (and keeps the kernels for a bf16 one), and `pallas` is refused with the reason."""
+    import jaxserve.attention as attention
+
+    spec = _spec(head_dim=16)
+    monkeypatch.setattr(attention, "gpu_compute_capability", lambda: 8.0)
+    assert attention.resolve_backend("auto", spec, 16, "gpu", cache_dtype=fp8.FP8_DTYPE) == "xla"
+    assert attention.resolve_backend("auto", spec, 16, "gpu", cache_dtype=jnp.bfloat16) == "pallas"
+    with pytest.raises(ValueError, match="fp8 KV cache from compute capability 8.9"):
+        attention.resolve_backend("pallas", spec, 16, "gpu", cache_dtype=fp8.FP8_DTYPE)
+    monkeypatch.setattr(attention, "gpu_compute_capability", lambda: 9.0)  # an H100 / H200
+    assert attention.resolve_backend("auto", spec, 16, "gpu", cache_dtype=fp8.FP8_DTYPE) == "pallas"

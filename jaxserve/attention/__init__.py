@@ -27,6 +27,7 @@ from jaxserve.model.spec import ModelSpec
 from pallas_kernels.ragged_paged_attention.tuning import gpu_unsupported
 
 logger = logging.getLogger("jaxserve")
+FP8_COMPUTE_CAPABILITY = 8.9  # Triton converts float8_e4m3fn from here (Ada, Hopper and later)
 
 
 def resolve_backend(name: str, spec: ModelSpec, page_size: int, platform: str | None = None,
@@ -62,12 +63,24 @@ def kernels_unsupported(platform: str, spec: ModelSpec, page_size: int, tensor_p
     """Why `platform`'s Pallas kernels cannot take the model's shapes and cache dtype, or None when they can (or
     it has none)."""
     if platform == "gpu":
+        capability = gpu_compute_capability()
+        if jnp.dtype(cache_dtype).itemsize == 1 and capability is not None and capability < FP8_COMPUTE_CAPABILITY:
+            return (f"the Triton kernels read an fp8 KV cache from compute capability {FP8_COMPUTE_CAPABILITY} "
+                    f"(Ada, Hopper) and this GPU has {capability}")
         return gpu_unsupported(page_size, spec.head_dim)
     if platform == "tpu":
         from jaxserve.attention.tpu import tpu_unsupported
 
         return tpu_unsupported(cache_kv_heads(spec, tensor_parallel_size) // tensor_parallel_size, cache_dtype)
     return None
+
+
+def gpu_compute_capability() -> float | None:
+    """The first device's CUDA compute capability (9.0 on an H100 / H200), or None off a GPU (cross-lowering)."""
+    if jax.default_backend() != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return None if capability is None else float(capability)
 
 
 def make_attention(spec: ModelSpec, backend: str, mesh: Mesh, page_size: int,
