@@ -85,4 +85,6 @@ def test_each_shard_is_read_once_under_tensor_parallelism(converted):
         before = _bytes_read()
         jax.block_until_ready(load_checkpoint(folder, spec, make_mesh(tp), cache_kv_heads(spec, tp), "auto", "none"))
         read[tp] = _bytes_read() - before
-    assert read[2] <= 1.05 * read[1] and read[2] <= 1.05 * files, (read, files)
+    # Reading a split array whole on each device would add most of the files again (the layers and the LM head
+    # are split: ~80% of this checkpoint); other reads of the process (metadata, caches) stay far under a quarter.
+    assert read[1] <= 1.25 * files and read[2] - read[1] <= files / 4, (read, files)
