@@ -126,25 +126,23 @@ def test_known_model_folders_that_are_not_here_map_to_published_configs():
 
 
 def test_a_quantized_config_lowers_and_counts_its_quantized_weights(tmp_path):
-    """The bundled model (one device) with fp8 weights, and with an fp8 KV cache too: every edge bucket lowers for
-    cuda, the weights take their quantized bytes (the linear layers 1 byte per weight plus a float32 scale per
-    output channel; the tied embeddings stay float32), and a KV page a quarter of a float32 page's."""
+    """The bundled model (one device) with fp8 weights and an fp8 KV cache: every edge bucket lowers for cuda,
+    the weights take their quantized bytes (the linear layers 1 byte per weight plus a float32 scale per output
+    channel, the KV scales a float32 per layer and KV head; the tied embeddings stay float32), and a KV page is a
+    quarter of a float32 page."""
     checks = {}
-    for mode, kv_cache_dtype in (("none", "auto"), ("fp8", "auto"), ("fp8", "fp8")):
+    for mode, kv_cache_dtype in (("none", "auto"), ("fp8", "fp8")):
         config = tmp_path / f"tiny-{mode}-{kv_cache_dtype}.yaml"
         config.write_text(f"max_model_len: 256\nmax_num_seqs: 8\nmax_num_batched_tokens: 32\nquantization: {mode}\n"
                           f"kv_cache_dtype: {kv_cache_dtype}\n")
-        checks[mode, kv_cache_dtype] = check_config.check_config(str(config), ["cuda"], {"cuda": "h100"},
-                                                                 buckets="edges", attention_backend="xla")
-    assert checks["fp8", "auto"].failures == [] and checks["fp8", "fp8"].failures == []
-    plans = {key: check.platforms[0].memory for key, check in checks.items()}
-    assert plans["fp8", "fp8"].page_bytes * 4 == plans["fp8", "auto"].page_bytes
-    assert plans["fp8", "fp8"].num_pages >= 4 * plans["fp8", "auto"].num_pages - 4
-    layers, kv_heads = 4, 2
-    scale_bytes = 2 * layers * kv_heads * 4  # k_scale and v_scale (L, Hkv) float32
-    assert checks["fp8", "fp8"].weight_bytes == checks["fp8", "auto"].weight_bytes + scale_bytes
-    checks = {mode: checks[mode, "auto"] for mode in ("none", "fp8")}
+        checks[mode] = check_config.check_config(str(config), ["cuda"], {"cuda": "h100"}, buckets="edges",
+                                                 attention_backend="xla")
+    assert checks["fp8"].failures == []
+    plans = {mode: check.platforms[0].memory for mode, check in checks.items()}
+    assert plans["fp8"].page_bytes * 4 == plans["none"].page_bytes
+    assert plans["fp8"].num_pages >= 4 * plans["none"].num_pages - 4
     hidden, inner, layers, heads, kv_heads, head_dim = 128, 384, 4, 4, 2, 32  # the bundled model's shape
     linear = layers * (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inner)
     scales = layers * ((heads + 2 * kv_heads) * head_dim + hidden + 2 * inner + hidden)
-    assert checks["none"].weight_bytes - checks["fp8"].weight_bytes == linear * 4 - linear - scales * 4
+    kv_scales = 2 * layers * kv_heads  # k_scale and v_scale (L, Hkv)
+    assert checks["none"].weight_bytes - checks["fp8"].weight_bytes == linear * 4 - linear - (scales + kv_scales) * 4
