@@ -219,10 +219,11 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
     fp8, the shardings the engine gives them."""
     from jaxserve.model.loader import dummy_params
     from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, quantize_weight, quantized_partition_specs
-    from jaxserve.model.sharding import named, param_partition_specs
+    from jaxserve.model.registry import param_partition_specs
+    from jaxserve.model.sharding import named
 
     shapes = jax.eval_shape(lambda: dummy_params(spec, mesh, dtype, num_cache_kv_heads, seed=0))
-    specs = param_partition_specs(spec, mesh.devices.size)
+    specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
     if quantization != "none":
         layers = {name: jax.eval_shape(lambda w: quantize_weight(w, quantization), leaf) if name in QUANTIZED_LAYER_LEAVES else leaf
                   for name, leaf in shapes["layers"].items()}

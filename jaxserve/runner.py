@@ -35,7 +35,7 @@ from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps, PromptLogpro
 from jaxserve.buckets import pick_bucket
 from jaxserve.decode_steps import run_decode_steps, sampled_by
 from jaxserve.kv.host_swap import HostSwap
-from jaxserve.model.llama import make_forward, token_logits
+from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import KV_CACHE_SPEC
 from jaxserve.model.spec import ModelSpec
 from jaxserve.packing import Layout, pack, unpack
@@ -181,7 +181,9 @@ class Runner:
         self.kv_caches: tuple[jax.Array, ...] = ()  # allocate_kv: the backend's layout, each (L, P, S, heads, D)
         self.host_swap: HostSwap | None = None  # allocate_host_kv: the swap space in host memory
 
-        forward = make_forward(spec, num_cache_kv_heads, self.attention.attention, self.attention.write_kv)
+        model = model_for(spec.architecture)
+        token_logits = model.token_logits  # (params, hidden (N, H), spec) -> (N, V) float32
+        forward = model.make_forward(spec, num_cache_kv_heads, self.attention.attention, self.attention.write_kv)
         self.model_forward = forward  # (params, caches, BatchDescriptor) -> (logits (R, V), hidden (T, H), caches)
         # Each leaf's own sharding (the loader's, or a quantized leaf's): params of any layout the model takes.
         self.param_shardings = param_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, params)

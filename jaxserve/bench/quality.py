@@ -18,7 +18,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.model.checkpoint import load_weights
-from jaxserve.model.llama import token_logits
+from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 from jaxserve.runner import Runner
@@ -68,7 +68,8 @@ def next_token_logprobs(runner: Runner, prompts: list[list[int]]) -> list[np.nda
     def score(params, batch):
         caches = tuple(jnp.zeros(s.shape, s.dtype) for s in runner.cache_structs(width + 1))
         _, hidden, _ = forward(params, caches, batch)  # hidden: (T, H)
-        return jax.nn.log_softmax(token_logits(params, hidden, runner.spec), axis=-1)  # (T, V)
+        logits = model_for(runner.spec.architecture).token_logits(params, hidden, runner.spec)  # (T, V)
+        return jax.nn.log_softmax(logits, axis=-1)
 
     num_tokens = pick_bucket(geometric_ladder(16, max(16, longest)), longest)  # one shape: one compilation
     return [np.asarray(score(runner.params, prefill_batch(prompt, num_tokens, width, page_size)))[:len(prompt)]

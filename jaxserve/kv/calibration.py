@@ -22,7 +22,7 @@ from jaxserve.batch import prefill_batch
 from jaxserve.buckets import geometric_ladder, pick_bucket
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.fp8 import FP8_MAX
-from jaxserve.model.llama import make_forward
+from jaxserve.model.registry import model_for
 from jaxserve.model.spec import ModelSpec
 
 HEADROOM = 2.0  # the largest |K| or |V| the text gave lands at FP8_MAX / HEADROOM
@@ -48,7 +48,8 @@ def calibrate_kv_scales(params: dict, spec: ModelSpec, mesh: Mesh, num_cache_kv_
     """{"k_scale", "v_scale": (L, cache KV heads) float32}: the largest |K| and |V| each (layer, KV head) wrote over
     `prompts`, times HEADROOM over FP8_MAX (1.0 for a head that wrote only zeros). `params` without KV scales."""
     backend = make_attention(spec, "xla", mesh, PAGE_SIZE, cache_dtype=jnp.float32)
-    forward = make_forward(spec, num_cache_kv_heads, backend.attention, backend.write_kv)
+    forward = model_for(spec.architecture).make_forward(spec, num_cache_kv_heads, backend.attention,
+                                                         backend.write_kv)
     longest = max(len(prompt) for prompt in prompts)
     width = pages_for_tokens(longest, PAGE_SIZE)  # one prompt's pages, after the null page
     shapes = backend.cache_shapes(spec.num_layers, width + 1, PAGE_SIZE, num_cache_kv_heads, spec.head_dim)

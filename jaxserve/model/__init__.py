@@ -1,1 +1,2 @@
-"""Llama-family models: spec parsing, weight loading, sharding rules and the pure forward pass."""
+"""Models: the interface and registry (registry.py), spec parsing, weight loading, sharding rules and the
+architectures (the Llama family: llama.py)."""

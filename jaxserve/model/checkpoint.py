@@ -29,7 +29,8 @@ from jaxserve.kv import fp8
 from jaxserve.kv.calibration import calibrate_kv_scales, calibration_prompts
 from jaxserve.model.loader import dummy_params, load_kv_scales, load_params, resolve_dtype
 from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
-from jaxserve.model.sharding import cache_kv_heads, make_mesh, param_partition_specs
+from jaxserve.model.registry import param_partition_specs
+from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 
 logger = logging.getLogger("jaxserve")
@@ -164,7 +165,7 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
         raise ValueError(f"{path!r} stores {metadata['num_cache_kv_heads']} KV heads per layer but tensor parallelism "
                          f"over {mesh.devices.size} devices needs {num_cache_kv_heads}: convert with "
                          f"--tensor-parallel-size {mesh.devices.size}")
-    specs = param_partition_specs(spec, mesh.devices.size)
+    specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
     if metadata["quantization"] != "none":
         specs = quantized_partition_specs(specs)
     if metadata.get("kv_cache_dtype") == "fp8":

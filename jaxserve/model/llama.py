@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) as pure functions over a params pytree.
+"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) as pure functions over a params pytree,
+registered for spec.LLAMA_FAMILY (model/registry.py) with its weights declared in `weights`.
 
 Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`):
     embed        (V, H)
@@ -22,11 +23,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
 from jaxserve.attention.base import AttentionFn, WriteKVFn
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.kv.fp8 import write_and_attend
 from jaxserve.model.quantize import linear
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import Model, Weight, register
+from jaxserve.model.sharding import MODEL_AXIS
+from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -138,3 +143,48 @@ def make_forward(spec: ModelSpec, num_kv_heads: int, attention: AttentionFn, wri
         )
 
     return bound
+
+
+def weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
+    """Every params leaf (see the module docstring) with its Hugging Face tensor, shape and sharding: heads split
+    Megatron style (q, k, v, gate and up by output columns, o and down by input rows), each KV head repeated
+    when the tensor parallelism exceeds them, the LM head split on the vocabulary when it divides."""
+    num_layers, hidden, inner, vocab = spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    q_width, kv_width = spec.num_heads * spec.head_dim, num_cache_kv_heads * spec.head_dim
+    columns, rows, replicated = P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None), P(None, None)
+
+    def layer(name: str, shape: tuple[int, ...], pspec: P, **storage) -> Weight:
+        return Weight(f"model.layers.{{i}}.{name}", (num_layers, *shape), pspec, **storage)
+
+    def projection(name: str, shape: tuple[int, int], pspec: P, kv_heads: bool = False) -> Weight:
+        return layer(f"{name}.weight", shape, pspec, transpose=True, kv_heads=kv_heads)
+
+    layers = {
+        "input_norm": layer("input_layernorm.weight", (hidden,), replicated, ones=True),
+        "post_norm": layer("post_attention_layernorm.weight", (hidden,), replicated, ones=True),
+        "wq": projection("self_attn.q_proj", (hidden, q_width), columns),
+        "wk": projection("self_attn.k_proj", (hidden, kv_width), columns, kv_heads=True),
+        "wv": projection("self_attn.v_proj", (hidden, kv_width), columns, kv_heads=True),
+    }
+    if spec.qkv_bias:
+        layers["bq"] = layer("self_attn.q_proj.bias", (q_width,), P(None, MODEL_AXIS))
+        layers["bk"] = layer("self_attn.k_proj.bias", (kv_width,), P(None, MODEL_AXIS), kv_heads=True)
+        layers["bv"] = layer("self_attn.v_proj.bias", (kv_width,), P(None, MODEL_AXIS), kv_heads=True)
+    if spec.qk_norm:
+        layers["q_norm"] = layer("self_attn.q_norm.weight", (spec.head_dim,), replicated, ones=True)
+        layers["k_norm"] = layer("self_attn.k_norm.weight", (spec.head_dim,), replicated, ones=True)
+    layers.update({
+        "wo": projection("self_attn.o_proj", (q_width, hidden), rows),
+        "w_gate": projection("mlp.gate_proj", (hidden, inner), columns),
+        "w_up": projection("mlp.up_proj", (hidden, inner), columns),
+        "w_down": projection("mlp.down_proj", (inner, hidden), rows),
+    })
+    tree = {"embed": Weight("model.embed_tokens.weight", (vocab, hidden), replicated),
+            "final_norm": Weight("model.norm.weight", (hidden,), P(None), ones=True), "layers": layers}
+    if not spec.tie_word_embeddings:
+        vocab_split = MODEL_AXIS if vocab % tensor_parallel_size == 0 else None
+        tree["lm_head"] = Weight("lm_head.weight", (hidden, vocab), P(None, vocab_split), transpose=True)
+    return tree
+
+
+register(LLAMA_FAMILY, Model(weights=weights, make_forward=make_forward, token_logits=token_logits))

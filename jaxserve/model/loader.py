@@ -18,27 +18,9 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
 from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, quantized_spec
-from jaxserve.model.sharding import named, param_partition_specs
+from jaxserve.model.registry import Weight, model_for
 from jaxserve.model.spec import ModelSpec
 
-# params leaf -> (HF name template, transpose a Linear weight to (in, out))
-_LAYER_WEIGHTS = {
-    "input_norm": ("model.layers.{i}.input_layernorm.weight", False),
-    "post_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
-    "wq": ("model.layers.{i}.self_attn.q_proj.weight", True),
-    "wk": ("model.layers.{i}.self_attn.k_proj.weight", True),
-    "wv": ("model.layers.{i}.self_attn.v_proj.weight", True),
-    "bq": ("model.layers.{i}.self_attn.q_proj.bias", False),
-    "bk": ("model.layers.{i}.self_attn.k_proj.bias", False),
-    "bv": ("model.layers.{i}.self_attn.v_proj.bias", False),
-    "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", False),
-    "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", False),
-    "wo": ("model.layers.{i}.self_attn.o_proj.weight", True),
-    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
-    "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
-    "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
-}
-_KV_LEAVES = ("wk", "wv", "bk", "bv")
 # The fp8 KV cache's scales (kv/fp8.py): params leaf -> HF name template (vLLM's names; a scalar or one per KV head)
 _KV_SCALES = {"k_scale": "model.layers.{i}.self_attn.k_scale", "v_scale": "model.layers.{i}.self_attn.v_scale"}
 
@@ -114,32 +96,30 @@ class SafetensorsFolder:
 
 
 def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int) -> dict:
-    """Read every weight straight into its final sharding: each device's shard of each layer is read
-    from the safetensors slice it needs and written into its place in the stacked leaf on the device,
-    so the host holds about one layer's shard at a time, never a whole stacked leaf."""
+    """Read every weight the model declares (model/registry.py) straight into its final sharding: each device's
+    shard of each layer is read from the safetensors slice it needs and written into its place in the stacked
+    leaf on the device, so the host holds about one layer's shard at a time, never a whole stacked leaf."""
     folder = SafetensorsFolder(path)
-    shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
-    layers = {}
-    for leaf, sharding in shardings["layers"].items():
-        template, transpose = _LAYER_WEIGHTS[leaf]
-        repeat = kv_repeat if leaf in _KV_LEAVES else 1
-        names = [template.format(i=i) for i in range(spec.num_layers)]
-        layout = _Layout(transpose, repeat, spec.head_dim)
-        if spec.checkpoint_quantization == "fp8" and leaf in QUANTIZED_LAYER_LEAVES:
-            layers[leaf] = _load_fp8(folder, names, layout, sharding)
-        else:
-            layers[leaf] = _load_stacked(folder, names, layout, sharding, dtype)
-    plain = _Layout(transpose=False, kv_repeat=1, head_dim=spec.head_dim)
-    params = {
-        "embed": _load_one(folder, "model.embed_tokens.weight", plain, shardings["embed"], dtype),
-        "final_norm": _load_one(folder, "model.norm.weight", plain, shardings["final_norm"], dtype),
-        "layers": layers,
-    }
-    if not spec.tie_word_embeddings:
-        transposed = _Layout(transpose=True, kv_repeat=1, head_dim=spec.head_dim)
-        params["lm_head"] = _load_one(folder, "lm_head.weight", transposed, shardings["lm_head"], dtype)
-    return params
+    declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
+
+    def load(name: str, weight: Weight) -> jax.Array | dict:
+        layout = _Layout(weight.transpose, kv_repeat if weight.kv_heads else 1, spec.head_dim)
+        sharding = NamedSharding(mesh, weight.spec)
+        if not weight.per_layer:
+            return _load_one(folder, weight.hf_name, layout, sharding, dtype)
+        names = [weight.hf_name.format(i=i) for i in range(spec.num_layers)]
+        if spec.checkpoint_quantization == "fp8" and name in QUANTIZED_LAYER_LEAVES:
+            return _load_fp8(folder, names, layout, sharding)
+        return _load_stacked(folder, names, layout, sharding, dtype)
+
+    return _each_weight(load, declared)
+
+
+def _each_weight(function, declared: dict) -> dict:
+    """{name: function(name, weight)} over a declaration tree, in its order (the tree's nesting kept)."""
+    return {name: _each_weight(function, node) if isinstance(node, dict) else function(name, node)
+            for name, node in declared.items()}
 
 
 def load_kv_scales(path: str, spec: ModelSpec, num_cache_kv_heads: int) -> dict | None:
@@ -235,42 +215,19 @@ def _load_stacked(folder: SafetensorsFolder, names: list[str], layout: _Layout, 
 
 
 def dummy_params(spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int, seed: int) -> dict:
-    """Random weights of the right shapes, made on the device in their final sharding (load_format
-    "dummy", for benchmarks of shapes whose real weights are not at hand): matrices N(0, 0.02^2), norms 1."""
-    shardings = named(mesh, param_partition_specs(spec, mesh.devices.size))
-    shapes = _param_shapes(spec, num_cache_kv_heads)
-    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree_util.tree_leaves(shapes))))
+    """Random weights of the declared shapes, made on the device in their final sharding (load_format "dummy",
+    for benchmarks of shapes whose real weights are not at hand): N(0, 0.02^2), norms 1."""
+    declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
+    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree_util.tree_leaves(
+        declared, is_leaf=lambda node: isinstance(node, Weight)))))
 
-    def make(shape: tuple[int, ...], sharding, is_norm: bool) -> jax.Array:
-        if is_norm:
+    def make(name: str, weight: Weight) -> jax.Array:
+        sharding, shape = NamedSharding(mesh, weight.spec), weight.shape
+        if weight.ones:
             return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
         return jax.jit(lambda key: 0.02 * jax.random.normal(key, shape, dtype), out_shardings=sharding)(next(keys))
 
-    return {
-        name: ({leaf: make(shape, shardings[name][leaf], leaf.endswith("norm")) for leaf, shape in shapes[name].items()}
-               if name == "layers" else make(shapes[name], shardings[name], name.endswith("norm")))
-        for name in shapes
-    }
-
-
-def _param_shapes(spec: ModelSpec, num_cache_kv_heads: int) -> dict:
-    """The shape of every params leaf, as load_params makes them (stacked layers, Linear weights (in, out))."""
-    layers, hidden, inner = spec.num_layers, spec.hidden_size, spec.intermediate_size
-    q_width, kv_width = spec.num_heads * spec.head_dim, num_cache_kv_heads * spec.head_dim
-    layer_shapes = {
-        "input_norm": (layers, hidden), "post_norm": (layers, hidden),
-        "wq": (layers, hidden, q_width), "wk": (layers, hidden, kv_width), "wv": (layers, hidden, kv_width),
-        "bq": (layers, q_width), "bk": (layers, kv_width), "bv": (layers, kv_width),
-        "q_norm": (layers, spec.head_dim), "k_norm": (layers, spec.head_dim),
-        "wo": (layers, q_width, hidden),
-        "w_gate": (layers, hidden, inner), "w_up": (layers, hidden, inner), "w_down": (layers, inner, hidden),
-    }
-    present = param_partition_specs(spec, 1)
-    shapes = {"embed": (spec.vocab_size, hidden), "final_norm": (hidden,),
-              "layers": {leaf: layer_shapes[leaf] for leaf in present["layers"]}}
-    if "lm_head" in present:
-        shapes["lm_head"] = (hidden, spec.vocab_size)
-    return shapes
+    return _each_weight(make, declared)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-SUPPORTED_ARCHITECTURES = (
+LLAMA_FAMILY = (  # the architectures model/llama.py serves
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
@@ -102,13 +102,15 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict, generation_config: dict | None = None) -> "ModelSpec":
-        """Build a spec from a Hugging Face config dict; a clear ValueError for anything unsupported."""
+        """Build a spec from a Hugging Face config dict; a clear ValueError for an architecture no model is
+        registered for (model/registry.py) or anything else unsupported."""
+        from jaxserve.model.registry import registered_architectures  # imported here: the registry imports us
+
         architectures = config.get("architectures") or []
-        arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        registered = registered_architectures()
+        arch = next((a for a in architectures if a in registered), None)
         if arch is None:
-            raise ValueError(
-                f"unsupported architecture {architectures!r}; jaxserve supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ValueError(f"unsupported architecture {architectures!r}; registered: {', '.join(registered)}")
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}: only 'silu' is supported")
         if config.get("mlp_bias"):

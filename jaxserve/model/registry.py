@@ -1,0 +1,92 @@
+"""The model interface and registry: what the engine needs from an architecture, by Hugging Face name.
+
+An architecture is a `Model`: the params leaves it declares (`Weight`: the checkpoint tensor each comes from,
+its shape, its partition spec over the `model` mesh axis and how it is stored), its forward over a
+`BatchDescriptor` with the attention backend injected, and its LM head. The loader, the random weights of
+`load_format: dummy`, orbax restores and `jaxserve check-config` all work from the declarations, so they stay
+generic. `register` makes an architecture servable under its `config.json` `architectures` names; the built-in
+ones (BUILTIN_MODULES) register when their module is imported, on the registry's first lookup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.model.spec import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """One params leaf: its Hugging Face tensor, shape, sharding and storage."""
+
+    hf_name: str  # the checkpoint tensor's name; "{i}" in a per-layer name (the leaf stacks the layers)
+    shape: tuple[int, ...]  # the leaf's shape: (L, ...) for a per-layer leaf
+    spec: P  # how the leaf is split over the `model` mesh axis
+    transpose: bool = False  # a Linear weight: the checkpoint's (out, in) stored as (in, out)
+    kv_heads: bool = False  # the last axis holds KV heads: each repeated when tensor parallelism exceeds them
+    ones: bool = False  # random weights (load_format dummy) start at 1 (a norm), not N(0, 0.02^2)
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the leaf stacks one checkpoint tensor per layer."""
+        return "{i}" in self.hf_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """An architecture as the engine uses it."""
+
+    # (spec, KV heads held per layer, tensor parallel size) -> the params tree of `Weight`s
+    weights: Callable[[ModelSpec, int, int], dict]
+    # (spec, KV heads held per layer, attention, write_kv) -> forward(params, caches, batch) ->
+    # (logits (R, V) float32, hidden (T, H), caches)
+    make_forward: Callable
+    # (params, hidden (N, H), spec) -> logits (N, V) float32
+    token_logits: Callable
+
+
+_MODELS: dict[str, Model] = {}
+BUILTIN_MODULES = ("jaxserve.model.llama",)  # imported on the first lookup (they import this module)
+
+
+def register(architectures: tuple[str, ...], model: Model) -> None:
+    """Serve `model` for each Hugging Face architecture name in `architectures`."""
+    for name in architectures:
+        _MODELS[name] = model
+
+
+def registered_architectures() -> tuple[str, ...]:
+    """Every architecture name a model is registered for, sorted."""
+    _import_builtins()
+    return tuple(sorted(_MODELS))
+
+
+def model_for(architecture: str) -> Model:
+    """The model registered for `architecture`; a ValueError listing the registered ones."""
+    _import_builtins()
+    if architecture not in _MODELS:
+        raise ValueError(f"unsupported architecture {architecture!r}; registered: "
+                         f"{', '.join(registered_architectures())}")
+    return _MODELS[architecture]
+
+
+def _import_builtins() -> None:
+    """Import the built-in architectures' modules, which register themselves (once: Python caches modules)."""
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def map_weights(function: Callable[[Weight], object], weights: dict) -> dict:
+    """`function` of every `Weight` of a declaration tree, in the same tree."""
+    return jax.tree_util.tree_map(function, weights, is_leaf=lambda node: isinstance(node, Weight))
+
+
+def param_partition_specs(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
+    """The PartitionSpec of every params leaf of `spec`'s architecture (the params' tree)."""
+    weights = model_for(spec.architecture).weights(spec, num_cache_kv_heads, tensor_parallel_size)
+    return map_weights(lambda weight: weight.spec, weights)

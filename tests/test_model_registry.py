@@ -1,0 +1,81 @@
+"""The model interface and registry (issue 17, first part): jaxserve/model/registry.py.
+
+Architectures are looked up by their Hugging Face name; an unknown one is refused with the registered names; a
+model registered under a new name is served without any engine change; every weight a model declares is in its
+checkpoint with the declared shape, and the loader builds exactly the declared tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import ARCHITECTURES, checkpoint, expected, small_engine_args
+from jaxserve import LLM, SamplingParams
+from jaxserve.model import registry
+from jaxserve.model.loader import SafetensorsFolder, load_params
+from jaxserve.model.registry import Model, Weight, map_weights, model_for, registered_architectures
+from jaxserve.model.sharding import cache_kv_heads, make_mesh
+from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
+
+
+def test_the_llama_family_is_registered_and_an_unknown_architecture_is_refused():
+    assert set(LLAMA_FAMILY) <= set(registered_architectures())
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; registered: LlamaForCausalLM"):
+        model_for("GPT2LMHeadModel")
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_declared_weight_is_in_the_checkpoint_and_loads_as_declared(name, tp):
+    spec = ModelSpec.from_pretrained(checkpoint(name))
+    kv_heads = cache_kv_heads(spec, tp)
+    declared = model_for(spec.architecture).weights(spec, kv_heads, tp)
+    folder = SafetensorsFolder(checkpoint(name))
+    for weight in jax.tree_util.tree_leaves(declared, is_leaf=lambda node: isinstance(node, Weight)):
+        stored = folder.shape(weight.hf_name.format(i=0))
+        want = weight.shape[1:] if weight.per_layer else weight.shape
+        if weight.transpose:
+            stored = stored[::-1]
+        repeat = kv_heads // spec.num_kv_heads if weight.kv_heads else 1
+        assert (*stored[:-1], stored[-1] * repeat) == want, weight
+    params = load_params(checkpoint(name), spec, make_mesh(tp), np.float32, kv_heads)
+    shapes = map_weights(lambda weight: weight.shape, declared)
+    assert jax.tree_util.tree_map(lambda leaf: leaf.shape, params) == shapes
+    specs = map_weights(lambda weight: weight.spec, declared)
+    assert jax.tree_util.tree_map(lambda leaf: leaf.sharding.spec, params) == specs
+
+
+def test_a_model_registered_under_a_new_name_is_served_without_an_engine_change(tmp_path, monkeypatch):
+    """A copy of the llama checkpoint that calls itself MyLlamaForCausalLM, served by a model registered under
+    that name (the Llama family's functions, its forward counted): the same greedy tokens as the original."""
+    folder = str(tmp_path / "my-llama")
+    shutil.copytree(checkpoint("llama"), folder)
+    config_path = os.path.join(folder, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["architectures"] = ["MyLlamaForCausalLM"]
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    llama = model_for("LlamaForCausalLM")
+    traced = []
+
+    def make_forward(*args):
+        traced.append(args[0].architecture)
+        return llama.make_forward(*args)
+
+    monkeypatch.setitem(registry._MODELS, "MyLlamaForCausalLM",
+                        Model(weights=llama.weights, make_forward=make_forward, token_logits=llama.token_logits))
+    args = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in expected("llama")["prompts"][:4]]
+    mine = [o.outputs[0].token_ids for o in LLM(folder, **args).generate(prompts, params, use_tqdm=False)]
+    assert traced and set(traced) == {"MyLlamaForCausalLM"}
+    original = [o.outputs[0].token_ids for o in LLM(checkpoint("llama"), **args).generate(prompts, params,
+                                                                                       use_tqdm=False)]
+    assert mine == original
