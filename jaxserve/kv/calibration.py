@@ -37,9 +37,15 @@ def calibration_prompts(tokenizer_path: str, max_tokens: int) -> list[list[int]]
     from jaxserve.tokenizer import load_tokenizer
 
     _, conversations = load_sharegpt(None)
-    text = "\n\n".join(turn["value"] for conversation in conversations for turn in conversation["conversations"])
+    tokenizer = load_tokenizer(tokenizer_path)
     length = min(CALIBRATION_TOKENS, max_tokens)
-    ids = load_tokenizer(tokenizer_path).encode(text, add_special_tokens=False)[: CALIBRATION_PROMPTS * length]
+    ids: list[int] = []
+    turns = (turn["value"] for conversation in conversations for turn in conversation["conversations"])
+    for text in turns:  # turn by turn, until there is enough (never the whole text at once)
+        if len(ids) >= CALIBRATION_PROMPTS * length:
+            break
+        ids += tokenizer.encode(text + "\n\n", add_special_tokens=False)
+    ids = ids[: CALIBRATION_PROMPTS * length]
     return [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)]
 
 
