@@ -25,7 +25,8 @@ from jaxserve.bench.quality import (  # noqa: E402
     compare_distributions, next_token_logprobs, scoring_runner, source_prompts,
 )
 from jaxserve.engine import default_model_path  # noqa: E402
-from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, weight_bytes  # noqa: E402
+from jaxserve.model.quantize import weight_bytes  # noqa: E402
+from jaxserve.model.registry import quantizable_leaves  # noqa: E402
 
 MODES = {  # mode -> scoring_runner options
     "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
@@ -58,12 +59,13 @@ def main() -> None:
         prompts = prompts_for(model)
         reference_runner = scoring_runner(model)
         reference = next_token_logprobs(reference_runner, prompts)
-        linear = {name: reference_runner.params["layers"][name] for name in QUANTIZED_LAYER_LEAVES}
+        leaves = quantizable_leaves(reference_runner.spec)
+        linear = {name: reference_runner.params["layers"][name] for name in leaves}
         bf16_bytes = sum(leaf.size * jnp.dtype(jnp.bfloat16).itemsize for leaf in linear.values())
         for mode, options in MODES.items():
             runner = scoring_runner(model, **options)
             quality = compare_distributions(reference, next_token_logprobs(runner, prompts))
-            quantized = weight_bytes({name: runner.params["layers"][name] for name in QUANTIZED_LAYER_LEAVES})
+            quantized = weight_bytes({name: runner.params["layers"][name] for name in leaves})
             linear_share = f"{quantized / bf16_bytes:.3f}" if "quantization" in options else "-"
             kv_share = runner.cache_structs(1)[0].dtype.itemsize / jnp.dtype(jnp.bfloat16).itemsize
             print(f"| {os.path.basename(os.path.normpath(model))} | {mode} | {quality['positions']} | "

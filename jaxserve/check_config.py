@@ -218,16 +218,17 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
     have (traced, never made), quantized as configured, with the fp8 KV cache's scales under `kv_cache_dtype`
     fp8, the shardings the engine gives them."""
     from jaxserve.model.loader import dummy_params
-    from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, quantize_weight, quantized_partition_specs
-    from jaxserve.model.registry import param_partition_specs
+    from jaxserve.model.quantize import quantize_weight, quantized_partition_specs
+    from jaxserve.model.registry import param_partition_specs, quantizable_leaves
     from jaxserve.model.sharding import named
 
     shapes = jax.eval_shape(lambda: dummy_params(spec, mesh, dtype, num_cache_kv_heads, seed=0))
     specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
     if quantization != "none":
-        layers = {name: jax.eval_shape(lambda w: quantize_weight(w, quantization), leaf) if name in QUANTIZED_LAYER_LEAVES else leaf
+        leaves = quantizable_leaves(spec)
+        layers = {name: jax.eval_shape(lambda w: quantize_weight(w, quantization), leaf) if name in leaves else leaf
                   for name, leaf in shapes["layers"].items()}
-        shapes, specs = {**shapes, "layers": layers}, quantized_partition_specs(specs)
+        shapes, specs = {**shapes, "layers": layers}, quantized_partition_specs(specs, leaves)
     if kv_cache_dtype == "fp8":
         scale = jax.ShapeDtypeStruct((spec.num_layers, num_cache_kv_heads), jnp.float32)  # (L, Hkv)
         shapes = {**shapes, "layers": {**shapes["layers"], **{leaf: scale for leaf in fp8.SCALE_LEAVES}}}

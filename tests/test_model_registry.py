@@ -19,7 +19,9 @@ from helpers import ARCHITECTURES, checkpoint, expected, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.model import registry
 from jaxserve.model.loader import SafetensorsFolder, load_params
-from jaxserve.model.registry import Model, Weight, map_weights, model_for, registered_architectures
+from jaxserve.model.registry import (
+    Model, Weight, map_weights, model_for, quantizable_leaves, registered_architectures,
+)
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
 
@@ -28,6 +30,9 @@ def test_the_llama_family_is_registered_and_an_unknown_architecture_is_refused()
     assert set(LLAMA_FAMILY) <= set(registered_architectures())
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; registered: LlamaForCausalLM"):
         model_for("GPT2LMHeadModel")
+    # weight quantization takes the leaves the model declares quantizable: the seven projections
+    assert set(quantizable_leaves(ModelSpec.from_pretrained(checkpoint("qwen2")))) == {
+        "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)

@@ -29,7 +29,7 @@ from jaxserve.kv import fp8
 from jaxserve.kv.calibration import calibrate_kv_scales, calibration_prompts
 from jaxserve.model.loader import dummy_params, load_kv_scales, load_params, resolve_dtype
 from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
-from jaxserve.model.registry import param_partition_specs
+from jaxserve.model.registry import param_partition_specs, quantizable_leaves
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 
@@ -101,7 +101,7 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: M
     else:
         params = load_params(model_path, spec, mesh, dtype, kv_heads)  # an fp8 checkpoint's layers come quantized
     if mode != "none" and (spec.checkpoint_quantization == "none" or config.load_format == "dummy"):
-        params = quantize_params(params, mode)
+        params = quantize_params(params, mode, quantizable_leaves(spec))
     logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, mode)
     scales = None
     if config.kv_cache_dtype == "fp8" and config.load_format != "dummy" and not config.calculate_kv_scales:
@@ -167,7 +167,7 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
                          f"--tensor-parallel-size {mesh.devices.size}")
     specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
     if metadata["quantization"] != "none":
-        specs = quantized_partition_specs(specs)
+        specs = quantized_partition_specs(specs, quantizable_leaves(spec))
     if metadata.get("kv_cache_dtype") == "fp8":
         specs["layers"].update({leaf: fp8.SCALE_SPEC for leaf in fp8.SCALE_LEAVES})
     checkpointer = ocp.StandardCheckpointer()

@@ -157,7 +157,7 @@ def weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int)
         return Weight(f"model.layers.{{i}}.{name}", (num_layers, *shape), pspec, **storage)
 
     def projection(name: str, shape: tuple[int, int], pspec: P, kv_heads: bool = False) -> Weight:
-        return layer(f"{name}.weight", shape, pspec, transpose=True, kv_heads=kv_heads)
+        return layer(f"{name}.weight", shape, pspec, transpose=True, kv_heads=kv_heads, quantizable=True)
 
     layers = {
         "input_norm": layer("input_layernorm.weight", (hidden,), replicated, ones=True),

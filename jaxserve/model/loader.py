@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
-from jaxserve.model.quantize import QUANTIZED_LAYER_LEAVES, quantized_spec
+from jaxserve.model.quantize import quantized_spec
 from jaxserve.model.registry import Weight, model_for
 from jaxserve.model.spec import ModelSpec
 
@@ -109,7 +109,7 @@ def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_ca
         if not weight.per_layer:
             return _load_one(folder, weight.hf_name, layout, sharding, dtype)
         names = [weight.hf_name.format(i=i) for i in range(spec.num_layers)]
-        if spec.checkpoint_quantization == "fp8" and name in QUANTIZED_LAYER_LEAVES:
+        if spec.checkpoint_quantization == "fp8" and weight.quantizable:
             return _load_fp8(folder, names, layout, sharding)
         return _load_stacked(folder, names, layout, sharding, dtype)
 

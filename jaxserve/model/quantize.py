@@ -1,6 +1,7 @@
 """Weight-only quantization of the decoder's linear layers (vLLM's `quantization`: int8 or fp8).
 
-Each of a layer's projections (q, k, v, o, gate, up, down) becomes `{"weight": (L, in, out) int8 or
+Each of a layer's projections (the leaves its model declares `quantizable`, model/registry.py; the Llama
+family's q, k, v, o, gate, up, down) becomes `{"weight": (L, in, out) int8 or
 float8_e4m3fn, "scale": (L, out) float32}`: one scale per output channel, the channel's largest magnitude
 over the format's largest value (127, or 448 for e4m3), so `weight * scale` is the original to within the
 format's rounding. A matmul dequantizes in its operand: `(x @ weight) * scale` with the weight cast to the
@@ -18,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-QUANTIZED_LAYER_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # mode -> (dtype, largest value)
 
 
@@ -53,18 +53,17 @@ def quantized_spec(spec: P) -> dict:
     return {"weight": spec, "scale": P(*spec[: len(spec) - 2], *spec[len(spec) - 1 :])}
 
 
-def quantized_partition_specs(specs: dict) -> dict:
-    """A params PartitionSpec tree (model/sharding.py) for the quantized params."""
-    layers = {name: quantized_spec(spec) if name in QUANTIZED_LAYER_LEAVES else spec
-              for name, spec in specs["layers"].items()}
+def quantized_partition_specs(specs: dict, leaves: tuple[str, ...]) -> dict:
+    """A params PartitionSpec tree (model/registry.py) for the params with the layer `leaves` quantized."""
+    layers = {name: quantized_spec(spec) if name in leaves else spec for name, spec in specs["layers"].items()}
     return {**specs, "layers": layers}
 
 
-def quantize_params(params: dict, mode: str) -> dict:
-    """The params with every layer projection quantized (`mode` int8 or fp8), each in its weight's sharding;
-    the float leaves are dropped as they are replaced."""
+def quantize_params(params: dict, mode: str, leaves: tuple[str, ...]) -> dict:
+    """The params with the layer `leaves` quantized (`mode` int8 or fp8), each in its weight's sharding; the float
+    leaves are dropped as they are replaced."""
     layers = dict(params["layers"])
-    for name in QUANTIZED_LAYER_LEAVES:
+    for name in leaves:
         weight = layers.pop(name)
         mesh = weight.sharding.mesh
         out = {part: NamedSharding(mesh, spec) for part, spec in quantized_spec(weight.sharding.spec).items()}

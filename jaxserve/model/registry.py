@@ -30,6 +30,7 @@ class Weight:
     transpose: bool = False  # a Linear weight: the checkpoint's (out, in) stored as (in, out)
     kv_heads: bool = False  # the last axis holds KV heads: each repeated when tensor parallelism exceeds them
     ones: bool = False  # random weights (load_format dummy) start at 1 (a norm), not N(0, 0.02^2)
+    quantizable: bool = False  # a per-layer projection `quantization` stores as {weight, scale} (model/quantize.py)
 
     @property
     def per_layer(self) -> bool:
@@ -84,6 +85,12 @@ def _import_builtins() -> None:
 def map_weights(function: Callable[[Weight], object], weights: dict) -> dict:
     """`function` of every `Weight` of a declaration tree, in the same tree."""
     return jax.tree_util.tree_map(function, weights, is_leaf=lambda node: isinstance(node, Weight))
+
+
+def quantizable_leaves(spec: ModelSpec) -> tuple[str, ...]:
+    """The per-layer leaves (params["layers"] names) of `spec`'s architecture that weight quantization applies to."""
+    layers = model_for(spec.architecture).weights(spec, spec.num_kv_heads, 1)["layers"]
+    return tuple(name for name, weight in layers.items() if weight.quantizable)
 
 
 def param_partition_specs(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
