@@ -7,6 +7,7 @@ checkpoint with the declared shape, and the loader builds exactly the declared t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.model import registry
 from jaxserve.model.loader import SafetensorsFolder, load_params
 from jaxserve.model.registry import (
-    Model, Weight, map_weights, model_for, quantizable_leaves, registered_architectures,
+    Weight, map_weights, model_for, quantizable_leaves, registered_architectures,
 )
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
@@ -75,7 +76,7 @@ def test_a_model_registered_under_a_new_name_is_served_without_an_engine_change(
         return llama.make_forward(*args)
 
     monkeypatch.setitem(registry._MODELS, "MyLlamaForCausalLM",
-                        Model(weights=llama.weights, make_forward=make_forward, token_logits=llama.token_logits))
+                        dataclasses.replace(llama, make_forward=make_forward))
     args = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in expected("llama")["prompts"][:4]]

@@ -7,18 +7,19 @@ than it holds, a tensor parallelism its stored KV heads do not fit, a destinatio
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
-import jax
 import pytest
 
 from helpers import checkpoint, expected, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
-from jaxserve.model.checkpoint import MARKER, convert, load_checkpoint, read_metadata
-from jaxserve.model.sharding import cache_kv_heads, make_mesh
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.checkpoint import MARKER, convert, read_metadata
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=48)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -66,25 +67,47 @@ def test_a_converted_folder_refuses_what_it_does_not_hold(converted, tmp_path):
         convert(checkpoint("llama"), converted["float"])
 
 
-def _bytes_read() -> int:
-    """Bytes this process has read through read() calls so far (Linux's /proc/self/io `rchar`)."""
+READS_SCRIPT = """
+import json, sys
+import jax
+from jaxserve.model.checkpoint import load_checkpoint
+from jaxserve.model.sharding import cache_kv_heads, make_mesh
+from jaxserve.model.spec import ModelSpec
+
+
+def bytes_read():
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+folder = sys.argv[1]
+spec = ModelSpec.from_pretrained(folder)
+read = {1: [], 2: []}
+for tp in (1, 2) + (1, 2) * 3:
+    before = bytes_read()
+    jax.block_until_ready(load_checkpoint(folder, spec, make_mesh(tp), cache_kv_heads(spec, tp), "auto", "none"))
+    read[tp].append(bytes_read() - before)
+print(json.dumps({tp: min(counts[1:]) for tp, counts in read.items()}))
+"""
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's per-process I/O accounting")
 def test_each_shard_is_read_once_under_tensor_parallelism(converted):
     """Restoring at TP 2 reads the checkpoint's files once, as TP 1 does: each device reads its own shard of a
-    split array, and a replicated array is read once, not once per device."""
+    split array, and a replicated array is read once, not once per device (up to small repeated reads). Measured in a process of its own
+    (two CPU devices, no compilation cache, nothing else reading), after a first load of each that compiles, the
+    least of three loads."""
     folder = converted["float"]
     files = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(os.path.join(folder, "params"))
                 for name in names)
-    spec = ModelSpec.from_pretrained(folder)
-    read = {}
-    for tp in (1, 2, 1, 2):  # the first load of each compiles (and reads the compilation cache): not counted
-        before = _bytes_read()
-        jax.block_until_ready(load_checkpoint(folder, spec, make_mesh(tp), cache_kv_heads(spec, tp), "auto", "none"))
-        read[tp] = _bytes_read() - before
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": ROOT}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    done = subprocess.run([sys.executable, "-c", READS_SCRIPT, folder], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = {int(tp): count for tp, count in json.loads(done.stdout.strip().splitlines()[-1]).items()}
     # Reading a split array whole on each device would add most of the files again (the layers and the LM head
-    # are split: ~80% of this checkpoint); other reads of the process (metadata, caches) stay far under a quarter.
-    assert read[1] <= 1.25 * files and read[2] - read[1] <= files / 4, (read, files)
+    # are split: ~80% of this checkpoint). TP 2 was seen reading up to ~11% more than the files on a busy machine
+    # (orbax and tensorstore reading some metadata or chunks twice), never close to that.
+    assert read[1] <= 1.1 * files and read[2] <= 1.4 * files, (read, files)

@@ -31,7 +31,7 @@ from jaxserve.kv.fp8 import write_and_attend
 from jaxserve.model.quantize import linear
 from jaxserve.model.registry import Model, Weight, register
 from jaxserve.model.sharding import MODEL_AXIS
-from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
+from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec, llama_family_spec
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -187,4 +187,5 @@ def weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int)
     return tree
 
 
-register(LLAMA_FAMILY, Model(weights=weights, make_forward=make_forward, token_logits=token_logits))
+register(LLAMA_FAMILY, Model(spec_from_config=llama_family_spec, weights=weights, make_forward=make_forward,
+                             token_logits=token_logits))

@@ -1,6 +1,6 @@
 """The model interface and registry: what the engine needs from an architecture, by Hugging Face name.
 
-An architecture is a `Model`: the params leaves it declares (`Weight`: the checkpoint tensor each comes from,
+An architecture is a `Model`: how it reads its `config.json` into a `ModelSpec`, the params leaves it declares (`Weight`: the checkpoint tensor each comes from,
 its shape, its partition spec over the `model` mesh axis and how it is stored), its forward over a
 `BatchDescriptor` with the attention backend injected, and its LM head. The loader, the random weights of
 `load_format: dummy`, orbax restores and `jaxserve check-config` all work from the declarations, so they stay
@@ -42,6 +42,8 @@ class Weight:
 class Model:
     """An architecture as the engine uses it."""
 
+    # (architecture name, config.json, generation_config.json) -> ModelSpec; a ValueError for what it cannot serve
+    spec_from_config: Callable[[str, dict, dict], ModelSpec]
     # (spec, KV heads held per layer, tensor parallel size) -> the params tree of `Weight`s
     weights: Callable[[ModelSpec, int, int], dict]
     # (spec, KV heads held per layer, attention, write_kv) -> forward(params, caches, batch) ->

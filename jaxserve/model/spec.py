@@ -102,44 +102,51 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, config: dict, generation_config: dict | None = None) -> "ModelSpec":
-        """Build a spec from a Hugging Face config dict; a clear ValueError for an architecture no model is
-        registered for (model/registry.py) or anything else unsupported."""
-        from jaxserve.model.registry import registered_architectures  # imported here: the registry imports us
+        """Build a spec from a Hugging Face config dict with the parser of the first architecture it names that a
+        model is registered for (model/registry.py); a clear ValueError when there is none, or for anything
+        else unsupported."""
+        from jaxserve.model.registry import model_for, registered_architectures  # here: the registry imports us
 
         architectures = config.get("architectures") or []
         registered = registered_architectures()
         arch = next((a for a in architectures if a in registered), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {architectures!r}; registered: {', '.join(registered)}")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}: only 'silu' is supported")
-        if config.get("mlp_bias"):
-            raise ValueError("mlp_bias=True is not supported")
-        if arch == "LlamaForCausalLM" and config.get("attention_bias"):
-            raise ValueError("attention_bias=True is not supported for LlamaForCausalLM")
-        num_heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-        return cls(
-            architecture=arch,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            intermediate_size=config["intermediate_size"],
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope=_parse_rope(config, head_dim),
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=_parse_sliding_window(arch, config),
-            torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-            bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=_parse_eos(config, generation_config or {}),
-            checkpoint_quantization=_parse_checkpoint_quantization(config.get("quantization_config")),
-        )
+        return model_for(arch).spec_from_config(arch, config, generation_config or {})
+
+
+def llama_family_spec(arch: str, config: dict, generation_config: dict) -> ModelSpec:
+    """The spec of a Llama-family config (LLAMA_FAMILY): Llama, Mistral (sliding window), Qwen2 (qkv bias), Qwen3
+    (q/k norm); a ValueError for a feature the family's forward does not have."""
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config['hidden_act']!r}: only 'silu' is supported")
+    if config.get("mlp_bias"):
+        raise ValueError("mlp_bias=True is not supported")
+    if arch == "LlamaForCausalLM" and config.get("attention_bias"):
+        raise ValueError("attention_bias=True is not supported for LlamaForCausalLM")
+    num_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=config.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        intermediate_size=config["intermediate_size"],
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        rope=_parse_rope(config, head_dim),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=_parse_sliding_window(arch, config),
+        torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_parse_eos(config, generation_config),
+        checkpoint_quantization=_parse_checkpoint_quantization(config.get("quantization_config")),
+    )
 
 
 def _parse_rope(config: dict, head_dim: int) -> RopeSpec:
