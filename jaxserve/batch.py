@@ -124,9 +124,18 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders,
     return BatchDescriptor(**arrays)
 
 
-def prefill_batch(prompt: list[int], num_tokens: int, width: int, page_size: int) -> BatchDescriptor:
-    """One whole prompt as a step of `num_tokens` tokens (padded) whose KV goes to pages 1 .. `width` in order: the
-    step of a scratch pool holding one prompt (teacher-forced scoring, KV-scale calibration)."""
+def prefill_batches(prompts: list[list[int]], page_size: int) -> tuple[int, list[BatchDescriptor]]:
+    """(W, one step per prompt): each whole prompt as a step of one shape (the token rung of the longest, W pages)
+    whose KV goes to pages 1 .. W in order, the steps of a scratch pool of W + 1 pages holding one prompt at a
+    time (teacher-forced scoring, KV-scale calibration); one shape, so one compilation."""
+    longest = max(len(prompt) for prompt in prompts)
+    width = pages_for_tokens(longest, page_size)
+    num_tokens = pick_bucket(geometric_ladder(16, max(16, longest)), longest)
+    return width, [_prefill_batch(prompt, num_tokens, width, page_size) for prompt in prompts]
+
+
+def _prefill_batch(prompt: list[int], num_tokens: int, width: int, page_size: int) -> BatchDescriptor:
+    """One whole prompt as a step of `num_tokens` tokens (padded) whose KV goes to pages 1 .. `width`."""
     length = len(prompt)
     arrays = padded_batch_arrays(num_tokens, 1, width, page_size)
     positions = np.arange(length, dtype=np.int32)  # (n,)

@@ -231,8 +231,7 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
         shapes, specs = {**shapes, "layers": layers}, quantized_partition_specs(specs, leaves)
     if kv_cache_dtype == "fp8":
         scale = jax.ShapeDtypeStruct((spec.num_layers, num_cache_kv_heads), jnp.float32)  # (L, Hkv)
-        shapes = {**shapes, "layers": {**shapes["layers"], **{leaf: scale for leaf in fp8.SCALE_LEAVES}}}
-        specs = {**specs, "layers": {**specs["layers"], **{leaf: fp8.SCALE_SPEC for leaf in fp8.SCALE_LEAVES}}}
+        shapes, specs = fp8.with_scale_leaves(shapes, scale), fp8.with_scale_leaves(specs, fp8.SCALE_SPEC)
     return jax.tree_util.tree_map(
         lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), shapes,
         named(mesh, specs))

@@ -56,7 +56,8 @@ class EngineCore:
         self.runner = Runner(
             self.spec, params, self.mesh,
             page_size=config.page_size, num_cache_kv_heads=kv_heads,
-            cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=self.ladders, attention_backend=config.attention_backend,
+            cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=self.ladders,
+            attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
         )
         self.draft = None  # speculative decoding's draft model (method draft_model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -21,6 +22,36 @@ TEST_CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
 def checkpoint(name: str) -> str:
     """Path of a fixture checkpoint folder."""
     return os.path.join(CHECKPOINTS, name)
+
+
+def checkpoint_tensors(name: str, folder: str) -> dict[str, np.ndarray]:
+    """Every tensor of a fixture checkpoint (its files merged), its other files (config, tokenizer) copied into
+    `folder`: the start of a modified copy, which the caller saves into `folder`."""
+    from safetensors.numpy import load_file
+
+    source, tensors = checkpoint(name), {}
+    for file in sorted(os.listdir(source)):
+        if file.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(source, file)))
+        elif file != "model.safetensors.index.json" and os.path.isfile(os.path.join(source, file)):
+            shutil.copy(os.path.join(source, file), folder)
+    return tensors
+
+
+def greedy_outputs_compiling_nothing(engines: dict) -> dict:
+    """Each engine's greedy tokens (8 each) for the llama fixture prompts, asserting that none compiles after
+    warm-up and that every page comes back."""
+    from jaxserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in expected("llama")["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for key, llm in engines.items():
+        before = llm.stats()["compilations_after_warmup"]
+        outputs[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.stats()["compilations_after_warmup"] == before
+        assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+    return outputs
 
 
 def expected(name: str) -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from helpers import checkpoint, expected, small_engine_args
+from helpers import checkpoint, checkpoint_tensors, expected, greedy_outputs_compiling_nothing, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention import make_attention, xla
 from jaxserve.batch import padded_batch_arrays
@@ -158,14 +158,7 @@ def test_the_pool_holds_twice_the_pages_of_bfloat16_in_the_same_memory(engines):
 
 
 def test_the_engine_serves_an_fp8_cache(engines):
-    prompts = [{"prompt_token_ids": p} for p in expected("llama")["prompts"]]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outputs = {}
-    for key, llm in engines.items():
-        before = llm.stats()["compilations_after_warmup"]
-        outputs[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.stats()["compilations_after_warmup"] == before
-        assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+    outputs = greedy_outputs_compiling_nothing(engines)
     first = np.mean([a[0] == b[0] for a, b in zip(outputs["fp8", 1], outputs["auto", 1])])
     assert first >= 0.75, first
     assert outputs["fp8", 2] == outputs["fp8", 1], "TP 2 must give TP 1's tokens"
@@ -238,15 +231,7 @@ def _rescaled_checkpoint(folder: str, factor: float) -> None:
     """The llama checkpoint with K and V `factor` times smaller and the queries and output projection `factor`
     times larger: the same model in float (scores and attention output unchanged), but K and V far below e4m3's
     smallest subnormal at scale 1.0."""
-    from safetensors.numpy import load_file
-
-    source = checkpoint("llama")
-    tensors = {}
-    for name in sorted(os.listdir(source)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(source, name)))
-        elif name != "model.safetensors.index.json" and os.path.isfile(os.path.join(source, name)):
-            shutil.copy(os.path.join(source, name), folder)
+    tensors = checkpoint_tensors("llama", folder)
     for name in list(tensors):
         projection = name.split(".")[-2]
         if projection in ("k_proj", "v_proj"):

@@ -51,9 +51,9 @@ def test_every_declared_weight_is_in_the_checkpoint_and_loads_as_declared(name, 
         repeat = kv_heads // spec.num_kv_heads if weight.kv_heads else 1
         assert (*stored[:-1], stored[-1] * repeat) == want, weight
     params = load_params(checkpoint(name), spec, make_mesh(tp), np.float32, kv_heads)
-    shapes = map_weights(lambda weight: weight.shape, declared)
+    shapes = map_weights(lambda _, weight: weight.shape, declared)
     assert jax.tree_util.tree_map(lambda leaf: leaf.shape, params) == shapes
-    specs = map_weights(lambda weight: weight.spec, declared)
+    specs = map_weights(lambda _, weight: weight.spec, declared)
     assert jax.tree_util.tree_map(lambda leaf: leaf.sharding.spec, params) == specs
 
 

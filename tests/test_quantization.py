@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import checkpoint, expected, small_engine_args
+from helpers import checkpoint, checkpoint_tensors, expected, greedy_outputs_compiling_nothing, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.quality import compare_distributions, next_token_logprobs, scoring_runner, source_prompts
 from jaxserve.engine import default_model_path
@@ -121,14 +121,7 @@ def engines():
 
 
 def test_the_engine_serves_quantized_weights(engines):
-    prompts = [{"prompt_token_ids": p} for p in expected("llama")["prompts"]]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outputs = {}
-    for key, llm in engines.items():
-        before = llm.stats()["compilations_after_warmup"]
-        outputs[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert llm.stats()["compilations_after_warmup"] == before
-        assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+    outputs = greedy_outputs_compiling_nothing(engines)
     first = {key: np.mean([a[0] == b[0] for a, b in zip(out, outputs["none", 1])]) for key, out in outputs.items()}
     assert first["int8", 1] >= 0.75 and first["fp8", 1] >= 0.5, first
     assert outputs["int8", 2] == outputs["int8", 1], "TP 2 must give TP 1's tokens"
@@ -146,18 +139,11 @@ def _write_fp8_checkpoint(folder, strategy: str) -> None:
     float32 `weight_scale`, (out, 1) per channel (the recipe quantize_weight uses) or one per tensor."""
     import json
     import os
-    import shutil
 
     import ml_dtypes
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
 
-    source = checkpoint("llama")
-    weights = {}
-    for name in sorted(os.listdir(source)):
-        if name.endswith(".safetensors"):
-            weights.update(load_file(os.path.join(source, name)))
-        elif name != "model.safetensors.index.json" and os.path.isfile(os.path.join(source, name)):
-            shutil.copy(os.path.join(source, name), folder)
+    weights = checkpoint_tensors("llama", folder)
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     for name in [n for n in weights if n.split(".")[-2] in projections]:
         weight = weights[name].astype(np.float32)  # (out, in)
@@ -167,7 +153,7 @@ def _write_fp8_checkpoint(folder, strategy: str) -> None:
         weights[name + "_scale"] = np.asarray(scale, np.float32).reshape(-1, 1) if strategy == "channel" else (
             np.asarray([scale], np.float32))
     save_file(weights, os.path.join(folder, "model.safetensors"))
-    with open(os.path.join(source, "config.json")) as f:
+    with open(os.path.join(checkpoint("llama"), "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],

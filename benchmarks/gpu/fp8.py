@@ -5,9 +5,9 @@ bf16's.
 A decode step reads every weight once and each row's KV once; fp8 stores both in half the bytes, so at a batch
 and context where those reads dominate the step should come close to half of bf16's. The forward is the
 engine's own (`make_forward` over the `auto` attention backend, the XLA path in the tiny plan; the cache dtype
-the mode's), jitted with the pool donated as the engine does, over B rows at context C with pages of their own. The weights are dequantized
-in the matmul's operand (model/quantize.py: the fp8 weight cast to bf16), so this measures what the engine
-serves today, not a native fp8 matmul.
+the mode's), jitted with the pool donated as the engine does, over B rows at context C with pages of their
+own. The weights are dequantized in the matmul's operand (model/quantize.py: the fp8 weight cast to bf16), so
+this measures what the engine serves today, not a native fp8 matmul.
 """
 
 from __future__ import annotations

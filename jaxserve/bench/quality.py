@@ -12,11 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import BucketLadders, prefill_batch
-from jaxserve.buckets import geometric_ladder, pick_bucket
+from jaxserve.batch import BucketLadders, prefill_batches
 from jaxserve.config import EngineConfig
 from jaxserve.kv import fp8
-from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
@@ -59,9 +57,7 @@ def source_prompts(model: str, count: int, num_tokens: int) -> list[list[int]]:
 def next_token_logprobs(runner: Runner, prompts: list[list[int]]) -> list[np.ndarray]:
     """For each prompt, (len, V) float32 log-probabilities of the next token after each of its prefixes, from the
     runner's model (an engine's `engine.core.runner`; it need not have compiled or allocated anything)."""
-    page_size = runner.page_size
-    longest = max(len(prompt) for prompt in prompts)
-    width = pages_for_tokens(longest, page_size)  # one prompt's pages, after the null page
+    width, batches = prefill_batches(prompts, runner.page_size)  # one prompt's pages, after the null page
     forward = runner.model_forward
 
     @jax.jit
@@ -71,9 +67,7 @@ def next_token_logprobs(runner: Runner, prompts: list[list[int]]) -> list[np.nda
         logits = model_for(runner.spec.architecture).token_logits(params, hidden, runner.spec)  # (T, V)
         return jax.nn.log_softmax(logits, axis=-1)
 
-    num_tokens = pick_bucket(geometric_ladder(16, max(16, longest)), longest)  # one shape: one compilation
-    return [np.asarray(score(runner.params, prefill_batch(prompt, num_tokens, width, page_size)))[:len(prompt)]
-            for prompt in prompts]
+    return [np.asarray(score(runner.params, batch))[:len(prompt)] for prompt, batch in zip(prompts, batches)]
 
 
 def compare_distributions(reference: list[np.ndarray], candidate: list[np.ndarray]) -> dict:

@@ -52,6 +52,7 @@ def quantization_lines(result: dict) -> list[str]:
         if "over_float" in side:
             ratio, same = side["over_float"], side["same_tokens"]
             extra = f"{ratio['mean']:.2f}x, {ratio['best']:.2f}x | {same[0]}/{same[1]}"
-        lines.append(f"| {side['system']} | {side['kv_tokens']:,} | {side['output_tokens_per_s']:.0f} | {side['best_output_tokens_per_s']:.0f} "
+        lines.append(f"| {side['system']} | {side['kv_tokens']:,} | {side['output_tokens_per_s']:.0f} "
+                     f"| {side['best_output_tokens_per_s']:.0f} "
                      f"| {', '.join(f'{s:.2f}' for s in side['runs_s'])} | {extra} |")
     return lines

@@ -18,9 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.attention import make_attention
-from jaxserve.batch import prefill_batch
-from jaxserve.buckets import geometric_ladder, pick_bucket
-from jaxserve.kv.cache_manager import pages_for_tokens
+from jaxserve.batch import prefill_batches
 from jaxserve.kv.fp8 import FP8_MAX
 from jaxserve.model.registry import model_for
 from jaxserve.model.spec import ModelSpec
@@ -56,8 +54,7 @@ def calibrate_kv_scales(params: dict, spec: ModelSpec, mesh: Mesh, num_cache_kv_
     backend = make_attention(spec, "xla", mesh, PAGE_SIZE, cache_dtype=jnp.float32)
     forward = model_for(spec.architecture).make_forward(spec, num_cache_kv_heads, backend.attention,
                                                          backend.write_kv)
-    longest = max(len(prompt) for prompt in prompts)
-    width = pages_for_tokens(longest, PAGE_SIZE)  # one prompt's pages, after the null page
+    width, batches = prefill_batches(prompts, PAGE_SIZE)  # one prompt's pages, after the null page
     shapes = backend.cache_shapes(spec.num_layers, width + 1, PAGE_SIZE, num_cache_kv_heads, spec.head_dim)
 
     @jax.jit
@@ -66,10 +63,9 @@ def calibrate_kv_scales(params: dict, spec: ModelSpec, mesh: Mesh, num_cache_kv_
         _, _, (k_cache, v_cache) = forward(params, caches, batch)
         return jnp.max(jnp.abs(k_cache), axis=(1, 2, 4)), jnp.max(jnp.abs(v_cache), axis=(1, 2, 4))  # (L, Hkv) each
 
-    num_tokens = pick_bucket(geometric_ladder(16, max(16, longest)), longest)  # one shape: one compilation
     k_max = v_max = np.zeros((spec.num_layers, num_cache_kv_heads), np.float32)
-    for prompt in prompts:
-        k, v = largest(params, prefill_batch(prompt, num_tokens, width, PAGE_SIZE))
+    for batch in batches:
+        k, v = largest(params, batch)
         k_max, v_max = np.maximum(k_max, np.asarray(k)), np.maximum(v_max, np.asarray(v))
     return {name: np.where(amax > 0, amax * HEADROOM / FP8_MAX, 1.0).astype(np.float32)
             for name, amax in (("k_scale", k_max), ("v_scale", v_max))}

@@ -36,6 +36,11 @@ def cache_dtype(kv_cache_dtype: str, dtype) -> jnp.dtype:
     return jnp.dtype(FP8_DTYPE if kv_cache_dtype == "fp8" else dtype)
 
 
+def with_scale_leaves(tree: dict, value) -> dict:
+    """A params-shaped tree (partition specs, abstract arrays) with `value` at both scale leaves of its layers."""
+    return {**tree, "layers": {**tree["layers"], **dict.fromkeys(SCALE_LEAVES, value)}}
+
+
 def quantize(x: jax.Array, scale: jax.Array) -> jax.Array:
     """K or V in e4m3 under per-head `scale`, saturating at the format's largest value (no NaN)."""
     # x: (T, Hkv, D); scale: (Hkv,) float32 -> (T, Hkv, D) float8_e4m3fn

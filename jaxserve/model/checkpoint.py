@@ -57,8 +57,8 @@ def convert(source: str, destination: str, dtype: str = "auto", quantization: st
             kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False, tensor_parallel_size: int = 1) -> dict:
     """Load a model folder as the engine does (`load_weights`: cast to `dtype`, KV heads replicated for
     `tensor_parallel_size`, quantized under `quantization` or as an fp8 checkpoint is, with the fp8 KV cache's
-    scales under `kv_cache_dtype` fp8, calibrated under `calculate_kv_scales`) and write it to `destination` as an orbax checkpoint with the source's
-    config and tokenizer files; returns the metadata written."""
+    scales under `kv_cache_dtype` fp8, calibrated under `calculate_kv_scales`) and write it to `destination` as an
+    orbax checkpoint with the source's config and tokenizer files; returns the metadata written."""
     import orbax.checkpoint as ocp
 
     if os.path.exists(destination) and os.listdir(destination):
@@ -169,7 +169,7 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
     if metadata["quantization"] != "none":
         specs = quantized_partition_specs(specs, quantizable_leaves(spec))
     if metadata.get("kv_cache_dtype") == "fp8":
-        specs["layers"].update({leaf: fp8.SCALE_SPEC for leaf in fp8.SCALE_LEAVES})
+        specs = fp8.with_scale_leaves(specs, fp8.SCALE_SPEC)
     checkpointer = ocp.StandardCheckpointer()
     params_path = os.path.abspath(os.path.join(path, PARAMS_DIR))
     stored = checkpointer.metadata(params_path).item_metadata.tree

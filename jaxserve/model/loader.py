@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
 
 from jaxserve.model.quantize import quantized_spec
-from jaxserve.model.registry import Weight, model_for
+from jaxserve.model.registry import Weight, map_weights, model_for
 from jaxserve.model.spec import ModelSpec
 
 # The fp8 KV cache's scales (kv/fp8.py): params leaf -> HF name template (vLLM's names; a scalar or one per KV head)
@@ -113,13 +113,7 @@ def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_ca
             return _load_fp8(folder, names, layout, sharding)
         return _load_stacked(folder, names, layout, sharding, dtype)
 
-    return _each_weight(load, declared)
-
-
-def _each_weight(function, declared: dict) -> dict:
-    """{name: function(name, weight)} over a declaration tree, in its order (the tree's nesting kept)."""
-    return {name: _each_weight(function, node) if isinstance(node, dict) else function(name, node)
-            for name, node in declared.items()}
+    return map_weights(load, declared)
 
 
 def load_kv_scales(path: str, spec: ModelSpec, num_cache_kv_heads: int) -> dict | None:
@@ -227,7 +221,7 @@ def dummy_params(spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_hea
             return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
         return jax.jit(lambda key: 0.02 * jax.random.normal(key, shape, dtype), out_shardings=sharding)(next(keys))
 
-    return _each_weight(make, declared)
+    return map_weights(make, declared)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,7 +1,8 @@
 """The model interface and registry: what the engine needs from an architecture, by Hugging Face name.
 
-An architecture is a `Model`: how it reads its `config.json` into a `ModelSpec`, the params leaves it declares (`Weight`: the checkpoint tensor each comes from,
-its shape, its partition spec over the `model` mesh axis and how it is stored), its forward over a
+An architecture is a `Model`: how it reads its `config.json` into a `ModelSpec`, the params leaves it declares
+(`Weight`: the checkpoint tensor each comes from, its shape, its partition spec over the `model` mesh axis and
+how it is stored), its forward over a
 `BatchDescriptor` with the attention backend injected, and its LM head. The loader, the random weights of
 `load_format: dummy`, orbax restores and `jaxserve check-config` all work from the declarations, so they stay
 generic. `register` makes an architecture servable under its `config.json` `architectures` names; the built-in
@@ -14,7 +15,6 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
-import jax
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.model.spec import ModelSpec
@@ -84,9 +84,11 @@ def _import_builtins() -> None:
         importlib.import_module(module)
 
 
-def map_weights(function: Callable[[Weight], object], weights: dict) -> dict:
-    """`function` of every `Weight` of a declaration tree, in the same tree."""
-    return jax.tree_util.tree_map(function, weights, is_leaf=lambda node: isinstance(node, Weight))
+def map_weights(function: Callable[[str, Weight], object], weights: dict) -> dict:
+    """{name: function(name, weight)} for every `Weight` of a declaration tree, in the same tree, called in the
+    declaration's order."""
+    return {name: map_weights(function, node) if isinstance(node, dict) else function(name, node)
+            for name, node in weights.items()}
 
 
 def quantizable_leaves(spec: ModelSpec) -> tuple[str, ...]:
@@ -98,4 +100,4 @@ def quantizable_leaves(spec: ModelSpec) -> tuple[str, ...]:
 def param_partition_specs(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
     """The PartitionSpec of every params leaf of `spec`'s architecture (the params' tree)."""
     weights = model_for(spec.architecture).weights(spec, num_cache_kv_heads, tensor_parallel_size)
-    return map_weights(lambda weight: weight.spec, weights)
+    return map_weights(lambda _, weight: weight.spec, weights)

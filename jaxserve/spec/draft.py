@@ -55,8 +55,8 @@ class DraftModelProposer:
     def load(cls, config: EngineConfig, target: ModelSpec, mesh, ladders: BucketLadders,
              max_model_len: int) -> "DraftModelProposer":
         """The draft that config's speculative_config names, its weights read as the target's are (`load_weights`:
-        the engine's dtype, load format and KV cache dtype; never quantized; dummy weights seeded apart from the target's); a
-        ValueError when its vocabulary differs from the target's or it is shorter than max_model_len."""
+        the engine's dtype, load format and KV cache dtype; never quantized; dummy weights seeded apart from the
+        target's); a ValueError when its vocabulary differs from the target's or it is shorter than max_model_len."""
         speculative = config.speculative_config
         model_path = speculative["model"]
         spec = ModelSpec.from_pretrained(model_path)
@@ -70,7 +70,8 @@ class DraftModelProposer:
         draft_config = dataclasses.replace(config, model=model_path, quantization="none", seed=config.seed + 1)
         params, dtype = load_weights(draft_config, model_path, spec, mesh, kv_heads)
         runner = DraftRunner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads,
-                             cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=ladders, attention_backend=config.attention_backend,
+                             cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=ladders,
+                             attention_backend=config.attention_backend,
                              num_proposals=speculative["num_speculative_tokens"])
         return cls(runner, config.max_num_batched_tokens, max_model_len)
 

@@ -12,8 +12,9 @@ Each program walks its request's pages from the page table, only those its queri
 key), and keeps an online softmax in float32. K and V are read page by page straight out of the
 `(L, P, S, Hkv, D)` caches with the layer index as an operand; nothing is gathered into a dense
 copy. The caches are in q's dtype or hold e4m3 values (an fp8 KV cache, as float8 or as its uint8 bits,
-`tile_math.FP8_BITS`): each page is cast to q's dtype as it is loaded; the scales are the model's to fold in. Page tables, lengths and block metadata are plain int32 operands read inside the kernel
-(GPU Pallas lowerings have no scalar prefetch).
+`tile_math.FP8_BITS`): each page is cast to q's dtype as it is loaded; the scales are the model's to fold in.
+Page tables, lengths and block metadata are plain int32 operands read inside the kernel (GPU Pallas lowerings
+have no scalar prefetch).
 
 GPU route: the Triton lowering, chosen explicitly with `triton.CompilerParams`. Mosaic GPU (JAX's
 default GPU lowering, the one with Hopper's wgmma and TMA) wants a different program: `plgpu.kernel`
