@@ -7,8 +7,8 @@
 One run of `jaxserve bench throughput`'s workload (the same options and engine config, from jaxserve/bench/offline.py)
 is driven through an engine while every `Runner.dispatch` input is recorded (as offline.py's `device_only` does). The
 recorded steps are then replayed, each timed alone (`block_until_ready`), for two variants of the step code side by
-side in this one process: `baseline` (jaxserve/attention/xla.py, jaxserve/model/llama.py and jaxserve/sampler.py
-as of the git revision --baseline, loaded from `git show`: run it from the checkout or set GIT_DIR) and `current` (the working tree). Variants alternate
+side in this one process: `baseline` (the step's modules, MODULES, as of the git revision --baseline, loaded from
+`git show`: run it from the checkout or set GIT_DIR) and `current` (the working tree). Variants alternate
 step by step, so a slow spell of a shared machine hits both.
 
 Method: ablation. Besides the whole forward and the sampler (jitted as the runner jits them, KV caches donated),
@@ -55,18 +55,28 @@ from jaxserve.packing import pack, unpack
 from jaxserve.tokenizer import load_tokenizer
 
 OPS = ("forward", "attention", "gather", "qkv/o", "mlp", "lm_head", "other", "sampler")
-MODULES = {"xla": "jaxserve/attention/xla.py", "llama": "jaxserve/model/llama.py", "sampler": "jaxserve/sampler.py"}
+# The step's modules, in import order: a revision's own copies import each other (a file the revision lacks: today's).
+MODULES = {"fp8": "jaxserve/kv/fp8.py", "layers": "jaxserve/model/layers.py", "registry": "jaxserve/model/registry.py",
+           "xla": "jaxserve/attention/xla.py", "llama": "jaxserve/model/llama.py", "sampler": "jaxserve/sampler.py"}
 
 
 def load_revision(revision: str) -> dict[str, types.ModuleType]:
-    """The step modules (MODULES) as of a git revision, loaded from `git show` as fresh modules."""
-    loaded = {}
-    for name, path in MODULES.items():
-        source = subprocess.run(["git", "show", f"{revision}:{path}"], check=True, capture_output=True, text=True)
-        module = types.ModuleType(f"baseline_{name}")
-        sys.modules[module.__name__] = module  # dataclasses look their module up
-        exec(compile(source.stdout, f"{revision}:{path}", "exec"), module.__dict__)
-        loaded[name] = module
+    """The step modules (MODULES) as of a git revision, loaded from `git show` as fresh modules that import one
+    another (each stands in for today's module of its name while the next ones load)."""
+    loaded, todays = {}, dict(sys.modules)
+    try:
+        for name, path in MODULES.items():
+            source = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True, text=True)
+            if source.returncode:  # not in that revision
+                continue
+            module = types.ModuleType(f"baseline_{name}")
+            sys.modules[module.__name__] = module  # dataclasses look their module up
+            sys.modules[path.removesuffix(".py").replace("/", ".")] = module
+            exec(compile(source.stdout, f"{revision}:{path}", "exec"), module.__dict__)
+            loaded[name] = module
+    finally:
+        for path in MODULES.values():
+            sys.modules[path.removesuffix(".py").replace("/", ".")] = todays[path.removesuffix(".py").replace("/", ".")]
     return loaded
 
 
@@ -74,12 +84,31 @@ def current_modules() -> dict[str, types.ModuleType]:
     """The step modules (MODULES) of the working tree."""
     from jaxserve import sampler
     from jaxserve.attention import xla
-    from jaxserve.model import llama
+    from jaxserve.kv import fp8
+    from jaxserve.model import layers, llama, registry
 
-    return {"xla": xla, "llama": llama, "sampler": sampler}
+    return {"fp8": fp8, "layers": layers, "registry": registry, "xla": xla, "llama": llama, "sampler": sampler}
 
 
-def gather_only_step(carry, q, k, v, visible, sm_scale):
+def step_functions(modules: dict[str, types.ModuleType], spec, kv_heads: int, platform: str) -> tuple:
+    """(forward(params, caches, batch), token_logits(params, hidden), attention(q, caches, layer, batch)) of one
+    variant's modules, over the XLA attention backend, in either model API: the registry's NNX module (today) or
+    llama.py's functions (revisions before the NNX modules)."""
+    xla, llama = modules["xla"], modules["llama"]
+    if hasattr(llama, "make_forward"):  # llama.py's functions
+        backend = xla.make_backend(spec, platform)
+        return (llama.make_forward(spec, kv_heads, backend.attention, backend.write_kv),
+                lambda params, hidden: llama.token_logits(params, hidden, spec), backend.attention)
+    from jaxserve.attention.base import LayerAttention
+
+    backend = xla.make_backend(platform)
+    model = modules["registry"].model_for(spec.architecture)
+    how = LayerAttention(spec.head_dim**-0.5, spec.sliding_window)
+    return (model.make_forward(spec, backend.attention, backend.write_kv),
+            lambda params, hidden: model.token_logits(params, hidden, spec), functools.partial(backend.attention, how=how))
+
+
+def gather_only_step(carry, q, k, v, visible, how):
     """Stand-in for `_online_softmax_step` that only consumes the gathered chunk (sums K + V over keys)."""
     # k, v: (U, K, Hkv, D); carry numerator: (N, Hkv, G, D)
     running_max, denominator, numerator = carry
@@ -93,19 +122,18 @@ class Variant:
     def __init__(self, name: str, modules: dict[str, types.ModuleType], runner, platform: str):
         self.name = name
         spec, kv_heads = runner.spec, runner._num_cache_kv_heads
-        backend = modules["xla"].make_backend(spec, platform)
-        llama, sampler = modules["llama"], modules["sampler"]
-        forward = llama.make_forward(spec, kv_heads, backend.attention, backend.write_kv)
+        forward, token_logits, attention = step_functions(modules, spec, kv_heads, platform)
+        sampler = modules["sampler"]
         self.caches = jax.tree_util.tree_map(jnp.copy, runner.kv_caches)  # each (L, P, S, Hkv, D)
         self.forward = jax.jit(lambda params, caches, words, layout: forward(
             params, caches, unpack(words, layout, BatchDescriptor)), donate_argnums=(1,), static_argnums=(3,))
         self.sample = jax.jit(lambda logits, words, layout: sampler.sample(
             logits, unpack(words, layout, sampler.SamplingBatch)), static_argnums=(2,))
-        self.attention = jax.jit(functools.partial(attention_op, backend.attention, spec.num_layers))
-        self.lm_head = jax.jit(lambda params, x, batch: llama.token_logits(params, x[batch.logits_indices], spec))
+        self.attention = jax.jit(functools.partial(attention_op, attention, spec.num_layers))
+        self.lm_head = jax.jit(lambda params, x, batch: token_logits(params, x[batch.logits_indices]))
         self._gather_module = modules["xla"]
-        gather_backend = self._gather_module.make_backend(spec, platform)  # traced with the stand-in fold
-        self._gather_fn = jax.jit(functools.partial(attention_op, gather_backend.attention, spec.num_layers))
+        gather_attention = step_functions(modules, spec, kv_heads, platform)[2]  # traced with the stand-in fold
+        self._gather_fn = jax.jit(functools.partial(attention_op, gather_attention, spec.num_layers))
         self._gather_compiled = {}
 
     def gather(self, q, caches, batch):

@@ -29,6 +29,7 @@ from safetensors.numpy import save_file
 from helpers import checkpoint, checkpoint_tensors, expected, greedy_outputs_compiling_nothing, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention import make_attention, xla
+from jaxserve.attention.base import LayerAttention
 from jaxserve.batch import padded_batch_arrays
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.config import EngineConfig
@@ -92,7 +93,7 @@ def _backends(spec: ModelSpec, cache_dtype):
     mesh = make_mesh(1)
     named = {name: make_attention(spec, name, mesh, PAGE_SIZE, platform="cpu", cache_dtype=cache_dtype)
              for name in ("xla", "pallas-interpret", "pallas-tpu-interpret")}
-    named["xla dense prefill"] = xla.make_backend(spec, "cpu", prefill_implementation="xla")
+    named["xla dense prefill"] = xla.make_backend("cpu", prefill_implementation="xla")
     return named
 
 
@@ -102,7 +103,6 @@ def test_every_backend_reads_fp8_pages_as_the_dequantized_values(backend_name):
     rng = np.random.default_rng(1)
     k_scale = jnp.asarray([0.02, 0.3], jnp.float32)  # (Hkv,)
     v_scale = jnp.asarray([0.5, 0.01], jnp.float32)
-    scales = {"k_scale": k_scale, "v_scale": v_scale}
     quantized = _backends(spec, fp8.FP8_DTYPE)[backend_name]
     plain = _backends(spec, jnp.float32)[backend_name]
     shapes = quantized.cache_shapes(NUM_LAYERS, NUM_PAGES, PAGE_SIZE, spec.num_kv_heads, spec.head_dim)
@@ -110,12 +110,15 @@ def test_every_backend_reads_fp8_pages_as_the_dequantized_values(backend_name):
     fp8_caches = tuple(jnp.zeros(shape, storage) for shape in shapes)
     float_caches = tuple(jnp.zeros(shape, jnp.float32) for shape in shapes)
 
-    def step(backend, layer_params):
+    how = (LayerAttention(spec.head_dim**-0.5, spec.sliding_window),)
+
+    def step(backend, kv_scales):
         return jax.jit(lambda c, q, k, v, b: fp8.write_and_attend(
-            q, k, v, c, jnp.int32(LAYER), b, layer_params, attention=backend.attention, write_kv=backend.write_kv,
+            q, k, v, c, jnp.int32(LAYER), b, how, 0, kv_scales, attention=backend.attention,
+            write_kv=backend.write_kv,
         ))
 
-    run = {"fp8": step(quantized, scales), "float": step(plain, {})}  # each compiles once: one shape for all steps
+    run = {"fp8": step(quantized, (k_scale, v_scale)), "float": step(plain, None)}  # each compiles once: one shape for all steps
     num_tokens = max(sum(new for _, new in rows) for rows in STEPS) + 3  # at least three padded tokens
     for rows in STEPS:
         batch = _batch(rows, num_tokens)

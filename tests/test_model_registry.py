@@ -71,12 +71,12 @@ def test_a_model_registered_under_a_new_name_is_served_without_an_engine_change(
     llama = model_for("LlamaForCausalLM")
     traced = []
 
-    def make_forward(*args):
-        traced.append(args[0].architecture)
-        return llama.make_forward(*args)
+    class CountedLlama(llama.module):
+        def __call__(self, *args):
+            traced.append(self.spec.architecture)
+            return super().__call__(*args)
 
-    monkeypatch.setitem(registry._MODELS, "MyLlamaForCausalLM",
-                        dataclasses.replace(llama, make_forward=make_forward))
+    monkeypatch.setitem(registry._MODELS, "MyLlamaForCausalLM", dataclasses.replace(llama, module=CountedLlama))
     args = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in expected("llama")["prompts"][:4]]

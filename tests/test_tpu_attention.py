@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention import make_attention, resolve_backend, tpu
+from jaxserve.attention.base import LayerAttention
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.model.sharding import make_mesh
 from jaxserve.model.spec import ModelSpec
@@ -102,7 +103,7 @@ def test_attention_and_write_match_the_reference(monkeypatch, num_kv_heads, grou
     @jax.jit
     def step(q, k, v, fused, batch):
         caches = backend.write_kv((fused,), jnp.int32(LAYER), k, v, batch)
-        return backend.attention(q, caches, jnp.int32(LAYER), batch), caches[0]
+        return backend.attention(q, caches, jnp.int32(LAYER), batch, LayerAttention(head_dim**-0.5, window)), caches[0]
 
     out, written = step(q, k, v, jnp.asarray(fused, dtype), batch)
     k_ref, v_ref = reference.write_kv(jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype), LAYER, k, v,
@@ -191,7 +192,7 @@ def test_lowers_for_tpu_on_the_cpu(tp):
                                 query_start_loc=query_start_loc, seq_lens=seq_lens, page_table=page_table,
                                 logits_indices=rows, copy_src=rows, copy_dst=rows, num_seqs=num_seqs)
         caches = backend.write_kv((cache,), jnp.int32(1), k, v, batch)
-        return backend.attention(q, caches, jnp.int32(1), batch), caches
+        return backend.attention(q, caches, jnp.int32(1), batch, LayerAttention(128**-0.5)), caches
 
     args = (array((num_tokens, 32, 128), jnp.bfloat16, heads), array((num_tokens, 8, 128), jnp.bfloat16, heads),
             array((num_tokens, 8, 128), jnp.bfloat16, heads),

@@ -10,6 +10,7 @@ whole pages and gets zeros there. A read of a slot a query must not see shows up
 """
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -22,6 +23,7 @@ from helpers import checkpoint, expected, small_engine_args
 
 from jaxserve import LLM, SamplingParams, runner
 from jaxserve.attention import cudnn, xla
+from jaxserve.attention.base import LayerAttention
 from jaxserve.batch import BucketLadders
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.bench.models import SHAPES
@@ -92,7 +94,7 @@ def _assert_matches(out, ref, batch, dtype):
 def _tiled(arrays, batch, window, tiles):
     token_rows, positions = xla.step_tokens(batch, arrays["q"].shape[0])
     return jax.jit(lambda q, k, v, p, r, t: xla.tiled_attention(
-        q, k, v, LAYER, p, r, t, sm_scale=q.shape[-1] ** -0.5, sliding_window=window, tiles=tiles,
+        q, k, v, LAYER, p, r, t, how=LayerAttention(q.shape[-1] ** -0.5, window), tiles=tiles,
     ))(arrays["q"], arrays["k_cache"], arrays["v_cache"], positions, token_rows, batch.page_table)
 
 
@@ -132,8 +134,9 @@ def test_tokens_are_taken_by_row_length_with_rows_whole_and_padding_last():
 def test_dense_prefill_glue_takes_fresh_prompts_and_matches_the_reference(window):
     """The GPU's glue with XLA's dense attention in cuDNN's place: fresh prompts go dense, the rest tiled."""
     arrays, batch = _case(FRESH_AND_DECODES, 4, 2, 2, 16, jnp.float32)
-    backend = xla.make_backend(_spec(window), "cpu", prefill_implementation="xla")
-    out = jax.jit(backend.attention)(arrays["q"], (arrays["k_cache"], arrays["v_cache"]), LAYER, batch)
+    backend = xla.make_backend("cpu", prefill_implementation="xla")
+    out = jax.jit(backend.attention, static_argnums=4)(arrays["q"], (arrays["k_cache"], arrays["v_cache"]), LAYER,
+                                                         batch, LayerAttention(16**-0.5, window))
     _assert_matches(out, _reference(arrays, batch, window), batch, jnp.float32)
 
     def poisoned_tiled(q, *args):
@@ -161,11 +164,12 @@ def test_a_step_with_too_many_other_tokens_runs_the_tiled_path_whole():
 def test_without_cudnn_a_gpu_backend_warns_once_and_takes_the_tiled_path(caplog):
     cudnn._warn_once.cache_clear()
     arrays, batch = _case(FRESH_AND_DECODES, 4, 2, 2, 16, jnp.bfloat16)
-    backend = xla.make_backend(_spec(None), "gpu")  # this host has no cuDNN: a trace-time error
+    backend = xla.make_backend("gpu")  # this host has no cuDNN: a trace-time error
     other, other_batch = _case(MIXED, 4, 2, 2, 16, jnp.bfloat16)  # another shape: traced again
+    attend = jax.jit(functools.partial(backend.attention, how=LayerAttention(16**-0.5)))
     with caplog.at_level(logging.WARNING, logger="jaxserve"):
-        out = jax.jit(backend.attention)(arrays["q"], (arrays["k_cache"], arrays["v_cache"]), LAYER, batch)
-        jax.jit(backend.attention)(other["q"], (other["k_cache"], other["v_cache"]), LAYER, other_batch)
+        out = attend(arrays["q"], (arrays["k_cache"], arrays["v_cache"]), LAYER, batch)
+        attend(other["q"], (other["k_cache"], other["v_cache"]), LAYER, other_batch)
     assert [r.getMessage() for r in caplog.records if "cudnn is unavailable" in r.getMessage()] != []
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
     _assert_matches(out, _reference(arrays, batch, None), batch, jnp.bfloat16)
@@ -181,7 +185,7 @@ def test_engine_greedy_tokens_equal_todays_path(monkeypatch):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for prefill in (None, "xla"):
         monkeypatch.setattr(runner, "make_attention",
-                            lambda spec, *args, prefill=prefill, **kwargs: xla.make_backend(spec, "cpu", prefill))
+                            lambda spec, *args, prefill=prefill, **kwargs: xla.make_backend("cpu", prefill))
         llm = LLM(checkpoint("mistral"), **small_engine_args(max_num_batched_tokens=16, max_num_seqs=8))
         tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
         assert tokens == [output[:12] for output in want["outputs"]], f"prefill_implementation={prefill}"
@@ -199,7 +203,8 @@ def _largest_8b_bucket():
 
 def _attention_temp_bytes(spec, platform, num_tokens, num_rows, width, page_size, num_pages, cache_dtype):
     """Temporary bytes of one layer's attention, compiled for abstract 8B-shaped inputs."""
-    backend = xla.make_backend(spec, platform)
+    backend = xla.make_backend(platform)
+    how = LayerAttention(spec.head_dim**-0.5, spec.sliding_window)
 
     def ints(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
@@ -211,7 +216,7 @@ def _attention_temp_bytes(spec, platform, num_tokens, num_rows, width, page_size
         logits_indices=ints(num_rows), copy_src=ints(num_rows), copy_dst=ints(num_rows), num_seqs=ints())
     q = jax.ShapeDtypeStruct((num_tokens, spec.num_heads, spec.head_dim), jnp.bfloat16)  # (T, Hq, D)
     cache = jax.ShapeDtypeStruct((1, num_pages, page_size, spec.num_kv_heads, spec.head_dim), cache_dtype)
-    compiled = jax.jit(lambda q, k, v, b: backend.attention(q, (k, v), 0, b)).lower(q, cache, cache, batch).compile()
+    compiled = jax.jit(lambda q, k, v, b: backend.attention(q, (k, v), 0, b, how)).lower(q, cache, cache, batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 

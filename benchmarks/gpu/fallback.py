@@ -58,14 +58,17 @@ def backend_names(interpret: bool) -> tuple[str, str]:
 def measure_backend(name: str, inputs: dict, batch, num_sets: int, step: Step) -> dict:
     """Per-call time and spot error of one backend's attention on a decode step."""
     from jaxserve.attention import make_attention
+    from jaxserve.attention.base import LayerAttention
     from jaxserve.model.sharding import make_mesh
 
-    backend = make_attention(model_spec(step.plan.model), name, make_mesh(1), step.plan.page_size)
+    spec = model_spec(step.plan.model)
+    backend = make_attention(spec, name, make_mesh(1), step.plan.page_size)
+    how = LayerAttention(spec.head_dim**-0.5)
     if backend.layout != "split":
         raise ValueError(f"backend {backend.name} stores the {backend.layout} layout; this step builds split K/V")
 
     def call(q, layer, ops):
-        return backend.attention(q, (ops["k"], ops["v"]), layer, ops["batch"])  # (B, Hq, D)
+        return backend.attention(q, (ops["k"], ops["v"]), layer, ops["batch"], how)  # (B, Hq, D)
 
     timing = time_calls(call, inputs["qs"], {"k": inputs["k"], "v": inputs["v"], "batch": batch}, num_sets,
                         step.plan.decode_repeats)

@@ -88,12 +88,15 @@ def xla_backend_call(plan: Plan, inputs: dict):
     """`call(q, layer, ops)` through the engine's `xla` attention backend (the fallback)."""
     from benchmarks.gpu.fallback import model_spec
     from jaxserve.attention import make_attention
+    from jaxserve.attention.base import LayerAttention
     from jaxserve.batch import padded_batch_arrays
     from jaxserve.batch_descriptor import BatchDescriptor
     from jaxserve.model.sharding import make_mesh
 
     page_size = plan.page_size
-    backend = make_attention(model_spec(plan.model), "xla", make_mesh(1), page_size)
+    spec = model_spec(plan.model)
+    backend = make_attention(spec, "xla", make_mesh(1), page_size)
+    how = LayerAttention(spec.head_dim**-0.5)
     rows, width = inputs["page_table"].shape
     tokens = rows * plan.prefill_chunk_len
     arrays = padded_batch_arrays(tokens, rows, width, page_size)
@@ -107,7 +110,7 @@ def xla_backend_call(plan: Plan, inputs: dict):
     batch = BatchDescriptor(**{name: jnp.asarray(value) for name, value in arrays.items()})
 
     def call(q, layer, ops):
-        return backend.attention(q, (ops["k"], ops["v"]), layer, batch)  # (T, Hq, D)
+        return backend.attention(q, (ops["k"], ops["v"]), layer, batch, how)  # (T, Hq, D)
 
     return call
 

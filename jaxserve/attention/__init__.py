@@ -85,17 +85,17 @@ def gpu_compute_capability() -> float | None:
 
 def make_attention(spec: ModelSpec, backend: str, mesh: Mesh, page_size: int,
                    platform: str | None = None, cache_dtype=jnp.bfloat16) -> AttentionBackend:
-    """The resolved backend (for a cache of `cache_dtype`) with the model's static options bound."""
+    """The resolved backend for the model's shapes and a cache of `cache_dtype`."""
     platform = platform or jax.default_backend()
     backend = resolve_backend(backend, spec, page_size, platform, mesh.size, cache_dtype)
     if backend == "xla":
         from jaxserve.attention import xla
 
-        return xla.make_backend(spec, platform)
+        return xla.make_backend(platform)
     if backend == "pallas-tpu-interpret" or (backend == "pallas" and platform == "tpu"):
         from jaxserve.attention import tpu
 
-        return tpu.make_backend(spec, mesh, interpret=backend == "pallas-tpu-interpret")
+        return tpu.make_backend(mesh, interpret=backend == "pallas-tpu-interpret")
     from jaxserve.attention import pallas_gpu
 
-    return pallas_gpu.make_backend(spec, mesh, interpret=backend == "pallas-interpret")
+    return pallas_gpu.make_backend(mesh, interpret=backend == "pallas-interpret")

@@ -23,11 +23,22 @@ from pallas_kernels.tile_math import FP8_BITS
 LAYOUTS = ("split", "fused")
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, fixed when the step is traced: the scale of q . k, the sliding window (a query at
+    position p sees the keys at positions p - window + 1 .. p; None: every earlier key) and the soft cap of the
+    scaled scores (s -> cap * tanh(s / cap); None: no cap)."""
+
+    sm_scale: float
+    sliding_window: int | None = None
+    soft_cap: float | None = None
+
+
 class AttentionFn(Protocol):
     """Paged attention of the step's queries for one layer."""
 
-    def __call__(self, q: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array, batch: BatchDescriptor
-                 ) -> jax.Array: ...
+    def __call__(self, q: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array, batch: BatchDescriptor,
+                 how: LayerAttention) -> jax.Array: ...
 
 
 class WriteKVFn(Protocol):
@@ -45,7 +56,7 @@ class AttentionBackend:
 
     name: str
     layout: str
-    attention: AttentionFn  # (q (T, Hq, D), caches, layer, batch) -> (T, Hq, D)
+    attention: AttentionFn  # (q (T, Hq, D), caches, layer, batch, how) -> (T, Hq, D)
     write_kv: WriteKVFn  # (caches, layer, k (T, Hkv, D), v (T, Hkv, D), batch) -> caches
     fp8_storage: np.dtype = FP8_BITS
 

@@ -16,10 +16,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.attention.base import AttentionBackend
+from jaxserve.attention.base import AttentionBackend, LayerAttention
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.model.sharding import KV_CACHE_SPEC, MODEL_AXIS
-from jaxserve.model.spec import ModelSpec
 from pallas_kernels.paged_decode_attention import kernel as decode_kernel
 from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
 from pallas_kernels.ragged_paged_attention import kernel as attention_kernel
@@ -27,27 +26,33 @@ from pallas_kernels.ragged_paged_attention import kernel as attention_kernel
 HEADS_SPEC = P(None, MODEL_AXIS, None)  # (T, heads, D): heads split over the mesh
 
 
-def make_backend(spec: ModelSpec, mesh: Mesh, interpret: bool) -> AttentionBackend:
+def make_backend(mesh: Mesh, interpret: bool) -> AttentionBackend:
     """The GPU kernels (or their interpreted run) as a backend over the split cache layout."""
-    options = dict(sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window, interpret=interpret)
-    attend = functools.partial(
-        ragged_or_decode,
-        ragged=functools.partial(attention_kernel.ragged_paged_attention, **options),
-        decode=functools.partial(decode_kernel.paged_decode_attention, **options),
-    )
-    sharded_attention = jax.shard_map(
-        attend, mesh=mesh,
-        in_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, P(), P(), P(), P()),
-        out_specs=HEADS_SPEC, check_vma=False,
-    )
+
+    @functools.cache
+    def sharded_attention(how: LayerAttention):
+        """The attention kernels for one way of attending, each device on its own heads."""
+        options = dict(sm_scale=how.sm_scale, sliding_window=how.sliding_window, soft_cap=how.soft_cap,
+                       interpret=interpret)
+        attend = functools.partial(
+            ragged_or_decode,
+            ragged=functools.partial(attention_kernel.ragged_paged_attention, **options),
+            decode=functools.partial(decode_kernel.paged_decode_attention, **options),
+        )
+        return jax.shard_map(
+            attend, mesh=mesh,
+            in_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, P(), P(), P(), P()),
+            out_specs=HEADS_SPEC, check_vma=False,
+        )
+
     sharded_write = jax.shard_map(
         functools.partial(kv_write_kernel.write_kv, interpret=interpret), mesh=mesh,
         in_specs=(KV_CACHE_SPEC, KV_CACHE_SPEC, P(), HEADS_SPEC, HEADS_SPEC, P()),
         out_specs=(KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False,
     )
 
-    def attention(q, caches, layer, batch: BatchDescriptor) -> jax.Array:
-        return sharded_attention(q, *caches, layer, batch.query_start_loc, batch.seq_lens, batch.page_table)
+    def attention(q, caches, layer, batch: BatchDescriptor, how: LayerAttention) -> jax.Array:
+        return sharded_attention(how)(q, *caches, layer, batch.query_start_loc, batch.seq_lens, batch.page_table)
 
     def write_kv(caches, layer, k, v, batch: BatchDescriptor):
         return sharded_write(*caches, layer, k, v, batch.slot_mapping)

@@ -49,10 +49,9 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as tpu
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.attention.base import AttentionBackend, cache_shapes
+from jaxserve.attention.base import AttentionBackend, LayerAttention, cache_shapes
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.model.sharding import KV_CACHE_SPEC, MODEL_AXIS
-from jaxserve.model.spec import ModelSpec
 
 HEADS_SPEC = P(None, MODEL_AXIS, None)  # (T, heads, D): heads split over the mesh
 # Half of the 1 MiB SMEM of TPU v4-v6e for the page table, the budget vLLM's TPU backend gives it.
@@ -93,26 +92,30 @@ class LanePaddedBackend(AttentionBackend):
         return cache_shapes(self.layout, num_layers, num_pages, page_size, num_kv_heads, padded_head_dim(head_dim))
 
 
-def make_backend(spec: ModelSpec, mesh: Mesh, interpret: bool) -> AttentionBackend:
+def make_backend(mesh: Mesh, interpret: bool) -> AttentionBackend:
     """The TPU kernel (or its run in TPU interpret mode on the CPU) as a backend over the fused layout."""
-    attend = functools.partial(
-        attend_shard, sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window, interpret=interpret
-    )
-    sharded_attention = jax.shard_map(
-        attend, mesh=mesh,
-        in_specs=(HEADS_SPEC, KV_CACHE_SPEC, P(), P(), P(), P(), P()),
-        out_specs=HEADS_SPEC, check_vma=False,
-    )
+
+    @functools.cache
+    def sharded_attention(how: LayerAttention):
+        """The kernel for one way of attending, each device on its own heads."""
+        attend = functools.partial(attend_shard, sm_scale=how.sm_scale, sliding_window=how.sliding_window,
+                                   soft_cap=how.soft_cap, interpret=interpret)
+        return jax.shard_map(
+            attend, mesh=mesh,
+            in_specs=(HEADS_SPEC, KV_CACHE_SPEC, P(), P(), P(), P(), P()),
+            out_specs=HEADS_SPEC, check_vma=False,
+        )
+
     sharded_write = jax.shard_map(
         write_fused, mesh=mesh,
         in_specs=(KV_CACHE_SPEC, P(), HEADS_SPEC, HEADS_SPEC, P()),
         out_specs=KV_CACHE_SPEC, check_vma=False,
     )
 
-    def attention(q, caches, layer, batch: BatchDescriptor) -> jax.Array:
+    def attention(q, caches, layer, batch: BatchDescriptor, how: LayerAttention) -> jax.Array:
         (kv_cache,) = caches
-        return sharded_attention(q, kv_cache, layer, batch.query_start_loc, batch.seq_lens, batch.page_table,
-                                 batch.num_seqs)
+        return sharded_attention(how)(q, kv_cache, layer, batch.query_start_loc, batch.seq_lens, batch.page_table,
+                                      batch.num_seqs)
 
     def write_kv(caches, layer, k, v, batch: BatchDescriptor):
         (kv_cache,) = caches
@@ -136,7 +139,7 @@ def write_fused(kv_cache, layer, k, v, slot_mapping):
 
 
 def attend_shard(q, kv_cache, layer, query_start_loc, seq_lens, page_table, num_seqs, *, sm_scale,
-                 sliding_window, interpret):
+                 sliding_window, soft_cap, interpret):
     """One device's attention: the kernel over layer `layer` of its fused cache, in groups of rows whose
     page table fits the kernel's SMEM budget; padded tokens get zeros."""
     # q: (T, Hq, D); kv_cache: (L, P, S, 2 * Hkv, Dp); layer: () int32; query_start_loc: (R + 1,) int32
@@ -147,7 +150,8 @@ def attend_shard(q, kv_cache, layer, query_start_loc, seq_lens, page_table, num_
     pages = kv_cache.reshape(num_layers * num_pages, *kv_cache.shape[2:])  # (L * P, S, 2 * Hkv, Dp)
     page_indices = page_table + layer * num_pages  # (R, W) pages of layer `layer` in the flat view
     kernel = functools.partial(
-        run_kernel, pages=pages, sm_scale=sm_scale, sliding_window=sliding_window, interpret=interpret
+        run_kernel, pages=pages, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        interpret=interpret,
     )
     num_rows, width = page_table.shape
     group = max(1, PAGE_TABLE_SMEM_BYTES // (4 * width))
@@ -181,7 +185,7 @@ def row_group(q, seq_lens, page_indices, query_start_loc, num_seqs, *, kernel):
     return jax.lax.cond(num_seqs > 0, attend, lambda: jnp.zeros_like(q))
 
 
-def run_kernel(q, seq_lens, page_indices, query_start_loc, num_seqs, *, pages, sm_scale, sliding_window,
+def run_kernel(q, seq_lens, page_indices, query_start_loc, num_seqs, *, pages, sm_scale, sliding_window, soft_cap,
                interpret):
     """The Mosaic kernel on one page table, in TPU interpret mode when `interpret`."""
     # q: (T, Hq, Dp); seq_lens: (R,) int32; page_indices: (R, W) int32 into `pages` (N, S, 2 * Hkv, Dp)
@@ -192,7 +196,7 @@ def run_kernel(q, seq_lens, page_indices, query_start_loc, num_seqs, *, pages, s
     with interpret_mode() if interpret else contextlib.nullcontext():
         return tpu_kernel.ragged_paged_attention(
             q, pages, seq_lens, page_indices, query_start_loc, num_seqs.reshape(1),
-            sm_scale=sm_scale, sliding_window=sliding_window,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
             num_kv_pages_per_block=block_pages, num_queries_per_block=block_queries,
             **({"k_scale": 1.0, "v_scale": 1.0} if pages.dtype.itemsize == 1 else {}),
         )  # (T, Hq, Dp)

@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.attention import cudnn
-from jaxserve.attention.base import AttentionBackend
+from jaxserve.attention.base import AttentionBackend, LayerAttention
 from jaxserve.batch_descriptor import BatchDescriptor
-from jaxserve.model.spec import ModelSpec
 from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.tile_math import from_cache
 
@@ -77,8 +76,7 @@ def tiled_attention(
     token_rows: jax.Array,
     page_table: jax.Array,
     *,
-    sm_scale: float,
-    sliding_window: int | None,
+    how: LayerAttention,
     tiles: Tiles,
 ) -> jax.Array:
     """Causal attention of each query token over the pages of its row, tile by tile.
@@ -97,7 +95,7 @@ def tiled_attention(
     position_tiles = jnp.pad(positions, (0, pad), constant_values=-1).reshape(num_tiles, tiles.queries)
     row_tiles = jnp.pad(token_rows, (0, pad)).reshape(num_tiles, tiles.queries)
     attend = functools.partial(_attend_tile, k_cache=k_cache, v_cache=v_cache, layer=layer, page_table=page_table,
-                               sm_scale=sm_scale, sliding_window=sliding_window, tiles=tiles)
+                               how=how, tiles=tiles)
     if num_tiles == 1:
         out = attend((q_tiles[0], position_tiles[0], row_tiles[0]))[None]  # (1, Tq, Hq, D)
     else:
@@ -115,7 +113,7 @@ def _length_order(positions: jax.Array, token_rows: jax.Array, num_rows: int) ->
     return jnp.argsort(key, stable=True).astype(jnp.int32)
 
 
-def _attend_tile(tile, *, k_cache, v_cache, layer, page_table, sm_scale, sliding_window, tiles):
+def _attend_tile(tile, *, k_cache, v_cache, layer, page_table, how, tiles):
     """One query tile: each token over its own row's pages or, when `tiles.row_pages` is set and every real
     token of the tile belongs to one row, all of them over that row's pages, gathered once."""
     q, positions, rows = tile
@@ -124,7 +122,7 @@ def _attend_tile(tile, *, k_cache, v_cache, layer, page_table, sm_scale, sliding
     num_kv_heads = k_cache.shape[3]
     q = q.reshape(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (N, Hkv, G, D)
     walk = functools.partial(_walk_chunks, q, positions, k_cache=k_cache, v_cache=v_cache, layer=layer,
-                             page_table=page_table, sm_scale=sm_scale, sliding_window=sliding_window)
+                             page_table=page_table, how=how)
     if tiles.row_pages:
         row = rows[jnp.argmax(positions >= 0)]  # () the first real token's row
         one_row = jnp.all((positions < 0) | (rows == row))  # ()
@@ -136,8 +134,7 @@ def _attend_tile(tile, *, k_cache, v_cache, layer, page_table, sm_scale, sliding
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
-def _walk_chunks(q, positions, key_rows, chunk_pages, *, k_cache, v_cache, layer, page_table, sm_scale,
-                 sliding_window):
+def _walk_chunks(q, positions, key_rows, chunk_pages, *, k_cache, v_cache, layer, page_table, how):
     """The online softmax of a tile over the key chunks its tokens can see, `chunk_pages` pages at a time;
     `key_rows` holds each token's row, or one row for the whole tile.
 
@@ -148,8 +145,8 @@ def _walk_chunks(q, positions, key_rows, chunk_pages, *, k_cache, v_cache, layer
 
     def fold(carry, chunk, pages):
         k, v, visible = _gather_chunk(k_cache, v_cache, layer, page_table, key_rows, positions, chunk, pages,
-                                      sliding_window=sliding_window)
-        return _online_softmax_step(carry, q, k, v, visible, sm_scale)
+                                      sliding_window=how.sliding_window)
+        return _online_softmax_step(carry, q, k, v, visible, how)
 
     init = _empty_stats(q)
     if chunk_pages >= width:
@@ -157,7 +154,7 @@ def _walk_chunks(q, positions, key_rows, chunk_pages, *, k_cache, v_cache, layer
         pages_needed = jnp.max(positions) // page_size + 1  # () int32
         branch = jnp.sum(jnp.asarray(widths[:-1]) < pages_needed)  # () the first width that holds the tile
         return jax.lax.switch(branch, [functools.partial(fold, init, 0, pages) for pages in widths])
-    first, stop = _chunk_range(positions, chunk_pages * page_size, sliding_window)
+    first, stop = _chunk_range(positions, chunk_pages * page_size, how.sliding_window)
     return jax.lax.fori_loop(first, stop, lambda chunk, carry: fold(carry, chunk, chunk_pages), init)
 
 
@@ -200,7 +197,7 @@ def _gather_chunk(k_cache, v_cache, layer, page_table, key_rows, positions, chun
     return k, jnp.where(seen[:, :, None, None], v, 0), visible  # a hidden K only meets a masked score
 
 
-def _online_softmax_step(carry, q, k, v, visible, sm_scale):
+def _online_softmax_step(carry, q, k, v, visible, how):
     """Fold one chunk of keys into the running (max, denominator, numerator) of every query head; the chunk
     is each token's own (U = N) or the whole tile's (U = 1)."""
     # q: (N, Hkv, G, D); k, v: (U, K, Hkv, D); visible: (N, K)
@@ -208,7 +205,9 @@ def _online_softmax_step(carry, q, k, v, visible, sm_scale):
     k, v = from_cache(k, q.dtype), from_cache(v, q.dtype)  # an fp8 cache's pages in the queries' dtype
     shared = k.shape[0] == 1
     scores = (jnp.einsum("thgd,khd->thgk", q, k[0], preferred_element_type=jnp.float32) if shared else
-              jnp.einsum("thgd,tkhd->thgk", q, k, preferred_element_type=jnp.float32)) * sm_scale
+              jnp.einsum("thgd,tkhd->thgk", q, k, preferred_element_type=jnp.float32)) * how.sm_scale
+    if how.soft_cap is not None:
+        scores = how.soft_cap * jnp.tanh(scores / how.soft_cap)
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)  # (N, Hkv, G, K)
     new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))  # (N, Hkv, G)
     shift = jnp.where(jnp.isfinite(new_max), new_max, 0.0)  # -inf while nothing was visible
@@ -228,31 +227,32 @@ def step_tokens(batch: BatchDescriptor, num_tokens: int) -> tuple[jax.Array, jax
     return token_rows, jnp.where(real, batch.positions, -1)
 
 
-def make_backend(spec: ModelSpec, platform: str, prefill_implementation: str | None = "auto") -> AttentionBackend:
+def make_backend(platform: str, prefill_implementation: str | None = "auto") -> AttentionBackend:
     """The XLA backend for `platform` ('cpu', 'gpu' or 'tpu').
 
     `prefill_implementation` is the dense attention fresh prompts take in front of the tiled path
     (attention/cudnn.py): 'auto' is 'cudnn' on a GPU and None (the tiled path alone) elsewhere; 'xla' runs
-    the same glue through XLA's dense attention, as the CPU tests do."""
+    the same glue through XLA's dense attention, as the CPU tests do. A soft-capped layer takes the tiled path
+    alone (the dense implementations have no soft cap)."""
     if prefill_implementation == "auto":
         prefill_implementation = "cudnn" if platform == "gpu" else None
-    sm_scale = spec.head_dim**-0.5
 
-    def tiled(q, k_cache, v_cache, layer, positions, token_rows, page_table):
-        # q: (N, Hq, D); positions, token_rows: (N,) int32; page_table: (R, W) int32
-        tiles = tile_sizes(q.shape[0], page_table.shape[1], k_cache.shape[2], q.shape[1], k_cache.shape[3],
-                           k_cache.shape[4], max(k_cache.dtype.itemsize, q.dtype.itemsize), platform)
-        return tiled_attention(q, k_cache, v_cache, layer, positions, token_rows, page_table, sm_scale=sm_scale,
-                               sliding_window=spec.sliding_window, tiles=tiles)
-
-    def attention(q, caches, layer, batch: BatchDescriptor):
+    def attention(q, caches, layer, batch: BatchDescriptor, how: LayerAttention):
         k_cache, v_cache = caches
         token_rows, positions = step_tokens(batch, q.shape[0])  # (T,), (T,)
-        if prefill_implementation is None:
+
+        def tiled(q, k_cache, v_cache, layer, positions, token_rows, page_table):
+            # q: (N, Hq, D); positions, token_rows: (N,) int32; page_table: (R, W) int32
+            tiles = tile_sizes(q.shape[0], page_table.shape[1], k_cache.shape[2], q.shape[1], k_cache.shape[3],
+                               k_cache.shape[4], max(k_cache.dtype.itemsize, q.dtype.itemsize), platform)
+            return tiled_attention(q, k_cache, v_cache, layer, positions, token_rows, page_table, how=how,
+                                   tiles=tiles)
+
+        if prefill_implementation is None or how.soft_cap is not None:
             return tiled(q, k_cache, v_cache, layer, positions, token_rows, batch.page_table)
         return cudnn.prefill_or_tiled(
-            q, k_cache, v_cache, layer, positions, token_rows, batch, tiled=tiled, sm_scale=sm_scale,
-            sliding_window=spec.sliding_window, implementation=prefill_implementation,
+            q, k_cache, v_cache, layer, positions, token_rows, batch, tiled=tiled, sm_scale=how.sm_scale,
+            sliding_window=how.sliding_window, implementation=prefill_implementation,
         )
 
     def write_kv(caches, layer, k, v, batch: BatchDescriptor):

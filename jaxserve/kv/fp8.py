@@ -17,11 +17,13 @@ loads them (the Pallas kernels in VMEM / SRAM, the XLA path after its gather).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.attention.base import AttentionFn, WriteKVFn
+from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
 from jaxserve.batch_descriptor import BatchDescriptor
 from jaxserve.model.sharding import MODEL_AXIS
 
@@ -55,18 +57,21 @@ def scale_heads(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array,
-                     batch: BatchDescriptor, layer_params: dict, *, attention: AttentionFn, write_kv: WriteKVFn
+                     batch: BatchDescriptor, hows: tuple[LayerAttention, ...], which: jax.Array | int,
+                     kv_scales: tuple[jax.Array, jax.Array] | None, *, attention: AttentionFn, write_kv: WriteKVFn
                      ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Write the step's K/V into layer `layer`'s pages and attend over them: (attention out, caches). With the
-    fp8 scales in `layer_params`, K/V are stored quantized and the scales folded into q and the output."""
+    """Write the step's K/V into layer `layer`'s pages and attend over them as `hows[which]`: (attention out,
+    caches). With fp8 `kv_scales` (each (Hkv,)), K/V are stored quantized and the scales folded into q and the
+    output."""
     # q: (T, Hq, D); k, v: (T, Hkv, D) -> out (T, Hq, D)
-    if "k_scale" not in layer_params:
-        caches = write_kv(caches, layer, k, v, batch)
-        return attention(q, caches, layer, batch), caches
-    k_scale, v_scale = layer_params["k_scale"], layer_params["v_scale"]  # (Hkv,) each
-    caches = write_kv(caches, layer, quantize(k, k_scale), quantize(v, v_scale), batch)
-    out = attention(scale_heads(q, k_scale), caches, layer, batch)  # (T, Hq, D)
-    return scale_heads(out, v_scale), caches
+    if kv_scales is not None:
+        k, v = quantize(k, kv_scales[0]), quantize(v, kv_scales[1])
+        q = scale_heads(q, kv_scales[0])
+    caches = write_kv(caches, layer, k, v, batch)
+    attend = [functools.partial(attention, how=how) for how in hows]
+    out = attend[0](q, caches, layer, batch) if len(hows) == 1 else jax.lax.switch(which, attend, q, caches,
+                                                                                    layer, batch)  # (T, Hq, D)
+    return (out if kv_scales is None else scale_heads(out, kv_scales[1])), caches
 
 
 def tokens_note(kv_cache_dtype: str, weight_dtype) -> str:

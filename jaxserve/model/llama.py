@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) as pure functions over a params pytree,
+"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) as Flax NNX modules over the params tree,
 registered for spec.LLAMA_FAMILY (model/registry.py) with its weights declared in `weights`.
 
 Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`):
@@ -17,132 +17,97 @@ Under an fp8 KV cache (kv/fp8.py): layers/k_scale, v_scale (L, Hkv) float32.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
-import numpy as np
-
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.attention.base import AttentionFn, WriteKVFn
-from jaxserve.batch_descriptor import BatchDescriptor
-from jaxserve.kv.fp8 import write_and_attend
-from jaxserve.model.quantize import linear
+from jaxserve.attention.base import LayerAttention
+from jaxserve.model.layers import (PagedAttention, apply_rope, optional_param, project, projection,
+                                   projection_width, rms_norm, rope_cos_sin, scan_layers)
 from jaxserve.model.registry import Model, Weight, register
 from jaxserve.model.sharding import MODEL_AXIS
 from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec, llama_family_spec
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF does)."""
-    # x: (..., H); weight: (H,)
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
+class LlamaLayer(nnx.Module):
+    """One decoder layer: RMSNorm -> q, k, v (Qwen2's biases, Qwen3's per-head RMSNorm) -> RoPE -> paged attention
+    -> o, then RMSNorm -> SwiGLU MLP, each with its residual. Built over the stacked params["layers"] (every
+    variable (L, ...)) and called on one layer's slice inside `scan_layers`."""
+
+    def __init__(self, params: dict, spec: ModelSpec):
+        self.spec = spec
+        self.input_norm, self.post_norm = nnx.Param(params["input_norm"]), nnx.Param(params["post_norm"])
+        self.wq, self.wk, self.wv = projection(params["wq"]), projection(params["wk"]), projection(params["wv"])
+        self.bq, self.bk, self.bv = (optional_param(params, name) for name in ("bq", "bk", "bv"))
+        self.q_norm, self.k_norm = optional_param(params, "q_norm"), optional_param(params, "k_norm")
+        self.wo = projection(params["wo"])
+        self.w_gate, self.w_up = projection(params["w_gate"]), projection(params["w_up"])
+        self.w_down = projection(params["w_down"])
+        self.k_scale, self.v_scale = optional_param(params, "k_scale"), optional_param(params, "v_scale")
+
+    def __call__(self, x: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array, rope: tuple[jax.Array, ...],
+                 paged: PagedAttention) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """The layer over the step's tokens: (x, caches) after it."""
+        # x: (T, H); rope: cos, sin (T, D // 2) each
+        spec = self.spec
+        h = rms_norm(x, self.input_norm[...], spec.rms_norm_eps)  # (T, H)
+        q, k, v = self.qkv(h)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        how = LayerAttention(sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window)
+        kv_scales = None if self.k_scale is None else (self.k_scale[...], self.v_scale[...])
+        attn, caches = paged(q, k, v, caches, layer, (how,), kv_scales=kv_scales)  # (T, Hq, D)
+        x = x + project(attn.reshape(attn.shape[0], -1), self.wo)  # (T, H)
+        h = rms_norm(x, self.post_norm[...], spec.rms_norm_eps)
+        gate = jax.nn.silu(project(h, self.w_gate))  # (T, I)
+        return x + project(gate * project(h, self.w_up), self.w_down), caches  # (T, H)
+
+    def qkv(self, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Per-head q, k, v (KV heads: as many as the cache holds, the projection's width over D)."""
+        # h: (T, H)
+        q, k, v = project(h, self.wq), project(h, self.wk), project(h, self.wv)  # (T, Hq*D), (T, Hkv*D) x 2
+        if self.bq is not None:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        num_tokens, head_dim = h.shape[0], self.spec.head_dim
+        num_kv_heads = projection_width(self.wk) // head_dim
+        q = q.reshape(num_tokens, -1, head_dim)
+        k, v = k.reshape(num_tokens, num_kv_heads, head_dim), v.reshape(num_tokens, num_kv_heads, head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm[...], self.spec.rms_norm_eps)
+            k = rms_norm(k, self.k_norm[...], self.spec.rms_norm_eps)
+        return q, k, v
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables for the given absolute positions."""
-    # positions: (T,) int32 -> cos, sin: (T, D // 2) float32
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+class LlamaForCausalLM(nnx.Module):
+    """The Llama-family decoder: embedding -> a scan over the stacked `LlamaLayer` -> final norm -> LM head (the
+    embedding's transpose when tied)."""
 
+    def __init__(self, params: dict, spec: ModelSpec):
+        self.spec = spec
+        self.embed, self.final_norm = nnx.Param(params["embed"]), nnx.Param(params["final_norm"])
+        self.lm_head = optional_param(params, "lm_head")
+        self.layers = LlamaLayer(params["layers"], spec)
 
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half rotary embedding (HF's non-interleaved layout), in float32."""
-    # x: (T, heads, D); cos, sin: (T, D // 2)
-    half = x.shape[-1] // 2
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    def __call__(self, caches: tuple[jax.Array, ...], paged: PagedAttention
+                 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+        """One step over the padded ragged batch: (logits (R, V) float32 of each row's last token, every token's
+        hidden state before the final norm (T, H), caches)."""
+        batch = paged.batch
+        rope = rope_cos_sin(batch.positions, self.spec.rope.inv_freq())  # cos, sin: (T, D // 2) each
+        x = self.embed[...][batch.input_ids]  # (T, H)
 
+        def layer_step(layer: LlamaLayer, carry, index):
+            return layer(*carry, index, rope, paged)
 
-def forward(
-    params: dict,
-    caches: tuple[jax.Array, ...],
-    batch: BatchDescriptor,
-    *,
-    spec: ModelSpec,
-    num_kv_heads: int,
-    attention: AttentionFn,
-    write_kv: WriteKVFn,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One model step over a padded ragged batch: returns (logits (R, V) float32, hidden (T, H), caches),
-    where `hidden` is every token's last hidden state before the final norm (for prompt
-    logprobs: keeping it costs nothing, it is the layer loop's carry).
+        x, caches = scan_layers(self.layers, (x, caches), layer_step)
+        return self.logits(x[batch.logits_indices]), x, caches
 
-    `num_kv_heads` is the number of KV heads held in the cache, which is the checkpoint's count
-    or, when tensor parallelism is wider than that, the replicated count.
-    """
-    # caches: the attention backend's KV arrays, each (L, P, S, heads, D)
-    caches = copy_pages(caches, batch.copy_src, batch.copy_dst)
-    inv_freq = spec.rope.inv_freq()
-    cos, sin = rope_cos_sin(batch.positions, inv_freq)  # (T, D // 2) each
-    x = params["embed"][batch.input_ids]  # (T, H)
-
-    def layer_step(carry, layer_inputs):
-        x, caches = carry
-        layer_params, layer = layer_inputs
-        h = rms_norm(x, layer_params["input_norm"], spec.rms_norm_eps)  # (T, H)
-        q, k, v = _qkv(h, layer_params, spec, num_kv_heads)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        attn, caches = write_and_attend(q, k, v, caches, layer, batch, layer_params, attention=attention,
-                                        write_kv=write_kv)  # (T, Hq, D)
-        x = x + linear(attn.reshape(attn.shape[0], -1), layer_params["wo"])  # (T, H)
-        h = rms_norm(x, layer_params["post_norm"], spec.rms_norm_eps)
-        gate = jax.nn.silu(linear(h, layer_params["w_gate"]))  # (T, I)
-        x = x + linear(gate * linear(h, layer_params["w_up"]), layer_params["w_down"])  # (T, H)
-        return (x, caches), None
-
-    layers = jnp.arange(spec.num_layers, dtype=jnp.int32)  # (L,)
-    (x, caches), _ = jax.lax.scan(layer_step, (x, caches), (params["layers"], layers))
-
-    logits = token_logits(params, x[batch.logits_indices], spec)  # (R, V) float32
-    return logits, x, caches
-
-
-def copy_pages(caches: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
-    """Copy whole pages (every layer) before the step writes: copy-on-write of shared pages. Padding
-    copies the null page onto itself."""
-    # caches: each (L, P, S, heads, D); src, dst: (C,) int32
-    return tuple(cache.at[:, dst].set(cache[:, src]) for cache in caches)
-
-
-def token_logits(params: dict, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
-    """Final norm and LM head over some tokens' last hidden states."""
-    # hidden: (N, H) -> (N, V) float32
-    normed = rms_norm(hidden, params["final_norm"], spec.rms_norm_eps)  # (N, H)
-    lm_head = params["embed"].T if spec.tie_word_embeddings else params["lm_head"]  # (H, V)
-    return jnp.dot(normed, lm_head, preferred_element_type=jnp.float32)
-
-
-def _qkv(h: jax.Array, p: dict, spec: ModelSpec, num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Project to per-head q, k, v, with Qwen2's biases and Qwen3's per-head RMSNorm."""
-    # h: (T, H)
-    q, k, v = linear(h, p["wq"]), linear(h, p["wk"]), linear(h, p["wv"])  # (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
-    if spec.qkv_bias:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    num_tokens, head_dim = h.shape[0], spec.head_dim
-    q = q.reshape(num_tokens, spec.num_heads, head_dim)
-    k = k.reshape(num_tokens, num_kv_heads, head_dim)
-    v = v.reshape(num_tokens, num_kv_heads, head_dim)
-    if spec.qk_norm:
-        q = rms_norm(q, p["q_norm"], spec.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], spec.rms_norm_eps)
-    return q, k, v
-
-
-def make_forward(spec: ModelSpec, num_kv_heads: int, attention: AttentionFn, write_kv: WriteKVFn) -> Callable:
-    """Bind the static model configuration; the result maps (params, caches, batch) to (logits, hidden, caches)."""
-
-    def bound(params, caches, batch):
-        return forward(
-            params, caches, batch, spec=spec, num_kv_heads=num_kv_heads, attention=attention, write_kv=write_kv
-        )
-
-    return bound
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Final norm and LM head over some tokens' last hidden states."""
+        # hidden: (N, H) -> (N, V) float32
+        normed = rms_norm(hidden, self.final_norm[...], self.spec.rms_norm_eps)  # (N, H)
+        lm_head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # (H, V)
+        return jnp.dot(normed, lm_head, preferred_element_type=jnp.float32)
 
 
 def weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
@@ -187,5 +152,4 @@ def weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int)
     return tree
 
 
-register(LLAMA_FAMILY, Model(spec_from_config=llama_family_spec, weights=weights, make_forward=make_forward,
-                             token_logits=token_logits))
+register(LLAMA_FAMILY, Model(spec_from_config=llama_family_spec, weights=weights, module=LlamaForCausalLM))

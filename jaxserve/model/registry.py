@@ -2,8 +2,8 @@
 
 An architecture is a `Model`: how it reads its `config.json` into a `ModelSpec`, the params leaves it declares
 (`Weight`: the checkpoint tensor each comes from, its shape, its partition spec over the `model` mesh axis and
-how it is stored), its forward over a
-`BatchDescriptor` with the attention backend injected, and its LM head. The loader, the random weights of
+how it is stored), and its Flax NNX module, built over the loaded params tree, whose forward runs over a
+`BatchDescriptor` with the attention backend injected (`PagedAttention`) and whose `logits` is its LM head. The loader, the random weights of
 `load_format: dummy`, orbax restores and `jaxserve check-config` all work from the declarations, so they stay
 generic. `register` makes an architecture servable under its `config.json` `architectures` names; the built-in
 ones (BUILTIN_MODULES) register when their module is imported, on the registry's first lookup.
@@ -15,8 +15,12 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
+import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.attention.base import AttentionFn, WriteKVFn
+from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.model.layers import PagedAttention
 from jaxserve.model.spec import ModelSpec
 
 
@@ -46,11 +50,31 @@ class Model:
     spec_from_config: Callable[[str, dict, dict], ModelSpec]
     # (spec, KV heads held per layer, tensor parallel size) -> the params tree of `Weight`s
     weights: Callable[[ModelSpec, int, int], dict]
-    # (spec, KV heads held per layer, attention, write_kv) -> forward(params, caches, batch) ->
-    # (logits (R, V) float32, hidden (T, H), caches)
-    make_forward: Callable
-    # (params, hidden (N, H), spec) -> logits (N, V) float32
-    token_logits: Callable
+    # the Flax NNX module: module(params, spec) over the params tree (model/layers.py), with
+    # __call__(caches, PagedAttention) -> (logits (R, V) float32, hidden (T, H), caches) and
+    # logits(hidden (N, H)) -> (N, V) float32
+    module: type
+
+    def make_forward(self, spec: ModelSpec, attention: AttentionFn, write_kv: WriteKVFn) -> Callable:
+        """forward(params, caches, batch) -> (logits (R, V) float32, hidden (T, H), caches) with the attention
+        backend bound: the step's page copies (copy-on-write), then the module."""
+
+        def forward(params: dict, caches: tuple[jax.Array, ...], batch: BatchDescriptor):
+            caches = copy_pages(caches, batch.copy_src, batch.copy_dst)
+            return self.module(params, spec)(caches, PagedAttention(batch, attention, write_kv))
+
+        return forward
+
+    def token_logits(self, params: dict, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
+        """The LM head's logits (N, V) float32 over some tokens' last hidden states (N, H)."""
+        return self.module(params, spec).logits(hidden)
+
+
+def copy_pages(caches: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:
+    """Copy whole pages (every layer) before the step writes: copy-on-write of shared pages. Padding
+    copies the null page onto itself."""
+    # caches: each (L, P, S, heads, D); src, dst: (C,) int32
+    return tuple(cache.at[:, dst].set(cache[:, src]) for cache in caches)
 
 
 _MODELS: dict[str, Model] = {}

@@ -1,0 +1,113 @@
+"""What the architectures' Flax NNX modules share: their params as NNX variables, the paged attention a layer
+calls, the scan over stacked layers, norms and rotary embeddings.
+
+A model module is built from the engine's params tree (`Model.module(params, spec)`, model/registry.py) inside
+the traced step: its attributes are the tree's leaves wrapped as `nnx.Param`s (a quantized projection as a
+`QuantizedWeight`), so `nnx.state(module)` is the params tree again and building it costs nothing at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
+from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.kv.fp8 import write_and_attend
+from jaxserve.model.quantize import linear
+
+
+class QuantizedWeight(nnx.Module):
+    """A quantized projection (model/quantize.py): int8 or float8_e4m3fn `weight` (..., in, out) and its float32
+    `scale` (..., out)."""
+
+    def __init__(self, weight: jax.Array, scale: jax.Array):
+        self.weight = nnx.Param(weight)
+        self.scale = nnx.Param(scale)
+
+
+def projection(value: jax.Array | dict) -> nnx.Param | QuantizedWeight:
+    """A projection's params leaf as NNX state: a Param, or a QuantizedWeight for {weight, scale}."""
+    if isinstance(value, dict):
+        return QuantizedWeight(value["weight"], value["scale"])
+    return nnx.Param(value)
+
+
+def optional_param(params: dict, name: str) -> nnx.Param | None:
+    """params[name] as a Param, or None when the tree has no such leaf."""
+    return nnx.Param(params[name]) if name in params else None
+
+
+def project(x: jax.Array, weight: nnx.Param | QuantizedWeight) -> jax.Array:
+    """x @ weight for a float or a quantized projection; the result in x's dtype."""
+    # x: (T, in) -> (T, out)
+    if isinstance(weight, QuantizedWeight):
+        return linear(x, {"weight": weight.weight[...], "scale": weight.scale[...]})
+    return linear(x, weight[...])
+
+
+def projection_width(weight: nnx.Param | QuantizedWeight) -> int:
+    """The output width of a projection (its last axis)."""
+    return (weight.weight if isinstance(weight, QuantizedWeight) else weight).shape[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """The step's paged attention as a layer calls it: the batch and the attention backend's functions."""
+
+    batch: BatchDescriptor
+    attention: AttentionFn
+    write_kv: WriteKVFn
+
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array,
+                 hows: tuple[LayerAttention, ...], which: jax.Array | int = 0,
+                 kv_scales: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """Write the layer's K/V and attend as `hows[which]` (layers of several kinds in one scan pick theirs by a
+        traced index): (attention out, caches). `kv_scales` are the layer's fp8 KV scales (kv/fp8.py)."""
+        # q: (T, Hq, D); k, v: (T, Hkv, D) -> out (T, Hq, D)
+        return write_and_attend(q, k, v, caches, layer, self.batch, hows, which, kv_scales,
+                                attention=self.attention, write_kv=self.write_kv)
+
+
+def scan_layers(layers: nnx.Module, carry, body: Callable) -> object:
+    """Run `body(layer, carry, index) -> carry` over a module of stacked layers (every variable (L, ...)) as one
+    `lax.scan`, so the step compiles one layer however many there are."""
+    graphdef, state = nnx.split(layers)
+    num_layers = jax.tree_util.tree_leaves(state)[0].shape[0]
+
+    def step(carry, inputs):
+        layer_state, index = inputs
+        return body(nnx.merge(graphdef, layer_state), carry, index), None
+
+    carry, _ = jax.lax.scan(step, carry, (state, jnp.arange(num_layers, dtype=jnp.int32)))
+    return carry
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back to the input dtype before the weight (as HF's Llama does)."""
+    # x: (..., H); weight: (H,)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for the given absolute positions."""
+    # positions: (T,) int32 -> cos, sin: (T, D // 2) float32
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half rotary embedding (HF's non-interleaved layout), in float32."""
+    # x: (T, heads, D); cos, sin: (T, D // 2)
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
