@@ -90,7 +90,7 @@ def current_modules() -> dict[str, types.ModuleType]:
     return {"fp8": fp8, "layers": layers, "registry": registry, "xla": xla, "llama": llama, "sampler": sampler}
 
 
-def step_functions(modules: dict[str, types.ModuleType], spec, kv_heads: int, platform: str) -> tuple:
+def step_functions(modules: dict[str, types.ModuleType], spec, kv_heads: int, platform: str, mesh) -> tuple:
     """(forward(params, caches, batch), token_logits(params, hidden), attention(q, caches, layer, batch)) of one
     variant's modules, over the XLA attention backend, in either model API: the registry's NNX module (today) or
     llama.py's functions (revisions before the NNX modules)."""
@@ -104,7 +104,7 @@ def step_functions(modules: dict[str, types.ModuleType], spec, kv_heads: int, pl
     backend = xla.make_backend(platform)
     model = modules["registry"].model_for(spec.architecture)
     how = LayerAttention(spec.head_dim**-0.5, spec.sliding_window)
-    return (model.make_forward(spec, backend.attention, backend.write_kv),
+    return (model.make_forward(spec, backend.attention, backend.write_kv, mesh),
             lambda params, hidden: model.token_logits(params, hidden, spec), functools.partial(backend.attention, how=how))
 
 
@@ -122,7 +122,7 @@ class Variant:
     def __init__(self, name: str, modules: dict[str, types.ModuleType], runner, platform: str):
         self.name = name
         spec, kv_heads = runner.spec, runner._num_cache_kv_heads
-        forward, token_logits, attention = step_functions(modules, spec, kv_heads, platform)
+        forward, token_logits, attention = step_functions(modules, spec, kv_heads, platform, runner._replicated.mesh)
         sampler = modules["sampler"]
         self.caches = jax.tree_util.tree_map(jnp.copy, runner.kv_caches)  # each (L, P, S, Hkv, D)
         self.forward = jax.jit(lambda params, caches, words, layout: forward(
@@ -132,7 +132,8 @@ class Variant:
         self.attention = jax.jit(functools.partial(attention_op, attention, spec.num_layers))
         self.lm_head = jax.jit(lambda params, x, batch: token_logits(params, x[batch.logits_indices]))
         self._gather_module = modules["xla"]
-        gather_attention = step_functions(modules, spec, kv_heads, platform)[2]  # traced with the stand-in fold
+        # traced with the stand-in fold
+        gather_attention = step_functions(modules, spec, kv_heads, platform, runner._replicated.mesh)[2]
         self._gather_fn = jax.jit(functools.partial(attention_op, gather_attention, spec.num_layers))
         self._gather_compiled = {}
 
@@ -259,7 +260,7 @@ def profile(engine: LLMEngine, recorded: list, variants: list[Variant], repeats:
         return q, x
 
     first_of_bucket = {}
-    for batch, sampling, _ in recorded:
+    for batch, sampling, *_ in recorded:
         first_of_bucket.setdefault((batch.input_ids.shape, batch.page_table.shape, sampling.aux_token_ids.shape),
                                    (batch, sampling))
     for batch, sampling in first_of_bucket.values():
@@ -267,11 +268,11 @@ def profile(engine: LLMEngine, recorded: list, variants: list[Variant], repeats:
             run_ops(variant, params, batch, sampling, *random_inputs(batch))
     totals = {v.name: {op: [] for op in OPS} for v in variants}
     by_bucket = {v.name: collections.defaultdict(collections.Counter) for v in variants}
-    pads = [padding(batch, runner.page_size) for batch, _, _ in recorded]
+    pads = [padding(batch, runner.page_size) for batch, *_ in recorded]
     for repeat in range(repeats):
         gc.collect()
         sums = {v.name: collections.Counter() for v in variants}
-        for batch, sampling, _ in recorded:
+        for batch, sampling, *_ in recorded:
             q, x = random_inputs(batch)
             order = variants if repeat % 2 == 0 else variants[::-1]
             for variant in order:
@@ -303,7 +304,7 @@ def report(totals: dict, by_bucket: dict, pads: list[dict], recorded: list, outp
                       f"{1e6 * mean / computed:.2f}", f"{1e6 * best / computed:.2f}"]
         lines.append(f"| {op} | " + " | ".join(cells) + " |")
     buckets = collections.defaultdict(list)
-    for (batch, _, _), pad in zip(recorded, pads):
+    for (batch, *_), pad in zip(recorded, pads):
         buckets[(batch.input_ids.shape[0], batch.page_table.shape[1])].append(pad)
     lines += ["", "Padding per step bucket T x W: padded tokens / T, padded rows / R, page-table slots past each row's "
               "pages / (R * W)", "| T x W | steps | pad tokens | pad rows | pad page slots |", "|---|---|---|---|---|"]

@@ -65,6 +65,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
+    # A mixture of experts: split the experts whole over the devices instead of each expert (vLLM's flag).
+    enable_expert_parallel: bool = False
     attention_backend: str = "auto"
     seed: int = 0
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR

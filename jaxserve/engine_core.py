@@ -25,7 +25,7 @@ from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 from jaxserve.model.checkpoint import load_weights
-from jaxserve.model.sharding import cache_kv_heads, make_mesh
+from jaxserve.model.sharding import cache_kv_heads, make_mesh, with_expert_parallel
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner import CompileCounter, PendingStep, Runner, StepOutput, TokenLogprobs
@@ -46,7 +46,7 @@ class EngineCore:
         self.config = config
         reserve_device_memory(config.gpu_memory_utilization)  # before JAX starts its GPU backend
         enable_compilation_cache(config.compilation_cache_dir)
-        self.spec = ModelSpec.from_pretrained(model_path)
+        self.spec = with_expert_parallel(ModelSpec.from_pretrained(model_path), config.enable_expert_parallel)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         tp = config.tensor_parallel_size
         self.mesh = make_mesh(tp)

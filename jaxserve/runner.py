@@ -183,7 +183,7 @@ class Runner:
 
         model = model_for(spec.architecture)
         token_logits = model.token_logits  # (params, hidden (N, H), spec) -> (N, V) float32
-        forward = model.make_forward(spec, self.attention.attention, self.attention.write_kv)
+        forward = model.make_forward(spec, self.attention.attention, self.attention.write_kv, mesh)
         self.model_forward = forward  # (params, caches, BatchDescriptor) -> (logits (R, V), hidden (T, H), caches)
         # Each leaf's own sharding (the loader's, or a quantized leaf's): params of any layout the model takes.
         self.param_shardings = param_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, params)

@@ -79,7 +79,7 @@ def measure(step: Step, quantization: str, kv_cache_dtype: str) -> dict:
     caches = tuple(jnp.zeros(shape, cache_dtype) for shape in shapes)  # each (L, P, S, Hkv, D)
     page_table = 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width)  # (B, W)
     batch = decode_batch({"page_table": page_table, "seq_lens": np.full(rows, context, np.int32)}, page_size)
-    forward = model_for(spec.architecture).make_forward(spec, backend.attention, backend.write_kv)
+    forward = model_for(spec.architecture).make_forward(spec, backend.attention, backend.write_kv, mesh)
     forward = jax.jit(forward, donate_argnums=1)
     samples = []
     for i in range(options["warmup"] + options["repeats"]):

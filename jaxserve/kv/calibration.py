@@ -52,7 +52,7 @@ def calibrate_kv_scales(params: dict, spec: ModelSpec, mesh: Mesh, num_cache_kv_
     """{"k_scale", "v_scale": (L, cache KV heads) float32}: the largest |K| and |V| each (layer, KV head) wrote over
     `prompts`, times HEADROOM over FP8_MAX (1.0 for a head that wrote only zeros). `params` without KV scales."""
     backend = make_attention(spec, "xla", mesh, PAGE_SIZE, cache_dtype=jnp.float32)
-    forward = model_for(spec.architecture).make_forward(spec, backend.attention, backend.write_kv)
+    forward = model_for(spec.architecture).make_forward(spec, backend.attention, backend.write_kv, mesh)
     width, batches = prefill_batches(prompts, PAGE_SIZE)  # one prompt's pages, after the null page
     shapes = backend.cache_shapes(spec.num_layers, width + 1, PAGE_SIZE, num_cache_kv_heads, spec.head_dim)
 

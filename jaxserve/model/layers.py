@@ -1,5 +1,5 @@
-"""What the architectures' Flax NNX modules share: their params as NNX variables, the paged attention a layer
-calls, the scan over stacked layers, norms and rotary embeddings.
+"""What the architectures' Flax NNX modules share: their params as NNX variables, the step's context (the paged
+attention a layer calls), the scan over stacked layers, norms and rotary embeddings.
 
 A model module is built from the engine's params tree (`Model.module(params, spec)`, model/registry.py) inside
 the traced step: its attributes are the tree's leaves wrapped as `nnx.Param`s (a quantized projection as a
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
 from jaxserve.batch_descriptor import BatchDescriptor
@@ -57,18 +58,21 @@ def projection_width(weight: nnx.Param | QuantizedWeight) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedAttention:
-    """The step's paged attention as a layer calls it: the batch and the attention backend's functions."""
+class StepContext:
+    """What a model's forward takes besides its params and the KV caches: the step's batch, the attention
+    backend's functions, and the device mesh (for layers that shard by hand, as expert parallelism does)."""
 
     batch: BatchDescriptor
     attention: AttentionFn
     write_kv: WriteKVFn
+    mesh: Mesh
 
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array,
-                 hows: tuple[LayerAttention, ...], which: jax.Array | int = 0,
-                 kv_scales: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """Write the layer's K/V and attend as `hows[which]` (layers of several kinds in one scan pick theirs by a
-        traced index): (attention out, caches). `kv_scales` are the layer's fp8 KV scales (kv/fp8.py)."""
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array,
+               hows: tuple[LayerAttention, ...], which: jax.Array | int = 0,
+               kv_scales: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """Write the layer's K/V into its pages and attend as `hows[which]` (layers of several kinds in one scan
+        pick theirs by a traced index): (attention out, caches). `kv_scales` are the layer's fp8 KV scales
+        (kv/fp8.py)."""
         # q: (T, Hq, D); k, v: (T, Hkv, D) -> out (T, Hq, D)
         return write_and_attend(q, k, v, caches, layer, self.batch, hows, which, kv_scales,
                                 attention=self.attention, write_kv=self.write_kv)

@@ -23,8 +23,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention.base import LayerAttention
-from jaxserve.model.layers import (PagedAttention, apply_rope, optional_param, project, projection,
-                                   projection_width, rms_norm, rope_cos_sin, scan_layers)
+from jaxserve.model.layers import (StepContext, apply_rope, optional_param, project, projection, projection_width,
+                                   rms_norm, rope_cos_sin, scan_layers)
 from jaxserve.model.registry import Model, Weight, register
 from jaxserve.model.sharding import MODEL_AXIS
 from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec, llama_family_spec
@@ -47,20 +47,30 @@ class LlamaLayer(nnx.Module):
         self.k_scale, self.v_scale = optional_param(params, "k_scale"), optional_param(params, "v_scale")
 
     def __call__(self, x: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array, rope: tuple[jax.Array, ...],
-                 paged: PagedAttention) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+                 step: StepContext) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """The layer over the step's tokens: (x, caches) after it."""
         # x: (T, H); rope: cos, sin (T, D // 2) each
         spec = self.spec
-        h = rms_norm(x, self.input_norm[...], spec.rms_norm_eps)  # (T, H)
-        q, k, v = self.qkv(h)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
+        q, k, v = self.qkv(self.norm(x, self.input_norm))  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         how = LayerAttention(sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window)
-        kv_scales = None if self.k_scale is None else (self.k_scale[...], self.v_scale[...])
-        attn, caches = paged(q, k, v, caches, layer, (how,), kv_scales=kv_scales)  # (T, Hq, D)
+        attn, caches = step.attend(q, k, v, caches, layer, (how,), kv_scales=self.kv_scales())  # (T, Hq, D)
         x = x + project(attn.reshape(attn.shape[0], -1), self.wo)  # (T, H)
-        h = rms_norm(x, self.post_norm[...], spec.rms_norm_eps)
+        return x + self.feed_forward(self.norm(x, self.post_norm), step), caches  # (T, H)
+
+    def feed_forward(self, h: jax.Array, step: StepContext) -> jax.Array:
+        """The SwiGLU MLP."""
+        # h: (T, H) -> (T, H)
         gate = jax.nn.silu(project(h, self.w_gate))  # (T, I)
-        return x + project(gate * project(h, self.w_up), self.w_down), caches  # (T, H)
+        return project(gate * project(h, self.w_up), self.w_down)
+
+    def norm(self, x: jax.Array, weight: nnx.Param) -> jax.Array:
+        """The family's RMSNorm."""
+        return rms_norm(x, weight[...], self.spec.rms_norm_eps)
+
+    def kv_scales(self) -> tuple[jax.Array, jax.Array] | None:
+        """The layer's fp8 KV scales (each (Hkv,)), or None for a cache in the weights' dtype."""
+        return None if self.k_scale is None else (self.k_scale[...], self.v_scale[...])
 
     def qkv(self, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Per-head q, k, v (KV heads: as many as the cache holds, the projection's width over D)."""
@@ -73,8 +83,7 @@ class LlamaLayer(nnx.Module):
         q = q.reshape(num_tokens, -1, head_dim)
         k, v = k.reshape(num_tokens, num_kv_heads, head_dim), v.reshape(num_tokens, num_kv_heads, head_dim)
         if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm[...], self.spec.rms_norm_eps)
-            k = rms_norm(k, self.k_norm[...], self.spec.rms_norm_eps)
+            q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         return q, k, v
 
 
@@ -82,30 +91,42 @@ class LlamaForCausalLM(nnx.Module):
     """The Llama-family decoder: embedding -> a scan over the stacked `LlamaLayer` -> final norm -> LM head (the
     embedding's transpose when tied)."""
 
+    layer_module = LlamaLayer
+
     def __init__(self, params: dict, spec: ModelSpec):
         self.spec = spec
         self.embed, self.final_norm = nnx.Param(params["embed"]), nnx.Param(params["final_norm"])
         self.lm_head = optional_param(params, "lm_head")
-        self.layers = LlamaLayer(params["layers"], spec)
+        self.layers = self.layer_module(params["layers"], spec)
 
-    def __call__(self, caches: tuple[jax.Array, ...], paged: PagedAttention
+    def __call__(self, caches: tuple[jax.Array, ...], step: StepContext
                  ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
         """One step over the padded ragged batch: (logits (R, V) float32 of each row's last token, every token's
         hidden state before the final norm (T, H), caches)."""
-        batch = paged.batch
-        rope = rope_cos_sin(batch.positions, self.spec.rope.inv_freq())  # cos, sin: (T, D // 2) each
-        x = self.embed[...][batch.input_ids]  # (T, H)
+        batch = step.batch
+        rope = self.rope_tables(batch.positions)
+        x = self.embed_tokens(batch.input_ids)  # (T, H)
 
         def layer_step(layer: LlamaLayer, carry, index):
-            return layer(*carry, index, rope, paged)
+            return layer(*carry, index, rope, step)
 
         x, caches = scan_layers(self.layers, (x, caches), layer_step)
         return self.logits(x[batch.logits_indices]), x, caches
 
+    def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
+        """The tokens' embeddings."""
+        # token_ids: (T,) int32 -> (T, H)
+        return self.embed[...][token_ids]
+
+    def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The rotary tables every layer takes."""
+        # positions: (T,) int32 -> cos, sin: (T, D // 2) float32 each
+        return rope_cos_sin(positions, self.spec.rope.inv_freq())
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head over some tokens' last hidden states."""
         # hidden: (N, H) -> (N, V) float32
-        normed = rms_norm(hidden, self.final_norm[...], self.spec.rms_norm_eps)  # (N, H)
+        normed = self.layers.norm(hidden, self.final_norm)  # (N, H)
         lm_head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # (H, V)
         return jnp.dot(normed, lm_head, preferred_element_type=jnp.float32)
 

@@ -108,8 +108,11 @@ def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_ca
         sharding = NamedSharding(mesh, weight.spec)
         if not weight.per_layer:
             return _load_one(folder, weight.hf_name, layout, sharding, dtype)
-        names = [weight.hf_name.format(i=i) for i in range(spec.num_layers)]
+        names = [weight.layer_names(i) for i in range(spec.num_layers)]
         if spec.checkpoint_quantization == "fp8" and weight.quantizable:
+            if "{j}" in weight.hf_name:
+                raise ValueError("fp8 checkpoints of mixture-of-experts models are not supported: load the bf16 "
+                                 "checkpoint with quantization: fp8")
             return _load_fp8(folder, names, layout, sharding)
         return _load_stacked(folder, names, layout, sharding, dtype)
 
@@ -193,18 +196,34 @@ def _load_fp8(folder: SafetensorsFolder, names: list[str], layout: _Layout, shar
     return {"weight": weight, "scale": jax.device_put(np.stack(scales), scale_sharding)}
 
 
-def _load_stacked(folder: SafetensorsFolder, names: list[str], layout: _Layout, sharding, dtype) -> jax.Array:
-    """A stacked (num_layers, ...) leaf: allocated on the devices, then filled one layer at a time (the
-    update donates the stack, so the devices hold it once plus one layer)."""
-    layer_shape = layout.shape(folder.shape(names[0]))
+def _load_experts(folder: SafetensorsFolder, names: list[str], layout: _Layout, sharding, dtype,
+                  shape: tuple[int, ...]) -> jax.Array:
+    """One layer's (E, ...) stack of expert tensors, each device reading only its experts' slices."""
+    def read(index: tuple[slice, ...]) -> np.ndarray:
+        experts = range(*index[0].indices(shape[0]))
+        return np.stack([layout.read(folder, names[e], index[1:], shape[1:]).astype(dtype, copy=False)
+                         for e in experts])
+
+    return jax.make_array_from_callback(shape, sharding, read)
+
+
+def _load_stacked(folder: SafetensorsFolder, names: list, layout: _Layout, sharding, dtype) -> jax.Array:
+    """A stacked (num_layers, ...) leaf, from one tensor per layer or one list of expert tensors per layer:
+    allocated on the devices, then filled one layer at a time (the update donates the stack, so the devices hold
+    it once plus one layer)."""
+    def layer_shape_of(name) -> tuple[int, ...]:
+        return (len(name), *layout.shape(folder.shape(name[0]))) if isinstance(name, list) else \
+            layout.shape(folder.shape(name))
+
+    layer_shape = layer_shape_of(names[0])
     layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
     stacked = jnp.zeros((len(names), *layer_shape), dtype, device=sharding)
     put = _layer_update(sharding)
     for i, name in enumerate(names):
-        stored = folder.shape(name)
-        if layout.shape(stored) != layer_shape:
-            raise ValueError(f"weight {name!r} has shape {stored}, unlike layer 0's")
-        stacked = put(stacked, _load_one(folder, name, layout, layer_sharding, dtype, layer_shape), i)
+        if layer_shape_of(name) != layer_shape:
+            raise ValueError(f"weight {name!r} has shape {layer_shape_of(name)}, unlike layer 0's {layer_shape}")
+        load = _load_experts if isinstance(name, list) else _load_one
+        stacked = put(stacked, load(folder, name, layout, layer_sharding, dtype, layer_shape), i)
     return stacked
 
 

@@ -3,7 +3,8 @@
 An architecture is a `Model`: how it reads its `config.json` into a `ModelSpec`, the params leaves it declares
 (`Weight`: the checkpoint tensor each comes from, its shape, its partition spec over the `model` mesh axis and
 how it is stored), and its Flax NNX module, built over the loaded params tree, whose forward runs over a
-`BatchDescriptor` with the attention backend injected (`PagedAttention`) and whose `logits` is its LM head. The loader, the random weights of
+`BatchDescriptor` with the attention backend injected (model/layers.py's `StepContext`) and whose `logits` is its
+LM head. The loader, the random weights of
 `load_format: dummy`, orbax restores and `jaxserve check-config` all work from the declarations, so they stay
 generic. `register` makes an architecture servable under its `config.json` `architectures` names; the built-in
 ones (BUILTIN_MODULES) register when their module is imported, on the registry's first lookup.
@@ -16,11 +17,12 @@ import importlib
 from collections.abc import Callable
 
 import jax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention.base import AttentionFn, WriteKVFn
 from jaxserve.batch_descriptor import BatchDescriptor
-from jaxserve.model.layers import PagedAttention
+from jaxserve.model.layers import StepContext
 from jaxserve.model.spec import ModelSpec
 
 
@@ -28,7 +30,8 @@ from jaxserve.model.spec import ModelSpec
 class Weight:
     """One params leaf: its Hugging Face tensor, shape, sharding and storage."""
 
-    hf_name: str  # the checkpoint tensor's name; "{i}" in a per-layer name (the leaf stacks the layers)
+    hf_name: str  # the checkpoint tensor's name; "{i}" in a per-layer name (the leaf stacks the layers), and "{j}"
+    # in a per-expert one (the layer's slice (E, ...) stacks the experts)
     shape: tuple[int, ...]  # the leaf's shape: (L, ...) for a per-layer leaf
     spec: P  # how the leaf is split over the `model` mesh axis
     transpose: bool = False  # a Linear weight: the checkpoint's (out, in) stored as (in, out)
@@ -41,6 +44,12 @@ class Weight:
         """Whether the leaf stacks one checkpoint tensor per layer."""
         return "{i}" in self.hf_name
 
+    def layer_names(self, layer: int) -> str | list[str]:
+        """The checkpoint tensor of one layer of a per-layer leaf, or one per expert (shape[1] of them)."""
+        if "{j}" in self.hf_name:
+            return [self.hf_name.format(i=layer, j=expert) for expert in range(self.shape[1])]
+        return self.hf_name.format(i=layer)
+
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -51,17 +60,17 @@ class Model:
     # (spec, KV heads held per layer, tensor parallel size) -> the params tree of `Weight`s
     weights: Callable[[ModelSpec, int, int], dict]
     # the Flax NNX module: module(params, spec) over the params tree (model/layers.py), with
-    # __call__(caches, PagedAttention) -> (logits (R, V) float32, hidden (T, H), caches) and
+    # __call__(caches, StepContext) -> (logits (R, V) float32, hidden (T, H), caches) and
     # logits(hidden (N, H)) -> (N, V) float32
     module: type
 
-    def make_forward(self, spec: ModelSpec, attention: AttentionFn, write_kv: WriteKVFn) -> Callable:
+    def make_forward(self, spec: ModelSpec, attention: AttentionFn, write_kv: WriteKVFn, mesh: Mesh) -> Callable:
         """forward(params, caches, batch) -> (logits (R, V) float32, hidden (T, H), caches) with the attention
-        backend bound: the step's page copies (copy-on-write), then the module."""
+        backend and the mesh bound: the step's page copies (copy-on-write), then the module."""
 
         def forward(params: dict, caches: tuple[jax.Array, ...], batch: BatchDescriptor):
             caches = copy_pages(caches, batch.copy_src, batch.copy_dst)
-            return self.module(params, spec)(caches, PagedAttention(batch, attention, write_kv))
+            return self.module(params, spec)(caches, StepContext(batch, attention, write_kv, mesh))
 
         return forward
 
@@ -78,7 +87,7 @@ def copy_pages(caches: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) ->
 
 
 _MODELS: dict[str, Model] = {}
-BUILTIN_MODULES = ("jaxserve.model.llama",)  # imported on the first lookup (they import this module)
+BUILTIN_MODULES = ("jaxserve.model.llama", "jaxserve.model.gemma", "jaxserve.model.moe_llama")  # imported on the first lookup (they import this module)
 
 
 def register(architectures: tuple[str, ...], model: Model) -> None:

@@ -3,12 +3,16 @@ partition specs, model/registry.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.model.spec import ModelSpec
 
+logger = logging.getLogger("jaxserve")
 MODEL_AXIS = "model"
 
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # (L, P, S, Hkv, D): KV heads split
@@ -38,6 +42,17 @@ def cache_kv_heads(spec: ModelSpec, tensor_parallel_size: int) -> int:
     raise ValueError(
         f"num_key_value_heads ({spec.num_kv_heads}) and tensor_parallel_size ({tp}) must divide one another"
     )
+
+
+def with_expert_parallel(spec: ModelSpec, enabled: bool) -> ModelSpec:
+    """`spec` with its experts split whole over the devices when `enabled`; a model without experts is unchanged
+    (with a warning, as vLLM ignores the flag there)."""
+    if not enabled:
+        return spec
+    if not getattr(spec, "num_experts", 0):
+        logger.warning("enable_expert_parallel: %s has no experts; the flag changes nothing", spec.architecture)
+        return spec
+    return dataclasses.replace(spec, expert_parallel=True)
 
 
 def named(mesh: Mesh, tree):

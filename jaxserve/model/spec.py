@@ -1,4 +1,5 @@
-"""ModelSpec: the hyper-parameters of a Llama-family checkpoint, parsed from its config.json."""
+"""ModelSpec: the hyper-parameters every architecture has, parsed from a checkpoint's config.json (an architecture
+with more subclasses it: model/gemma.py, model/moe_models.py), and the Llama family's parser."""
 
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ class ModelSpec:
     # "fp8": the checkpoint's linear layers are float8_e4m3fn with a `weight_scale` per output channel or tensor
     # (its quantization_config: compressed-tensors float-quantized, or "fp8" without blocks); else "none".
     checkpoint_quantization: str = "none"
+    # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
+    # expert split like a dense MLP: EngineConfig.enable_expert_parallel, vLLM's flag (model/moe_llama.py).
+    expert_parallel: bool = False
 
     @property
     def group_size(self) -> int:
@@ -136,7 +140,7 @@ def llama_family_spec(arch: str, config: dict, generation_config: dict) -> Model
         head_dim=head_dim,
         intermediate_size=config["intermediate_size"],
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope=_parse_rope(config, head_dim),
+        rope=parse_rope(config, head_dim),
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
@@ -144,15 +148,16 @@ def llama_family_spec(arch: str, config: dict, generation_config: dict) -> Model
         sliding_window=_parse_sliding_window(arch, config),
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=_parse_eos(config, generation_config),
-        checkpoint_quantization=_parse_checkpoint_quantization(config.get("quantization_config")),
+        eos_token_ids=parse_eos(config, generation_config),
+        checkpoint_quantization=parse_checkpoint_quantization(config.get("quantization_config")),
     )
 
 
-def _parse_rope(config: dict, head_dim: int) -> RopeSpec:
-    """Accept both transformers 4 (`rope_theta` + `rope_scaling`) and 5 (`rope_parameters`) layouts."""
-    params = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or {}
+def parse_rope(config: dict, head_dim: int, parameters: dict | None = None) -> RopeSpec:
+    """The rotary embedding of `parameters` (default: the config's own), in either transformers 4 (`rope_theta` +
+    `rope_scaling`) or 5 (`rope_parameters`) layout."""
+    params = dict(config.get("rope_parameters") or {}) if parameters is None else parameters
+    scaling = (config.get("rope_scaling") or {}) if parameters is None else {}
     params = {**scaling, **params}
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -181,7 +186,7 @@ def _parse_sliding_window(arch: str, config: dict) -> int | None:
     return int(window) if window else None
 
 
-def _parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
+def parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
     """EOS ids from generation_config.json (preferred) or config.json; an int or a list."""
     eos = generation_config.get("eos_token_id", config.get("eos_token_id"))
     if eos is None:
@@ -191,7 +196,7 @@ def _parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
     return tuple(int(e) for e in eos)
 
 
-def _parse_checkpoint_quantization(quantization_config: dict | None) -> str:
+def parse_checkpoint_quantization(quantization_config: dict | None) -> str:
     """"fp8" for the fp8 checkpoint forms jaxserve reads (8-bit float weights with a scale per output channel or
     per tensor, lm_head left alone), "none" without a quantization_config; a ValueError naming any other form."""
     if not quantization_config:

@@ -1,0 +1,125 @@
+"""Mixture-of-experts decoders with the Llama family's attention: Mixtral and Qwen3-MoE, as Flax NNX modules.
+
+Each layer is the Llama layer (Qwen3-MoE with Qwen3's q/k norms) whose MLP is a sparse mixture of SwiGLU experts
+(model/moe.py): a router picks each token's top-k experts (softmax, top-k, renormalised for Mixtral and for
+Qwen3-MoE's `norm_topk_prob`), and only the routed (token, expert) pairs are computed.
+
+Parallelism over the `model` mesh axis: attention is split by heads as in the Llama family; the experts are
+either each split like a dense MLP (tensor parallelism: w_gate, w_up by I columns, w_down by I rows) or, with
+`enable_expert_parallel` (vLLM's flag), split whole across the devices (E / N experts each): every device routes
+every token, runs the assignments to its own experts, and the partial outputs are summed (`psum`).
+
+Params: the Llama family's (model/llama.py) with per-expert MLP leaves and a router:
+    layers/router (L, H, E)
+    layers/w_gate, w_up (L, E, H, I)   layers/w_down (L, E, I, H)      I: the expert's inner size
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.model import llama, moe
+from jaxserve.model.layers import StepContext
+from jaxserve.model.registry import Model, Weight, register
+from jaxserve.model.sharding import MODEL_AXIS
+from jaxserve.model.spec import ModelSpec, llama_family_spec
+
+# architecture -> (the Llama-family architecture whose attention it has, the MoE block's HF prefix, the HF names of
+# the expert's gate, up and down projections)
+MOE_ARCHITECTURES = {
+    "MixtralForCausalLM": ("MistralForCausalLM", "block_sparse_moe", ("w1", "w3", "w2")),
+    "Qwen3MoeForCausalLM": ("Qwen3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec(ModelSpec):
+    """A mixture-of-experts checkpoint's spec; `intermediate_size` is each expert's inner size."""
+
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    normalize_top_k: bool = True  # renormalise the top-k routing weights to sum to 1
+    round_weights: bool = False  # the routing weights are cast to the activations' dtype before combining
+
+
+def moe_spec(arch: str, config: dict, generation_config: dict) -> MoeSpec:
+    """The spec of a Mixtral or Qwen3-MoE config; a ValueError for a layout the module does not implement."""
+    attention_arch = MOE_ARCHITECTURES[arch][0]
+    if arch == "Qwen3MoeForCausalLM":
+        if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+            raise ValueError("Qwen3-MoE with dense layers (mlp_only_layers, decoder_sparse_step != 1) is not "
+                             "supported: every layer must be a mixture of experts")
+        inner, normalize = config["moe_intermediate_size"], config.get("norm_topk_prob", False)
+    else:
+        inner, normalize = config["intermediate_size"], True
+    experts = config.get("num_local_experts") or config["num_experts"]  # transformers 5's name, or the Hub's
+    base = llama_family_spec(attention_arch, {**config, "intermediate_size": inner}, generation_config)
+    fields = {field.name: getattr(base, field.name) for field in dataclasses.fields(ModelSpec)}
+    return MoeSpec(**{**fields, "architecture": arch}, num_experts=experts,
+                   num_experts_per_tok=config["num_experts_per_tok"], normalize_top_k=bool(normalize),
+                   round_weights=arch == "Qwen3MoeForCausalLM")
+
+
+class MoeLayer(llama.LlamaLayer):
+    """The Llama layer with a sparse mixture of experts in place of its MLP."""
+
+    def __init__(self, params: dict, spec: MoeSpec):
+        super().__init__(params, spec)
+        self.router = nnx.Param(params["router"])
+
+    def feed_forward(self, h: jax.Array, step: StepContext) -> jax.Array:
+        """The routed experts, split over the mesh by expert (expert parallelism) or within each expert."""
+        # h: (T, H) -> (T, H)
+        spec = self.spec
+        block = moe.moe_mlp_expert_parallel if spec.expert_parallel else moe.moe_mlp_tensor_parallel
+        return block(h, self.router[...], *(_value(w) for w in (self.w_gate, self.w_up, self.w_down)),
+                     mesh=step.mesh, top_k=spec.num_experts_per_tok, normalize_top_k=spec.normalize_top_k,
+                     round_weights=spec.round_weights)
+
+
+class MoeForCausalLM(llama.LlamaForCausalLM):
+    """Mixtral / Qwen3-MoE: the Llama-family decoder over `MoeLayer`s."""
+
+    layer_module = MoeLayer
+
+
+def _value(weight) -> jax.Array | dict:
+    """A projection's array, or a quantized one's {weight, scale} arrays."""
+    if isinstance(weight, nnx.Param):
+        return weight[...]
+    return {"weight": weight.weight[...], "scale": weight.scale[...]}
+
+
+def weights(spec: MoeSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
+    """The Llama family's declarations with the MLP replaced by the router and the experts (one checkpoint tensor
+    per expert, stacked): split by expert under expert parallelism, else each expert by its inner size."""
+    if spec.expert_parallel and spec.num_experts % tensor_parallel_size:
+        raise ValueError(f"expert parallelism splits the {spec.num_experts} experts over the "
+                         f"{tensor_parallel_size} devices: the device count must divide the experts")
+    tree = llama.weights(spec, num_cache_kv_heads, tensor_parallel_size)
+    _, prefix, (gate, up, down) = MOE_ARCHITECTURES[spec.architecture]
+    num_layers, hidden, inner, experts = spec.num_layers, spec.hidden_size, spec.intermediate_size, spec.num_experts
+    if spec.expert_parallel:
+        columns = rows = P(None, MODEL_AXIS, None, None)
+    else:
+        columns, rows = P(None, None, None, MODEL_AXIS), P(None, None, MODEL_AXIS, None)
+
+    def expert(name: str, shape: tuple[int, int], pspec: P) -> Weight:
+        return Weight(f"model.layers.{{i}}.{prefix}.experts.{{j}}.{name}.weight", (num_layers, experts, *shape),
+                      pspec, transpose=True, quantizable=True)
+
+    tree["layers"].update({
+        "router": Weight(f"model.layers.{{i}}.{prefix}.gate.weight", (num_layers, hidden, experts),
+                         P(None, None, None), transpose=True),
+        "w_gate": expert(gate, (hidden, inner), columns),
+        "w_up": expert(up, (hidden, inner), columns),
+        "w_down": expert(down, (inner, hidden), rows),
+    })
+    return tree
+
+
+register(tuple(MOE_ARCHITECTURES), Model(spec_from_config=moe_spec, weights=weights, module=MoeForCausalLM))
