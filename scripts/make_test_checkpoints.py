@@ -16,15 +16,31 @@ generation_config.json, tokenizer files) and:
 * ``expected_logits.npy``: float32 ``(12, vocab)`` logits of the last prompt
   position of each prompt.
 
+Mixture-of-experts models (mixtral, qwen3-moe) must also keep every router
+decision clear: over all greedy steps, the gap between the k-th and (k+1)-th
+largest router logit of every token in every layer must be at least
+``MIN_ROUTER_MARGIN``, else the seed is re-rolled; expected.json then also has
+``min_router_margin``. Their experts are saved in the Hub's per-expert layout
+(``...experts.<e>.w1.weight`` / ``...experts.<e>.gate_proj.weight``), which is
+what transformers v5's ``save_pretrained`` writes back from its fused
+in-memory ``experts.gate_up_proj`` / ``experts.down_proj``.
+
 Everything is seeded, so re-running the script rewrites identical files (for
 the same Python / torch / transformers versions: the tokenizer is trained on
 standard-library source text). Run from the repository root::
 
-    python scripts/make_test_checkpoints.py
+    python scripts/make_test_checkpoints.py                 # every model
+    python scripts/make_test_checkpoints.py gemma2 mixtral  # only these
+
+Naming models regenerates only their folders and leaves the others untouched
+(regenerating a folder deletes it first, including fixture files other scripts
+added to it, such as ``expected_prompt_logprobs.json``).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 
 # Never touch the network: everything is built locally.
@@ -41,20 +57,29 @@ from pathlib import Path
 import numpy as np
 import torch
 import transformers
+from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +97,7 @@ PROMPT_LENGTHS = [1, 2, 7, 8, 9, 15, 16, 17, 31, 33, 48, 70]
 PROMPT_SEED = 1234
 NUM_NEW_TOKENS = 20
 MIN_MARGIN = 1e-3
+MIN_ROUTER_MARGIN = 1e-3  # MoE: k-th minus (k+1)-th router logit, every token and layer
 MAX_REROLLS = 50
 
 # Weight init: large stds make the logits "peaky", so greedy decoding does not
@@ -80,6 +106,32 @@ LINEAR_STD = 0.2
 EMBED_STD = 0.3
 BIAS_STD = 0.1
 NORM_STD = 0.1  # norm weights ~ 1 + N(0, NORM_STD)
+
+# Per-model changes to the weight init (keyword arguments of init_peaky_weights).
+# Gemma's RMSNorm scales by (1 + weight) and its embeddings are multiplied by
+# sqrt(hidden_size) (= 8) and tied to the LM head. With the default init the
+# scaled embedding of the current token dominates the residual stream and the
+# (tied) logits, so greedy decoding just repeats the last token. Hence for
+# Gemma: small embeddings, stored norm weights centred on 0 (effective scale
+# ~1, as in the other models) except the post-attention / post-feed-forward
+# norms and the final norm, centred on 4 (effective scale ~5: the sub-layer
+# outputs outweigh the scaled embedding, and the logits stay large).
+GEMMA_INIT = dict(
+    embed_std=0.05,
+    norm_centre=0.0,
+    norm_centres={
+        "post_attention_layernorm": 4.0,
+        "post_feedforward_layernorm": 4.0,
+        "model.norm.": 4.0,
+    },
+)
+INIT_OVERRIDES = {"gemma2": GEMMA_INIT, "gemma3": GEMMA_INIT}
+
+# config.json keys renamed after saving so that the file says what the Hub's
+# checkpoints say (transformers reads both spellings): Qwen3MoeConfig's
+# attribute_map makes save_pretrained write ``num_local_experts``, while the
+# Hub's Qwen3-MoE configs (e.g. Qwen/Qwen3-30B-A3B) have ``num_experts``.
+CONFIG_KEY_RENAMES = {"qwen3-moe": {"num_local_experts": "num_experts"}}
 
 COMMON = dict(
     vocab_size=VOCAB_SIZE,
@@ -166,6 +218,94 @@ MODELS = {
         5000,
         None,
     ),
+    # Gemma 2: layers alternate sliding (even index) / global (odd index);
+    # attention and final logit soft-capping small enough to bite on these
+    # peaky weights; query_pre_attn_scalar != head_dim; tied embeddings.
+    "gemma2": (
+        Gemma2ForCausalLM,
+        Gemma2Config,
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=24,
+            sliding_window=16,
+            # = the config's default: layer i global iff (i + 1) % 2 == 0.
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=10.0,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        6000,
+        None,
+    ),
+    # Gemma 3 (text-only, like gemma-3-1b): 5 local : 1 global in the real
+    # models, here 2 : 1 (sliding_window_pattern 3 -> s s g s s g); local rope
+    # base 1e4, global rope base 1e6 with linear scaling (Gemma 3 4B+ uses
+    # factor 8 on the global layers); q_norm / k_norm; one KV head;
+    # head_dim 32 != hidden / heads; no soft-capping (as on the Hub).
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        dict(
+            num_hidden_layers=6,
+            intermediate_size=64,
+            num_key_value_heads=1,
+            head_dim=32,
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=24,
+            sliding_window=16,
+            # The Hub's configs still carry the pattern; the config turns it
+            # into layer_types (layer i global iff (i + 1) % 3 == 0).
+            sliding_window_pattern=3,
+            final_logit_softcapping=None,
+            attn_logit_softcapping=None,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1000000.0),
+                sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            ),
+        ),
+        7000,
+        None,
+    ),
+    "mixtral": (
+        MixtralForCausalLM,
+        MixtralConfig,
+        dict(
+            intermediate_size=64,  # per expert; keeps the folder < 1 MB
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        8000,
+        None,
+    ),
+    "qwen3-moe": (
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig,
+        dict(
+            num_key_value_heads=2,
+            head_dim=32,  # != hidden_size / num_attention_heads (= 16)
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        9000,
+        None,
+    ),
 }
 
 
@@ -221,26 +361,43 @@ def make_config(name: str):
     _, config_cls, overrides, _, _ = MODELS[name]
     config = config_cls(**{**COMMON, **overrides})
     config._attn_implementation = "eager"
+    if hasattr(config, "num_experts_per_tok"):
+        # MoE: the plain per-expert loop for the reference outputs, not the
+        # grouped_mm default (verify_reload then checks the default path too).
+        config._experts_implementation = "eager"
     return config
 
 
-def init_peaky_weights(model: torch.nn.Module, seed: int) -> None:
+def init_peaky_weights(
+    model: torch.nn.Module,
+    seed: int,
+    norm_centre: float = 1.0,
+    norm_centres: dict[str, float] | None = None,
+    embed_std: float | None = None,
+) -> None:
     """Re-initialise every parameter with large-std random values.
 
-    Norm weights become ``1 + N(0, NORM_STD)``, biases ``N(0, BIAS_STD)``,
-    embeddings ``N(0, EMBED_STD)``, other matrices ``N(0, LINEAR_STD)``.
-    Tied parameters are visited once (``named_parameters`` de-duplicates).
+    Norm weights become ``centre + N(0, NORM_STD)``, where ``centre`` is the
+    value of the first ``norm_centres`` key contained in the parameter name,
+    else ``norm_centre``; biases ``N(0, BIAS_STD)``, embeddings
+    ``N(0, embed_std)`` (default ``EMBED_STD``), other matrices (MoE routers
+    and fused expert tensors included) ``N(0, LINEAR_STD)``. Tied parameters
+    are visited once (``named_parameters`` de-duplicates).
     """
+    embed_std = EMBED_STD if embed_std is None else embed_std
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
             if "norm" in name:
-                p.copy_(1.0 + NORM_STD * noise)
+                centre = next(
+                    (c for key, c in (norm_centres or {}).items() if key in name), norm_centre
+                )
+                p.copy_(centre + NORM_STD * noise)
             elif name.endswith(".bias"):
                 p.copy_(BIAS_STD * noise)
             elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(EMBED_STD * noise)
+                p.copy_(embed_std * noise)
             else:
                 p.copy_(LINEAR_STD * noise)
 
@@ -249,7 +406,7 @@ def build_model(name: str, seed: int) -> torch.nn.Module:
     """Instantiate model ``name`` in float32 eval mode with peaky weights."""
     model_cls = MODELS[name][0]
     model = model_cls(make_config(name)).to(torch.float32).eval()
-    init_peaky_weights(model, seed)
+    init_peaky_weights(model, seed, **INIT_OVERRIDES.get(name, {}))
     return model
 
 
@@ -301,16 +458,55 @@ def reference_outputs(model, prompts):
     return outputs, min(margins), np.stack(logits).astype(np.float32)
 
 
+@contextlib.contextmanager
+def router_margins(model):
+    """Collect MoE router margins while the block runs; yields a list of floats.
+
+    Every router (transformers' ``*TopKRouter`` modules: a ``top_k``
+    attribute, forward returns the router logits first) gets a forward hook
+    that appends, per call, the smallest gap between the k-th and (k+1)-th
+    largest router logit over the call's tokens. Softmax is monotonic,
+    so this is the margin of the top-k expert choice. Empty for dense models.
+    """
+    margins: list[float] = []
+
+    def hook(module, _inputs, output):
+        logits = output[0].detach().to(torch.float32)
+        top = torch.topk(logits, module.top_k + 1, dim=-1).values
+        margins.append(float((top[:, -2] - top[:, -1]).min()))
+
+    handles = [
+        m.register_forward_hook(hook)
+        for m in model.modules()
+        if type(m).__name__.endswith("TopKRouter")
+    ]
+    try:
+        yield margins
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def find_good_model(name: str, prompts):
-    """Try seeds from the model's base seed until every margin >= ``MIN_MARGIN``."""
+    """Try seeds from the model's base seed until every margin is large enough.
+
+    The greedy top-1/top-2 logit margins must be >= ``MIN_MARGIN`` and, for MoE
+    models, every router top-k decision margin >= ``MIN_ROUTER_MARGIN``
+    (``None`` for dense models).
+    """
     base_seed = MODELS[name][3]
     for seed in range(base_seed, base_seed + MAX_REROLLS):
         model = build_model(name, seed)
-        outputs, min_margin, logits = reference_outputs(model, prompts)
-        if min_margin >= MIN_MARGIN:
-            return model, seed, outputs, min_margin, logits
-        print(f"  {name}: seed {seed} min margin {min_margin:.2e} < {MIN_MARGIN}, re-rolling")
-    raise RuntimeError(f"{name}: no seed in {MAX_REROLLS} tries reached margin {MIN_MARGIN}")
+        with router_margins(model) as rmargins:
+            outputs, min_margin, logits = reference_outputs(model, prompts)
+        min_router = min(rmargins) if rmargins else None
+        if min_margin >= MIN_MARGIN and (min_router is None or min_router >= MIN_ROUTER_MARGIN):
+            return model, seed, outputs, min_margin, min_router, logits
+        print(
+            f"  {name}: seed {seed} min margin {min_margin:.2e} (need {MIN_MARGIN}), "
+            f"min router margin {min_router} (need {MIN_ROUTER_MARGIN}), re-rolling"
+        )
+    raise RuntimeError(f"{name}: no seed in {MAX_REROLLS} tries reached the margins")
 
 
 # --------------------------------------------------------------------------
@@ -329,17 +525,33 @@ def save_checkpoint(name, model, tokenizer, folder: Path) -> None:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(folder, **kwargs)
     tokenizer.save_pretrained(folder)
+    renames = CONFIG_KEY_RENAMES.get(name)
+    if renames:
+        config_path = folder / "config.json"
+        config = json.loads(config_path.read_text())
+        config = {renames.get(k, k): v for k, v in config.items()}
+        # Same layout as PreTrainedConfig.to_json_string.
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if max_shard_size:
         shards = sorted(folder.glob("model-*.safetensors"))
         assert len(shards) == 2 and (folder / "model.safetensors.index.json").exists(), shards
+    if hasattr(model.config, "num_experts_per_tok"):
+        # The Hub layout: one tensor per expert and projection, nothing fused.
+        names = [k for f in folder.glob("*.safetensors") for k in safe_open(f, "pt").keys()]
+        fused = [k for k in names if "gate_up_proj" in k or k.endswith("experts.down_proj")]
+        assert not fused, fused
+        assert any(".experts.0." in k for k in names), names
 
 
-def save_expected(folder: Path, seed, prompts, outputs, min_margin, logits) -> None:
-    """Write expected.json and expected_logits.npy."""
+def save_expected(
+    folder: Path, seed, prompts, outputs, min_margin, logits, min_router=None
+) -> None:
+    """Write expected.json and expected_logits.npy (``min_router_margin`` for MoE only)."""
     expected = {
         "prompts": prompts,
         "outputs": outputs,
         "min_margin": min_margin,
+        **({"min_router_margin": min_router} if min_router is not None else {}),
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "seed": seed,
@@ -366,24 +578,42 @@ def verify_reload(folder: Path, prompts, outputs, tokenizer) -> None:
 def make_one(name: str, tokenizer, prompts) -> float:
     """Build, check, save and verify one fixture model; return its min margin."""
     folder = OUT_DIR / name
-    model, seed, outputs, min_margin, logits = find_good_model(name, prompts)
+    model, seed, outputs, min_margin, min_router, logits = find_good_model(name, prompts)
     if folder.exists():
         shutil.rmtree(folder)  # no stale shards from an earlier run
     folder.mkdir(parents=True)
     save_checkpoint(name, model, tokenizer, folder)
-    save_expected(folder, seed, prompts, outputs, min_margin, logits)
+    save_expected(folder, seed, prompts, outputs, min_margin, logits, min_router)
     verify_reload(folder, prompts, outputs, tokenizer)
-    print(f"{name}: seed {seed}, min margin {min_margin:.4f} -> {folder.relative_to(REPO_ROOT)}")
+    router = f", min router margin {min_router:.4f}" if min_router is not None else ""
+    size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+    print(
+        f"{name}: seed {seed}, min margin {min_margin:.4f}{router}, {size / 1e3:.0f} KB"
+        f" -> {folder.relative_to(REPO_ROOT)}"
+    )
     return min_margin
 
 
-def main() -> None:
-    """Generate every fixture checkpoint."""
+def main(argv: list[str] | None = None) -> None:
+    """Generate the named fixture checkpoints (default: every one in ``MODELS``)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "models",
+        nargs="*",
+        metavar="MODEL",
+        help=f"models to (re)generate, default all: {', '.join(MODELS)}",
+    )
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    names = list(dict.fromkeys(args.models)) or list(MODELS)
+
     torch.set_num_threads(1)  # thread count can change float reduction order
     torch.manual_seed(0)
     tokenizer = build_tokenizer()
     prompts = make_prompts()
-    for name in MODELS:
+    for name in names:
         make_one(name, tokenizer, prompts)
     size = sum(f.stat().st_size for f in OUT_DIR.rglob("*") if f.is_file())
     print(f"total fixture size: {size / 1e6:.2f} MB")

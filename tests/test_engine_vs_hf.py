@@ -14,6 +14,10 @@ CASES = [
     ("mistral", 8, 40),
     ("qwen2", 16, 20),
     ("qwen3", 8, 40),
+    ("gemma2", 8, 40),  # sliding and full layers, soft caps
+    ("gemma3", 16, 20),  # local and global rope, q/k norms
+    ("mixtral", 8, 40),  # 4 experts, top 2
+    ("qwen3-moe", 16, 20),  # 8 experts, top 3
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

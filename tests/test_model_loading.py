@@ -24,7 +24,7 @@ def _config(name):
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_every_fixture_parses(name):
     spec = ModelSpec.from_pretrained(checkpoint(name))
-    assert spec.num_layers == 2 and spec.vocab_size == 512
+    assert spec.num_layers == _config(name)["num_hidden_layers"] and spec.vocab_size == 512
     assert spec.eos_token_ids == (1,)
 
 
@@ -34,6 +34,17 @@ def test_architecture_specific_fields():
     assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.hidden_size // qwen3.num_heads == 16
     assert ModelSpec.from_pretrained(checkpoint("mistral")).sliding_window == 16
     assert ModelSpec.from_pretrained(checkpoint("llama-linear")).tie_word_embeddings
+    gemma2, gemma3 = ModelSpec.from_pretrained(checkpoint("gemma2")), ModelSpec.from_pretrained(checkpoint("gemma3"))
+    assert gemma2.layer_kinds == (1, 0, 1, 0) and gemma3.layer_kinds == (1, 1, 0, 1, 1, 0)  # 1: sliding
+    assert (gemma2.attn_soft_cap, gemma2.final_soft_cap, gemma3.attn_soft_cap) == (5.0, 10.0, None)
+    assert gemma2.query_scale == gemma3.query_scale == 24**-0.5 and gemma2.sliding_window == 16
+    assert gemma3.qk_norm and (gemma3.rope.theta, gemma3.rope.rope_type, gemma3.rope.factor) == (1e6, "linear", 2.0)
+    assert (gemma3.local_rope.theta, gemma3.local_rope.rope_type) == (1e4, "default")
+    mixtral, qwen3_moe = ModelSpec.from_pretrained(checkpoint("mixtral")), ModelSpec.from_pretrained(checkpoint("qwen3-moe"))
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.normalize_top_k, mixtral.round_weights) == (
+        4, 2, True, False)
+    assert (qwen3_moe.num_experts, qwen3_moe.num_experts_per_tok, qwen3_moe.intermediate_size) == (8, 3, 32)
+    assert qwen3_moe.qk_norm and qwen3_moe.normalize_top_k and qwen3_moe.round_weights
 
 
 def test_transformers4_rope_layout_equals_transformers5_layout():

@@ -29,7 +29,7 @@ from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
 
 def test_the_llama_family_is_registered_and_an_unknown_architecture_is_refused():
     assert set(LLAMA_FAMILY) <= set(registered_architectures())
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; registered: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; registered: Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM"):
         model_for("GPT2LMHeadModel")
     # weight quantization takes the leaves the model declares quantizable: the seven projections
     assert set(quantizable_leaves(ModelSpec.from_pretrained(checkpoint("qwen2")))) == {
@@ -44,8 +44,12 @@ def test_every_declared_weight_is_in_the_checkpoint_and_loads_as_declared(name, 
     declared = model_for(spec.architecture).weights(spec, kv_heads, tp)
     folder = SafetensorsFolder(checkpoint(name))
     for weight in jax.tree_util.tree_leaves(declared, is_leaf=lambda node: isinstance(node, Weight)):
-        stored = folder.shape(weight.hf_name.format(i=0))
+        first = weight.layer_names(0) if weight.per_layer else weight.hf_name
+        stored = folder.shape(first[0] if isinstance(first, list) else first)
         want = weight.shape[1:] if weight.per_layer else weight.shape
+        if isinstance(first, list):  # one tensor per expert
+            assert len(first) == want[0] and all(folder.shape(name) == stored for name in first)
+            want = want[1:]
         if weight.transpose:
             stored = stored[::-1]
         repeat = kv_heads // spec.num_kv_heads if weight.kv_heads else 1

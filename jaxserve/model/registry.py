@@ -7,13 +7,15 @@ how it is stored), and its Flax NNX module, built over the loaded params tree, w
 LM head. The loader, the random weights of
 `load_format: dummy`, orbax restores and `jaxserve check-config` all work from the declarations, so they stay
 generic. `register` makes an architecture servable under its `config.json` `architectures` names; the built-in
-ones (BUILTIN_MODULES) register when their module is imported, on the registry's first lookup.
+ones (BUILTIN_MODULES) and those of installed plugins (the `jaxserve.models` entry points) register when their
+module is imported, on the registry's first lookup.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.metadata
 from collections.abc import Callable
 
 import jax
@@ -87,7 +89,9 @@ def copy_pages(caches: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) ->
 
 
 _MODELS: dict[str, Model] = {}
-BUILTIN_MODULES = ("jaxserve.model.llama", "jaxserve.model.gemma", "jaxserve.model.moe_llama")  # imported on the first lookup (they import this module)
+# imported on the first lookup (they import this module)
+BUILTIN_MODULES = ("jaxserve.model.llama", "jaxserve.model.gemma", "jaxserve.model.moe_llama")
+PLUGIN_GROUP = "jaxserve.models"  # entry points (module names) of installed packages that register architectures
 
 
 def register(architectures: tuple[str, ...], model: Model) -> None:
@@ -112,9 +116,12 @@ def model_for(architecture: str) -> Model:
 
 
 def _import_builtins() -> None:
-    """Import the built-in architectures' modules, which register themselves (once: Python caches modules)."""
+    """Import the built-in architectures' modules and those installed packages name under the `jaxserve.models`
+    entry-point group (PLUGIN_GROUP), which register themselves (once: Python caches modules)."""
     for module in BUILTIN_MODULES:
         importlib.import_module(module)
+    for entry_point in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        entry_point.load()
 
 
 def map_weights(function: Callable[[str, Weight], object], weights: dict) -> dict:

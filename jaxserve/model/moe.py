@@ -1,0 +1,276 @@
+"""The mixture-of-experts feed-forward block of Mixtral and Qwen3-MoE as pure functions: route each token to its
+top-k experts, run each expert's SwiGLU MLP on the tokens routed to it only, and combine the outputs with the
+routing weights. The arithmetic follows Hugging Face (transformers 5.x `MixtralSparseMoeBlock`,
+`Qwen3MoeSparseMoeBlock`), dtype casts included; see `route` and `combine`.
+
+Weights (leading E = experts; a model stacks them per layer as (L, E, ...) and scans over L):
+    router  (H, E)                       HF `mlp.gate.weight` transposed
+    w_gate, w_up (E, H, I)               HF `mlp.experts.gate_up_proj` (E, 2I, H) split and transposed
+    w_down  (E, I, H)                    HF `mlp.experts.down_proj` (E, H, I) transposed
+Each expert weight may instead be quantized like the dense layers (model/quantize.py): {"weight": the same
+shape in int8 or float8_e4m3fn, "scale": (E, out) float32}, as `quantize_weight` makes from (E, in, out).
+
+Only the routed (token, expert) pairs are computed: the T*k assignments are sorted by expert, gathered into
+one row each (rows grouped by expert, `group_sizes` per expert), and a grouped matmul multiplies each group of
+rows by its own expert's weights. The grouped matmul is one of two implementations with the same contract
+(`grouped_matmul`, `grouped_swiglu`; `impl` overrides the choice):
+
+- "ragged": `jax.lax.ragged_dot`. On TPU it lowers to XLA's native grouped matmul. On CPU it does not: JAX
+  lowers it (lax.py `_ragged_dot_general_impl`) by masking the rows into a (G, M, K) copy and contracting
+  over groups and K together, one dense (M, G*K) @ (G*K, N) matmul, so its cost is G times a dense matmul
+  whatever the group sizes. Measured on a shared 2-core CPU (benchmarks/moe_step.py), M=512, K=256, N=512,
+  best of 10: ragged_dot 14 ms at G=8 and 170 ms at G=64 (G full matmuls: 17 and 212 ms), the blocked
+  loop below 3 and 10 ms, one (M, K) @ (K, N) 2 ms.
+- "blocked": two while loops with traced trip counts: the outer one over the non-empty groups only (each
+  group's weights sliced once, an int8 / fp8 weight cast once), the inner one over the group's rows in
+  chunks of `block_rows` from its first row, the last chunk partial (its rows past the group are computed
+  and discarded). The work is the routed rows plus fewer than b rows per non-empty group, each used
+  expert's weights are sliced once, and an unused expert costs nothing, not even reading its weights.
+
+`jax.default_backend()` picks at trace time: "ragged" on TPU, "blocked" elsewhere. GPU is not measured
+here; with jaxlib 0.10 XLA:GPU's ragged_dot is reported to fall back to the same dense expansion unless
+cuDNN's grouped-matmul fusion applies, so the blocked loop (one small matmul chain per used expert and
+chunk; a GPU while loop also syncs its trip condition each iteration) is the default there too until a GPU
+measurement says otherwise (`impl="ragged"` to try it).
+
+Parallelism over a mesh axis (`moe_mlp_expert_parallel`): the expert weights are split on their expert
+axis, tokens and router replicated; inside `jax.shard_map` every device routes all tokens, computes only
+the assignments to its own experts, and the float32 partial sums are added with `psum` (each assignment
+is computed on one device only, so the result equals one device's up to float32 reassociation of the k
+products). Tensor parallelism within experts (`moe_mlp_tensor_parallel`: w_gate, w_up split on I, w_down
+on its I rows, psum after the down projection, like the dense MLP) reuses the same code. Both shard_maps
+run with check_vma=False: the blocked loop's zero-initialised carry is device-invariant while its result
+varies.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jaxserve.model.quantize import linear
+from jaxserve.model.sharding import MODEL_AXIS
+
+IMPLS = ("blocked", "ragged")
+
+
+def route(router_logits: jax.Array, top_k: int, normalize_top_k: bool) -> tuple[jax.Array, jax.Array]:
+    """Each token's top-k experts and their weights: softmax over all experts in float32, top-k, and with
+    `normalize_top_k` the k weights divided by their sum (Mixtral always; Qwen3-MoE when `norm_topk_prob`).
+    Ties go to the lower expert index."""
+    # router_logits: (T, E) in the activations' dtype -> weights (T, k) float32, experts (T, k) int32
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)  # (T, E)
+    weights, experts = jax.lax.top_k(probs, top_k)  # (T, k), (T, k)
+    if normalize_top_k:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def combine(expert_out: jax.Array, weights: jax.Array, round_weights: bool) -> jax.Array:
+    """Each token's routing-weighted sum of its k expert outputs, before the cast back to the activations'
+    dtype, as HF's default experts path (`grouped_mm`) does: Mixtral's weights stay float32, so the products are
+    float32; Qwen3-MoE (`round_weights`) casts the weights to the activations' dtype first, so each product is
+    rounded to it; the k products are summed in float32. Assignments a device does not own are zero."""
+    # expert_out: (T, k, H) activations' dtype; weights: (T, k) float32 -> (T, H) float32
+    if round_weights:
+        contrib = expert_out * weights.astype(expert_out.dtype)[..., None]  # (T, k, H) activations' dtype
+        # XLA may keep a low-precision product in float32 when it is cast up next (excess precision): round it
+        # as HF does
+        info = jnp.finfo(contrib.dtype)
+        contrib = jax.lax.reduce_precision(contrib, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    else:
+        contrib = expert_out.astype(jnp.float32) * weights[..., None]  # (T, k, H) float32
+    return jnp.sum(contrib.astype(jnp.float32), axis=1)
+
+
+def swiglu(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """One expert's MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down, each weight float or quantized."""
+    # x: (N, H); w_gate, w_up: (H, I); w_down: (I, H) -> (N, H)
+    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+
+
+def default_impl() -> str:
+    """The grouped-matmul implementation for the current backend (see the module docstring)."""
+    return "ragged" if jax.default_backend() == "tpu" else "blocked"
+
+
+def default_block_rows(num_rows: int, num_groups: int) -> int:
+    """Rows per block of the blocked loop: about half the mean group size, a power of two in [8, 128], so
+    the partial blocks at group boundaries waste little and the matmuls stay large enough."""
+    mean = max(1, num_rows // max(1, num_groups))
+    return int(min(128, max(8, 1 << max(0, (mean - 1).bit_length() - 1))))
+
+
+def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *, impl: str | None = None,
+                   block_rows: int | None = None) -> jax.Array:
+    """lhs's rows times their group's matrix, like `jax.lax.ragged_dot`: rows sorted by group, group g
+    being the next group_sizes[g] rows; rows past sum(group_sizes) come out zero. `rhs` float or quantized."""
+    # lhs: (M, K); rhs: (G, K, N) or {"weight": (G, K, N), "scale": (G, N)}; group_sizes: (G,) int32 -> (M, N)
+    if _check_impl(impl) == "ragged":
+        return _ragged_linear(lhs, rhs, group_sizes)
+    return _blocked(linear, rhs, lhs, group_sizes, block_rows)
+
+
+def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down, *, impl: str | None = None,
+                   block_rows: int | None = None) -> jax.Array:
+    """Every row's expert MLP (`swiglu` with its group's weights), rows grouped as in `grouped_matmul`; the
+    blocked loop does all three matmuls of a block in one visit."""
+    # xs: (M, H) sorted by expert; group_sizes: (E,) int32; w_gate, w_up: (E, H, I); w_down: (E, I, H) -> (M, H)
+    if _check_impl(impl) == "ragged":
+        hidden = jax.nn.silu(_ragged_linear(xs, w_gate, group_sizes)) * _ragged_linear(xs, w_up, group_sizes)
+        return _ragged_linear(hidden, w_down, group_sizes)  # (M, H)
+    expert_mlp = lambda rows, w: swiglu(rows, *w)
+    return _blocked(expert_mlp, (w_gate, w_up, w_down), xs, group_sizes, block_rows)
+
+
+def routed_experts(x: jax.Array, experts: jax.Array, w_gate, w_up, w_down, *, expert_offset=0,
+                   impl: str | None = None, block_rows: int | None = None) -> jax.Array:
+    """Each (token, slot) assignment's expert output, computing only assignments to experts
+    [expert_offset, expert_offset + E_local) (the weights held); the others are zero."""
+    # x: (T, H); experts: (T, k) int32 global ids; w_*: (E_local, ...) -> (T, k, H) in x's dtype
+    num_tokens, top_k = experts.shape
+    num_local = jax.tree_util.tree_leaves(w_gate)[0].shape[0]
+    local = experts.reshape(-1) - expert_offset  # (A,) A = T*k
+    key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # (A,) others sort last
+    order = jnp.argsort(key, stable=True)  # (A,) assignments grouped by expert
+    group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # (E_local,)
+    xs = x[order // top_k]  # (A, H)
+    ys = grouped_swiglu(xs, group_sizes, w_gate, w_up, w_down, impl=impl, block_rows=block_rows)  # (A, H)
+    out = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)  # (A, H) back in assignment order
+    return out.reshape(num_tokens, top_k, -1)
+
+
+def moe_mlp(x: jax.Array, router, w_gate, w_up, w_down, *, top_k: int, normalize_top_k: bool,
+            round_weights: bool = False, impl: str | None = None, block_rows: int | None = None) -> jax.Array:
+    """The MoE block on one device, computing only the routed (token, expert) pairs. Mixtral:
+    normalize_top_k=True, round_weights=False; Qwen3-MoE: normalize_top_k=norm_topk_prob, round_weights=True."""
+    # x: (T, H); router: (H, E); w_gate, w_up: (E, H, I); w_down: (E, I, H) -> (T, H)
+    return _moe_sum(x, router, w_gate, w_up, w_down, 0, top_k, normalize_top_k, round_weights, impl,
+                    block_rows).astype(x.dtype)
+
+
+def moe_mlp_dense(x: jax.Array, router, w_gate, w_up, w_down, *, top_k: int, normalize_top_k: bool,
+                  round_weights: bool = False) -> jax.Array:
+    """`moe_mlp` computing every expert for every token, then keeping the routed outputs: the reference."""
+    # x: (T, H); router: (H, E); w_gate, w_up: (E, H, I); w_down: (E, I, H) -> (T, H)
+    weights, experts = route(linear(x, router), top_k, normalize_top_k)  # (T, k), (T, k)
+    every = jax.vmap(partial(swiglu, x))(w_gate, w_up, w_down)  # (E, T, H)
+    expert_out = every[experts, jnp.arange(x.shape[0])[:, None]]  # (T, k, H)
+    return combine(expert_out, weights, round_weights).astype(x.dtype)
+
+
+def moe_mlp_expert_parallel(x: jax.Array, router, w_gate, w_up, w_down, *, mesh: Mesh, top_k: int,
+                            normalize_top_k: bool, round_weights: bool = False, axis_name: str = MODEL_AXIS,
+                            impl: str | None = None, block_rows: int | None = None) -> jax.Array:
+    """`moe_mlp` with the experts split over `axis_name` (E divisible by its size): each device routes every
+    token, computes the assignments to its E / n experts, and the float32 partial sums are psum'd."""
+    # x: (T, H) replicated; router: (H, E) replicated; w_*: (E, ...) split on E -> (T, H) replicated
+    def local(x, router, w_gate, w_up, w_down):
+        num_local = jax.tree_util.tree_leaves(w_gate)[0].shape[0]
+        offset = jax.lax.axis_index(axis_name) * num_local  # this device's first expert
+        partial_sum = _moe_sum(x, router, w_gate, w_up, w_down, offset, top_k, normalize_top_k, round_weights,
+                               impl, block_rows)  # (T, H) float32
+        return jax.lax.psum(partial_sum, axis_name).astype(x.dtype)
+
+    split = lambda w: jax.tree_util.tree_map(lambda _: P(axis_name), w)  # every leaf on its expert axis
+    specs = (P(), P(), split(w_gate), split(w_up), split(w_down))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(
+        x, router, w_gate, w_up, w_down)
+
+
+def moe_mlp_tensor_parallel(x: jax.Array, router, w_gate, w_up, w_down, *, mesh: Mesh, top_k: int,
+                            normalize_top_k: bool, round_weights: bool = False, axis_name: str = MODEL_AXIS,
+                            impl: str | None = None, block_rows: int | None = None) -> jax.Array:
+    """`moe_mlp` with every expert split like the dense MLP (w_gate, w_up by I columns, w_down by I rows):
+    each device runs the routed block on its slice of I and the float32 partial sums are psum'd."""
+    # x: (T, H) replicated; router: (H, E) replicated; w_gate, w_up: (E, H, I) split on I;
+    # w_down: (E, I, H) split on I -> (T, H) replicated
+    def local(x, router, w_gate, w_up, w_down):
+        partial_sum = _moe_sum(x, router, w_gate, w_up, w_down, 0, top_k, normalize_top_k, round_weights,
+                               impl, block_rows)  # (T, H) float32
+        return jax.lax.psum(partial_sum, axis_name).astype(x.dtype)
+
+    columns = {"weight": P(None, None, axis_name), "scale": P(None, axis_name)}  # scale (E, I) split too
+    rows = {"weight": P(None, axis_name, None), "scale": P()}  # scale (E, H) per output channel: whole
+    spec = lambda w, specs: specs if isinstance(w, dict) else specs["weight"]
+    specs = (P(), P(), spec(w_gate, columns), spec(w_up, columns), spec(w_down, rows))
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(
+        x, router, w_gate, w_up, w_down)
+
+
+def _moe_sum(x, router, w_gate, w_up, w_down, expert_offset, top_k, normalize_top_k, round_weights, impl,
+             block_rows) -> jax.Array:
+    """Route every token, run the assignments to the experts held, and combine: the float32 sum before the
+    final cast (a partial sum when the weights hold only some experts or some of I)."""
+    # x: (T, H); router: (H, E); w_*: (E_local, ...) -> (T, H) float32
+    weights, experts = route(linear(x, router), top_k, normalize_top_k)  # (T, k) float32, (T, k) int32
+    expert_out = routed_experts(x, experts, w_gate, w_up, w_down, expert_offset=expert_offset, impl=impl,
+                                block_rows=block_rows)  # (T, k, H)
+    return combine(expert_out, weights, round_weights)
+
+
+def _check_impl(impl: str | None) -> str:
+    """The implementation to use: `impl`, or the backend's default."""
+    impl = impl or default_impl()
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    return impl
+
+
+def _ragged_linear(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
+    """`grouped_matmul` by `jax.lax.ragged_dot`; a quantized rhs is cast to lhs's dtype and each row scaled by
+    its group's output-channel scales."""
+    # lhs: (M, K); rhs: (G, K, N) or quantized; group_sizes: (G,) int32 -> (M, N)
+    rows = jnp.arange(lhs.shape[0])  # (M,)
+    ends = jnp.cumsum(group_sizes)  # (G,)
+    if isinstance(rhs, dict):
+        product = jax.lax.ragged_dot(lhs, rhs["weight"].astype(lhs.dtype), group_sizes,
+                                     preferred_element_type=jnp.float32)  # (M, N)
+        row_group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), group_sizes.shape[0] - 1)  # (M,)
+        out = (product * rhs["scale"][row_group]).astype(lhs.dtype)
+    else:
+        out = jax.lax.ragged_dot(lhs, rhs, group_sizes)  # (M, N)
+    return jnp.where((rows < ends[-1])[:, None], out, 0)  # rows past every group: zero on every backend
+
+
+def _dequantize_operand(weights, dtype):
+    """Quantized weights (dicts, alone or in a tuple) with their "weight" cast to `dtype`, which `linear` then
+    uses as is (the scale is still applied after the matmul); float weights unchanged."""
+    cast = lambda w: {**w, "weight": w["weight"].astype(dtype)} if isinstance(w, dict) else w
+    return tuple(map(cast, weights)) if isinstance(weights, tuple) else cast(weights)
+
+
+def _blocked(apply, weights, lhs: jax.Array, group_sizes: jax.Array, block_rows: int | None) -> jax.Array:
+    """apply(rows (b, K), expert g's slice of `weights`) -> (b, N) for each group's rows of lhs (sorted by
+    group): an outer loop over the non-empty groups slices each group's weights once, an inner loop runs
+    its rows in chunks of b (the last one partial). Rows past sum(group_sizes) are zero."""
+    # lhs: (M, K); weights: a pytree of (G, ...) arrays; group_sizes: (G,) int32 -> (M, N)
+    num_rows, num_groups = lhs.shape[0], group_sizes.shape[0]
+    b = block_rows or default_block_rows(num_rows, num_groups)
+    lhs = jnp.pad(lhs, ((0, b), (0, 0)))  # (M + b, K) so no chunk's slice is clamped
+    ends = jnp.cumsum(group_sizes)  # (G,)
+    starts = ends - group_sizes  # (G,)
+    used = jnp.argsort(group_sizes == 0, stable=True)  # (G,) the non-empty groups first, in order
+
+    def group_step(i, out):
+        g = used[i]
+        expert = jax.tree_util.tree_map(lambda w: w[g], weights)  # this group's weights, sliced once
+        expert = _dequantize_operand(expert, lhs.dtype)  # int8 / fp8 cast once per group, not per chunk
+
+        def chunk_step(j, out):
+            row0 = starts[g] + j * b
+            result = apply(jax.lax.dynamic_slice_in_dim(lhs, row0, b), expert)  # (b, N)
+            mine = (row0 + jnp.arange(b) < ends[g])[:, None]  # (b, 1) the rows of group g
+            kept = jnp.where(mine, result, jax.lax.dynamic_slice_in_dim(out, row0, b))  # (b, N)
+            return jax.lax.dynamic_update_slice_in_dim(out, kept, row0, 0)
+
+        return jax.lax.fori_loop(0, (group_sizes[g] + b - 1) // b, chunk_step, out)
+
+    one = jax.tree_util.tree_map(lambda w: jax.ShapeDtypeStruct(w.shape[1:], w.dtype), weights)
+    result = jax.eval_shape(apply, jax.ShapeDtypeStruct((b, lhs.shape[1]), lhs.dtype), one)  # (b, N)
+    out = jnp.zeros((num_rows + b, result.shape[1]), result.dtype)  # (M + b, N)
+    out = jax.lax.fori_loop(0, jnp.sum(group_sizes > 0), group_step, out)  # only the non-empty groups
+    return out[:num_rows]
