@@ -65,7 +65,7 @@ def main() -> None:
                     print(f"repeat {repeat + 1}: {name} {runs[name][-1]}", file=sys.stderr, flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", baseline], cwd=current, check=True)
-    print(f"| tree | executables | warm-up s mean | best |\n|---|---|---|---|")
+    print("| tree | executables | warm-up s mean | best |\n|---|---|---|---|")
     for name, results in runs.items():
         seconds = [r["seconds"] for r in results]
         print(f"| {name} ({args.baseline if name == 'baseline' else 'working tree'}) | {results[0]['executables']} "
