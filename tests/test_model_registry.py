@@ -34,6 +34,11 @@ def test_the_llama_family_is_registered_and_an_unknown_architecture_is_refused()
     # weight quantization takes the leaves the model declares quantizable: the seven projections
     assert set(quantizable_leaves(ModelSpec.from_pretrained(checkpoint("qwen2")))) == {
         "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    # a mixture of experts: the experts (L, E, in, out) too, never the router
+    assert set(quantizable_leaves(ModelSpec.from_pretrained(checkpoint("mixtral")))) == {
+        "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    assert "router" in model_for("MixtralForCausalLM").weights(
+        ModelSpec.from_pretrained(checkpoint("mixtral")), 2, 1)["layers"]
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
