@@ -24,6 +24,7 @@ from jaxserve.sampler import (
     KIND_PAD,
     KIND_PROMPT,
     SamplingBatch,
+    bitmask_width,
 )
 from jaxserve.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
@@ -256,12 +257,15 @@ def padded_prompt_logprob_arrays(num_tokens: int) -> dict[str, np.ndarray]:
     }
 
 
-def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: BucketLadders) -> SamplingBatch:
-    """Per-row sampling parameters, padded to `num_rows`; penalty/ban token lists padded to a P bucket."""
+def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: BucketLadders,
+                         vocab_size: int) -> SamplingBatch:
+    """Per-row sampling parameters, padded to `num_rows`; penalty/ban token lists padded to a P bucket; the
+    token bitmask of each sampling row with a grammar (structured output), present only when one has."""
     aux_rows = [_aux_tokens(item.request, item.sample_index) for item in output.scheduled]
     aux_width = pick_bucket(ladders.aux_widths, max((len(ids) for ids, _, _ in aux_rows), default=0))
+    constrained = any(item.request.grammar is not None and item.samples for item in output.scheduled)
 
-    arrays = padded_sampling_arrays(num_rows, aux_width)
+    arrays = padded_sampling_arrays(num_rows, aux_width, bitmask_width(vocab_size) if constrained else 0)
     need_logprobs = False
 
     for row, item in enumerate(output.scheduled):
@@ -281,13 +285,16 @@ def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: Bucket
         arrays["aux_token_kind"][row, : len(kinds)] = kinds
         arrays["aux_values"][row, : len(values)] = values
         need_logprobs |= params.logprobs is not None
+        if constrained and request.grammar is not None and item.samples:
+            request.grammar.matcher.fill(arrays["token_bitmask"], row)
 
     arrays["need_logprobs"] = np.asarray(need_logprobs)
     return SamplingBatch(**arrays)
 
 
-def padded_sampling_arrays(num_rows: int, aux_width: int) -> dict[str, np.ndarray]:
-    """Every SamplingBatch field at its neutral value (greedy, no penalties) for R rows, P aux tokens."""
+def padded_sampling_arrays(num_rows: int, aux_width: int, mask_width: int = 0) -> dict[str, np.ndarray]:
+    """Every SamplingBatch field at its neutral value (greedy, no penalties, every token allowed) for R rows, P aux
+    tokens, M bitmask words."""
     return {
         "temperature": np.zeros((num_rows,), np.float32),  # (R,)
         "top_k": np.zeros((num_rows,), np.int32),  # (R,)
@@ -302,6 +309,7 @@ def padded_sampling_arrays(num_rows: int, aux_width: int) -> dict[str, np.ndarra
         "aux_token_kind": np.full((num_rows, aux_width), KIND_PAD, np.int8),  # (R, P)
         "aux_values": np.zeros((num_rows, aux_width), np.float32),  # (R, P)
         "need_logprobs": np.asarray(False),  # ()
+        "token_bitmask": np.full((num_rows, mask_width), -1, np.int32),  # (R, M)
     }
 
 

@@ -94,13 +94,13 @@ class BucketCheck:
     """One bucket lowered for one platform."""
 
     kind: str  # forward, sampler or prompt_logprobs
-    shape: tuple[int, ...]  # forward (T, W), sampler (R, P), prompt_logprobs (T,)
+    shape: tuple[int, ...]  # forward (T, W), sampler (R, P, M: token bitmask words), prompt_logprobs (T,)
     seconds: float  # CPU seconds of jax.export (tracing and lowering)
     error: str | None = None  # "ErrorType: message" when it failed
 
     def describe(self) -> str:
         """The bucket, e.g. "forward (T=16, W=1)"."""
-        names = {"forward": ("T", "W"), "sampler": ("R", "P"), "prompt_logprobs": ("T",)}[self.kind]
+        names = {"forward": ("T", "W"), "sampler": ("R", "P", "M"), "prompt_logprobs": ("T",)}[self.kind]
         return f"{self.kind} ({', '.join(f'{n}={v}' for n, v in zip(names, self.shape))})"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import gc
 import os
 import random
@@ -125,6 +127,7 @@ class LLMEngine:
         arrival = time.monotonic()
         # best_of samples (n when unset); with best_of > n they also compute their tokens' logprobs, to be ranked.
         num_samples, sample_params = params.num_samples, params.engine_params()
+        compiled = self._grammar_compile(params)
         children = []
         for index in range(num_samples):
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(64)
@@ -137,8 +140,24 @@ class LLMEngine:
                 # others fork from it once it has computed the prompt.
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
                 fork_source=None if index == 0 else children[0].request_id, cache_salt=cache_salt,
+                grammar=None if compiled is None else self.grammars.request_grammar(compiled),
             ))
         return text, children
+
+    @functools.cached_property
+    def grammars(self):
+        """The structured-output compiler (structured/grammar.py) for this engine's tokenizer, made on the first
+        constrained request: the grammar engine is imported only by engines that serve one."""
+        from jaxserve.structured.grammar import GrammarCompiler
+
+        return GrammarCompiler(self.tokenizer, self.core.spec.vocab_size)
+
+    def _grammar_compile(self, params: SamplingParams) -> concurrent.futures.Future | None:
+        """The compile of the request's constraint, started on the compiler's threads (cached: a constraint seen
+        before is ready at once); None without one."""
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.submit(params.structured_outputs)
 
     def submit(self, request_id: str, made: tuple[str | None, list[Request]]) -> None:
         """Queue engine requests built by `make_requests`."""

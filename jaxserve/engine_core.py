@@ -130,7 +130,7 @@ class EngineCore:
         but does not fit its array, say), that request alone ends with FINISHED_ERROR and the others
         run in the next step.
         """
-        changed: list[Request] = []
+        changed: list[Request] = self.scheduler.fail_grammars()
         if self._in_flight and any(request.needs_output_on_host for request in self.scheduler.running):
             changed += self._collect()
         launched, failed = self._launch()
@@ -188,7 +188,7 @@ class EngineCore:
             device_rows = {item.request.request_id: row for row, item in enumerate(self._in_flight[-1].output.scheduled)}
         batch = build_batch(output, self.config.page_size, self.ladders, device_rows)
         num_rows = batch.page_table.shape[0]
-        sampling = build_sampling_batch(output, num_rows, self.ladders)
+        sampling = build_sampling_batch(output, num_rows, self.ladders, self.spec.vocab_size)
         prompt = build_prompt_logprob_batch(output, batch.input_ids.shape[0])
         proposals = build_proposals(output, num_rows, 1 + self.config.num_speculative_tokens)
         return batch, sampling, prompt, build_decode_steps(output, num_rows), proposals

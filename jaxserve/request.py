@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from jaxserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the grammar engine loads only for requests that use it
+    from jaxserve.structured.grammar import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -82,6 +86,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None  # why the engine failed this request (status FINISHED_ERROR)
+    grammar: RequestGrammar | None = None  # structured output: the constraint's compile and matcher
     num_preemptions: int = 0
     # Preemptions by other requests since this one last yielded (preempted itself for lack of pages): under the
     # priority policy, a request at max_preemptions is not preempted by another again until it yields or ends.
@@ -113,8 +118,8 @@ class Request:
     @property
     def needs_output_on_host(self) -> bool:
         """True when building this request's next sampling row reads its output token ids (penalties,
-        bad words), so a step must not be planned while one of its tokens is still on the device."""
-        return self.sampling_params.needs_penalties or bool(self.bad_words_token_ids)
+        bad words, a grammar's matcher), so a step must not be planned while one of its tokens is still on the device."""
+        return self.sampling_params.needs_penalties or bool(self.bad_words_token_ids) or self.grammar is not None
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Token ids at positions [start, stop) of prompt + output."""

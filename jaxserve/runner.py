@@ -39,7 +39,7 @@ from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import KV_CACHE_SPEC
 from jaxserve.model.spec import ModelSpec
 from jaxserve.packing import Layout, pack, unpack
-from jaxserve.sampler import SamplingBatch, raw_logprobs, sample
+from jaxserve.sampler import SamplingBatch, bitmask_width, raw_logprobs, sample
 from jaxserve.spec.verify import Proposals, verify
 
 
@@ -259,7 +259,7 @@ class Runner:
             out_shardings=self._replicated, static_argnums=(3,),
         )
         self._forward_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
-        self._sample_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (R, P) -> executable
+        self._sample_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (R, P, M) -> executable
         self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
         self._steps_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> multi-step executable
         self._verify_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> verification's forward
@@ -308,7 +308,8 @@ class Runner:
         largest forward bucket and the largest sampler bucket (temporaries plus outputs that do not alias a
         donated input); compiled against an abstract pool of `num_pages` pages, which they do not depend on."""
         largest_forward = self._lower_forward(self.ladders.tokens[-1], self.ladders.page_widths[-1], num_pages)
-        largest_sampler = self._lower_sampler(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1])
+        largest_sampler = self._lower_sampler(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
+                                              bitmask_width(self.spec.vocab_size))
         total = 0
         for lowered in (largest_forward, largest_sampler):
             memory = lowered.compile().memory_analysis()
@@ -318,12 +319,14 @@ class Runner:
     # ---- compilation -------------------------------------------------------------------------
 
     def shapes(self) -> tuple[list[tuple[int, int]], ...]:
-        """Every (T, W) forward shape, (R, P) sampler shape, (T,) prompt-logprob shape, the (T, W) shapes of
+        """Every (T, W) forward shape, (R, P, M) sampler shape (M: no token bitmask, or one word per 32 tokens),
+        (T,) prompt-logprob shape, the (T, W) shapes of
         multi-step decodes (T up to the token rung holding max_num_seqs decodes) and of speculative verification
         (T up to the rung holding max_num_seqs decodes with all their proposals), and the (R, P) shapes of the
         verification's sampler (the rows of those token rungs), that the ladders allow."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
-        sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths))
+        sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths,
+                                         (0, bitmask_width(self.spec.vocab_size))))
         steps = verify = verify_sampler = []
         if self.num_scheduler_steps > 1:
             steps = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1)]
@@ -370,8 +373,8 @@ class Runner:
         function, args = self.verify_sampler_call(num_rows, aux_width)
         return function.lower(*args)
 
-    def _lower_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
-        function, args = self.sampler_call(num_rows, aux_width)
+    def _lower_sampler(self, num_rows: int, aux_width: int, mask_width: int = 0) -> jax.stages.Lowered:
+        function, args = self.sampler_call(num_rows, aux_width, mask_width)
         return function.lower(*args)
 
     def _lower_prompt_logprobs(self, num_tokens: int) -> jax.stages.Lowered:
@@ -426,9 +429,9 @@ class Runner:
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
         return function, (self.params, caches, last_tokens, buffers, tuple(layout for _, layout in parts))
 
-    def sampler_call(self, num_rows: int, aux_width: int) -> tuple[Callable, tuple]:
-        """The sampler bucket (R, P)."""
-        buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width)))
+    def sampler_call(self, num_rows: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
+        """The sampler bucket (R, P, M)."""
+        buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width, mask_width)))
         logits = jax.ShapeDtypeStruct((num_rows, self.spec.vocab_size), jnp.float32, sharding=self._replicated)
         return self._sample, (logits, self._abstract(buffer), layout)
 
@@ -459,9 +462,8 @@ class Runner:
         if proposals is not None:
             return self._dispatch_verify(batch, sampling, proposals)
         forward = self._executable(self._forward_exec, (num_tokens, width), self._lower_forward)
-        sampler = self._executable(
-            self._sample_exec, (num_rows, sampling.aux_token_ids.shape[1]), self._lower_sampler
-        )
+        sampler = self._executable(self._sample_exec, (num_rows, *sampling.aux_token_ids.shape[1:],
+                                                       *sampling.token_bitmask.shape[1:]), self._lower_sampler)
         batch_words, sampling_words = jax.device_put((pack(batch)[0], pack(sampling)[0]), self._replicated)
         logits, hidden, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, batch_words)
         out, self.last_tokens = sampler(logits, sampling_words)

@@ -49,6 +49,9 @@ class SamplingBatch:
     aux_token_kind: jax.Array  # (R, P) int8 KIND_* of each aux token
     aux_values: jax.Array  # (R, P) float32 the bias of each KIND_BIAS token, else 0
     need_logprobs: jax.Array  # () bool whether any row asked for logprobs
+    # (R, M) int32 tokens a row's grammar allows next, bit t % 32 of word t // 32 (structured output); every bit
+    # set in a row without one; M is V / 32 rounded up when some row has a grammar, else 0
+    token_bitmask: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -69,6 +72,8 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
     processed = logits
     if batch.aux_token_ids.shape[1] > 0:
         processed = process_logits(logits, batch)  # (R, V) float32
+    if batch.token_bitmask.shape[1] > 0:
+        processed = apply_token_bitmask(processed, batch.token_bitmask)  # (R, V) float32
     is_greedy = batch.temperature < GREEDY_TEMPERATURE_EPS  # (R,) bool
     greedy_ids = first_argmax(processed)  # (R,) int32
     token_ids = jax.lax.cond(  # (R,) int32
@@ -80,6 +85,21 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
         batch.need_logprobs, raw_logprobs, _zero_logprobs, logits, token_ids
     )
     return SamplerOutput(token_ids, chosen, ranks, top_ids, top_lps)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """int32 words of one row's token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf for every token a row's bitmask leaves out."""
+    # logits: (R, V) float32; bitmask: (R, M) int32, M * 32 >= V
+    vocab = logits.shape[1]
+    token = jnp.arange(vocab, dtype=jnp.int32)  # (V,)
+    words = bitmask[:, token // 32]  # (R, V) each token's word
+    allowed = (jnp.right_shift(words, token % 32) & 1).astype(jnp.bool_)  # (R, V)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:

@@ -11,6 +11,8 @@ import math
 import numbers
 from typing import ClassVar
 
+from jaxserve.structured.params import StructuredOutputsParams
+
 # Temperatures below this are treated as greedy decoding (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE_EPS = 1e-5
 INT32_MAX = 2**31 - 1
@@ -93,8 +95,16 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    # The output must match a JSON schema, regex, choice or grammar (jaxserve/structured/); a mapping of
+    # StructuredOutputsParams' fields is taken too.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams or a mapping of its fields.")
         self.stop = self._normalise_stop(self.stop)
         self.stop_token_ids = self._normalise_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         self._verify_sampling_args()

@@ -162,6 +162,7 @@ class Scheduler:
             candidates = self._static_batch_waiting()
         else:
             candidates = [r for r in self._waiting_in_order() if not self._waits_for_fork(r)]
+        candidates = [r for r in candidates if r.grammar is None or r.grammar.ready]  # the others wait
         for request in candidates:
             if request.request_id in plan.preempted_ids:
                 continue  # never readmitted in the step that preempted it
@@ -183,6 +184,15 @@ class Scheduler:
         self.num_swapped_in_pages += len(plan.swap_in)
         return SchedulerOutput(scheduled=scheduled, preempted_ids=plan.preempted_ids, swap_out=plan.swap_out,
                                swap_in=plan.swap_in)
+
+    def fail_grammars(self) -> list[Request]:
+        """End the waiting requests whose constraint failed to compile (the server refuses those before they get
+        here; this catches the rest), with the compiler's reason; returns them."""
+        failed = [r for r in self.waiting if r.grammar is not None and r.grammar.error is not None]
+        for request in failed:
+            request.error = request.grammar.error
+            self._end(request, RequestStatus.FINISHED_ERROR)
+        return failed
 
     def _advance(self, item: ScheduledRequest) -> None:
         """Count a scheduled chunk as computed and its samples (if any) as placeholders until update()
@@ -410,6 +420,13 @@ class Scheduler:
             request.first_token_time = now
             self.num_prompt_tokens += len(request.prompt_token_ids)
         status = self._stop_status(request, sample.token_id)
+        if request.grammar is not None and status is None:  # the sampler drew it from the grammar's mask
+            matcher = request.grammar.matcher
+            if not matcher.accept(sample.token_id):
+                request.error = f"token {sample.token_id} is outside the request's grammar"
+                status = RequestStatus.FINISHED_ERROR
+            elif matcher.is_finished:
+                status = RequestStatus.FINISHED_STOPPED  # the output is complete
         if status is not None:
             self._end(request, status)
         return status is not None
@@ -576,9 +593,9 @@ def _decodes_plainly(item: ScheduledRequest) -> bool:
 def _verifies(item: ScheduledRequest) -> bool:
     """True for a one-token decode that can verify proposals: the device draws the samples of the positions
     after it knowing only the proposals (penalties, logit biases and allowed ids apply there, the proposals
-    joining the penalty history); not with bad words or min_tokens still banning stop ids (whose bans at the
+    joining the penalty history); not with bad words, a grammar, or min_tokens still banning stop ids (whose bans at the
     next positions the host decides) or logprobs."""
     request, params = item.request, item.request.sampling_params
     return (item.samples and item.num_new_tokens == 1 and not request.bad_words_token_ids
-            and item.sample_index >= params.min_tokens and params.logprobs is None
+            and request.grammar is None and item.sample_index >= params.min_tokens and params.logprobs is None
             and not request.num_prompt_logprobs_missing)

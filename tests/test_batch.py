@@ -95,7 +95,7 @@ def test_sampling_rows_carry_history_only_when_needed():
                    for r in (plain, penalised)],
         preempted_ids=[],
     )
-    sampling = build_sampling_batch(output, num_rows=8, ladders=LADDERS)
+    sampling = build_sampling_batch(output, num_rows=8, ladders=LADDERS, vocab_size=64)
     assert sampling.aux_token_ids.shape == (8, 64)
     assert sampling.aux_token_ids[0, 0] == -1, "a row without penalties has no history"
     ids, kinds = sampling.aux_token_ids[1, :7].tolist(), sampling.aux_token_kind[1, :7].tolist()
@@ -105,4 +105,4 @@ def test_sampling_rows_carry_history_only_when_needed():
     assert sampling.sample_index[:2].tolist() == [1, 2]
     assert (sampling.temperature[2:] == 0).all(), "padded rows are greedy"
     none = SchedulerOutput([ScheduledRequest(plain, 1, 2, (2,), True)], [])
-    assert build_sampling_batch(none, num_rows=8, ladders=LADDERS).aux_token_ids.shape == (8, 0)
+    assert build_sampling_batch(none, num_rows=8, ladders=LADDERS, vocab_size=64).aux_token_ids.shape == (8, 0)

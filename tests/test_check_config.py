@@ -60,12 +60,14 @@ def test_every_shipped_config_lowers_for_cuda_and_tpu(shipped):
 def test_edges_are_each_ladders_ends_and_the_rungs_either_side_of_max_num_seqs(shipped):
     _, checks = shipped
     check = checks["llama-3.1-8b-1xh200"]
-    assert check["executables"] == {"forward": 70, "sampler": 35, "prompt_logprobs": 10, "decode_steps": 0, "verify": 0,
+    # each sampler bucket twice: without and with the structured-output token bitmask (128256 / 32 words)
+    assert check["executables"] == {"forward": 70, "sampler": 70, "prompt_logprobs": 10, "decode_steps": 0, "verify": 0,
                                    "verify_sampler": 0}
     buckets = {(b["kind"], tuple(b["shape"])) for b in check["platforms"][0]["buckets"]}
     forward = {shape for kind, shape in buckets if kind == "forward"}
     assert forward == {(t, w) for t in (16, 256, 512, 8192) for w in (1, 2048)}  # max_num_seqs 256
     assert {shape[0] for kind, shape in buckets if kind == "sampler"} == {16, 256}
+    assert {shape[2] for kind, shape in buckets if kind == "sampler"} == {0, 4008}
     assert {shape for kind, shape in buckets if kind == "prompt_logprobs"} == {(16,), (8192,)}
 
 

@@ -44,6 +44,7 @@ def make_batch(num_rows, num_aux=0, need_logprobs=False, **per_row):
         "aux_token_ids": np.full((num_rows, num_aux), -1, np.int32),
         "aux_token_kind": np.full((num_rows, num_aux), KIND_PAD, np.int8),
         "aux_values": np.zeros((num_rows, num_aux), np.float32),
+        "token_bitmask": np.full((num_rows, 0), -1, np.int32),
     }
     for name, value in per_row.items():
         dtype = columns[name].dtype

@@ -35,6 +35,7 @@ VLLM_DEFAULTS = {
     "logit_bias": None,
     "allowed_token_ids": None,
     "truncate_prompt_tokens": None,
+    "structured_outputs": None,
 }
 
 
