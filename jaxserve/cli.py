@@ -28,7 +28,7 @@ ENGINE_FLAGS = (
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
     "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format", "async_scheduling",
     "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions", "speculative_config", "quantization",
-    "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
+    "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel", "enable_structured_outputs",
 )
 
 
@@ -53,6 +53,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     parser.add_argument("--scheduling-policy", choices=list(VALID_POLICIES))
     parser.add_argument("--tensor-parallel-size", type=int)
+    parser.add_argument("--enable-structured-outputs", action=argparse.BooleanOptionalAction,
+                        help="compile the sampler for constrained requests too (default on)")
     parser.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction,
                         help="split a mixture of experts' experts whole over the tensor-parallel devices")
     parser.add_argument("--attention-backend", choices=list(VALID_ATTENTION_BACKENDS))

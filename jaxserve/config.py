@@ -67,6 +67,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # A mixture of experts: split the experts whole over the devices instead of each expert (vLLM's flag).
     enable_expert_parallel: bool = False
+    # Requests may constrain their output (structured output): the sampler's buckets with a token bitmask are
+    # compiled too. Off: fewer executables, and a constrained request is refused.
+    enable_structured_outputs: bool = True
     attention_backend: str = "auto"
     seed: int = 0
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR

@@ -157,6 +157,9 @@ class LLMEngine:
         before is ready at once); None without one."""
         if params.structured_outputs is None:
             return None
+        if not self.config.enable_structured_outputs:
+            raise ValueError("structured_outputs: this engine runs with enable_structured_outputs off; start it with "
+                             "it on to constrain outputs")
         return self.grammars.submit(params.structured_outputs)
 
     def submit(self, request_id: str, made: tuple[str | None, list[Request]]) -> None:

@@ -59,6 +59,7 @@ class EngineCore:
             cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=self.ladders,
             attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
+            structured_outputs=config.enable_structured_outputs,
         )
         self.draft = None  # speculative decoding's draft model (method draft_model)
         speculative = config.speculative_config or {}

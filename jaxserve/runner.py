@@ -165,6 +165,7 @@ class Runner:
         platform: str | None = None,
         num_scheduler_steps: int = 1,
         num_speculative_tokens: int = 0,
+        structured_outputs: bool = True,
     ):
         self.spec = spec
         self.params = params
@@ -172,6 +173,8 @@ class Runner:
         self.ladders = ladders
         self.num_scheduler_steps = num_scheduler_steps
         self.num_speculative_tokens = num_speculative_tokens
+        # the sampler buckets with a structured-output token bitmask are built too (else only those without)
+        self.mask_widths = (0, bitmask_width(spec.vocab_size)) if structured_outputs else (0,)
         self._replicated = NamedSharding(mesh, P())
         self.attention = make_attention(spec, attention_backend, mesh, page_size, platform, cache_dtype)
         self.cache_dtype = jnp.dtype(cache_dtype)  # what the pages hold (float8_e4m3fn for an fp8 cache)
@@ -309,7 +312,7 @@ class Runner:
         donated input); compiled against an abstract pool of `num_pages` pages, which they do not depend on."""
         largest_forward = self._lower_forward(self.ladders.tokens[-1], self.ladders.page_widths[-1], num_pages)
         largest_sampler = self._lower_sampler(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
-                                              bitmask_width(self.spec.vocab_size))
+                                              self.mask_widths[-1])
         total = 0
         for lowered in (largest_forward, largest_sampler):
             memory = lowered.compile().memory_analysis()
@@ -325,8 +328,7 @@ class Runner:
         (T up to the rung holding max_num_seqs decodes with all their proposals), and the (R, P) shapes of the
         verification's sampler (the rows of those token rungs), that the ladders allow."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
-        sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths,
-                                         (0, bitmask_width(self.spec.vocab_size))))
+        sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths, self.mask_widths))
         steps = verify = verify_sampler = []
         if self.num_scheduler_steps > 1:
             steps = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1)]

@@ -42,7 +42,7 @@ PROMPT = "def f(x):"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(None, **small_engine_args(max_model_len=256, max_num_seqs=16))
+    return LLM(None, **small_engine_args(max_model_len=256, max_num_seqs=16, enable_structured_outputs=True))
 
 
 def _params(constraint: StructuredOutputsParams, temperature: float, seed: int) -> SamplingParams:
@@ -110,3 +110,11 @@ def test_a_constraint_that_cannot_compile_is_a_value_error(llm, fields, message)
 def test_malformed_constraints_are_refused(fields):
     with pytest.raises(ValueError):
         StructuredOutputsParams(**fields)
+
+
+def test_an_engine_with_structured_outputs_off_refuses_a_constraint_and_builds_fewer_samplers(llm):
+    off = LLM(None, **small_engine_args(max_model_len=256, max_num_seqs=16))  # the tests' default: off
+    with pytest.raises(ValueError, match="enable_structured_outputs off"):
+        off.generate([PROMPT], _params(StructuredOutputsParams(choice=CHOICES), 0, 0), use_tqdm=False)
+    samplers_on, samplers_off = llm.engine.core.runner.shapes()[1], off.engine.core.runner.shapes()[1]
+    assert len(samplers_on) == 2 * len(samplers_off) and {shape[2] for shape in samplers_off} == {0}
