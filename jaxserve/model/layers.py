@@ -44,12 +44,17 @@ def optional_param(params: dict, name: str) -> nnx.Param | None:
     return nnx.Param(params[name]) if name in params else None
 
 
+def weight_value(weight: nnx.Param | QuantizedWeight) -> jax.Array | dict:
+    """A projection's array, or a quantized one's {weight, scale} arrays (what model/quantize.py's `linear` takes)."""
+    if isinstance(weight, QuantizedWeight):
+        return {"weight": weight.weight[...], "scale": weight.scale[...]}
+    return weight[...]
+
+
 def project(x: jax.Array, weight: nnx.Param | QuantizedWeight) -> jax.Array:
     """x @ weight for a float or a quantized projection; the result in x's dtype."""
     # x: (T, in) -> (T, out)
-    if isinstance(weight, QuantizedWeight):
-        return linear(x, {"weight": weight.weight[...], "scale": weight.scale[...]})
-    return linear(x, weight[...])
+    return linear(x, weight_value(weight))
 
 
 def projection_width(weight: nnx.Param | QuantizedWeight) -> int:

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.model import llama, moe
-from jaxserve.model.layers import StepContext
+from jaxserve.model.layers import StepContext, weight_value
 from jaxserve.model.registry import Model, Weight, register
 from jaxserve.model.sharding import MODEL_AXIS
 from jaxserve.model.spec import ModelSpec, llama_family_spec
@@ -76,7 +76,7 @@ class MoeLayer(llama.LlamaLayer):
         # h: (T, H) -> (T, H)
         spec = self.spec
         block = moe.moe_mlp_expert_parallel if spec.expert_parallel else moe.moe_mlp_tensor_parallel
-        return block(h, self.router[...], *(_value(w) for w in (self.w_gate, self.w_up, self.w_down)),
+        return block(h, self.router[...], *(weight_value(w) for w in (self.w_gate, self.w_up, self.w_down)),
                      mesh=step.mesh, top_k=spec.num_experts_per_tok, normalize_top_k=spec.normalize_top_k,
                      round_weights=spec.round_weights)
 
@@ -85,13 +85,6 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
     """Mixtral / Qwen3-MoE: the Llama-family decoder over `MoeLayer`s."""
 
     layer_module = MoeLayer
-
-
-def _value(weight) -> jax.Array | dict:
-    """A projection's array, or a quantized one's {weight, scale} arrays."""
-    if isinstance(weight, nnx.Param):
-        return weight[...]
-    return {"weight": weight.weight[...], "scale": weight.scale[...]}
 
 
 def weights(spec: MoeSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
