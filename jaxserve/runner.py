@@ -7,6 +7,7 @@ updated in place.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -135,15 +136,48 @@ def with_device_tokens(batch: BatchDescriptor, last_tokens: jax.Array) -> BatchD
     return dataclasses.replace(batch, input_ids=input_ids)
 
 
-def compile_all(lowered: list[tuple[tuple[dict, tuple], jax.stages.Lowered]], description: str,
+# Executables of this process by what they were traced from (`Runner.trace_key`, the step function, the shapes,
+# dtypes and shardings of its arguments): an engine built like an earlier one (a benchmark comparing scheduler
+# options, the tests) takes its executables instead of tracing and compiling them again. An entry holds an
+# executable only (no params, no pages); past SHARED_EXECUTABLES the least recently used go.
+SHARED_EXECUTABLES = 512
+_shared_executables: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
+_shared_lock = threading.Lock()
+
+
+def _shared_executable(key: tuple) -> jax.stages.Compiled | None:
+    with _shared_lock:
+        if key in _shared_executables:
+            _shared_executables.move_to_end(key)
+        return _shared_executables.get(key)
+
+
+def _share_executable(key: tuple, executable: jax.stages.Compiled) -> None:
+    with _shared_lock:
+        _shared_executables[key] = executable
+        while len(_shared_executables) > SHARED_EXECUTABLES:
+            _shared_executables.popitem(last=False)
+
+
+def abstract_arguments(args: tuple) -> tuple:
+    """What a call's trace depends on besides its function: the tree of `args` and each leaf's shape, dtype and
+    sharding (static leaves, such as layouts, as they are)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return tree, tuple((leaf.shape, jnp.dtype(leaf.dtype), leaf.sharding) if hasattr(leaf, "shape") else leaf
+                       for leaf in leaves)
+
+
+def compile_all(lowered: list[tuple[tuple[dict, tuple, tuple], jax.stages.Lowered]], description: str,
                 show_progress: bool) -> None:
-    """Compile each ((table, key), lowered) on a thread pool (XLA releases the GIL) into `table[key]`."""
+    """Compile each ((table, key, shared key), lowered) on a thread pool (XLA releases the GIL) into `table[key]`,
+    and share it under its shared key."""
     bar = tqdm(total=len(lowered), desc=description, disable=not show_progress, leave=False)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         futures = {pool.submit(low.compile): target for target, low in lowered}
         for future in concurrent.futures.as_completed(futures):
-            table, key = futures[future]
+            table, key, shared_key = futures[future]
             table[key] = future.result()
+            _share_executable(shared_key, table[key])
             bar.update()
     bar.close()
 
@@ -191,6 +225,9 @@ class Runner:
         # Each leaf's own sharding (the loader's, or a quantized leaf's): params of any layout the model takes.
         self.param_shardings = param_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, params)
         self.max_rows = max_rows = max(ladders.row_buckets())
+        # Everything the step functions below close over: runners with equal keys trace equal executables.
+        self.trace_key = (model, spec, self.attention.name, self.attention.options, mesh, page_size,
+                          num_cache_kv_heads, self.cache_dtype, max_rows, num_scheduler_steps)
         # The jitted functions below must not capture `self`: JAX's jit objects would keep the runner, its
         # executables and their memory mappings alive after the engine is dropped.
 
@@ -310,12 +347,12 @@ class Runner:
         """Per-device bytes the largest step needs beyond its inputs, from XLA's memory analysis of the
         largest forward bucket and the largest sampler bucket (temporaries plus outputs that do not alias a
         donated input); compiled against an abstract pool of `num_pages` pages, which they do not depend on."""
-        largest_forward = self._lower_forward(self.ladders.tokens[-1], self.ladders.page_widths[-1], num_pages)
-        largest_sampler = self._lower_sampler(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
-                                              self.mask_widths[-1])
+        largest_forward = self.forward_call(self.ladders.tokens[-1], self.ladders.page_widths[-1], num_pages)
+        largest_sampler = self.sampler_call(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
+                                            self.mask_widths[-1])
         total = 0
-        for lowered in (largest_forward, largest_sampler):
-            memory = lowered.compile().memory_analysis()
+        for function, args in (largest_forward, largest_sampler):
+            memory = function.lower(*args).compile().memory_analysis()
             total += memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
         return total
 
@@ -349,39 +386,32 @@ class Runner:
 
         With the persistent compilation cache on, a restart loads these instead of compiling.
         """
-        forward_shapes, sampler_shapes, prompt_shapes, step_shapes, verify_shapes, verify_sampler_shapes = self.shapes()
-        lowered = [((self._forward_exec, key), self._lower_forward(*key)) for key in forward_shapes]
-        lowered += [((self._steps_exec, key), self._lower_decode_steps(*key)) for key in step_shapes]
-        lowered += [((self._verify_exec, key), self._lower_verify(*key)) for key in verify_shapes]
-        lowered += [((self._verify_sample_exec, key), self._lower_verify_sampler(*key)) for key in verify_sampler_shapes]
-        lowered += [((self._sample_exec, key), self._lower_sampler(*key)) for key in sampler_shapes]
-        lowered += [((self._prompt_exec, key), self._lower_prompt_logprobs(*key)) for key in prompt_shapes]
-        compile_all(lowered, "compiling step buckets", show_progress)
+        forward, sampler, prompt, steps, verify, verify_sampler = self.shapes()
+        self.compile_buckets([(self._forward_exec, self.forward_call, forward),
+                              (self._steps_exec, self.decode_steps_call, steps),
+                              (self._verify_exec, self.verify_call, verify),
+                              (self._verify_sample_exec, self.verify_sampler_call, verify_sampler),
+                              (self._sample_exec, self.sampler_call, sampler),
+                              (self._prompt_exec, self.prompt_logprobs_call, prompt)],
+                             "compiling step buckets", show_progress)
 
-    def _lower_forward(self, num_tokens: int, width: int, num_pages: int | None = None) -> jax.stages.Lowered:
-        """Lower the forward bucket (T, W) against the allocated pool, or an abstract one of `num_pages`."""
-        function, args = self.forward_call(num_tokens, width, num_pages)
-        return function.lower(*args)
+    def compile_buckets(self, groups: list[tuple[dict, Callable, list[tuple[int, ...]]]], description: str,
+                        show_progress: bool) -> None:
+        """Fill each (table, call, keys) group's `table[key]` with the executable of `call(*key)` (a function and
+        its arguments): a shared one where this process has it, else traced here and compiled on a thread pool."""
+        lowered = []
+        for table, call, keys in groups:
+            for key in keys:
+                function, args = call(*key)
+                shared_key = self._shared_key(function, args)
+                table[key] = _shared_executable(shared_key)
+                if table[key] is None:
+                    lowered.append(((table, key, shared_key), function.lower(*args)))
+        compile_all(lowered, description, show_progress)
 
-    def _lower_decode_steps(self, num_tokens: int, width: int) -> jax.stages.Lowered:
-        function, args = self.decode_steps_call(num_tokens, width)
-        return function.lower(*args)
-
-    def _lower_verify(self, num_tokens: int, width: int) -> jax.stages.Lowered:
-        function, args = self.verify_call(num_tokens, width)
-        return function.lower(*args)
-
-    def _lower_verify_sampler(self, num_rows: int, aux_width: int) -> jax.stages.Lowered:
-        function, args = self.verify_sampler_call(num_rows, aux_width)
-        return function.lower(*args)
-
-    def _lower_sampler(self, num_rows: int, aux_width: int, mask_width: int = 0) -> jax.stages.Lowered:
-        function, args = self.sampler_call(num_rows, aux_width, mask_width)
-        return function.lower(*args)
-
-    def _lower_prompt_logprobs(self, num_tokens: int) -> jax.stages.Lowered:
-        function, args = self.prompt_logprobs_call(num_tokens)
-        return function.lower(*args)
+    def _shared_key(self, function: Callable, args: tuple) -> tuple:
+        """The key of a step function's executable for `args` among the process's shared executables."""
+        return self.trace_key, function.__wrapped__.__name__, abstract_arguments(args)
 
     # Each *_call gives a bucket's jitted step function and its arguments (the step inputs abstract):
     # `function.lower(*args)` lowers it for this process's backend, `jax.export.export(function,
@@ -463,15 +493,15 @@ class Runner:
             return self._dispatch_decode_steps(batch, sampling, decode_steps)
         if proposals is not None:
             return self._dispatch_verify(batch, sampling, proposals)
-        forward = self._executable(self._forward_exec, (num_tokens, width), self._lower_forward)
+        forward = self._executable(self._forward_exec, (num_tokens, width), self.forward_call)
         sampler = self._executable(self._sample_exec, (num_rows, *sampling.aux_token_ids.shape[1:],
-                                                       *sampling.token_bitmask.shape[1:]), self._lower_sampler)
+                                                       *sampling.token_bitmask.shape[1:]), self.sampler_call)
         batch_words, sampling_words = jax.device_put((pack(batch)[0], pack(sampling)[0]), self._replicated)
         logits, hidden, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, batch_words)
         out, self.last_tokens = sampler(logits, sampling_words)
         scored, num_targets = None, 0
         if prompt is not None:
-            scorer = self._executable(self._prompt_exec, (num_tokens,), self._lower_prompt_logprobs)
+            scorer = self._executable(self._prompt_exec, (num_tokens,), self.prompt_logprobs_call)
             scored = scorer(self.params, hidden, jax.device_put(pack(prompt)[0], self._replicated))
             num_targets = int(prompt.num_targets)
         logprobs = (out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs) if sampling.need_logprobs else None
@@ -484,7 +514,7 @@ class Runner:
         if sampling.aux_token_ids.shape[1] or sampling.need_logprobs:
             raise RuntimeError("a multi-step decode samples from the logits alone (no token lists, no logprobs)")
         key = (batch.input_ids.shape[0], batch.page_table.shape[1])
-        executable = self._executable(self._steps_exec, key, self._lower_decode_steps)
+        executable = self._executable(self._steps_exec, key, self.decode_steps_call)
         buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, steps)), self._replicated)
         tokens, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
         return self._pending(tokens, None, None, int(batch.num_seqs), 0)
@@ -495,8 +525,8 @@ class Runner:
         if sampling.need_logprobs:
             raise RuntimeError("a verification step has no logprobs")
         (num_rows, width), aux_width = batch.page_table.shape, sampling.aux_token_ids.shape[1]
-        forward = self._executable(self._verify_exec, (batch.input_ids.shape[0], width), self._lower_verify)
-        sampler = self._executable(self._verify_sample_exec, (num_rows, aux_width), self._lower_verify_sampler)
+        forward = self._executable(self._verify_exec, (batch.input_ids.shape[0], width), self.verify_call)
+        sampler = self._executable(self._verify_sample_exec, (num_rows, aux_width), self.verify_sampler_call)
         batch_words, sampling_words, proposal_words = jax.device_put(
             tuple(pack(part)[0] for part in (batch, sampling, proposals)), self._replicated)
         logits, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, (batch_words, proposal_words))
@@ -509,9 +539,12 @@ class Runner:
         pending.ready = self._ready_clock.submit(_ready_time, (token_ids, scored))
         return pending
 
-    def _executable(self, table: dict, key: tuple[int, int], lower_fn) -> jax.stages.Compiled:
-        """Look up a compiled bucket; compiling here means warm-up missed a shape (counted)."""
-        if key not in table:
+    def _executable(self, table: dict, key: tuple[int, ...], call: Callable) -> jax.stages.Compiled:
+        """Look up a compiled bucket (`call(*key)` gives its function and arguments); compiling here means
+        warm-up missed a shape (counted)."""
+        if table.get(key) is None:
             self.num_lazy_compiles += 1
-            table[key] = lower_fn(*key).compile()
+            function, args = call(*key)
+            table[key] = function.lower(*args).compile()
+            _share_executable(self._shared_key(function, args), table[key])
         return table[key]

@@ -59,6 +59,7 @@ class AttentionBackend:
     attention: AttentionFn  # (q (T, Hq, D), caches, layer, batch, how) -> (T, Hq, D)
     write_kv: WriteKVFn  # (caches, layer, k (T, Hkv, D), v (T, Hkv, D), batch) -> caches
     fp8_storage: np.dtype = FP8_BITS
+    options: tuple = ()  # what besides its name and the model decides what its functions trace (e.g. the platform)
 
     def storage_dtype(self, cache_dtype) -> np.dtype:
         """The dtype of the arrays holding a cache of `cache_dtype` (an fp8 cache: `fp8_storage`)."""

@@ -258,4 +258,4 @@ def make_backend(platform: str, prefill_implementation: str | None = "auto") -> 
     def write_kv(caches, layer, k, v, batch: BatchDescriptor):
         return reference.write_kv(*caches, layer, k, v, batch.slot_mapping)
 
-    return AttentionBackend("xla", "split", attention, write_kv)
+    return AttentionBackend("xla", "split", attention, write_kv, options=(platform, prefill_implementation))

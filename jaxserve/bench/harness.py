@@ -27,7 +27,8 @@ class Engines:
         self.base = dict(model=folder, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=PAGE_SIZE,
                          min_token_bucket=args.min_token_bucket, num_pages=args.num_pages,
-                         compilation_cache_dir=args.compilation_cache_dir, load_format=args.load_format)
+                         compilation_cache_dir=args.compilation_cache_dir, load_format=args.load_format,
+                         enable_structured_outputs=False)  # no experiment constrains outputs
         self.log = log
         self._built: dict[tuple, LLMEngine] = {}
 

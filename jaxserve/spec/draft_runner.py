@@ -21,7 +21,7 @@ from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps
 from jaxserve.decode_steps import run_decode_steps
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.packing import Layout, pack, unpack
-from jaxserve.runner import Runner, compile_all
+from jaxserve.runner import Runner
 from jaxserve.sampler import first_argmax
 
 
@@ -75,6 +75,7 @@ class DraftRunner(Runner):
     def __init__(self, *args, num_proposals: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.num_proposals = num_proposals
+        self.trace_key += (num_proposals,)
         forward, page_size = self.model_forward, self.page_size  # the jitted function must not capture self
 
         def propose_packed(params, caches, buffers, layouts: tuple[Layout, Layout]):
@@ -89,12 +90,8 @@ class DraftRunner(Runner):
 
     def warmup(self, show_progress: bool = True) -> None:
         """AOT-compile the proposal executable of every (T, W) bucket."""
-        lowered = [((self._propose_exec, key), self._lower_propose(*key)) for key in self.shapes()[0]]
-        compile_all(lowered, "compiling draft buckets", show_progress)
-
-    def _lower_propose(self, num_tokens: int, width: int) -> jax.stages.Lowered:
-        function, args = self.propose_call(num_tokens, width)
-        return function.lower(*args)
+        self.compile_buckets([(self._propose_exec, self.propose_call, self.shapes()[0])], "compiling draft buckets",
+                             show_progress)
 
     def propose_call(self, num_tokens: int, width: int) -> tuple[Callable, tuple]:
         """The proposal bucket (T, W): a catch-up batch of T tokens and the rows' numbers of further steps."""
@@ -107,7 +104,7 @@ class DraftRunner(Runner):
     def propose(self, batch: BatchDescriptor, steps: DecodeSteps) -> jax.Array:
         """Dispatch one proposal step; returns its (num_proposals, R) int32 proposals on the device."""
         key = (batch.input_ids.shape[0], batch.page_table.shape[1])
-        executable = self._executable(self._propose_exec, key, self._lower_propose)
+        executable = self._executable(self._propose_exec, key, self.propose_call)
         buffers = jax.device_put((pack(batch)[0], pack(steps)[0]), self._replicated)
         proposals, self.kv_caches = executable(self.params, self.kv_caches, buffers)
         return proposals
