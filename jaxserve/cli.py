@@ -114,6 +114,13 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The tool call parser of `serve`'s flags; ValueError for --enable-auto-tool-choice without one."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    return args.tool_call_parser
+
+
 def serve(args: argparse.Namespace) -> int:
     """Load the engine (compiling every step shape), then serve HTTP until interrupted."""
     try:
@@ -134,7 +141,7 @@ def serve(args: argparse.Namespace) -> int:
         enable_force_include_usage=args.enable_force_include_usage,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-        enable_server_load_tracking=args.enable_server_load_tracking,
+        enable_server_load_tracking=args.enable_server_load_tracking, tool_call_parser=_tool_call_parser(args),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
@@ -193,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stream every N tokens (vLLM's option): larger values cost less host work per token")
     srv.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                      help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
+    srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
+                     help="how tool calls are found in the model's text for tool_choice \"auto\": hermes (Hermes, "
+                          "Qwen 2.5 / 3) or llama3_json (Llama 3.1 / 3.2); without it \"auto\" is refused")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="vLLM's switch for tool_choice \"auto\", accepted for its launch commands: "
+                          "--tool-call-parser alone turns it on, and this needs it")
     srv.add_argument("--enable-server-load-tracking", action="store_true",
                      help="count requests in flight on the generation routes, for GET /load")
     srv.add_argument("--enable-force-include-usage", action="store_true",

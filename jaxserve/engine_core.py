@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -37,6 +38,9 @@ from jaxserve.spec.proposer import Proposer
 from jaxserve.step_timing import StepTiming
 
 logger = logging.getLogger("jaxserve")
+# Longest a step with nothing to run sleeps on the grammar compiles its waiting requests need (they wake it at
+# once; a request arriving meanwhile waits at most this).
+GRAMMAR_WAIT_S = 0.01
 
 
 class EngineCore:
@@ -136,6 +140,11 @@ class EngineCore:
             changed += self._collect()
         launched, failed = self._launch()
         changed += failed
+        if not launched and not self._in_flight and not changed:  # nothing to do but wait for grammars
+            compiles = self.scheduler.pending_compiles()
+            if compiles:
+                concurrent.futures.wait(compiles, timeout=GRAMMAR_WAIT_S,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
         # Steps left on the device. A proposer reads each request's latest tokens, so speculative steps are
         # brought before the next is planned.
         keep = 1 if self.config.async_scheduling and launched and self.scheduler.proposer is None else 0

@@ -86,17 +86,19 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Apply the tokenizer's chat template to each conversation (with the `tools` it may call, OpenAI's
+        shape), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs, tools) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
-        """Token ids of one conversation under the chat template."""
+                    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+        """Token ids of one conversation (and its tools) under the chat template."""
         return render_chat(self.engine.tokenizer, conversation, add_generation_prompt,
-                           chat_template_kwargs=chat_template_kwargs)
+                           chat_template_kwargs=chat_template_kwargs, tools=tools)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV page, as vLLM's `LLM.reset_prefix_cache` (pages in use stay in use)."""

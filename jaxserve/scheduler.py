@@ -7,6 +7,7 @@ builder turns that decision into arrays.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 
@@ -184,6 +185,10 @@ class Scheduler:
         self.num_swapped_in_pages += len(plan.swap_in)
         return SchedulerOutput(scheduled=scheduled, preempted_ids=plan.preempted_ids, swap_out=plan.swap_out,
                                swap_in=plan.swap_in)
+
+    def pending_compiles(self) -> list[concurrent.futures.Future]:
+        """The grammar compiles that waiting requests wait for."""
+        return [r.grammar.compile for r in self.waiting if r.grammar is not None and not r.grammar.ready]
 
     def fail_grammars(self) -> list[Request]:
         """End the waiting requests whose constraint failed to compile (the server refuses those before they get

@@ -54,18 +54,18 @@ def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
 
 def render_chat_text(
     tokenizer, conversation: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-    chat_template_kwargs: dict | None = None,
+    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
 ) -> str:
-    """The text of one conversation under the tokenizer's chat template; ValueError when it cannot be
-    rendered (no template, or the template rejects the conversation)."""
+    """The text of one conversation (and the `tools` it may call, OpenAI's shape) under the tokenizer's chat
+    template; ValueError when it cannot be rendered (no template, or the template rejects the conversation)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     try:
         return tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-            tokenize=False, **(chat_template_kwargs or {}),
+            conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {}),
         )
     except jinja2.TemplateError as error:
         raise ValueError(f"the chat template rejected the conversation: {error}") from error
@@ -73,12 +73,12 @@ def render_chat_text(
 
 def render_chat(
     tokenizer, conversation: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-    chat_template_kwargs: dict | None = None,
+    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
 ) -> list[int]:
     """Token ids of one conversation under the chat template (the template places the special tokens,
     so none are added); ValueError when it cannot be rendered."""
     text = render_chat_text(tokenizer, conversation, add_generation_prompt, continue_final_message,
-                            chat_template_kwargs)
+                            chat_template_kwargs, tools)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -70,8 +70,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]  # ids 0, 1, 2
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+# Tools (OpenAI's shape) go in a system turn first, and an assistant turn's tool calls are written as Hermes
+# `<tool_call>` blocks (`jaxserve serve --tool-call-parser hermes` reads them); without tools, the format the model
+# was trained on.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if tools %}<|system|>\nYou may call these functions. To call one, reply with <tool_call>{\"name\": ..., "
+    "\"arguments\": {...}}</tool_call>.\n{% for tool in tools %}{{ tool['function'] | tojson }}\n{% endfor %}</s>\n"
+    "{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m.get('tool_calls') %}{% for call in m['tool_calls'] %}<tool_call>{{ call['function'] | tojson }}"
+    "</tool_call>{% endfor %}{% else %}{{ m['content'] }}{% endif %}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

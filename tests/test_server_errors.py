@@ -44,9 +44,10 @@ BAD_COMPLETIONS = [
     pytest.param({**GOOD, "prompt": [1, 2, 10**9]}, "prompt", "vocabulary", id="token-outside-vocabulary"),
     pytest.param({**GOOD, "prompt": "x " * 400}, "prompt", "max_model_len", id="prompt-over-max_model_len"),
     pytest.param({**GOOD, "prompt": ["a", "b", "c", "d", "e"]}, "prompt", "1 to 4", id="too-many-prompts"),
-    pytest.param({**GOOD, "guided_json": {"type": "object"}}, "guided_json", "not supported", id="guided_json"),
-    pytest.param({**GOOD, "response_format": {"type": "json_object"}}, "response_format", "not supported",
-                 id="response_format"),
+    pytest.param({**GOOD, "guided_json": {"type": "object"}}, "guided_json", "enable_structured_outputs off",
+                 id="guided_json-on-an-engine-without-structured-output"),
+    pytest.param({**GOOD, "response_format": {"type": "json_object"}}, "response_format",
+                 "enable_structured_outputs off", id="response_format-on-an-engine-without-structured-output"),
     pytest.param({**GOOD, "logit_bias": {"5": 101}}, "logit_bias", "logit_bias", id="logit_bias-range"),
     pytest.param({**GOOD, "priority": 3}, "priority", "scheduling-policy", id="priority-under-fcfs"),
     pytest.param({**GOOD, "min_tokens": 9}, "min_tokens", "min_tokens", id="min_tokens-over-max_tokens"),
@@ -66,8 +67,12 @@ BAD_CHATS = [
                  "messages.0.content", "", id="image-content"),
     pytest.param({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, None, "logprobs=true",
                  id="top_logprobs-without-logprobs"),
-    pytest.param({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools",
-                 "not supported", id="tools"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools.0",
+                 "field required", id="tool-without-function"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}]}, "tool_choice", "--tool-call-parser", id="auto-tool-choice-without-a-parser"),
+    pytest.param({"messages": [{"role": "user", "content": "hi"}], "guided_choice": ["a"]}, "guided_choice",
+                 "enable_structured_outputs off", id="constraint-on-an-engine-without-structured-output"),
 ]
 
 

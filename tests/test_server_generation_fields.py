@@ -356,12 +356,8 @@ def test_continuous_usage_stats_put_the_counts_in_every_chunk(openai_server, pat
 # ---- fields this server refuses ----------------------------------------------------------------------
 
 REFUSED = [
-    ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= 'a'"), ("structural_tag", "{}"), ("structured_outputs", {"regex": "a"}),
-    ("guided_decoding_backend", "xgrammar"), ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("logits_processors", ["my.Processor"]),
+    ("structural_tag", "{}"), ("guided_decoding_backend", "xgrammar"), ("guided_whitespace_pattern", " "),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logits_processors", ["my.Processor"]),
     ("suffix", "end"), ("prompt_embeds", "AAAA"),
     ("logprob_token_ids", [1, 2]), ("return_tokens_as_token_ids", True), ("truncation_side", "right"),
 ]

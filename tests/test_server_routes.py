@@ -95,8 +95,6 @@ def test_tokenize_return_token_strs(openai_server):
     pytest.param({}, "prompt", id="neither"),
     pytest.param({"prompt": "x", "messages": MESSAGES}, "prompt", id="both"),
     pytest.param({"messages": MESSAGES, "chat_template": "{{ messages }}"}, "chat_template", id="chat_template"),
-    pytest.param({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-                 id="tools"),
     pytest.param({"prompt": [1, 2]}, "prompt", id="token-ids"),
     pytest.param({"prompt": "x", "model": "gpt-4"}, "model", id="unknown-model"),
 ])

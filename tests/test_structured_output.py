@@ -1,18 +1,31 @@
-"""Structured output in the offline API (issue 18): on the bundled model, which knows nothing about JSON, every
-constrained answer parses and validates against its schema, fully matches its regex, is one of its choices, or
-is a sentence of its grammar, greedy and sampled, with many requests in flight; constraints compile once; bad
-ones are a ValueError; nothing compiles after warm-up."""
+"""Structured output and tool calls (issue 18), on the bundled model, which knows nothing about JSON or tools.
+
+Offline: every constrained answer parses and validates against its schema, fully matches its regex, is one of its
+choices, or is a sentence of its grammar, greedy and sampled, with many requests in flight; constraints compile
+once; bad ones are a ValueError; nothing compiles after warm-up; a step waiting only for a compile sleeps.
+
+Through the official openai client against a real server (an engine built like the offline one, so it takes the
+same executables): vLLM's extra_body fields and OpenAI's response_format, streamed and not, validate the same way;
+tool_choice "required" and a named function give calls whose arguments fit the tool's schema; "auto" reads Hermes
+`<tool_call>` blocks; an uncompilable constraint is a 400 before anything is queued."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
+import time
 
 import jsonschema
+import openai
 import pytest
 
-from helpers import small_engine_args
+from helpers import running_server, small_engine_args
 from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.server.app import build_app
+from jaxserve.server.config import ServerConfig
 from jaxserve.structured.params import StructuredOutputsParams
 
 SCHEMAS = [
@@ -40,9 +53,13 @@ GRAMMAR = 'start: "(" NUM ("," NUM) ~ 0..3 ")"\nNUM: /[0-9]{1,3}/'  # bounded: a
 PROMPT = "def f(x):"
 
 
+ENGINE = small_engine_args(max_model_len=512, num_pages=128, max_num_seqs=16, enable_structured_outputs=True)
+KEY = "structured-key"
+
+
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(None, **small_engine_args(max_model_len=256, max_num_seqs=16, enable_structured_outputs=True))
+    return LLM(None, **ENGINE)
 
 
 def _params(constraint: StructuredOutputsParams, temperature: float, seed: int) -> SamplingParams:
@@ -54,18 +71,17 @@ def test_every_answer_meets_its_constraint(llm):
     cases += [(StructuredOutputsParams(regex=REGEX), None), (StructuredOutputsParams(choice=CHOICES), None),
               (StructuredOutputsParams(grammar=GRAMMAR), None)]
     params = [_params(c, t, seed) for c, _ in cases for t, seed in ((0.0, 0), (1.0, 1), (1.0, 2))]
-    params.append(_params(StructuredOutputsParams(json_object=True), 0.0, 0))  # sampled, its keys may run on
+    objects = [_params(StructuredOutputsParams(json_object=True), 1.0, seed) for seed in range(4)]
     compiles_before = llm.engine.core.runner.num_lazy_compiles
-    outputs = llm.generate([PROMPT] * len(params), params, use_tqdm=False)
+    outputs = llm.generate([PROMPT] * (len(params) + len(objects)), params + objects, use_tqdm=False)
     assert llm.engine.core.runner.num_lazy_compiles == compiles_before, "constrained steps were warmed up"
+    _check_json_objects([(o.outputs[0].text, o.outputs[0].finish_reason) for o in outputs[len(params):]])
     for param, output in zip(params, outputs):
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", (param.structured_outputs, completion.text)
         text, kind = completion.text, param.structured_outputs.kind
         if kind == "json":
             jsonschema.validate(json.loads(text), param.structured_outputs.json)
-        elif kind == "json_object":
-            assert isinstance(json.loads(text), dict)
         elif kind == "regex":
             assert re.fullmatch(REGEX, text), text
         elif kind == "choice":
@@ -74,6 +90,14 @@ def test_every_answer_meets_its_constraint(llm):
             assert re.fullmatch(r"\([0-9]{1,3}(,[0-9]{1,3}){0,3}\)", text), text
     stats = llm.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def _check_json_objects(answers: list[tuple[str, str]]) -> None:
+    """Answers (text, finish reason) under json_object: any JSON object meets it, so nothing bounds its length and
+    a model may run into max_tokens inside one; every answer that stopped is an object, and most stopped."""
+    stopped = [text for text, finish in answers if finish == "stop"]
+    assert all(isinstance(json.loads(text), dict) for text in stopped), stopped
+    assert len(stopped) >= len(answers) / 2, answers
 
 
 def test_constrained_and_free_requests_share_steps(llm):
@@ -113,8 +137,197 @@ def test_malformed_constraints_are_refused(fields):
 
 
 def test_an_engine_with_structured_outputs_off_refuses_a_constraint_and_builds_fewer_samplers(llm):
-    off = LLM(None, **small_engine_args(max_model_len=256, max_num_seqs=16))  # the tests' default: off
+    off = LLM(None, **{**ENGINE, "enable_structured_outputs": False})  # the tests' default: off
     with pytest.raises(ValueError, match="enable_structured_outputs off"):
         off.generate([PROMPT], _params(StructuredOutputsParams(choice=CHOICES), 0, 0), use_tqdm=False)
     samplers_on, samplers_off = llm.engine.core.runner.shapes()[1], off.engine.core.runner.shapes()[1]
     assert len(samplers_on) == 2 * len(samplers_off) and {shape[2] for shape in samplers_off} == {0}
+
+
+def test_a_step_waiting_only_for_a_compile_sleeps_instead_of_spinning(llm, monkeypatch):
+    compiler = llm.engine.grammars
+    compile_now = compiler.compile
+    monkeypatch.setattr(compiler, "compile", lambda params: (time.sleep(0.3), compile_now(params))[1])
+    llm.engine.add_request("slow", PROMPT, _params(StructuredOutputsParams(regex="[a-z]{1,6}"), 0, 0))
+    steps, start = 0, time.monotonic()
+    while not llm.engine.core.scheduler.running and time.monotonic() - start < 10:
+        llm.engine.step()
+        steps += 1
+    assert llm.engine.core.scheduler.running, "the request started once its grammar compiled"
+    assert steps <= 0.3 / 0.01 + 10, steps  # a spinning loop steps thousands of times in 0.3 s
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+
+# ---- through the server, with the official openai client ------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    """A server with structured output and the Hermes tool call parser, on an engine built like `llm`'s (after
+    it, so its executables are the ones `llm` compiled)."""
+    options = dict(ENGINE)
+    options.pop("show_progress")
+    engine = LLMEngine(EngineConfig.for_model(None, **options), show_progress=False)
+    with running_server(build_app(engine, ServerConfig(api_key=KEY, tool_call_parser="hermes"))) as url:
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0)
+
+
+def _streamed_chat(client, **kwargs) -> tuple[str, list[dict], str]:
+    """(content, tool calls as {name, arguments}, finish reason) of a streamed chat, its deltas added up."""
+    content, calls, finish = "", [], None
+    for chunk in client.chat.completions.create(model="tiny-stdlib-llama", stream=True, **kwargs):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                if call.index == len(calls):
+                    calls.append({"name": call.function.name, "arguments": ""})
+                calls[call.index]["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def _chat(client, stream: bool, **kwargs) -> tuple[str | None, list[dict], str]:
+    """(content, tool calls as {name, arguments}, finish reason) of a chat, streamed or not."""
+    if stream:
+        return _streamed_chat(client, **kwargs)
+    choice = client.chat.completions.create(model="tiny-stdlib-llama", **kwargs).choices[0]
+    assert all(call.id.startswith("call_") and call.type == "function" for call in choice.message.tool_calls or [])
+    calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
+    return choice.message.content, calls, choice.finish_reason
+
+
+def _check(text: str, constraint: dict) -> None:
+    """`text` meets a constraint given as StructuredOutputsParams fields."""
+    if "json" in constraint:
+        jsonschema.validate(json.loads(text), constraint["json"])
+    elif "regex" in constraint:
+        assert re.fullmatch(constraint["regex"], text), text
+    else:
+        assert text in constraint["choice"], text
+
+
+def test_completions_with_vllm_fields_meet_their_constraints(client, server):
+    """extra_body's guided_json (every schema), guided_regex, guided_choice and structured_outputs, sampled, in
+    flight together; one of them streamed."""
+    cases = [("guided_json", schema, {"json": schema}) for schema in SCHEMAS]
+    cases += [("guided_regex", REGEX, {"regex": REGEX}), ("guided_choice", CHOICES, {"choice": CHOICES}),
+              ("structured_outputs", {"regex": REGEX}, {"regex": REGEX})]
+
+    def complete(case):
+        field, value, _ = case
+        return client.completions.create(model="tiny-stdlib-llama", prompt=PROMPT, max_tokens=160, temperature=1.0,
+                                         seed=7, extra_body={field: value})
+
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(complete, cases))
+    for (_, _, constraint), answer in zip(cases, answers):
+        assert answer.choices[0].finish_reason == "stop", answer.choices[0].text
+        _check(answer.choices[0].text, constraint)
+    streamed = client.completions.create(model="tiny-stdlib-llama", prompt=PROMPT, max_tokens=160, temperature=0,
+                                         stream=True, extra_body={"guided_json": SCHEMAS[3]})
+    jsonschema.validate(json.loads("".join(chunk.choices[0].text for chunk in streamed)), SCHEMAS[3])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_response_format_gives_json_of_the_schema(client, stream):
+    for schema in (SCHEMAS[0], SCHEMAS[4]):
+        response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+        kwargs = dict(messages=MESSAGES, max_tokens=160, temperature=0, response_format=response_format)
+        if stream:
+            text = _streamed_chat(client, **kwargs)[0]
+        else:
+            text = client.chat.completions.create(model="tiny-stdlib-llama", **kwargs).choices[0].message.content
+        jsonschema.validate(json.loads(text), schema)
+    answers = [_chat(client, stream, messages=MESSAGES, max_tokens=160, temperature=1.0, seed=seed,
+                     response_format={"type": "json_object"}) for seed in range(4)]
+    _check_json_objects([(content, finish) for content, _, finish in answers])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tool_choice_required_calls_tools_with_valid_arguments(client, stream):
+    content, calls, finish = _chat(client, stream, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                   max_tokens=200, temperature=1.0, seed=3)
+    assert not content and calls and finish == "tool_calls"
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
+    for call in calls:
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_named_tool_choice_calls_that_function(client, stream):
+    content, calls, finish = _chat(client, stream, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=0,
+                                   tool_choice={"type": "function", "function": {"name": "add"}})
+    assert not content and [call["name"] for call in calls] == ["add"] and finish == "stop"  # a named call keeps "stop"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), TOOLS[1]["function"]["parameters"])
+
+
+HERMES_CALL = (r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{2,8}", '
+               r'"unit": "celsius"\}\}</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_auto_reads_hermes_tool_calls_from_the_text(client, stream):
+    """The model is made to write a Hermes block (a regex on its output): "auto" finds the call in the text."""
+    content, calls, finish = _chat(client, stream, messages=MESSAGES, tools=TOOLS, max_tokens=120, temperature=1.0,
+                                   seed=5, extra_body={"guided_regex": "Sure[.] " + HERMES_CALL})
+    assert content == "Sure. " and finish == "tool_calls"
+    assert [call["name"] for call in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0]["arguments"]), TOOLS[0]["function"]["parameters"])
+    # left alone, the model writes no call: its reply is all content
+    free = client.chat.completions.create(model="tiny-stdlib-llama", messages=MESSAGES, tools=TOOLS, max_tokens=8,
+                                         temperature=0).choices[0]
+    assert free.message.content and not free.message.tool_calls and free.finish_reason == "length"
+
+
+def test_the_chat_template_renders_the_tools(server):
+    url, engine = server
+    import httpx
+
+    answer = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES, "tools": TOOLS}).json()
+    text = engine.tokenizer.decode(answer["tokens"])
+    assert '"name": "get_weather"' in text and '"name": "add"' in text
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"guided_regex": "(unclosed"}, "guided_regex", "cannot compile the regex constraint"),
+    ({"guided_json": {"type": "strin"}}, "guided_json", "cannot compile the json constraint"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
+     "response_format", "cannot compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "at most one output constraint"),
+    ({"structured_outputs": {"regex": "a", "colour": "red"}}, "structured_outputs", "colour"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "at most one"),
+])
+def test_a_bad_constraint_is_a_400_naming_its_field_and_queues_nothing(client, server, body, param, words):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="tiny-stdlib-llama", messages=MESSAGES, max_tokens=4, extra_body=body)
+    error = raised.value.body
+    assert error["param"] == param and words in error["message"], error
+    stats = server[1].stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["num_requests_waiting"] == 0
+
+
+def test_nothing_compiles_after_warm_up_with_constraints_in_the_batch(server, client):
+    """Run last in this file: every constrained request above ran on executables built at start-up."""
+    stats = server[1].stats()
+    assert stats["lazy_bucket_compilations"] == 0
+    assert stats["compilations_after_warmup"] == 0

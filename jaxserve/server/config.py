@@ -24,6 +24,9 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (vLLM's flag)
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (404 when off, as in vLLM)
     enable_server_load_tracking: bool = False  # GET /load counts requests in flight on the generation routes
+    # How tool calls are found in free text for tool_choice "auto" (server/tools.py TOOL_PARSERS); None: "auto"
+    # is refused. vLLM's --tool-call-parser (its --enable-auto-tool-choice is implied).
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s",
@@ -32,5 +35,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        from jaxserve.server.tools import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if not self.metrics_prefix.replace("_", "").isalnum():
             raise ValueError(f"metrics_prefix must be letters, digits and underscores, got {self.metrics_prefix!r}")

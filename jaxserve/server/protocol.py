@@ -5,9 +5,13 @@ Field names, defaults and checks follow OpenAI's API plus vLLM's extras (`top_k`
 `truncate_prompt_tokens`, ...). Sampling fields default to None ("unset"), so that the model's
 generation_config.json defaults can fill them. Unknown fields are kept (`extra="allow"`) and ignored,
 as OpenAI-compatible servers do, except the fields of OpenAI's and vLLM's APIs that would change the
-result and that this server does not implement (`UNSUPPORTED_FIELDS`: guided decoding, tools, ...; per
-route `route_unsupported`: beam search on chat, ...): those are refused with a 400 that names them unless
+result and that this server does not implement (`UNSUPPORTED_FIELDS`: structural tags, legacy functions, ...;
+per route `route_unsupported`: beam search on chat, ...): those are refused with a 400 that names them unless
 they hold their neutral value.
+
+Structured output comes in vLLM's shapes (`structured_outputs`, the older `guided_json` / `guided_regex` /
+`guided_choice` / `guided_grammar`) and OpenAI's (`response_format`), on both routes; tools (`tools`,
+`tool_choice`) on chat (jaxserve/server/tools.py). A request gives at most one constraint.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from jaxserve.server.errors import APIError
+from jaxserve.server.tools import NamedToolChoice, Tool, arguments_for_template, find_tool, required_schema
+from jaxserve.structured.params import StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -42,30 +48,18 @@ def _one_of(*neutral: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or value in neutral
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
-_GUIDED = "guided decoding (structured outputs) is not implemented"
-_TOOLS = "tool calling is not implemented"
+_GUIDED = "structured output runs on llguidance with the fields structured_outputs, guided_json, guided_regex, " \
+          "guided_choice, guided_grammar and response_format"
 _BEAM = "beam search is on /v1/completions only"
 
 # Fields of OpenAI's and vLLM's APIs that would change the result and that this server does not
 # implement: name -> (the test for values that change nothing, why the field is refused).
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "guided_json": (_unset, _GUIDED),
-    "guided_regex": (_unset, _GUIDED),
-    "guided_choice": (_unset, _GUIDED),
-    "guided_grammar": (_unset, _GUIDED),
     "guided_whitespace_pattern": (_unset, _GUIDED),
-    "guided_decoding_backend": (_unset, _GUIDED),
-    "structural_tag": (_unset, _GUIDED),
-    "structured_outputs": (_unset, _GUIDED),
-    "response_format": (_text_format, _GUIDED + "; only {\"type\": \"text\"} is accepted"),
-    "tools": (_empty, _TOOLS),
-    "tool_choice": (_one_of("none"), _TOOLS),
-    "functions": (_empty, _TOOLS),
-    "function_call": (_one_of("none"), _TOOLS),
+    "guided_decoding_backend": (_unset, _GUIDED + "; the backend is the server's"),
+    "structural_tag": (_unset, "structural tags are not implemented"),
+    "functions": (_empty, "the legacy functions field is not supported; use tools"),
+    "function_call": (_one_of("none"), "the legacy function_call field is not supported; use tool_choice"),
     "early_stopping": (_false, "beam search runs every beam to max_tokens (vLLM's algorithm)"),
     "suffix": (_empty, "the served models have no fill-in-the-middle support"),
     "prompt_embeds": (_unset, "prompts must be text or token ids"),
@@ -98,6 +92,24 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = True
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: a named JSON schema."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -140,6 +152,13 @@ class _SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False
     cache_salt: Any = None
+    # structured output: vLLM's fields (guided_* its older names), OpenAI's response_format
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    response_format: ResponseFormat | None = None
 
     def check(self) -> None:
         """APIError (400, naming the field) for unsupported fields and for values that SamplingParams
@@ -154,6 +173,39 @@ class _SamplingFields(BaseModel):
         if self.truncate_prompt_tokens == 0:
             raise APIError(400, "truncate_prompt_tokens must be -1 (keep as many prompt tokens as fit) or an "
                                 "int >= 1, got 0", "truncate_prompt_tokens")
+
+    def constraints(self) -> dict[str, dict[str, Any]]:
+        """The output constraints the request gives, each as StructuredOutputsParams fields, by the request
+        field that gives it."""
+        given: dict[str, dict[str, Any]] = {}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for kind in ("json", "regex", "choice", "grammar"):
+            if getattr(self, f"guided_{kind}") is not None:
+                given[f"guided_{kind}"] = {kind: getattr(self, f"guided_{kind}")}
+        response_format = self.response_format
+        if response_format is not None and response_format.type == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif response_format is not None and response_format.type == "json_schema":
+            if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+                raise APIError(400, 'a response_format of type "json_schema" needs json_schema.schema',
+                               "response_format")
+            given["response_format"] = {"json": response_format.json_schema.json_schema}
+        return given
+
+    def structured_output(self) -> StructuredOutputsParams | None:
+        """The request's one output constraint, or None; a 400 naming the field for two or a bad one."""
+        given = self.constraints()
+        if len(given) > 1:
+            raise APIError(400, f"a request takes at most one output constraint, got {', '.join(given)}",
+                           list(given)[1])
+        if not given:
+            return None
+        ((name, fields),) = given.items()
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as error:  # TypeError: a key StructuredOutputsParams does not have
+            raise APIError(400, f"{name}: {error}", name) from error
 
     def _check_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -182,7 +234,8 @@ class _SamplingFields(BaseModel):
         max_tokens = values.pop("max_tokens", None)
         if values.get("truncate_prompt_tokens") == -1:
             values["truncate_prompt_tokens"] = max_model_len - 1
-        return SamplingParams(max_tokens=max_tokens, **{k: v for k, v in values.items() if v is not None})
+        return SamplingParams(max_tokens=max_tokens, structured_outputs=self.structured_output(),
+                              **{k: v for k, v in values.items() if v is not None})
 
     def _sampling_values(self) -> dict[str, Any]:
         """The SamplingParams fields shared by both routes; None where the request leaves them unset."""
@@ -310,9 +363,18 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    # None: "auto" with tools, else "none" (OpenAI's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def check(self) -> None:
         super().check()
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise APIError(400, f"tool_choice {self.tool_choice_name()!r} needs tools", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool() is None:
+            raise APIError(400, f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                                "among the tools", "tool_choice")
         if self.top_logprobs not in (None, 0) and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
@@ -332,7 +394,34 @@ class ChatCompletionRequest(_SamplingFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them."""
-        return [message.for_template() for message in self.messages]
+        return [arguments_for_template(message.for_template()) for message in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (OpenAI's shape), or None."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def tool_choice_name(self) -> str:
+        """"none", "auto", "required" or "function" (a named function), with OpenAI's defaults."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def named_tool(self) -> Tool | None:
+        """The tool a named tool_choice calls (None when it is not among the tools, or none is named)."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return find_tool(self.tools or [], self.tool_choice.function.name)
+
+    def constraints(self) -> dict[str, dict[str, Any]]:
+        """The request's constraints, with the one `required` and a named function put on the output: a JSON
+        array of calls, or the function's arguments."""
+        given = super().constraints()
+        choice = self.tool_choice_name()
+        if choice == "required":
+            given["tool_choice"] = {"json": required_schema(self.tools, self.parallel_tool_calls)}
+        elif choice == "function":
+            given["tool_choice"] = {"json": self.named_tool().function.parameters_schema()}
+        return given
 
     def reply_role(self) -> str:
         """The role of the reply: the assistant's, or the last message's when the template adds no
@@ -365,8 +454,8 @@ class TokenizeRequest(BaseModel):
 
     def unsupported_fields(self) -> list[str]:
         """Set fields this server refuses: a request's own chat template (vLLM refuses it too unless
-        told to trust it) and tools (refused by /v1/chat/completions as well)."""
-        return [name for name in ("chat_template", "tools") if getattr(self, name)]
+        told to trust it)."""
+        return ["chat_template"] if self.chat_template else []
 
     def special_tokens(self) -> bool:
         """Whether the tokenizer adds its special tokens (BOS, ...) to the text."""

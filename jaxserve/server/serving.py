@@ -48,6 +48,15 @@ from jaxserve.server.responses import (
     usage,
     usage_of,
 )
+from jaxserve.server.tools import (
+    TOOL_PARSERS,
+    NamedCall,
+    RequiredCalls,
+    ToolCallExtractor,
+    ToolCallStream,
+    call_id,
+    tool_call_field,
+)
 from jaxserve.tokenizer import render_chat, render_chat_text
 
 logger = logging.getLogger("jaxserve")
@@ -109,7 +118,8 @@ class OpenAIServing:
         """The text the chat template makes of `body.messages` (400 when it cannot be rendered)."""
         try:
             return render_chat_text(self.tokenizer, [m.for_template() for m in body.messages],
-                                    body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
+                                    body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                                    body.tools)
         except (ValueError, TypeError) as error:
             raise APIError(400, f"the chat template cannot render these messages: {error}", "messages") from error
 
@@ -143,6 +153,7 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if body.use_beam_search:
             return await self._beam_search_completion(request_id, prompts, body, params, raw)
+        await self._compile_constraint(body, params)
         streams = self._submit(request_id, prompts, body, params)
         created = int(time.time())
         if body.stream and params.num_samples == params.n:
@@ -198,16 +209,19 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response | dict:
         """POST /v1/chat/completions."""
         params = self._sampling_params(body)
+        tools = self._tool_calls(body)
         try:
             prompt = render_chat(self.tokenizer, body.conversation(), body.add_generation_prompt,
-                                 body.continue_final_message, body.chat_template_kwargs)
+                                 body.continue_final_message, body.chat_template_kwargs, body.template_tools())
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), "messages") from error
+        await self._compile_constraint(body, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._submit(request_id, [prompt], body, params)
         created = int(time.time())
         if body.stream:
-            return EngineStreamingResponse(self._chat_chunks(request_id, created, streams[0], body, params), streams)
+            return EngineStreamingResponse(self._chat_chunks(request_id, created, streams[0], body, params, tools),
+                                           streams)
         outputs = await self._final_outputs(streams, body, raw)
         if outputs is None:
             return Response(status_code=499)
@@ -219,6 +233,12 @@ class OpenAIServing:
              "token_ids": c.token_ids if body.return_token_ids else None}
             for c in output.outputs
         ]
+        if tools is not None:
+            for choice, c in zip(choices, output.outputs):
+                content, calls = tools.extract(c.text, final=True)
+                choice["message"] = {"role": role, "content": (echo + content) or None,
+                                     "tool_calls": [tool_call_field(call, call_id()) for call in calls]}
+                choice["finish_reason"] = _finish_reason(c.finish_reason, bool(calls), tools)
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs),
                 "prompt_logprobs": prompt_logprobs_field(self.token_text, output.prompt_logprobs),
@@ -246,6 +266,37 @@ class OpenAIServing:
             return body.to_sampling_params(self.generation_defaults, self.max_model_len)
         except ValueError as error:  # SamplingParams' messages start with the field they are about
             raise APIError(400, str(error), body.param_of(str(error))) from error
+
+    def _tool_calls(self, body: ChatCompletionRequest) -> ToolCallExtractor | None:
+        """How the request's replies are split into content and tool calls (None: no tools, or tool_choice
+        "none"); a 400 for "auto" on a server without a tool call parser."""
+        choice = body.tool_choice_name()
+        if choice == "none":
+            return None
+        if choice == "required":
+            return RequiredCalls()
+        if choice == "function":
+            return NamedCall(body.tool_choice.function.name)
+        if self.config.tool_call_parser is None:
+            raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
+                                "--tool-call-parser (hermes or llama3_json); give tool_choice \"required\", a named "
+                                'function or "none"', "tool_choice")
+        return TOOL_PARSERS[self.config.tool_call_parser]()
+
+    async def _compile_constraint(self, body: _SamplingFields, params: SamplingParams) -> None:
+        """Compile the request's output constraint before anything is queued (on the grammar engine's threads; the
+        engine then finds it in the cache): a 400 naming the field for one that cannot be compiled."""
+        constraint = params.structured_outputs
+        if constraint is None:
+            return
+        field = next(iter(body.constraints()), None)
+        if not self.engine.engine.config.enable_structured_outputs:
+            raise APIError(400, "this server's engine runs with enable_structured_outputs off: it cannot constrain "
+                                "outputs", field)
+        try:
+            await asyncio.wrap_future(self.engine.engine.grammars.submit(constraint))
+        except ValueError as error:
+            raise APIError(400, str(error), field) from error
 
     def _submit(self, request_id: str, prompts: list, body: _SamplingFields,
                 params: SamplingParams) -> list[RequestStream]:
@@ -398,7 +449,7 @@ class OpenAIServing:
         return logprobs
 
     async def _chat_chunks(self, request_id: str, created: int, stream: RequestStream, body: ChatCompletionRequest,
-                           params: SamplingParams) -> AsyncIterator[bytes]:
+                           params: SamplingParams, tools: ToolCallExtractor | None) -> AsyncIterator[bytes]:
         """SSE chunks of a streamed chat completion: once the first output is in, the role of every choice
         (and the echo), then content; the last is `[DONE]`, or an error event when the engine fails the
         request."""
@@ -406,6 +457,7 @@ class OpenAIServing:
                 "model": self.config.served_model_name}
         encoder = ChunkEncoder(head)
         states = [ChoiceStream(params) for _ in range(params.n)]
+        calls = [None if tools is None else ToolCallStream(tools) for _ in range(params.n)]
         include_usage, continuous = self._stream_usage(body)
         final, opened = None, False
         try:
@@ -418,7 +470,8 @@ class OpenAIServing:
                         yield chunk
                     opened = True
                 for c in final.outputs:
-                    chunk = self._chat_delta(encoder, states[c.index], final, c, body, params, continuous)
+                    chunk = self._chat_delta(encoder, states[c.index], calls[c.index], final, c, body, params,
+                                             continuous)
                     if chunk is not None:
                         yield chunk
             if include_usage:
@@ -445,17 +498,28 @@ class OpenAIServing:
                                        "finish_reason": None}, usage=counts) for i in range(n)]
         return chunks
 
-    def _chat_delta(self, encoder: ChunkEncoder, state: ChoiceStream, output: RequestOutput, c: CompletionOutput,
-                    body: ChatCompletionRequest, params: SamplingParams, continuous: bool) -> bytes | None:
-        """The next chunk of sample `c` of a streamed chat, or None when there is nothing to send."""
+    def _chat_delta(self, encoder: ChunkEncoder, state: ChoiceStream, calls: ToolCallStream | None,
+                    output: RequestOutput, c: CompletionOutput, body: ChatCompletionRequest, params: SamplingParams,
+                    continuous: bool) -> bytes | None:
+        """The next chunk of sample `c` of a streamed chat (its text, or with tools its content and tool call
+        deltas), or None when there is nothing to send."""
         delta = state.advance(c)
         if delta is None:
             return None
         text, first_token = delta
-        choice = {"index": c.index, "delta": {"content": text} if text else {},
+        finish_reason = c.finish_reason
+        if calls is None:
+            message = {"content": text} if text else {}
+        else:
+            message = calls.advance(text, c.finish_reason is not None)
+            if not message and c.finish_reason is None and params.logprobs is None:
+                return None  # (held back: it may be a tool call's start)
+            if finish_reason is not None:
+                finish_reason = _finish_reason(finish_reason, calls.called, calls.extractor)
+        choice = {"index": c.index, "delta": message,
                   "logprobs": self._chat_logprobs(params, c.token_ids[first_token:],
                                                   c.logprobs and c.logprobs[first_token:]),
-                  "finish_reason": c.finish_reason}
+                  "finish_reason": finish_reason}
         if c.finish_reason is not None:
             choice["stop_reason"] = c.stop_reason
         if body.return_token_ids:
@@ -473,6 +537,14 @@ def _json_value(value: object) -> object:
         return value
     content = getattr(value, "content", None)  # a tokenizers AddedToken
     return content if isinstance(content, str) else str(value)
+
+
+def _finish_reason(finish_reason: str | None, called: bool, tools: ToolCallExtractor) -> str | None:
+    """A reply's finish reason with tools: "tool_calls" for a reply that stopped after calling tools on its own
+    or as `required` asked; a named function's reply keeps "stop" (OpenAI's and vLLM's rule)."""
+    if finish_reason == "stop" and called and not isinstance(tools, NamedCall):
+        return "tool_calls"
+    return finish_reason
 
 
 class RequestFailedError(Exception):

@@ -101,6 +101,11 @@ class RequestGrammar:
         return self._compiled.done()
 
     @property
+    def compile(self) -> concurrent.futures.Future:
+        """The compile (a future of the grammar), to wait on."""
+        return self._compiled
+
+    @property
     def error(self) -> str | None:
         """Why the compile failed, once it has; None otherwise."""
         if not self._compiled.done() or self._compiled.exception() is None:

@@ -1,0 +1,272 @@
+"""Tool calling on /v1/chat/completions: the request's `tools` and `tool_choice`, the constraint that enforces
+`required` and named functions, and the parsers that find tool calls in a model's free text (`auto`).
+
+Every way of calling tools is a `ToolCallExtractor`: `extract(text, final)` splits the output so far into
+content and tool calls, so that a non-final split's content and calls are prefixes of the final split's (text
+that may still turn into a call is held back). The final split answers a request; the differences between
+successive splits are the streamed deltas (`ToolCallStream`).
+
+- `required`: the output is constrained to a JSON array of `{"name": ..., "parameters": {...}}` objects, one
+  schema per tool (vLLM's format); each complete element is a call.
+- a named function: the output is constrained to the function's parameters schema; the whole output is the
+  call's arguments, streamed as it grows.
+- `auto`: the model decides; `--tool-call-parser` names the format its chat template taught it: `hermes`
+  (Hermes, Qwen 2.5 / 3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among the text) or
+  `llama3_json` (Llama 3.1 / 3.2: the reply is `{"name": ..., "parameters": {...}}` objects separated by `;`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_DECODER = json.JSONDecoder()
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: its name and its parameters' JSON schema."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def parameters_schema(self) -> dict[str, Any]:
+        """The schema of the call's arguments (an object of any keys when the tool gives none)."""
+        return self.parameters if self.parameters is not None else {"type": "object"}
+
+
+class Tool(BaseModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming one function: the model must call it."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    """One call found in the output: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallExtractor:
+    """Splits a model's output into (content, tool calls); see the module docstring."""
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        raise NotImplementedError
+
+
+def _call(value: Any) -> ToolCall | None:
+    """A ToolCall of a decoded `{"name": ..., "parameters" or "arguments": {...}}`, or None for anything else."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("parameters", value.get("arguments", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _leading_calls(text: str, start: int, separator: str) -> tuple[list[ToolCall], int]:
+    """The calls that JSON objects of `text` from `start` on make, separated by `separator` (and whitespace),
+    up to the first value that does not decode or is not a call; (the calls, where the text after them starts)."""
+    calls, position, end = [], start, start
+    while True:
+        position = len(text) - len(text[position:].lstrip())
+        try:
+            value, value_end = _DECODER.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return calls, end
+        call = _call(value)
+        if call is None:
+            return calls, end
+        calls.append(call)
+        end = value_end
+        rest = text[end:].lstrip()
+        if not rest.startswith(separator):
+            return calls, end
+        position = len(text) - len(rest) + len(separator)
+
+
+class RequiredCalls(ToolCallExtractor):
+    """`tool_choice: "required"`: the constrained output is a JSON array of {name, parameters}."""
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        opening = text.lstrip()
+        if not opening.startswith("["):
+            return (text if final else ""), []
+        calls, end = _leading_calls(text, len(text) - len(opening) + 1, ",")
+        rest = text[end:] if calls else text
+        return ("" if not final or rest.strip() == "]" else rest), calls
+
+
+class NamedCall(ToolCallExtractor):
+    """A named function: the constrained output is its arguments."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        return "", [ToolCall(self.name, text)]
+
+
+class HermesParser(ToolCallExtractor):
+    """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; the text outside them is content."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        content, calls, position = [], [], 0
+        while True:
+            start = text.find(self.OPEN, position)
+            if start < 0:
+                rest = text[position:]
+                content.append(rest if final else rest[:len(rest) - _partial_suffix(rest, self.OPEN)])
+                break
+            end = text.find(self.CLOSE, start)
+            if end < 0:  # an open block: a call in the making, or (once finished) text
+                content.append(text[position:] if final else text[position:start])
+                break
+            content.append(text[position:start])
+            call = self._block_call(text[start + len(self.OPEN):end])
+            if call is None:
+                content.append(text[start:end + len(self.CLOSE)])
+            else:
+                calls.append(call)
+            position = end + len(self.CLOSE)
+        return "".join(content), calls
+
+    @staticmethod
+    def _block_call(block: str) -> ToolCall | None:
+        try:
+            return _call(json.loads(block))
+        except json.JSONDecodeError:
+            return None
+
+
+class Llama3JsonParser(ToolCallExtractor):
+    """Llama 3.1's JSON tool calls: a reply that starts with `{` (or `<|python_tag|>`) is calls
+    `{"name": ..., "parameters": {...}}` separated by `;`; any other reply is content."""
+
+    TAG = "<|python_tag|>"
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        stripped = text.lstrip()
+        if not final and self.TAG.startswith(stripped):  # the tag in the making
+            return "", []
+        if stripped.startswith(self.TAG):
+            stripped = stripped[len(self.TAG):].lstrip()
+        if stripped and not stripped.startswith("{"):
+            return text, []
+        calls, end = _leading_calls(text, len(text) - len(stripped), ";")
+        rest = text[end:] if calls else text
+        return (rest if final and rest.strip() else ""), calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (text held back: it may become the marker)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+TOOL_PARSERS: dict[str, type[ToolCallExtractor]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+
+
+def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
+    """The JSON schema `required` constrains the output to: an array of calls of the tools (one, unless
+    `parallel`), each `{"name": <the tool's name>, "parameters": <its arguments>}`."""
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                              "parameters": tool.function.parameters_schema()},
+              "required": ["name", "parameters"], "additionalProperties": False} for tool in tools]
+    schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    return schema if parallel else {**schema, "maxItems": 1}
+
+
+def call_id() -> str:
+    """A fresh tool call id, in OpenAI's shape."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call_field(call: ToolCall, id_: str) -> dict[str, Any]:
+    """A call as a message's `tool_calls` entry."""
+    return {"id": id_, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+class ToolCallStream:
+    """What of one choice's content and tool calls has been streamed; hands out the next delta."""
+
+    def __init__(self, extractor: ToolCallExtractor):
+        self.extractor = extractor
+        self.text = ""
+        self.content_sent = 0
+        self.sent: list[tuple[str, int]] = []  # per call sent: (its id, characters of its arguments sent)
+
+    def advance(self, text: str, final: bool) -> dict[str, Any]:
+        """The delta (`content` and / or `tool_calls`) after `text` more of the output; {} when there is none."""
+        self.text += text
+        content, calls = self.extractor.extract(self.text, final)
+        delta: dict[str, Any] = {}
+        if len(content) > self.content_sent:
+            delta["content"] = content[self.content_sent:]
+            self.content_sent = len(content)
+        deltas = []
+        for index, call in enumerate(calls):
+            if index == len(self.sent):
+                self.sent.append((call_id(), 0))
+                deltas.append({"index": index, **tool_call_field(call, self.sent[index][0])})
+            elif len(call.arguments) > self.sent[index][1]:
+                deltas.append({"index": index, "function": {"arguments": call.arguments[self.sent[index][1]:]}})
+            self.sent[index] = (self.sent[index][0], len(call.arguments))
+        if deltas:
+            delta["tool_calls"] = deltas
+        return delta
+
+    @property
+    def called(self) -> bool:
+        """A tool call was sent."""
+        return bool(self.sent)
+
+
+def arguments_for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message as chat templates expect it: each tool call's `arguments` a mapping, not JSON text
+    (Hermes / Qwen and Llama templates write them with `tojson`)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    rendered = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                function = {**function, "arguments": json.loads(function["arguments"])}
+            except json.JSONDecodeError:
+                pass
+            call = {**call, "function": function}
+        rendered.append(call)
+    return {**message, "tool_calls": rendered}
+
+
+def find_tool(tools: list[Tool], name: str) -> Tool | None:
+    """The tool named `name`, or None."""
+    return next((tool for tool in tools if tool.function.name == name), None)
+
