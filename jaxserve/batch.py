@@ -259,8 +259,9 @@ def padded_prompt_logprob_arrays(num_tokens: int) -> dict[str, np.ndarray]:
 
 def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: BucketLadders,
                          vocab_size: int) -> SamplingBatch:
-    """Per-row sampling parameters, padded to `num_rows`; penalty/ban token lists padded to a P bucket; the
-    token bitmask of each sampling row with a grammar (structured output), present only when one has."""
+    """Per-row sampling parameters, padded to `num_rows`; penalty/ban token lists padded to a P bucket; room for the
+    token bitmask of each sampling row with a grammar (structured output) when one has, every bit set until
+    `fill_token_bitmasks`."""
     aux_rows = [_aux_tokens(item.request, item.sample_index) for item in output.scheduled]
     aux_width = pick_bucket(ladders.aux_widths, max((len(ids) for ids, _, _ in aux_rows), default=0))
     constrained = any(item.request.grammar is not None and item.samples for item in output.scheduled)
@@ -285,11 +286,21 @@ def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: Bucket
         arrays["aux_token_kind"][row, : len(kinds)] = kinds
         arrays["aux_values"][row, : len(values)] = values
         need_logprobs |= params.logprobs is not None
-        if constrained and request.grammar is not None and item.samples:
-            request.grammar.matcher.fill(arrays["token_bitmask"], row)
 
     arrays["need_logprobs"] = np.asarray(need_logprobs)
     return SamplingBatch(**arrays)
+
+
+def fill_token_bitmasks(sampling: SamplingBatch, output: SchedulerOutput) -> None:
+    """Write each constrained sampling row's mask of allowed tokens into `sampling.token_bitmask` (R, M), from its
+    grammar's matcher: once the matcher has taken every token before the row's (the step in flight brought), just
+    before the step is dispatched. Rows of requests that ended meanwhile keep every bit set (their samples are
+    dropped)."""
+    if sampling.token_bitmask.shape[1] == 0:
+        return
+    for row, item in enumerate(output.scheduled):
+        if item.request.grammar is not None and item.samples and not item.request.is_finished:
+            item.request.grammar.matcher.fill(sampling.token_bitmask, row)
 
 
 def padded_sampling_arrays(num_rows: int, aux_width: int, mask_width: int = 0) -> dict[str, np.ndarray]:

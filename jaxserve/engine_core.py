@@ -19,6 +19,7 @@ from jaxserve.batch import (
     build_prompt_logprob_batch,
     build_proposals,
     build_sampling_batch,
+    fill_token_bitmasks,
 )
 from jaxserve.config import EngineConfig
 from jaxserve.kv import fp8
@@ -138,8 +139,8 @@ class EngineCore:
         changed: list[Request] = self.scheduler.fail_grammars()
         if self._in_flight and any(request.needs_output_on_host for request in self.scheduler.running):
             changed += self._collect()
-        launched, failed = self._launch()
-        changed += failed
+        launched, more = self._launch()
+        changed += more
         if not launched and not self._in_flight and not changed:  # nothing to do but wait for grammars
             compiles = self.scheduler.pending_compiles()
             if compiles:
@@ -153,7 +154,12 @@ class EngineCore:
         return changed
 
     def _launch(self) -> tuple[bool, list[Request]]:
-        """Schedule, build and dispatch one step; (whether one was dispatched, requests that failed)."""
+        """Schedule, build and dispatch one step; (whether one was dispatched, requests that failed or got tokens).
+
+        A step with constrained rows is planned, built and its forward dispatched like any other, the step in
+        flight running meanwhile; their masks need the tokens that step samples, so it is brought back (its
+        requests are returned) and the masks filled while this step's forward runs, and only its sampler waits
+        for them."""
         with self.timing.measure("schedule"):
             output = self.scheduler.schedule()
         self.counters["preemptions"] += len(output.preempted_ids)
@@ -167,15 +173,25 @@ class EngineCore:
                 batch, sampling, (prompt, prompt_counts), steps, proposals = self._build_inputs(output)
             except Exception:
                 return False, self._fail_unbuildable(output)
-        started = time.perf_counter()
-        with self.timing.measure("dispatch"):
-            pending = self.runner.dispatch(batch, sampling, prompt, steps, proposals)
+        started, collected = time.perf_counter(), []
+        if sampling.token_bitmask.shape[1]:  # constrained rows (never a multi-step or verifying step)
+            with self.timing.measure("dispatch"):
+                forward = self.runner.dispatch_forward(batch, prompt)
+            while self._in_flight:
+                collected += self._collect()
+            with self.timing.measure("build"):
+                fill_token_bitmasks(sampling, output)
+            with self.timing.measure("dispatch"):
+                pending = self.runner.dispatch_sampler(forward, sampling)
+        else:
+            with self.timing.measure("dispatch"):
+                pending = self.runner.dispatch(batch, sampling, prompt, steps, proposals)
         self.timing.dispatched(started, pending.ready)
         self._in_flight.append(_InFlight(output, prompt_counts, pending))
         self.counters["steps"] += 1
         self.counters["scheduled_tokens"] += sum(item.num_positions for item in output.scheduled)
         self.counters["padded_tokens"] += batch.input_ids.shape[0] * max(item.num_steps for item in output.scheduled)
-        return True, []
+        return True, collected
 
     def _collect(self) -> list[Request]:
         """Wait for the oldest step in flight and bring its samples to the scheduler."""

@@ -118,8 +118,9 @@ class Request:
     @property
     def needs_output_on_host(self) -> bool:
         """True when building this request's next sampling row reads its output token ids (penalties,
-        bad words, a grammar's matcher), so a step must not be planned while one of its tokens is still on the device."""
-        return self.sampling_params.needs_penalties or bool(self.bad_words_token_ids) or self.grammar is not None
+        bad words), so a step must not be planned while one of its tokens is still on the device. (A grammar's mask
+        is filled after planning, once the step in flight is back: EngineCore._launch.)"""
+        return self.sampling_params.needs_penalties or bool(self.bad_words_token_ids)
 
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Token ids at positions [start, stop) of prompt + output."""

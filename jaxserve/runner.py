@@ -97,6 +97,16 @@ class StepOutput:
 
 
 @dataclasses.dataclass
+class ForwardStep:
+    """A dispatched forward whose sampler is not dispatched yet."""
+
+    logits: jax.Array  # (R, V) float32, on the device
+    prompt_scored: tuple | None  # the prompt-logprob executable's outputs, when the step scored prompt tokens
+    num_seqs: int  # real rows
+    num_prompt_targets: int  # real prompt-logprob entries
+
+
+@dataclasses.dataclass
 class PendingStep:
     """A dispatched step: device arrays the host has not fetched yet."""
 
@@ -488,24 +498,34 @@ class Runner:
         device and return at once; `PendingStep.fetch()` waits for the samples. A token whose id the host
         does not have yet is read from the previous dispatch's samples (`batch.device_token_index`). With
         `decode_steps`, a decode-only batch runs several iterations in one call (decode_steps.py)."""
-        num_tokens, (num_rows, width) = batch.input_ids.shape[0], batch.page_table.shape
         if decode_steps is not None:
             return self._dispatch_decode_steps(batch, sampling, decode_steps)
         if proposals is not None:
             return self._dispatch_verify(batch, sampling, proposals)
+        return self.dispatch_sampler(self.dispatch_forward(batch, prompt), sampling)
+
+    def dispatch_forward(self, batch: BatchDescriptor, prompt: PromptLogprobBatch | None = None) -> "ForwardStep":
+        """The first half of `dispatch` (a plain step): start the model (and the scoring of prompt tokens) and
+        return at once; the host may then finish the sampling batch (the grammar masks) while it runs."""
+        num_tokens, width = batch.input_ids.shape[0], batch.page_table.shape[1]
         forward = self._executable(self._forward_exec, (num_tokens, width), self.forward_call)
-        sampler = self._executable(self._sample_exec, (num_rows, *sampling.aux_token_ids.shape[1:],
-                                                       *sampling.token_bitmask.shape[1:]), self.sampler_call)
-        batch_words, sampling_words = jax.device_put((pack(batch)[0], pack(sampling)[0]), self._replicated)
+        batch_words = jax.device_put(pack(batch)[0], self._replicated)
         logits, hidden, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, batch_words)
-        out, self.last_tokens = sampler(logits, sampling_words)
         scored, num_targets = None, 0
         if prompt is not None:
             scorer = self._executable(self._prompt_exec, (num_tokens,), self.prompt_logprobs_call)
             scored = scorer(self.params, hidden, jax.device_put(pack(prompt)[0], self._replicated))
             num_targets = int(prompt.num_targets)
+        return ForwardStep(logits, scored, int(batch.num_seqs), num_targets)
+
+    def dispatch_sampler(self, step: "ForwardStep", sampling: SamplingBatch) -> "PendingStep":
+        """The second half of `dispatch`: start the sampler on a dispatched forward's logits."""
+        num_rows = sampling.temperature.shape[0]
+        sampler = self._executable(self._sample_exec, (num_rows, *sampling.aux_token_ids.shape[1:],
+                                                       *sampling.token_bitmask.shape[1:]), self.sampler_call)
+        out, self.last_tokens = sampler(step.logits, jax.device_put(pack(sampling)[0], self._replicated))
         logprobs = (out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs) if sampling.need_logprobs else None
-        return self._pending(out.token_ids, logprobs, scored, int(batch.num_seqs), num_targets)
+        return self._pending(out.token_ids, logprobs, step.prompt_scored, step.num_seqs, step.num_prompt_targets)
 
     def _dispatch_decode_steps(self, batch: BatchDescriptor, sampling: SamplingBatch,
                                steps: DecodeSteps) -> "PendingStep":

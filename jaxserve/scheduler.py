@@ -587,9 +587,9 @@ class _StepPlan:
 
 def _decodes_plainly(item: ScheduledRequest) -> bool:
     """True for a one-token decode whose sampling reads nothing but its logits and seed (no penalties, bans,
-    biases, allowed ids or logprobs), so several of its tokens can be sampled on the device in a row."""
+    grammar, biases, allowed ids or logprobs), so several of its tokens can be sampled on the device in a row."""
     request, params = item.request, item.request.sampling_params
-    return (item.samples and item.num_new_tokens == 1 and not request.needs_output_on_host
+    return (item.samples and item.num_new_tokens == 1 and not request.needs_output_on_host and request.grammar is None
             and item.sample_index >= params.min_tokens and not params.allowed_token_ids and not params.logit_bias
             and params.logprobs is None and not request.num_prompt_logprobs_missing
             and len(request.eos_token_ids) <= MAX_EOS_TOKEN_IDS)

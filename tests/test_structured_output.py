@@ -110,6 +110,17 @@ def test_constrained_and_free_requests_share_steps(llm):
     assert mixed[1].outputs[0].text in CHOICES
 
 
+def test_constrained_steps_give_the_same_tokens_with_and_without_asynchronous_scheduling(llm):
+    """Asynchronously, a constrained step is planned and its forward dispatched before the step in flight is back,
+    and its masks filled once it is: the tokens are those of the synchronous engine."""
+    sync = LLM(None, **{**ENGINE, "async_scheduling": False})  # built like `llm`: its executables, no compiling
+    params = [_params(StructuredOutputsParams(json=schema), 0.0, 0) for schema in SCHEMAS]
+    params += [_params(StructuredOutputsParams(regex=REGEX), 1.0, 3), SamplingParams(max_tokens=24, temperature=0)]
+    tokens = [[o.outputs[0].token_ids for o in engine.generate([PROMPT] * len(params), params, use_tqdm=False)]
+              for engine in (llm, sync)]
+    assert tokens[0] == tokens[1]
+
+
 def test_a_constraint_compiles_once(llm):
     compiler = llm.engine.grammars
     constraint = StructuredOutputsParams(json=SCHEMAS[0])
