@@ -50,6 +50,7 @@ DEFAULT_DEVICES = {"cuda": "h100", "tpu": "tpu-v5p"}  # when neither --device no
 BUCKET_SETS = {  # --buckets: which buckets are lowered
     "all": "every bucket the engine compiles",
     "edges": "the smallest and largest rung of each ladder, and the token rungs either side of max_num_seqs",
+    "largest": "the largest bucket of each kind (the quickest check that a config lowers and fits)",
 }
 # The order of Runner.shapes().
 KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify", "verify_sampler")
@@ -251,9 +252,11 @@ def shard_bytes(tree) -> int:
 def select_buckets(ladders, shapes: tuple[list, ...], which: str) -> tuple[list, ...]:
     """Runner.shapes() itself for "all"; for "edges", the smallest and largest rung of each ladder, plus the
     token rungs on either side of max_num_seqs (where rows stop growing with tokens), and for the sampler the
-    smallest penalty history besides none."""
+    smallest penalty history besides none; for "largest", the largest bucket of each kind."""
     if which == "all":
         return shapes
+    if which == "largest":
+        return tuple([max(kind)] if kind else [] for kind in shapes)
     uncapped = [t for t in ladders.tokens if ladders.rows_for(t) == t]
     capped = [t for t in ladders.tokens if ladders.rows_for(t) < t]
     tokens = {ladders.tokens[0], ladders.tokens[-1], *uncapped[-1:], *capped[:1]}

@@ -2,10 +2,12 @@
 checkpoint), picks the backend each platform would, and sizes device memory with kv/sizing.py.
 
 The shipped configs run in one subprocess (the 70B config needs 8 devices; this process has 4) with
-`--buckets edges`, to keep this file under a minute on a 2-core CPU (`--buckets all` is the docs run); the
-failure reports are checked in this process on the bundled model."""
+`--buckets largest`, to keep this file near a minute on a 2-core CPU (`--buckets all` is the docs run); the
+edge selection is checked on the 8B config's ladders, and the failure reports in this process on the bundled
+model."""
 
 import glob
+import itertools
 import json
 import os
 import subprocess
@@ -14,6 +16,7 @@ import sys
 import pytest
 
 from jaxserve import check_config
+from jaxserve.batch import BucketLadders
 from jaxserve.cli import build_parser
 from jaxserve.config import CONFIGS_DIR, EngineConfig
 from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES
@@ -24,12 +27,12 @@ SHIPPED = sorted(glob.glob(os.path.join(CONFIGS_DIR, "*.yaml")))
 
 @pytest.fixture(scope="module")
 def shipped(tmp_path_factory):
-    """(the command's result, its JSON by config name) for every shipped config, both platforms, edge buckets;
-    in a fresh process, which sets its own device count and XLA flags."""
+    """(the command's result, its JSON by config name) for every shipped config, both platforms, the largest
+    bucket of each kind; in a fresh process, which sets its own device count and XLA flags."""
     path = tmp_path_factory.mktemp("check") / "checks.json"
     env = {**os.environ, "PYTHONPATH": ROOT}
     env.pop("XLA_FLAGS", None)  # this process's 4 simulated devices are not the command's business
-    command = [sys.executable, "-m", "jaxserve.cli", "check-config", *SHIPPED, "--buckets", "edges",
+    command = [sys.executable, "-m", "jaxserve.cli", "check-config", *SHIPPED, "--buckets", "largest",
                "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -57,18 +60,33 @@ def test_every_shipped_config_lowers_for_cuda_and_tpu(shipped):
     assert result.stdout.count("| cuda |") == result.stdout.count("| tpu |") == len(SHIPPED)
 
 
-def test_edges_are_each_ladders_ends_and_the_rungs_either_side_of_max_num_seqs(shipped):
+def test_the_largest_buckets_are_lowered_and_every_executable_counted(shipped):
     _, checks = shipped
     check = checks["llama-3.1-8b-1xh200"]
     # each sampler bucket twice: without and with the structured-output token bitmask (128256 / 32 words)
     assert check["executables"] == {"forward": 70, "sampler": 70, "prompt_logprobs": 10, "decode_steps": 0, "verify": 0,
                                    "verify_sampler": 0}
     buckets = {(b["kind"], tuple(b["shape"])) for b in check["platforms"][0]["buckets"]}
-    forward = {shape for kind, shape in buckets if kind == "forward"}
-    assert forward == {(t, w) for t in (16, 256, 512, 8192) for w in (1, 2048)}  # max_num_seqs 256
-    assert {shape[0] for kind, shape in buckets if kind == "sampler"} == {16, 256}
-    assert {shape[2] for kind, shape in buckets if kind == "sampler"} == {0, 4008}
-    assert {shape for kind, shape in buckets if kind == "prompt_logprobs"} == {(16,), (8192,)}
+    (sampler,) = [shape for kind, shape in buckets if kind == "sampler"]
+    assert buckets == {("forward", (8192, 2048)), ("sampler", sampler), ("prompt_logprobs", (8192,))}
+    assert sampler[0] == 256 and sampler[1] > 32768 and sampler[2] == 4008  # penalty histories of max_model_len+
+
+
+def test_edges_are_each_ladders_ends_and_the_rungs_either_side_of_max_num_seqs():
+    """On the 8B config's ladders (max_num_seqs 256), with the shapes Runner.shapes() makes of them."""
+    config = EngineConfig.from_yaml(os.path.join(CONFIGS_DIR, "llama-3.1-8b-1xh200.yaml"))
+    ladders = BucketLadders.build(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
+                                  config.page_size, config.min_token_bucket, max_aux_extra=0)
+    shapes = (list(itertools.product(ladders.tokens, ladders.page_widths)),
+              list(itertools.product(ladders.row_buckets(), ladders.aux_widths, (0, 4008))),
+              [(t,) for t in ladders.tokens], [], [], [])
+    forward, sampler, prompt, *_ = check_config.select_buckets(ladders, shapes, "edges")
+    assert set(forward) == {(t, w) for t in (16, 256, 512, 8192) for w in (1, 2048)}
+    assert {shape[0] for shape in sampler} == {16, 256} and {shape[2] for shape in sampler} == {0, 4008}
+    assert {shape[1] for shape in sampler} == {0, ladders.aux_widths[1], ladders.aux_widths[-1]}
+    assert set(prompt) == {(16,), (8192,)}
+    largest = check_config.select_buckets(ladders, shapes, "largest")
+    assert largest[:3] == ([(8192, 2048)], [max(shapes[1])], [(8192,)]) and largest[3:] == ([], [], [])
 
 
 def test_memory_estimate_of_the_8b_config_on_an_h200(shipped):

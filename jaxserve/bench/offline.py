@@ -262,14 +262,14 @@ def default_num_pages(workload: Workload, max_num_seqs: int, page_size: int, max
 
 def engine_config(args: argparse.Namespace, folder: str, system: str = "jaxserve") -> EngineConfig:
     """The engine options of a jaxserve system (jaxserve-sync: async_scheduling off; jaxserve-static:
-    batching="static", which turns prefix caching off)."""
+    batching="static", which turns prefix caching off), without the structured-output sampler buckets."""
     extra = {"jaxserve": {}, "jaxserve-sync": {"async_scheduling": False},
              "jaxserve-static": {"batching": "static"}}[system]
     return EngineConfig(
         model=folder, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
         num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         min_token_bucket=args.min_token_bucket, seed=args.seed, compilation_cache_dir=args.compilation_cache_dir,
-        load_format=args.load_format, **extra)
+        load_format=args.load_format, enable_structured_outputs=False, **extra)  # no benchmark request constrains
 
 
 def peer_blocker(name: str, args: argparse.Namespace, folder: str, dtype: str) -> str | None:
