@@ -5,7 +5,8 @@ and it depends on nothing, where xgrammar needs torch and triton at run time).
 `GrammarCompiler` turns `StructuredOutputsParams` into a validated grammar, once per distinct constraint (an LRU
 cache), on a thread pool so the engine loop never waits for a compile (`submit`). A `Matcher` follows one
 request's output: `fill` writes the (V/32,) int32 bitmask of the tokens allowed next, `accept` advances with the
-sampled token, `rollback` undoes tokens (speculative decoding, preemption).
+sampled token. (Nothing rolls a matcher back: constrained rows never verify speculative proposals, and a preempted
+request keeps the tokens its matcher took.)
 """
 
 from __future__ import annotations
@@ -134,11 +135,6 @@ class Matcher:
     def accept(self, token_id: int) -> bool:
         """Advance with a sampled token; False (and the matcher unchanged) when the grammar does not allow it."""
         return bool(self._matcher.consume_token(token_id))
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens."""
-        if num_tokens:
-            self._matcher.rollback(num_tokens)
 
     @property
     def is_finished(self) -> bool:
