@@ -17,10 +17,9 @@ more run.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
+from jaxserve.bench.effects import timed_methods
 from jaxserve.bench.harness import System, compare, ratios, run_once, timing
 from jaxserve.bench.workloads import BenchRequest, random_workload, vocab_ids
 from jaxserve.config import EngineConfig
@@ -35,7 +34,7 @@ RECORDS = {"type": "array", "minItems": 1000, "items": {
                    "score": {"type": "number", "minimum": 0, "maximum": 1}}}}
 
 
-def constrained_every_other(workload) -> callable:
+def constrained_every_other(workload) -> Callable[[BenchRequest], SamplingParams]:
     """Sampling parameters that constrain every other request of `workload` (greedy, exact lengths)."""
     constrained = {request.prompt_token_ids for request in workload.requests[::2]}
 
@@ -44,30 +43,6 @@ def constrained_every_other(workload) -> callable:
         return SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True,
                               structured_outputs=structured)
     return params
-
-
-@contextlib.contextmanager
-def timed_matcher() -> Iterator[dict[str, float]]:
-    """Seconds spent in Matcher.fill and Matcher.accept while inside (the class's methods wrapped, then restored)."""
-    totals = {"fill": 0.0, "accept": 0.0}
-    originals = {name: getattr(Matcher, name) for name in totals}
-
-    def timed(name):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return originals[name](*args, **kwargs)
-            finally:
-                totals[name] += time.perf_counter() - start
-        return wrapper
-
-    for name in totals:
-        setattr(Matcher, name, timed(name))
-    try:
-        yield totals
-    finally:
-        for name, method in originals.items():
-            setattr(Matcher, name, method)
 
 
 def per_step(runs, phase: str) -> float:
@@ -94,7 +69,7 @@ def main() -> None:
     runs = compare(systems, args.repeats, print)
     sides = [timing(side) for side in runs]
     ratio = ratios(sides[1], sides[0], runs[1], runs[0])
-    with timed_matcher() as matcher:
+    with timed_methods(Matcher, ("fill", "accept")) as matcher:
         extra = run_once(engine, workload, half)
     steps = len(extra.result.steps)
     print(f"\n{args.num_requests} requests, prompts 16-128 random tokens, {args.output_len} output tokens each, "
@@ -106,8 +81,9 @@ def main() -> None:
               f"{per_step(side_runs, 'build'):.2f} | {per_step(side_runs, 'update'):.2f} |")
     print(f"\nhalf / none: {ratio['mean']:.3f} mean, {ratio['best']:.3f} best, per round "
           f"{', '.join(f'{r:.3f}' for r in ratio['rounds'])}")
-    print(f"grammar engine per step (one more run of 'half', {steps} steps): masks {1000 * matcher['fill'] / steps:.2f} "
-          f"ms, matcher advance {1000 * matcher['accept'] / steps:.2f} ms, of a {1000 * extra.result.seconds / steps:.2f}"
+    print(f"grammar engine per step (one more run of 'half', {steps} steps): masks "
+          f"{1000 * matcher['fill']['seconds'] / steps:.2f} ms, matcher advance "
+          f"{1000 * matcher['accept']['seconds'] / steps:.2f} ms, of a {1000 * extra.result.seconds / steps:.2f}"
           f" ms step")
 
 

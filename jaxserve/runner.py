@@ -414,9 +414,11 @@ class Runner:
             for key in keys:
                 function, args = call(*key)
                 shared_key = self._shared_key(function, args)
-                table[key] = _shared_executable(shared_key)
-                if table[key] is None:
+                shared = _shared_executable(shared_key)
+                if shared is None:
                     lowered.append(((table, key, shared_key), function.lower(*args)))
+                else:
+                    table[key] = shared
         compile_all(lowered, description, show_progress)
 
     def _shared_key(self, function: Callable, args: tuple) -> tuple:
@@ -562,7 +564,7 @@ class Runner:
     def _executable(self, table: dict, key: tuple[int, ...], call: Callable) -> jax.stages.Compiled:
         """Look up a compiled bucket (`call(*key)` gives its function and arguments); compiling here means
         warm-up missed a shape (counted)."""
-        if table.get(key) is None:
+        if key not in table:
             self.num_lazy_compiles += 1
             function, args = call(*key)
             table[key] = function.lower(*args).compile()

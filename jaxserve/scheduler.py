@@ -163,7 +163,8 @@ class Scheduler:
             candidates = self._static_batch_waiting()
         else:
             candidates = [r for r in self._waiting_in_order() if not self._waits_for_fork(r)]
-        candidates = [r for r in candidates if r.grammar is None or r.grammar.ready]  # the others wait
+        # a request whose grammar is compiling waits; one whose compile failed is ended by fail_grammars
+        candidates = [r for r in candidates if r.grammar is None or (r.grammar.ready and r.grammar.error is None)]
         for request in candidates:
             if request.request_id in plan.preempted_ids:
                 continue  # never readmitted in the step that preempted it

@@ -259,9 +259,11 @@ def plot_timelines(plot_dir: str, runs: list[Run]) -> list[str]:
 
 @contextlib.contextmanager
 def timed_methods(owner: object, names: Sequence[str]) -> Iterator[dict[str, dict]]:
-    """Time the methods `names` of the object `owner` while inside: yields {name: {"seconds", "calls"}}, summed
-    over the calls. Each is wrapped by an instance attribute, removed at the end."""
+    """Time the methods `names` of `owner` (an object, or a class: every instance's calls) while inside: yields
+    {name: {"seconds", "calls"}}, summed over the calls. Each is wrapped by an attribute of `owner`, removed at the
+    end (a class gets its own function back)."""
     totals = {name: {"seconds": 0.0, "calls": 0} for name in names}
+    own = {name: vars(owner)[name] for name in names if name in vars(owner)}  # a class's own functions
 
     def timed(method, total):
         def wrapper(*args, **kwargs):
@@ -279,7 +281,10 @@ def timed_methods(owner: object, names: Sequence[str]) -> Iterator[dict[str, dic
         yield totals
     finally:
         for name in names:
-            delattr(owner, name)
+            if name in own:
+                setattr(owner, name, own[name])
+            else:
+                delattr(owner, name)
 
 
 def cache_host_time(engine: LLMEngine, workload: Workload) -> dict:

@@ -514,8 +514,7 @@ class OpenAIServing:
             message = calls.advance(text, c.finish_reason is not None)
             if not message and c.finish_reason is None and params.logprobs is None:
                 return None  # (held back: it may be a tool call's start)
-            if finish_reason is not None:
-                finish_reason = _finish_reason(finish_reason, calls.called, calls.extractor)
+            finish_reason = _finish_reason(finish_reason, calls.called, calls.extractor)
         choice = {"index": c.index, "delta": message,
                   "logprobs": self._chat_logprobs(params, c.token_ids[first_token:],
                                                   c.logprobs and c.logprobs[first_token:]),
