@@ -129,6 +129,7 @@ class AsyncLLMEngine:
         self._on_step = on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._on_close: dict[str, Callable[[], None]] = {}  # request id -> submit's on_close (event loop only)
         self._num_unstarted = 0  # event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -151,6 +152,13 @@ class AsyncLLMEngine:
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._thread = None
         self._fail_streams(EngineDeadError("the engine was shut down"))
+
+    def fail(self, error: BaseException) -> None:
+        """Mark the engine dead from any thread (a multi-host launch lost a process): `is_running` turns False
+        and every request still streaming ends with `error`."""
+        self.error = error
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_streams, error)
 
     @property
     def is_running(self) -> bool:
@@ -191,11 +199,15 @@ class AsyncLLMEngine:
                 f"(max_waiting_requests={self.max_waiting_requests}); retry later"
             )
 
-    def submit(self, request_id: str, made: tuple[str | None, list[Request]]) -> RequestStream:
-        """Queue a request validated by `make_requests`; returns the stream of its outputs."""
+    def submit(self, request_id: str, made: tuple[str | None, list[Request]],
+               on_close: Callable[[], None] | None = None) -> RequestStream:
+        """Queue a request validated by `make_requests`; returns the stream of its outputs. `on_close()` runs
+        (on the event loop) when the stream closes: finished, aborted or failed."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, self._close_stream)
+        if on_close is not None:
+            self._on_close[request_id] = on_close
         self._streams[request_id] = stream
         self._num_unstarted += 1
         self._commands.put(("add", request_id, made))
@@ -203,6 +215,9 @@ class AsyncLLMEngine:
 
     def _close_stream(self, stream: RequestStream) -> None:
         self._streams.pop(stream.request_id, None)
+        on_close = self._on_close.pop(stream.request_id, None)
+        if on_close is not None:
+            on_close()
         if not stream.started:
             stream.started = True
             self._num_unstarted -= 1

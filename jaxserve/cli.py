@@ -29,6 +29,7 @@ ENGINE_FLAGS = (
     "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format", "async_scheduling",
     "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions", "speculative_config", "quantization",
     "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel", "enable_structured_outputs",
+    "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
 )
 
 
@@ -89,6 +90,16 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
                              '"model": "DRAFT_FOLDER", "num_speculative_tokens": 3}\'')
+    parser.add_argument("--distributed-coordinator", metavar="HOST:PORT",
+                        help="multi-host: process 0's address, the same on every process (auto: from the cluster "
+                             "launcher's environment); process 0 leads, the others follow its steps")
+    parser.add_argument("--num-processes", type=int, help="multi-host: how many processes (one per host)")
+    parser.add_argument("--process-id", type=int, help="multi-host: this process's rank, 0 (the leader) to N - 1")
+    parser.add_argument("--distributed-timeout-s", type=float,
+                        help="multi-host: seconds to wait for the coordinator and the other processes (default 60)")
+    parser.add_argument("--data-parallel-size", type=int,
+                        help="engine replicas over disjoint sets of --tensor-parallel-size devices behind one "
+                             "server (default 1)")
     parser.add_argument("--max-preemptions", type=int,
                         help="priority policy: preemptions in a row after which a request is not preempted by "
                              "another again until it finishes (default 3)")

@@ -101,6 +101,17 @@ class EngineConfig:
     # kv_cache_dtype fp8: compute the scales at start-up from a calibration pass over a bundled text
     # (kv/calibration.py) instead of taking the checkpoint's (or 1.0).
     calculate_kv_scales: bool = False
+    # Multi-host (distributed/): one process per host on JAX's distributed runtime, process 0 the leader (scheduler,
+    # tokenizer, HTTP) and the coordinator's host; "auto" lets jax.distributed.initialize() read what a cluster
+    # launcher (SLURM, Open MPI, a TPU pod, Kubernetes) set. None: one process.
+    distributed_coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    # Seconds a process waits for the others at start-up (the coordinator, every process's registration, the
+    # leader's step channel); a lost process is noticed at once through the step channel.
+    distributed_timeout_s: float = 60.0
+    # Engine replicas over disjoint sets of tensor_parallel_size devices behind one front end (vLLM's name).
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -147,6 +158,7 @@ class EngineConfig:
                 f"generation_config must be auto, vllm or a folder holding generation_config.json; "
                 f"got {self.generation_config!r}"
             )
+        _check_distributed(self)
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
@@ -233,6 +245,39 @@ def _checked_speculative_config(config) -> dict:
         raise ValueError(f"speculative_config prompt_lookup_min ({config['prompt_lookup_min']}) must be <= "
                          f"prompt_lookup_max ({config['prompt_lookup_max']})")
     return config
+
+
+def _check_distributed(config: EngineConfig) -> None:
+    """ValueError for launch arguments that do not fit together (multi-host, data parallel)."""
+    for name in ("num_processes", "data_parallel_size"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not isinstance(config.process_id, int) or not 0 <= config.process_id < config.num_processes:
+        raise ValueError(f"process_id must be in [0, num_processes) = [0, {config.num_processes}), "
+                         f"got {config.process_id!r}")
+    if not 0 < config.distributed_timeout_s < float("inf"):
+        raise ValueError(f"distributed_timeout_s must be a positive number of seconds, got {config.distributed_timeout_s!r}")
+    coordinator = config.distributed_coordinator
+    if coordinator is None:
+        if config.num_processes > 1:
+            raise ValueError(f"num_processes {config.num_processes} needs distributed_coordinator: process 0's "
+                             f"HOST:PORT (or auto, from the cluster launcher's environment)")
+        return
+    if coordinator != "auto":
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"distributed_coordinator must be HOST:PORT (process 0's address) or auto, "
+                             f"got {coordinator!r}")
+        if config.num_processes == 1:
+            raise ValueError("distributed_coordinator is set but num_processes is 1: give every process "
+                             "--num-processes N and its own --process-id")
+    if config.data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 runs replicas in one process: for replicas of a multi-host "
+                         "engine, launch one multi-host engine per replica behind a router (docs/deployment.md)")
+    if config.preemption_mode != "recompute":
+        raise ValueError(f"preemption_mode {config.preemption_mode} keeps swapped pages in one host's memory: "
+                         f"a multi-host engine preempts by recompute")
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:

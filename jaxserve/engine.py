@@ -47,12 +47,18 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
 class LLMEngine:
     """Tokenizes and validates requests, drives EngineCore, and detokenizes its results."""
 
-    def __init__(self, config: EngineConfig, show_progress: bool = True):
+    def __init__(self, config: EngineConfig, show_progress: bool = True, first_device: int = 0):
+        """The engine of `config` (over devices from `first_device` on: a data-parallel replica's). On a follower
+        of a multi-host launch (`process_id` > 0) this serves the leader's steps and ends the process when the
+        leader stops (SystemExit(0)): a script run on every host goes past it on the leader only."""
         self.config = config
         self.model_path = config.model or default_model_path()
         if not os.path.isdir(self.model_path):
             raise ValueError(f"model folder {self.model_path!r} does not exist")
-        self.core = EngineCore(config, self.model_path, show_progress)
+        self.core = EngineCore(config, self.model_path, show_progress, first_device)
+        if not self.core.is_leader:
+            self.core.follow_leader()
+            raise SystemExit(0)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         # SamplingParams field -> the model's default, for the fields a request leaves unset (vLLM's rule).

@@ -10,6 +10,8 @@ import os
 import time
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxserve.batch import (
     MAX_AUX_EXTRA,
@@ -22,6 +24,9 @@ from jaxserve.batch import (
     fill_token_bitmasks,
 )
 from jaxserve.config import EngineConfig
+from jaxserve.distributed import runtime
+from jaxserve.distributed.channel import FollowerChannel, LeaderChannel
+from jaxserve.distributed.mirror import Mirrored, exit_soon, serve_leader
 from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
@@ -47,14 +52,21 @@ GRAMMAR_WAIT_S = 0.01
 class EngineCore:
     """Owns the scheduler, the page pool and the runner of one model."""
 
-    def __init__(self, config: EngineConfig, model_path: str, show_progress: bool = True):
+    def __init__(self, config: EngineConfig, model_path: str, show_progress: bool = True, first_device: int = 0):
+        """The engine of `config` over `tensor_parallel_size` devices from `first_device` on (a data-parallel
+        replica's); in a multi-host launch (`distributed_coordinator`), over every process's devices."""
         self.config = config
         reserve_device_memory(config.gpu_memory_utilization)  # before JAX starts its GPU backend
+        self.group = runtime.join(config.distributed_coordinator, config.num_processes, config.process_id,
+                                  config.distributed_timeout_s)  # before anything touches a device
+        self.channel = self._open_step_channel()
         enable_compilation_cache(config.compilation_cache_dir)
         self.spec = with_expert_parallel(ModelSpec.from_pretrained(model_path), config.enable_expert_parallel)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         tp = config.tensor_parallel_size
-        self.mesh = make_mesh(tp)
+        if self.group is not None:
+            runtime.check_mesh_spans_processes(tp, self.group)
+        self.mesh = make_mesh(tp, first_device)
         kv_heads = cache_kv_heads(self.spec, tp)
         params, dtype = load_weights(config, model_path, self.spec, self.mesh, kv_heads)
         self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
@@ -73,6 +85,8 @@ class EngineCore:
         # The draft's pool has as many pages as the target's, so a page of each is sized together.
         draft_page_bytes = self.draft.runner.page_bytes() if self.draft else 0
         self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner, draft_page_bytes)
+        if self.group is not None:  # hosts may see different free memory: every process takes the smallest pool
+            self.num_pages = int(multihost_utils.process_allgather(np.int32(self.num_pages)).min())
         host_pool = None
         if config.preemption_mode != "recompute":
             host_pool = PagePool(resolve_num_host_pages(config.swap_space, self.runner.page_bytes()))
@@ -94,6 +108,40 @@ class EngineCore:
         self.counters = collections.Counter()
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # dispatched, samples not brought
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
+        if isinstance(self.channel, LeaderChannel):  # every device call from here on is made by every process
+            self.runner = Mirrored(self.runner, "runner", self.channel)
+            if self.draft is not None:
+                self.draft.runner = Mirrored(self.draft.runner, "draft", self.channel)
+
+    def _open_step_channel(self) -> LeaderChannel | FollowerChannel | None:
+        """The multi-host step channel (distributed/channel.py), or None in a one-process engine. A lost follower
+        ends the leader soon after (distributed/mirror.py); the leader says stop to the followers at exit."""
+        if self.group is None:
+            return None
+        timeout = self.config.distributed_timeout_s
+        if not self.group.is_leader:
+            return FollowerChannel(self.group, timeout)
+        channel = LeaderChannel(self.group, timeout)
+        channel.on_lost(exit_soon)
+        runtime.before_leaving(channel.close)
+        return channel
+
+    def on_peer_lost(self, callback) -> None:
+        """Call `callback(reason)` when a process of this multi-host launch goes (the process itself ends soon
+        after: distributed/mirror.py); never called in a one-process engine."""
+        if isinstance(self.channel, LeaderChannel):
+            self.channel.on_lost(callback)
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this process plans the steps (always, but on a multi-host launch's followers)."""
+        return self.group is None or self.group.is_leader
+
+    def follow_leader(self) -> None:
+        """A follower's life after start-up: make the leader's device calls until it stops (a lost leader ends
+        the process with EXIT_PEER_LOST)."""
+        runners = {"runner": self.runner, **({"draft": self.draft.runner} if self.draft is not None else {})}
+        serve_leader(runners, self.channel)
 
     def _make_proposer(self) -> Proposer | None:
         """The proposer speculative_config names (None without speculative decoding)."""

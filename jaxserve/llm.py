@@ -24,10 +24,17 @@ class LLM:
     (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `page_size`, `num_pages`,
     `tensor_parallel_size`, `dtype`, `seed`, ...). With no model, the bundled tiny model runs with
     the settings of `configs/tiny-cpu.yaml`.
+
+    Multi-host (`distributed_coordinator`, `num_processes`, `process_id`): run the same script on every host;
+    on the followers the constructor serves the leader's steps and ends the process when the leader is done, so
+    what follows it runs on the leader (process 0) only.
     """
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **engine_args):
         config = EngineConfig.for_model(model, **engine_args)
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is for `jaxserve serve` (replicas behind one front end); "
+                             "offline, run one LLM per set of devices")
         self.engine = LLMEngine(config, show_progress=show_progress)
         self._ids = itertools.count()
 

@@ -37,7 +37,7 @@ from jaxserve.buckets import pick_bucket
 from jaxserve.decode_steps import run_decode_steps, sampled_by
 from jaxserve.kv.host_swap import HostSwap
 from jaxserve.model.registry import model_for
-from jaxserve.model.sharding import KV_CACHE_SPEC
+from jaxserve.model.sharding import KV_CACHE_SPEC, put_global
 from jaxserve.model.spec import ModelSpec
 from jaxserve.packing import Layout, pack, unpack
 from jaxserve.sampler import SamplingBatch, bitmask_width, raw_logprobs, sample
@@ -302,7 +302,7 @@ class Runner:
         self._verify_sample = jax.jit(verify_sample_packed, in_shardings=(self._replicated, self._replicated),
                                       out_shardings=self._replicated, static_argnums=(2,))
         # The last step's sampled token of each row, where the next step reads the ids the host has not seen.
-        self.last_tokens = jax.device_put(np.zeros((self.max_rows,), np.int32), self._replicated)  # (max rows,)
+        self.last_tokens = put_global(np.zeros((self.max_rows,), np.int32), self._replicated)  # (max rows,)
         self._ready_clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-ready")
         self._prompt_logprobs = jax.jit(
             prompt_logprobs_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
@@ -511,12 +511,12 @@ class Runner:
         return at once; the host may then finish the sampling batch (the grammar masks) while it runs."""
         num_tokens, width = batch.input_ids.shape[0], batch.page_table.shape[1]
         forward = self._executable(self._forward_exec, (num_tokens, width), self.forward_call)
-        batch_words = jax.device_put(pack(batch)[0], self._replicated)
+        batch_words = put_global(pack(batch)[0], self._replicated)
         logits, hidden, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, batch_words)
         scored, num_targets = None, 0
         if prompt is not None:
             scorer = self._executable(self._prompt_exec, (num_tokens,), self.prompt_logprobs_call)
-            scored = scorer(self.params, hidden, jax.device_put(pack(prompt)[0], self._replicated))
+            scored = scorer(self.params, hidden, put_global(pack(prompt)[0], self._replicated))
             num_targets = int(prompt.num_targets)
         return ForwardStep(logits, scored, int(batch.num_seqs), num_targets)
 
@@ -525,7 +525,7 @@ class Runner:
         num_rows = sampling.temperature.shape[0]
         sampler = self._executable(self._sample_exec, (num_rows, *sampling.aux_token_ids.shape[1:],
                                                        *sampling.token_bitmask.shape[1:]), self.sampler_call)
-        out, self.last_tokens = sampler(step.logits, jax.device_put(pack(sampling)[0], self._replicated))
+        out, self.last_tokens = sampler(step.logits, put_global(pack(sampling)[0], self._replicated))
         logprobs = (out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs) if sampling.need_logprobs else None
         return self._pending(out.token_ids, logprobs, step.prompt_scored, step.num_seqs, step.num_prompt_targets)
 
@@ -537,7 +537,7 @@ class Runner:
             raise RuntimeError("a multi-step decode samples from the logits alone (no token lists, no logprobs)")
         key = (batch.input_ids.shape[0], batch.page_table.shape[1])
         executable = self._executable(self._steps_exec, key, self.decode_steps_call)
-        buffers = jax.device_put(tuple(pack(part)[0] for part in (batch, sampling, steps)), self._replicated)
+        buffers = put_global(tuple(pack(part)[0] for part in (batch, sampling, steps)), self._replicated)
         tokens, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
         return self._pending(tokens, None, None, int(batch.num_seqs), 0)
 
@@ -549,7 +549,7 @@ class Runner:
         (num_rows, width), aux_width = batch.page_table.shape, sampling.aux_token_ids.shape[1]
         forward = self._executable(self._verify_exec, (batch.input_ids.shape[0], width), self.verify_call)
         sampler = self._executable(self._verify_sample_exec, (num_rows, aux_width), self.verify_sampler_call)
-        batch_words, sampling_words, proposal_words = jax.device_put(
+        batch_words, sampling_words, proposal_words = put_global(
             tuple(pack(part)[0] for part in (batch, sampling, proposals)), self._replicated)
         logits, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, (batch_words, proposal_words))
         tokens, self.last_tokens = sampler(logits, (sampling_words, proposal_words))

@@ -67,7 +67,7 @@ def _request(request_id: str, times: RequestMetrics, prompt_len: int, samples: l
 
 def _unit_metrics() -> ServerMetrics:
     stats = engine_stats(kv_pages_free=63, kv_pages_total=63)
-    return ServerMetrics("vllm", "m", lambda: stats, max_model_len=128, cache_config=CACHE_CONFIG)
+    return ServerMetrics("vllm", "m", lambda: [stats], max_model_len=128, cache_config=CACHE_CONFIG)
 
 
 def test_request_histograms_from_known_timestamps():

@@ -119,7 +119,7 @@ def test_metric_names_follow_vllm_with_the_vllm_prefix():
     stats = engine_stats(num_requests_running=2, num_requests_waiting=1, kv_pages_free=30, kv_pages_total=40,
                          preemptions=3, prompt_tokens=50, generation_tokens=70, prefix_cache_queries=40,
                          prefix_cache_hits=16)
-    metrics = ServerMetrics("vllm", "m", lambda: stats, max_model_len=128, cache_config={"block_size": "16"})
+    metrics = ServerMetrics("vllm", "m", lambda: [stats], max_model_len=128, cache_config={"block_size": "16"})
     times = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=13.0)
 
     def output(token_ids, reason=None):

@@ -115,7 +115,7 @@ def test_prometheus_counters_follow_the_stats(engines):
 
     llm = engines["spec"]
     spec_generate(llm, _repetitive_prompts(), GREEDY)
-    metrics = ServerMetrics("vllm", "llama", llm.stats, 128, cache_config_info(llm.engine))
+    metrics = ServerMetrics("vllm", "llama", lambda: [llm.stats()], 128, cache_config_info(llm.engine))
     samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
     values = {s.name: s.value for s in samples if "position" not in s.labels}
     stats = llm.stats()["spec_decode"]

@@ -188,7 +188,7 @@ def test_metrics_show_swapped_requests_and_host_pool_usage(engines):
 
     llm = engines("swap")
     engine = llm.engine
-    metrics = ServerMetrics("jaxserve", "llama", llm.stats, 128, cache_config_info(engine))
+    metrics = ServerMetrics("jaxserve", "llama", lambda: [llm.stats()], 128, cache_config_info(engine))
     for index, (prompt, params, _, _) in enumerate(_heavy_jobs()):
         engine.add_request(f"metrics-{index}", prompt, params)
     for _ in range(500):

@@ -30,7 +30,7 @@ from jaxserve.kv.calibration import calibrate_kv_scales, calibration_prompts
 from jaxserve.model.loader import dummy_params, load_kv_scales, load_params, resolve_dtype
 from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
 from jaxserve.model.registry import param_partition_specs, quantizable_leaves
-from jaxserve.model.sharding import cache_kv_heads, make_mesh
+from jaxserve.model.sharding import cache_kv_heads, make_mesh, put_global
 from jaxserve.model.spec import ModelSpec
 
 logger = logging.getLogger("jaxserve")
@@ -131,7 +131,7 @@ def with_kv_scales(params: dict, config: EngineConfig, model_path: str, scales: 
         num_layers = layers["input_norm"].shape[0]
         scales = {leaf: np.ones((num_layers, kv_heads), np.float32) for leaf in fp8.SCALE_LEAVES}
     sharding = NamedSharding(mesh, fp8.SCALE_SPEC)
-    return {**params, "layers": {**layers, **{leaf: jax.device_put(scales[leaf], sharding) for leaf in scales}}}
+    return {**params, "layers": {**layers, **{leaf: put_global(scales[leaf], sharding) for leaf in scales}}}
 
 
 def weight_quantization(config: EngineConfig, spec: ModelSpec) -> str:

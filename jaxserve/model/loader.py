@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from jaxserve.model.quantize import quantized_spec
 from jaxserve.model.registry import Weight, map_weights, model_for
+from jaxserve.model.sharding import put_global
 from jaxserve.model.spec import ModelSpec
 
 # The fp8 KV cache's scales (kv/fp8.py): params leaf -> HF name template (vLLM's names; a scalar or one per KV head)
@@ -193,7 +194,7 @@ def _load_fp8(folder: SafetensorsFolder, names: list[str], layout: _Layout, shar
             scale = np.repeat(heads, layout.kv_repeat, axis=0).reshape(-1)
         scales.append(scale)
     scale_sharding = NamedSharding(sharding.mesh, quantized_spec(sharding.spec)["scale"])
-    return {"weight": weight, "scale": jax.device_put(np.stack(scales), scale_sharding)}
+    return {"weight": weight, "scale": put_global(np.stack(scales), scale_sharding)}
 
 
 def _load_experts(folder: SafetensorsFolder, names: list[str], layout: _Layout, sharding, dtype,

@@ -18,14 +18,26 @@ MODEL_AXIS = "model"
 KV_CACHE_SPEC = P(None, None, None, MODEL_AXIS, None)  # (L, P, S, Hkv, D): KV heads split
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh:
-    """A 1-D mesh over the first `tensor_parallel_size` devices."""
-    devices = jax.devices()
+def make_mesh(tensor_parallel_size: int, first_device: int = 0) -> Mesh:
+    """A 1-D mesh over `tensor_parallel_size` devices from `first_device` on (a data-parallel replica's set), in
+    JAX's global order: in a multi-host launch, every process's devices."""
+    devices = jax.devices()[first_device:]
     if tensor_parallel_size > len(devices):
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} but only {len(devices)} device(s) are visible"
+            + (f" from device {first_device} on" if first_device else "")
         )
     return Mesh(np.asarray(devices[:tensor_parallel_size]), (MODEL_AXIS,))
+
+
+def put_global(values, sharding: NamedSharding):
+    """Host values (numpy, a tree of them) -> arrays in `sharding`. In a multi-host launch each process fills its
+    own devices from its copy (every process holds the same values): `jax.device_put` would compile and run a
+    cross-process check for each new shape there."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(values, sharding)
+    return jax.tree_util.tree_map(
+        lambda value: jax.make_array_from_callback(value.shape, sharding, lambda index: value[index]), values)
 
 
 def cache_kv_heads(spec: ModelSpec, tensor_parallel_size: int) -> int:

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 
 import jaxserve
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.distributed.replicas import DataParallelEngine, build_replicas
 from jaxserve.engine import LLMEngine
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
@@ -24,11 +25,21 @@ from jaxserve.server.serving import OpenAIServing
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The app serving `engine`; the engine thread runs between the app's startup and shutdown."""
-    metrics = ServerMetrics(config.metrics_prefix, config.served_model_name, lambda: async_engine.stats(),
+    metrics = ServerMetrics(config.metrics_prefix, config.served_model_name, lambda: replica_stats(),
                             engine.max_model_len, cache_config_info(engine))
-    async_engine = AsyncLLMEngine(engine, config.max_waiting_requests, on_outputs=metrics.observe_outputs,
-                                  stream_interval=config.stream_interval, on_step=metrics.observe_step)
+
+    def serve_async(each: LLMEngine) -> AsyncLLMEngine:
+        return AsyncLLMEngine(each, config.max_waiting_requests, on_outputs=metrics.observe_outputs,
+                              stream_interval=config.stream_interval, on_step=metrics.observe_step)
+
+    if engine.config.data_parallel_size > 1:
+        async_engine = DataParallelEngine(build_replicas(engine, serve_async))
+        replica_stats = async_engine.replica_stats
+    else:
+        async_engine = serve_async(engine)
+        replica_stats = lambda: [async_engine.stats()]  # noqa: E731
     serving = OpenAIServing(async_engine, config)
+    engine.core.on_peer_lost(lambda reason: async_engine.fail(EngineDeadError(f"the multi-host launch broke: {reason}")))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

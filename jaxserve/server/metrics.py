@@ -61,15 +61,25 @@ def cache_config_info(engine: LLMEngine) -> dict[str, str]:
 
 
 class _EngineCollector:
-    """Gauges and counters computed from the engine's counters when Prometheus scrapes."""
+    """Gauges and counters computed from each replica's engine counters when Prometheus scrapes, labelled with
+    the replica (`data_parallel_size`; "0" for the one engine of a server without replicas)."""
 
-    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict]):
+    def __init__(self, prefix: str, model_name: str, replica_stats: Callable[[], list[dict]]):
         self.prefix = prefix
         self.model_name = model_name
-        self.stats = stats
+        self.replica_stats = replica_stats
 
     def collect(self):
-        stats = self.stats()
+        families: dict[str, object] = {}
+        for replica, stats in enumerate(self.replica_stats()):
+            for kind, name, doc, labels, value in self._samples(stats):
+                if name not in families:
+                    families[name] = kind(f"{self.prefix}:{name}", doc, labels=["model_name", "replica", *labels])
+                families[name].add_metric([self.model_name, str(replica), *labels.values()], value)
+        yield from families.values()
+
+    def _samples(self, stats: dict):
+        """(family kind, name, doc, extra labels, value) of one replica's counters."""
         usage = 1.0 - stats["kv_pages_free"] / stats["kv_pages_total"]
         gauges = {
             "num_requests_running": ("Requests in the running batch.", stats["num_requests_running"]),
@@ -82,7 +92,7 @@ class _EngineCollector:
                                      stats["cpu_cache_usage_perc"]),
         }
         for name, (doc, value) in gauges.items():
-            yield self._family(GaugeMetricFamily, name, doc, value)
+            yield GaugeMetricFamily, name, doc, {}, value
         counters = {
             "num_preemptions": ("Preemptions (by recompute or by swap).", stats["preemptions"]),
             "num_swapped_out_requests": ("Preemptions by swap to host memory.", stats["swapped_out_requests"]),
@@ -102,31 +112,25 @@ class _EngineCollector:
             "spec_decode_num_accepted_tokens": ("Proposed tokens accepted.", spec["num_accepted_tokens"]),
         })
         for name, (doc, value) in counters.items():
-            yield self._family(CounterMetricFamily, name, doc, value)
-        per_position = CounterMetricFamily(f"{self.prefix}:spec_decode_num_accepted_tokens_per_pos",
-                                           "Proposed tokens accepted, by their position among a step's proposals.",
-                                           labels=["model_name", "position"])
+            yield CounterMetricFamily, name, doc, {}, value
         for position, count in enumerate(spec["accepted_per_position"]):
-            per_position.add_metric([self.model_name, str(position)], count)
-        yield per_position
-
-    def _family(self, kind, name: str, doc: str, value: float):
-        family = kind(f"{self.prefix}:{name}", doc, labels=["model_name"])
-        family.add_metric([self.model_name], value)
-        return family
+            yield (CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
+                   "Proposed tokens accepted, by their position among a step's proposals.", {"position": str(position)},
+                   count)
 
 
 class ServerMetrics:
     """The server's Prometheus registry.
 
-    `max_model_len` sets the buckets of the token-count histograms; `cache_config` (see
+    `replica_stats()` gives each replica's engine counters (EngineCore.stats), the gauges' and counters' source;
+    the histograms describe the requests of every replica together. `max_model_len` sets the buckets of the token-count histograms; `cache_config` (see
     `cache_config_info`) labels the constant `cache_config_info` gauge.
     """
 
-    def __init__(self, prefix: str, model_name: str, stats: Callable[[], dict], max_model_len: int,
+    def __init__(self, prefix: str, model_name: str, replica_stats: Callable[[], list[dict]], max_model_len: int,
                  cache_config: dict[str, str]):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(prefix, model_name, stats))
+        self.registry.register(_EngineCollector(prefix, model_name, replica_stats))
         self.model_name = model_name
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:

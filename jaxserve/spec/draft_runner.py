@@ -20,6 +20,7 @@ from jaxserve.batch import padded_batch_arrays, padded_decode_step_arrays
 from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps
 from jaxserve.decode_steps import run_decode_steps
 from jaxserve.kv.page_pool import NULL_PAGE
+from jaxserve.model.sharding import put_global
 from jaxserve.packing import Layout, pack, unpack
 from jaxserve.runner import Runner
 from jaxserve.sampler import first_argmax
@@ -105,6 +106,6 @@ class DraftRunner(Runner):
         """Dispatch one proposal step; returns its (num_proposals, R) int32 proposals on the device."""
         key = (batch.input_ids.shape[0], batch.page_table.shape[1])
         executable = self._executable(self._propose_exec, key, self.propose_call)
-        buffers = jax.device_put((pack(batch)[0], pack(steps)[0]), self._replicated)
+        buffers = put_global((pack(batch)[0], pack(steps)[0]), self._replicated)
         proposals, self.kv_caches = executable(self.params, self.kv_caches, buffers)
         return proposals
