@@ -10,8 +10,6 @@ import os
 import time
 
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxserve.batch import (
     MAX_AUX_EXTRA,
@@ -86,7 +84,7 @@ class EngineCore:
         draft_page_bytes = self.draft.runner.page_bytes() if self.draft else 0
         self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner, draft_page_bytes)
         if self.group is not None:  # hosts may see different free memory: every process takes the smallest pool
-            self.num_pages = int(multihost_utils.process_allgather(np.int32(self.num_pages)).min())
+            self.num_pages = runtime.agreed_minimum("num_pages", self.num_pages, self.group)
         host_pool = None
         if config.preemption_mode != "recompute":
             host_pool = PagePool(resolve_num_host_pages(config.swap_space, self.runner.page_bytes()))
@@ -108,6 +106,8 @@ class EngineCore:
         self.counters = collections.Counter()
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # dispatched, samples not brought
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
+        if self.group is not None:  # nobody runs a step (a collective) before everybody can
+            runtime.barrier("started")
         if isinstance(self.channel, LeaderChannel):  # every device call from here on is made by every process
             self.runner = Mirrored(self.runner, "runner", self.channel)
             if self.draft is not None:

@@ -27,12 +27,12 @@ class FakeEngine:
     def __init__(self):
         self.config = SimpleNamespace(tokenizer=None, scheduling_policy="fcfs", page_size=16, num_pages=None,
                                       enable_prefix_caching=False, gpu_memory_utilization=0.9,
-                                      preemption_mode="recompute", swap_space=4.0)
+                                      preemption_mode="recompute", swap_space=4.0, data_parallel_size=1)
         self.model_path = default_model_path()
         self.max_model_len = 128
         self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096), num_pages=11,
                                     runner=SimpleNamespace(cache_dtype=np.dtype("float32")),
-                                    kv=SimpleNamespace(host_pool=None))
+                                    kv=SimpleNamespace(host_pool=None), on_peer_lost=lambda callback: None)
         self.generation_defaults = {}
         self.gate = threading.Event()
         self.gate.set()

@@ -131,7 +131,7 @@ def test_metric_names_follow_vllm_with_the_vllm_prefix():
     samples = {s.name: s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     assert all(name.startswith("vllm:") for name in samples)
     assert samples["vllm:kv_cache_usage_perc"].value == 0.25 == samples["vllm:gpu_cache_usage_perc"].value
-    assert samples["vllm:num_requests_running"].labels == {"model_name": "m"}
+    assert samples["vllm:num_requests_running"].labels == {"model_name": "m", "replica": "0"}
     assert samples["vllm:num_preemptions_total"].value == 3
     assert samples["vllm:prefix_cache_queries_total"].value == 40 and samples["vllm:prefix_cache_hits_total"].value == 16
     assert samples["vllm:request_success_total"].labels["finished_reason"] == "stop"

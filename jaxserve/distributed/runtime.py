@@ -139,3 +139,22 @@ def check_mesh_spans_processes(tensor_parallel_size: int, group: ProcessGroup) -
     if tensor_parallel_size != total:
         raise ValueError(f"a multi-host mesh spans every process's devices: tensor_parallel_size must be {total} "
                          f"({group.num_processes} processes x {local} devices), got {tensor_parallel_size}")
+
+
+# How long processes wait for each other to finish starting (loading and compiling, which a follower does without
+# the leader's persistent cache); a process that dies meanwhile is noticed through the step channel.
+START_BARRIER_TIMEOUT_S = 3600
+
+
+def barrier(name: str, timeout_s: float = START_BARRIER_TIMEOUT_S) -> None:
+    """Wait until every process reaches the barrier `name` (JAX's coordination service, not a device collective:
+    CPU collectives give a late peer only 30 s)."""
+    jax_distributed.global_state.client.wait_at_barrier(f"jaxserve/{name}", int(timeout_s * 1000))
+
+
+def agreed_minimum(name: str, value: int, group: ProcessGroup, timeout_s: float = START_BARRIER_TIMEOUT_S) -> int:
+    """The smallest `value` any process of the launch has (each publishes its own in the key-value store)."""
+    client = jax_distributed.global_state.client
+    client.key_value_set(f"jaxserve/{name}/{group.process_id}", str(value))
+    return min(int(client.blocking_key_value_get(f"jaxserve/{name}/{process}", int(timeout_s * 1000)))
+               for process in range(group.num_processes))
