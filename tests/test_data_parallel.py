@@ -59,14 +59,21 @@ def test_replicas_give_one_replicas_tokens_and_share_the_load(server):
     options = small_engine_args()
     one = LLM(**options).generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
     before = _engine_metrics(url)
-    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        choices = list(pool.map(lambda prompt: _complete(url, prompt), PROMPTS))
+    # one request of 16 prompts: all are routed before any finishes, so the uniform load splits evenly (separate
+    # concurrent requests would split by how fast each replica drains, as least-outstanding routing should)
+    body = {"model": "tiny", "prompt": PROMPTS, "return_token_ids": True, **GREEDY}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda choice: choice["index"])
     assert [choice["token_ids"] for choice in choices] == [o.outputs[0].token_ids for o in one]
     after = _engine_metrics(url)
     moved = {replica: after[("jaxserve:generation_tokens_total", replica)]
              - before.get(("jaxserve:generation_tokens_total", replica), 0) for replica in ("0", "1")}
     assert sum(moved.values()) == len(PROMPTS) * GREEDY["max_tokens"]
     assert abs(moved["0"] - moved["1"]) <= 0.1 * max(moved.values()), moved  # within 10 %
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # and concurrent single requests: the same tokens
+        singles = list(pool.map(lambda prompt: _complete(url, prompt), PROMPTS[:4]))
+    assert [choice["token_ids"] for choice in singles] == [o.outputs[0].token_ids for o in one[:4]]
 
 
 def test_metrics_carry_each_replicas_engine_state(server):
