@@ -125,6 +125,15 @@ def test_router_keeps_a_prefix_on_its_replica_unless_that_one_is_too_busy():
     assert router.route(list(range(50, 62)), cost=5) == 1  # no prefix anywhere: the least outstanding (5 < 15)
 
 
+def test_router_follows_the_prefix_caches_salts():
+    router = ReplicaRouter(2, page_size=4)
+    shared = list(range(12))
+    router.route(shared, cost=5, cache_salt="team-a")
+    assert router.cached_tokens(0, router.page_hashes(shared, "team-a")) == 12
+    assert router.cached_tokens(0, router.page_hashes(shared, "team-b")) == 0  # salts never share pages
+    assert router.cached_tokens(0, router.page_hashes(shared)) == 0
+
+
 def test_router_hashes_only_whole_pages_up_to_its_limit():
     router = ReplicaRouter(2, page_size=4)
     assert len(router.page_hashes(list(range(7)))) == 1

@@ -68,25 +68,27 @@ def follow(runners: dict, channel: FollowerChannel) -> None:
             getattr(runners[name], method)(*args, **kwargs)
 
 
-def exit_soon(reason: str) -> None:
-    """End the process PEER_LOST_EXIT_S from now, whatever its threads are waiting for (a lost peer's
-    collectives never return)."""
-    def end() -> None:
-        print(f"jaxserve: error: the multi-host launch is broken ({reason}); exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_LOST)
+def _end_broken(reason: str) -> None:
+    """End the process with EXIT_PEER_LOST now, whatever its threads wait for (a lost peer's collectives, and
+    JAX's shutdown barrier, never return)."""
+    print(f"jaxserve: error: the multi-host launch is broken ({reason}); exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
 
-    timer = threading.Timer(PEER_LOST_EXIT_S, end)
+
+def exit_soon(reason: str) -> None:
+    """End the process PEER_LOST_EXIT_S from now (the leader: time to answer /health with 503 and fail its
+    requests)."""
+    timer = threading.Timer(PEER_LOST_EXIT_S, _end_broken, args=(reason,))
     timer.daemon = True
     timer.start()
 
 
 def serve_leader(runners: dict, channel: FollowerChannel) -> None:
-    """A follower's life: follow the leader; when it stops, leave the distributed runtime; when it is lost, exit
-    non-zero at once (nothing would finish)."""
+    """A follower's life: follow the leader until it says stop (then the process leaves the distributed runtime
+    at exit, runtime.py); when the leader is lost, exit non-zero at once (nothing would finish)."""
     try:
         follow(runners, channel)
     except PeerLost as error:
         logger.error("%s", error)
-        print(f"jaxserve: error: {error}; exiting", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_LOST)
+        _end_broken(str(error))
     channel.close()

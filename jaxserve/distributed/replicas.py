@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 from collections.abc import Callable
 
 from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxserve.engine import LLMEngine
+from jaxserve.kv.cache_manager import page_hash, root_hash
 from jaxserve.request import Request
 
 # Prompt pages whose hashes the router follows per request, and hashes it remembers per replica (least recently
@@ -34,13 +34,13 @@ class ReplicaRouter:
         self.routed_tokens = [0] * num_replicas  # tokens ever routed to each replica (its share of the load)
         self._seen: list[collections.OrderedDict[bytes, None]] = [collections.OrderedDict() for _ in range(num_replicas)]
 
-    def page_hashes(self, token_ids: list[int]) -> list[bytes]:
-        """The hash chain of the prompt's first whole pages (ROUTED_PREFIX_PAGES at most)."""
-        hashes, parent = [], b""
+    def page_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
+        """The hash chain of the prompt's first whole pages (ROUTED_PREFIX_PAGES at most), as the prefix cache
+        chains them (kv/cache_manager.py: a salt starts its own chain)."""
+        hashes, parent = [], root_hash(cache_salt)
         for start in range(0, min(len(token_ids) // self.page_size, ROUTED_PREFIX_PAGES) * self.page_size,
                            self.page_size):
-            page = ",".join(map(str, token_ids[start:start + self.page_size])).encode()
-            parent = hashlib.blake2b(parent + page, digest_size=16).digest()
+            parent = page_hash(parent, tuple(token_ids[start:start + self.page_size]))
             hashes.append(parent)
         return hashes
 
@@ -52,18 +52,19 @@ class ReplicaRouter:
             count += 1
         return count * self.page_size
 
-    def route(self, token_ids: list[int], cost: int) -> int:
-        """The replica for a request of `token_ids` that will cost `cost` tokens; counts it as outstanding there."""
-        hashes = self.page_hashes(token_ids)
+    def route(self, token_ids: list[int], cost: int, cache_salt: str | None = None) -> int:
+        """The replica for a request of `token_ids` (and `cache_salt`) that will cost `cost` tokens; counts it as
+        outstanding there."""
+        hashes = self.page_hashes(token_ids, cache_salt)
         replica = min(range(len(self.outstanding)),
                       key=lambda r: (self.outstanding[r] - self.cached_tokens(r, hashes), self.outstanding[r],
                                      self.routed_tokens[r]))
         self.outstanding[replica] += cost
         self.routed_tokens[replica] += cost
         seen = self._seen[replica]
-        for page_hash in hashes:
-            seen[page_hash] = None
-            seen.move_to_end(page_hash)
+        for digest in hashes:
+            seen[digest] = None
+            seen.move_to_end(digest)
         while len(seen) > REMEMBERED_PAGES:
             seen.popitem(last=False)
         return replica
@@ -138,7 +139,7 @@ class DataParallelEngine:
         stream closes."""
         requests = made[1]
         cost = request_cost(requests)
-        replica = self.router.route(requests[0].prompt_token_ids, cost)
+        replica = self.router.route(requests[0].prompt_token_ids, cost, requests[0].cache_salt)
         return self.replicas[replica].submit(request_id, made,
                                              on_close=lambda: self.router.finished(replica, cost))
 
