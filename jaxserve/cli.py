@@ -107,7 +107,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def generate(args: argparse.Namespace) -> int:
     """Stream one completion to stdout."""
-    engine = LLMEngine(_engine_config(args), show_progress=True)
+    config = _engine_config(args)
+    config.check_one_replica("`jaxserve generate`")
+    engine = LLMEngine(config, show_progress=True)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.sample_seed,

@@ -200,6 +200,12 @@ class EngineConfig:
         """Tokens proposed per request and step (0 without speculative decoding)."""
         return self.speculative_config["num_speculative_tokens"] if self.speculative_config else 0
 
+    def check_one_replica(self, where: str) -> None:
+        """ValueError when `data_parallel_size` asks for replicas where only one engine runs (`where`)."""
+        if self.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size > 1 is for `jaxserve serve` (replicas behind one front end); "
+                             f"{where} runs one engine: run one per set of devices")
+
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's slice of the config, with the resolved max_model_len."""
         return SchedulerConfig(

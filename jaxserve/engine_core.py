@@ -30,7 +30,7 @@ from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 from jaxserve.model.checkpoint import load_weights
-from jaxserve.model.sharding import cache_kv_heads, make_mesh, with_expert_parallel
+from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner import CompileCounter, PendingStep, Runner, StepOutput, TokenLogprobs
@@ -64,6 +64,7 @@ class EngineCore:
         tp = config.tensor_parallel_size
         if self.group is not None:
             runtime.check_mesh_spans_processes(tp, self.group)
+        check_replica_devices(tp, config.data_parallel_size)  # before replica 0 loads anything
         self.mesh = make_mesh(tp, first_device)
         kv_heads = cache_kv_heads(self.spec, tp)
         params, dtype = load_weights(config, model_path, self.spec, self.mesh, kv_heads)

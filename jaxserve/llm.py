@@ -32,9 +32,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **engine_args):
         config = EngineConfig.for_model(model, **engine_args)
-        if config.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 is for `jaxserve serve` (replicas behind one front end); "
-                             "offline, run one LLM per set of devices")
+        config.check_one_replica("the offline LLM")
         self.engine = LLMEngine(config, show_progress=show_progress)
         self._ids = itertools.count()
 

@@ -11,6 +11,7 @@ from helpers import running_server, small_engine_args
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.cli import main
 from jaxserve.config import EngineConfig
 from jaxserve.distributed.replicas import ROUTED_PREFIX_PAGES, ReplicaRouter
 from jaxserve.engine import LLMEngine
@@ -142,5 +143,18 @@ def test_router_hashes_only_whole_pages_up_to_its_limit():
 
 
 def test_offline_data_parallel_is_refused_with_the_way_to_do_it():
-    with pytest.raises(ValueError, match="jaxserve serve"):
+    with pytest.raises(ValueError, match="jaxserve serve.*the offline LLM runs one engine"):
         LLM(data_parallel_size=2)
+
+
+def test_more_replicas_than_devices_is_a_clear_error_before_loading():
+    config = EngineConfig.for_model(None, data_parallel_size=3, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size 3 x tensor_parallel_size 2 needs 6 devices, but 4"):
+        LLMEngine(config, show_progress=False)
+
+
+def test_generate_refuses_replicas_it_would_not_run(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompt", "hi", "--data-parallel-size", "2"])
+    assert exit_info.value.code == 2
+    assert "`jaxserve generate` runs one engine" in capsys.readouterr().err

@@ -40,7 +40,8 @@ class Launch:
         self.processes = [subprocess.Popen([sys.executable, WORKER, coordinator, str(i), str(self.http_port)],
                                            env=env, stdout=subprocess.PIPE if i == 0 else self.logs[i],
                                            stderr=self.logs[i], text=True) for i in range(2)]
-        self.offline = None
+        self.offline = None  # the leader's OFFLINE line, parsed (wait_offline)
+        self.one_process = None  # one process's tokens at TP 4 and TP 1 (the fixture)
 
     def wait_offline(self) -> None:
         """Wait for the leader's OFFLINE line (both processes built, the offline run done)."""
@@ -88,16 +89,17 @@ class Launch:
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
+    """The two-process launch, and one process's tokens at TP 4 and TP 1 computed here while it starts."""
     launch = Launch(tmp_path_factory.mktemp("multihost"))
     try:
+        launch.one_process = _one_process_outputs()
         launch.wait_offline()
         yield launch
     finally:
         launch.close()
 
 
-@pytest.fixture(scope="module")
-def one_process():
+def _one_process_outputs() -> dict:
     """Greedy and sampled tokens of one process at TP 4 and at TP 1, on the same engine options."""
     prompts = expected("llama")["prompts"]
     outputs = {}
@@ -110,7 +112,8 @@ def one_process():
     return outputs
 
 
-def test_offline_tokens_equal_one_process_at_tp4_and_tp1(launch, one_process):
+def test_offline_tokens_equal_one_process_at_tp4_and_tp1(launch):
+    one_process = launch.one_process
     assert launch.offline["greedy"] == one_process[4]["greedy"] == one_process[1]["greedy"] == \
         expected("llama")["outputs"]
     assert launch.offline["sampled"] == one_process[4]["sampled"]  # the same keys and the same mesh: same draws

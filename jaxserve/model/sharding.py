@@ -30,6 +30,14 @@ def make_mesh(tensor_parallel_size: int, first_device: int = 0) -> Mesh:
     return Mesh(np.asarray(devices[:tensor_parallel_size]), (MODEL_AXIS,))
 
 
+def check_replica_devices(tensor_parallel_size: int, data_parallel_size: int) -> None:
+    """ValueError unless the devices hold `data_parallel_size` disjoint meshes of `tensor_parallel_size`."""
+    needed, visible = tensor_parallel_size * data_parallel_size, len(jax.devices())
+    if needed > visible:
+        raise ValueError(f"data_parallel_size {data_parallel_size} x tensor_parallel_size {tensor_parallel_size} "
+                         f"needs {needed} devices, but {visible} are visible")
+
+
 def put_global(values, sharding: NamedSharding):
     """Host values (numpy, a tree of them) -> arrays in `sharding`. In a multi-host launch each process fills its
     own devices from its copy (every process holds the same values): `jax.device_put` would compile and run a
