@@ -6,9 +6,9 @@ the same bytes, side by side in one two-process launch on this machine.
 
 Two processes of two simulated CPU devices each (gloo collectives) run the bundled model at tensor parallel 4
 (jaxserve/distributed/). The leader generates --num-requests random-token prompts (16-64 tokens, --output-len
-greedy tokens each) --repeats times after one warm-up run, timing every `LeaderChannel.send` (pickling the call and
-writing it to the follower) and counting the engine's steps: per step, the channel's time against the step's wall
-time. Then both processes send a message of the typical size through `multihost_utils.broadcast_one_to_all` (a
+greedy tokens each) --repeats times after one warm-up run (which measures the messages' sizes), timing every
+`LeaderChannel.send` (pickling the call and writing it to the follower) and counting the engine's steps: per
+step, the channel's time against the step's wall time. Then both processes send a message of the typical size through `multihost_utils.broadcast_one_to_all` (a
 collective) and through JAX's distributed key-value store (set, then the follower's blocking get), --calls times
 each, the other ways the leader could have handed the followers a step. Mean and best over the repeats.
 """
@@ -53,7 +53,6 @@ def worker(coordinator: str, process_id: int, args: argparse.Namespace) -> None:
                                    args.output_len, args.output_len, args.output_len, seed=0)
         prompts = [request.prompt_token_ids for request in workload.requests]
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts, params, use_tqdm=False)  # warm-up
         sizes = []
         send = LeaderChannel.send
 
@@ -61,17 +60,18 @@ def worker(coordinator: str, process_id: int, args: argparse.Namespace) -> None:
             sizes.append(len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
             return send(channel, message)
 
+        LeaderChannel.send = measured_send  # the messages' sizes, on the warm-up run only (never timed)
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            LeaderChannel.send = send
         rounds = []
         for _ in range(args.repeats):
             steps_before = llm.stats()["steps"]
-            LeaderChannel.send = measured_send
-            try:
-                with timed_methods(LeaderChannel, ["send"]) as totals:
-                    started = time.perf_counter()
-                    llm.generate(prompts, params, use_tqdm=False)
-                    wall = time.perf_counter() - started
-            finally:
-                LeaderChannel.send = send
+            with timed_methods(LeaderChannel, ["send"]) as totals:
+                started = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                wall = time.perf_counter() - started
             steps = llm.stats()["steps"] - steps_before
             rounds.append({"step_ms": 1000 * wall / steps, "send_ms": 1000 * totals["send"]["seconds"] / steps,
                            "messages_per_step": totals["send"]["calls"] / steps})
