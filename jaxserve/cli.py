@@ -26,9 +26,9 @@ ENGINE_FLAGS = (
     "model", "tokenizer", "dtype", "max_model_len", "page_size", "num_pages", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
-    "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format", "async_scheduling",
-    "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions", "speculative_config", "quantization",
-    "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel", "enable_structured_outputs",
+    "skip_precompile", "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format",
+    "async_scheduling", "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions",
+    "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel", "enable_structured_outputs",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
 )
 
@@ -61,6 +61,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=list(VALID_ATTENTION_BACKENDS))
     parser.add_argument("--seed", type=int)
     parser.add_argument("--compilation-cache-dir", help="JAX's persistent compilation cache folder")
+    parser.add_argument("--skip-precompile", action=argparse.BooleanOptionalAction,
+                        help="compile each bucket at its first use instead of all at start-up (a quick start for "
+                             "development: the first request of each new shape waits for its compile)")
     parser.add_argument("--cpu-kv-cache-gib", type=float, help="KV pool size on the CPU when --num-pages is not given")
     parser.add_argument("--min-token-bucket", type=int, help="smallest padded token count of a step")
     parser.add_argument("--generation-config",

@@ -73,6 +73,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
+    # Compile each bucket at its first use instead of all at start-up: a quick start for development and
+    # tests; a request of a shape not yet compiled then waits for its compile (tpu-inference's
+    # SKIP_JAX_PRECOMPILE). Off in serving: every step after start-up runs a compiled executable.
+    skip_precompile: bool = False
     generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a folder
     batching: str = "continuous"
     load_format: str = "auto"
@@ -139,8 +143,9 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", _checked_speculative_config(self.speculative_config))
             if self.num_scheduler_steps > 1:
                 raise ValueError("speculative_config and num_scheduler_steps > 1 are alternatives: choose one")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be true or false, got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "skip_precompile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket",
                      "num_scheduler_steps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

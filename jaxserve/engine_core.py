@@ -93,9 +93,12 @@ class EngineCore:
                     self.num_pages * config.page_size, self.runner.cache_dtype.name,
                     fp8.tokens_note(config.kv_cache_dtype, dtype))
         self.runner.allocate_kv(self.num_pages)
-        self.runner.warmup(show_progress)
+        if config.skip_precompile:
+            logger.info("skip_precompile: each bucket compiles at its first use")
+        else:
+            self.runner.warmup(show_progress)
         if self.draft is not None:
-            self.draft.allocate(self.num_pages, show_progress)
+            self.draft.allocate(self.num_pages, show_progress, precompile=not config.skip_precompile)
         if host_pool is not None:
             self.runner.allocate_host_kv(host_pool.num_pages, pages_for_tokens(self.max_model_len, config.page_size))
         # Static batching is the pre-paging baseline: it shares no pages, so it caches none.
@@ -351,6 +354,7 @@ class EngineCore:
             "num_requests_by_priority": self.scheduler.queue_lengths_by_priority(),
             "compilations_after_warmup": CompileCounter.count() - self._compiles_after_warmup_base,
             "lazy_bucket_compilations": self.runner.num_lazy_compiles,
+            "executables": self.runner.num_executables(),
             "timing": self.timing.summary(),
             "spec_decode": self.spec_stats.summary(),
         }

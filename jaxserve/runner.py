@@ -405,6 +405,11 @@ class Runner:
                               (self._prompt_exec, self.prompt_logprobs_call, prompt)],
                              "compiling step buckets", show_progress)
 
+    def num_executables(self) -> int:
+        """How many bucket executables this runner holds (compiled here, loaded from the cache or shared)."""
+        return sum(len(table) for table in (self._forward_exec, self._sample_exec, self._prompt_exec,
+                                            self._steps_exec, self._verify_exec, self._verify_sample_exec))
+
     def compile_buckets(self, groups: list[tuple[dict, Callable, list[tuple[int, ...]]]], description: str,
                         show_progress: bool) -> None:
         """Fill each (table, call, keys) group's `table[key]` with the executable of `call(*key)` (a function and
@@ -562,11 +567,14 @@ class Runner:
         return pending
 
     def _executable(self, table: dict, key: tuple[int, ...], call: Callable) -> jax.stages.Compiled:
-        """Look up a compiled bucket (`call(*key)` gives its function and arguments); compiling here means
-        warm-up missed a shape (counted)."""
+        """Look up a compiled bucket (`call(*key)` gives its function and arguments): a shared one where this
+        process has it, else compiled here (counted: warm-up missed the shape, or `skip_precompile` skipped it)."""
         if key not in table:
-            self.num_lazy_compiles += 1
             function, args = call(*key)
-            table[key] = function.lower(*args).compile()
-            _share_executable(self._shared_key(function, args), table[key])
+            shared_key = self._shared_key(function, args)
+            table[key] = _shared_executable(shared_key)
+            if table[key] is None:
+                self.num_lazy_compiles += 1
+                table[key] = function.lower(*args).compile()
+                _share_executable(shared_key, table[key])
         return table[key]

@@ -11,7 +11,8 @@ import sys
 
 from helpers import checkpoint, expected, small_engine_args
 
-ENGINE = small_engine_args(max_model_len=96, max_num_batched_tokens=32, max_num_seqs=16, num_pages=24)
+ENGINE = small_engine_args(max_model_len=96, max_num_batched_tokens=32, max_num_seqs=16, num_pages=24,
+                          skip_precompile=True)
 GREEDY = dict(temperature=0, max_tokens=20, ignore_eos=True)
 SAMPLED = dict(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
 

@@ -17,7 +17,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(checkpoint("llama"), **small_engine_args())
+    return LLM(checkpoint("llama"), **small_engine_args(skip_precompile=True))
 
 
 @pytest.fixture(scope="module")

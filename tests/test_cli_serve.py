@@ -49,6 +49,17 @@ def test_bad_flags_exit_with_a_message(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+def test_skip_precompile_is_a_flag_and_a_yaml_key_and_must_be_a_bool(tmp_path):
+    from jaxserve.cli import _engine_config, build_parser
+
+    assert _engine_config(build_parser().parse_args(["serve", "--skip-precompile"])).skip_precompile is True
+    path = tmp_path / "lazy.yaml"
+    path.write_text("skip_precompile: true\n")
+    assert EngineConfig.from_yaml(str(path)).skip_precompile is True
+    with pytest.raises(ValueError, match="skip_precompile must be true or false, got 'yes'"):
+        EngineConfig(skip_precompile="yes")
+
+
 def test_serve_without_the_server_packages_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if `pip install jaxserve` without [serve]
     with pytest.raises(SystemExit) as exit_info:

@@ -57,6 +57,20 @@ def test_random_workload_compiles_nothing_after_warmup(llm, want):
     _assert_pool_whole(llm)
 
 
+def test_skip_precompile_compiles_each_bucket_at_its_first_use(want):
+    lazy = LLM(checkpoint("llama"), **small_engine_args(num_pages=40, skip_precompile=True))
+    assert lazy.stats()["executables"] == 0
+    every_bucket = sum(len(shapes) for shapes in lazy.engine.core.runner.shapes())
+    outputs = lazy.generate(_ids(want["prompts"]), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]
+    used = lazy.stats()["executables"]
+    assert 0 < used < every_bucket  # only the shapes these requests took (compiled, or shared in this process)
+    assert lazy.stats()["lazy_bucket_compilations"] <= used
+    lazy.generate(_ids(want["prompts"]), GREEDY, use_tqdm=False)
+    assert lazy.stats()["executables"] == used  # the same shapes again: nothing more to compile
+    _assert_pool_whole(lazy)
+
+
 def test_seeded_sample_does_not_depend_on_the_batch(llm, want):
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
     prompt = want["prompts"][5]

@@ -20,7 +20,7 @@ PROMPT = {"prompt_token_ids": [5, 99, 143, 7, 301, 42, 18, 256]}
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(checkpoint("llama"), **small_engine_args(num_pages=48))
+    return LLM(checkpoint("llama"), **small_engine_args(num_pages=48, skip_precompile=True))
 
 
 def _assert_pool_whole(llm):

@@ -25,7 +25,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 @pytest.fixture(scope="module", params=CASES, ids=[f"{name}-page{size}" for name, size, _ in CASES])
 def case(request):
     name, page_size, num_pages = request.param
-    llm = LLM(checkpoint(name), **small_engine_args(page_size=page_size, num_pages=num_pages, max_num_seqs=48))
+    llm = LLM(checkpoint(name), **small_engine_args(page_size=page_size, num_pages=num_pages, max_num_seqs=48,
+                                                              skip_precompile=True))
     return llm, expected(name)
 
 

@@ -211,7 +211,7 @@ def test_a_converted_folder_keeps_the_scales_and_gives_the_same_tokens(tmp_path)
     metadata = convert(folder, converted, kv_cache_dtype="fp8")
     assert metadata["kv_cache_dtype"] == "fp8"
     np.testing.assert_allclose(np.asarray(_load(converted)["k_scale"]), np.asarray(_load(folder)["k_scale"]))
-    args = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32)
+    args = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=32, skip_precompile=True)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in expected("llama")["prompts"][:4]]
     tokens = [[o.outputs[0].token_ids for o in LLM(path, kv_cache_dtype="fp8", **args).generate(prompts, params,

@@ -21,7 +21,7 @@ from jaxserve.distributed import runtime
 from helpers import checkpoint, expected
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
-START_TIMEOUT_S = 400  # both processes compile every bucket (a follower never reads the leader's cache)
+START_TIMEOUT_S = 400  # both processes compile the buckets they use (a follower never reads the leader's cache)
 
 
 def _free_port() -> int:

@@ -20,7 +20,7 @@ from jaxserve.cli import main
 from jaxserve.model.checkpoint import MARKER, convert, read_metadata
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARGS = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=48)
+ARGS = small_engine_args(max_num_seqs=4, max_num_batched_tokens=32, num_pages=48, skip_precompile=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 

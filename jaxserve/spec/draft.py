@@ -75,10 +75,12 @@ class DraftModelProposer:
                              num_proposals=speculative["num_speculative_tokens"])
         return cls(runner, config.max_num_batched_tokens, max_model_len)
 
-    def allocate(self, num_pages: int, show_progress: bool = True) -> None:
-        """Allocate the draft's KV pool of `num_pages` pages and compile its buckets."""
+    def allocate(self, num_pages: int, show_progress: bool = True, precompile: bool = True) -> None:
+        """Allocate the draft's KV pool of `num_pages` pages and compile its buckets (with `precompile`; else each
+        at its first use)."""
         self.runner.allocate_kv(num_pages)
-        self.runner.warmup(show_progress)
+        if precompile:
+            self.runner.warmup(show_progress)
         self.kv = KVCacheManager(PagePool(num_pages), self.runner.page_size)
 
     def release(self, request_id: str) -> None:
