@@ -20,9 +20,9 @@ import tempfile
 
 MEASURE = """
 import json, time
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.config import EngineConfig
-from jaxserve.runner import Runner
+from jaxserve.runner.runner import Runner
 spent = {}
 warmup = Runner.warmup
 def timed_warmup(self, show_progress=True):

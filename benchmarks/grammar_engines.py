@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=200)
     args = parser.parse_args()
-    from jaxserve.engine import default_model_path
+    from jaxserve.engine.llm_engine import default_model_path
     from transformers import AutoTokenizer
 
     hf_tokenizer = AutoTokenizer.from_pretrained(default_model_path())

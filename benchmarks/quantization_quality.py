@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxserve.bench.quality import (  # noqa: E402
     compare_distributions, next_token_logprobs, scoring_runner, source_prompts,
 )
-from jaxserve.engine import default_model_path  # noqa: E402
+from jaxserve.engine.llm_engine import default_model_path  # noqa: E402
 from jaxserve.model.quantize import weight_bytes  # noqa: E402
 from jaxserve.model.registry import quantizable_leaves  # noqa: E402
 

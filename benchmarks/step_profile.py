@@ -46,18 +46,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.bench import models, offline
 from jaxserve.bench.driver import drive
 from jaxserve.bench.workloads import workload_from_args
-from jaxserve.engine import LLMEngine
-from jaxserve.packing import pack, unpack
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.batch.packing import pack, unpack
+from jaxserve.engine.tokenizer import load_tokenizer
 
 OPS = ("forward", "attention", "gather", "qkv/o", "mlp", "lm_head", "other", "sampler")
 # The step's modules, in import order: a revision's own copies import each other (a file the revision lacks: today's).
 MODULES = {"fp8": "jaxserve/kv/fp8.py", "layers": "jaxserve/model/layers.py", "registry": "jaxserve/model/registry.py",
-           "xla": "jaxserve/attention/xla.py", "llama": "jaxserve/model/llama.py", "sampler": "jaxserve/sampler.py"}
+           "xla": "jaxserve/attention/xla.py", "llama": "jaxserve/model/llama.py", "sampler": "jaxserve/sampling/sampler.py"}
 
 
 def load_revision(revision: str) -> dict[str, types.ModuleType]:
@@ -82,7 +82,7 @@ def load_revision(revision: str) -> dict[str, types.ModuleType]:
 
 def current_modules() -> dict[str, types.ModuleType]:
     """The step modules (MODULES) of the working tree."""
-    from jaxserve import sampler
+    from jaxserve.sampling import sampler
     from jaxserve.attention import xla
     from jaxserve.kv import fp8
     from jaxserve.model import layers, llama, registry

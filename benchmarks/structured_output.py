@@ -23,7 +23,7 @@ from jaxserve.bench.effects import timed_methods
 from jaxserve.bench.harness import System, compare, ratios, run_once, timing
 from jaxserve.bench.workloads import BenchRequest, random_workload, vocab_ids
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.structured.grammar import Matcher
 

@@ -1,8 +1,8 @@
 """jaxserve: a JAX-compiled LLM serving engine with continuous batching and a paged KV cache."""
 
-from jaxserve.beam_search import BeamSearchParams
 from jaxserve.config import EngineConfig
-from jaxserve.llm import LLM
+from jaxserve.engine.beam_search import BeamSearchParams
+from jaxserve.engine.llm import LLM
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 

@@ -191,7 +191,7 @@ def resolve_spec(model: str | None, model_shape: str | None) -> tuple[ModelSpec,
     """The model's architecture and a note saying where it came from: `model_shape` (a PUBLISHED_MODELS name),
     the folder's config.json, or, when the folder is not here, the published config of the model it is named
     after. ValueError when none applies."""
-    from jaxserve.engine import default_model_path
+    from jaxserve.engine.llm_engine import default_model_path
 
     if model_shape is not None:
         return _published_spec(model_shape), f"published config.json of {model_shape} (--model-shape)"
@@ -358,7 +358,7 @@ def memory_plan(device: str, utilization: float, weight_bytes: int, activation_b
                 max_model_len: int, page_size: int) -> MemoryPlan:
     """The device's split (kv/sizing.py); ValueError when nothing is left for the pool or the pool cannot hold
     one request of max_model_len (the engine's own check)."""
-    from jaxserve.engine_core import check_pool_holds_a_request
+    from jaxserve.engine.core import check_pool_holds_a_request
 
     plan = plan_kv_pages(DEVICE_MEMORY_BYTES[device], utilization, weight_bytes, activation_bytes, page_bytes)
     try:
@@ -375,11 +375,11 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
                  buckets: str = "all", attention_backend: str | None = None) -> ConfigCheck:
     """Check one YAML config on every platform in `platforms` (see the module docstring), with the config's
     attention backend or `attention_backend`."""
-    from jaxserve.engine_core import bucket_ladders, resolve_max_model_len
+    from jaxserve.engine.core import bucket_ladders, resolve_max_model_len
     from jaxserve.model.checkpoint import weight_quantization
     from jaxserve.model.loader import resolve_dtype
     from jaxserve.model.sharding import cache_kv_heads, make_mesh
-    from jaxserve.runner import Runner
+    from jaxserve.runner.runner import Runner
 
     config = EngineConfig.from_yaml(path, **({"attention_backend": attention_backend} if attention_backend else {}))
     spec, note = resolve_spec(config.model, model_shape)

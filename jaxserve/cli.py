@@ -13,13 +13,19 @@ import time
 from jaxserve import check_config
 from jaxserve.bench.cli import add_bench_commands
 from jaxserve.config import (
-    VALID_ATTENTION_BACKENDS, VALID_BATCHING, VALID_DTYPES, VALID_LOAD_FORMATS, VALID_PAGE_SIZES, VALID_POLICIES,
-    VALID_KV_CACHE_DTYPES, VALID_PREEMPTION_MODES, VALID_QUANTIZATIONS,
+    VALID_ATTENTION_BACKENDS,
+    VALID_BATCHING,
+    VALID_DTYPES,
+    VALID_KV_CACHE_DTYPES,
+    VALID_LOAD_FORMATS,
+    VALID_PAGE_SIZES,
+    VALID_POLICIES,
+    VALID_PREEMPTION_MODES,
+    VALID_QUANTIZATIONS,
     EngineConfig,
 )
-from jaxserve.engine import DEFAULT_MODEL_NAME, LLMEngine
+from jaxserve.engine.llm_engine import DEFAULT_MODEL_NAME, LLMEngine
 from jaxserve.sampling_params import SamplingParams
-
 
 # Engine options that have a command-line flag (`--max-num-seqs` for `max_num_seqs`, ...).
 ENGINE_FLAGS = (

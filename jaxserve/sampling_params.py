@@ -19,7 +19,7 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
-# Longest token lists a request may send; they bound the sampler's per-row token list (batch.py).
+# Longest token lists a request may send; they bound the sampler's per-row token list (batch/builder.py).
 MAX_STOP_TOKEN_IDS = 64
 MAX_EOS_TOKEN_IDS = 16  # multi-step decoding checks this many EOS ids on the device (more: one token per step)
 MAX_LOGIT_BIAS_ENTRIES = 300

@@ -18,7 +18,7 @@ HF's beam search and vLLM's (jaxserve's) agree only under some settings; each ca
 Elsewhere they differ: vLLM normalises by the whole length (prompt included, EOS excluded), HF by the
 generated length (EOS included); HF lets a beam finish only when its EOS candidate is among the W best
 of the step, vLLM finishes every EOS candidate of every beam's top 2W; early_stopping=True stops at W
-finished beams. Before writing, the script runs jaxserve's own search (jaxserve.beam_search, fed by the
+finished beams. Before writing, the script runs jaxserve's own search (jaxserve.engine.beam_search, fed by the
 HF model) on every case and refuses to write a case where the two disagree; it also reports how often
 they disagree under settings outside the two above. `min_margin` is the smallest gap between a kept and
 a dropped candidate (or between ranked results) over the search, so a test can see how far each case
@@ -46,7 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig  
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from jaxserve.beam_search import BeamSearch, BeamSearchParams, beam_search_score  # noqa: E402
+from jaxserve.engine.beam_search import BeamSearch, BeamSearchParams, beam_search_score  # noqa: E402
 from jaxserve.request import Logprob  # noqa: E402
 
 CHECKPOINTS = ROOT / "tests" / "fixtures" / "checkpoints"

@@ -17,7 +17,7 @@ from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE, PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 
 VOCAB = 1000
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from helpers import engine_stats, running_server
 
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
-from jaxserve.engine import default_model_path
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
+from jaxserve.engine.llm_engine import default_model_path
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app

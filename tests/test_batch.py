@@ -3,13 +3,13 @@
 import numpy as np
 import pytest
 
-from jaxserve.batch import PAD_TOKEN_ID, BucketLadders, build_batch, build_sampling_batch
-from jaxserve.buckets import geometric_ladder, pick_bucket
+from jaxserve.batch.builder import PAD_TOKEN_ID, BucketLadders, build_batch, build_sampling_batch
+from jaxserve.batch.buckets import geometric_ladder, pick_bucket
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.request import Request
-from jaxserve.sampler import KIND_BANNED, KIND_OUTPUT, KIND_PROMPT
+from jaxserve.sampling.sampler import KIND_BANNED, KIND_OUTPUT, KIND_PROMPT
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import ScheduledRequest, SchedulerOutput
+from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 LADDERS = BucketLadders.build(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, page_size=8,
                               min_token_bucket=8, max_aux_extra=4)

@@ -13,7 +13,7 @@ from conftest import API_KEY
 from helpers import checkpoint, expected, small_engine_args
 
 from jaxserve import LLM, BeamSearchParams
-from jaxserve.beam_search import BeamSearch, BeamSearchSequence, beam_search_score, beam_step
+from jaxserve.engine.beam_search import BeamSearch, BeamSearchSequence, beam_search_score, beam_step
 from jaxserve.request import Logprob
 
 EOS = 1  # the fixture checkpoints' EOS id

@@ -13,9 +13,9 @@ import pytest
 from helpers import TEST_CACHE_DIR
 from jaxserve.bench import models, offline
 from jaxserve.bench.workloads import BenchRequest, Workload, workload_from_args
-from jaxserve.engine import default_model_path
+from jaxserve.engine.llm_engine import default_model_path
 from jaxserve.model.spec import ModelSpec
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.engine.tokenizer import load_tokenizer
 
 # The CTranslate2 copy of the bundled model is cached here across test sessions.
 PEER_CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-test-bench-cache")

@@ -119,7 +119,7 @@ def server_url():
     from helpers import running_server, small_engine_args
 
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.server.app import build_app
     from jaxserve.server.config import ServerConfig
 

@@ -21,8 +21,8 @@ from jaxserve.bench.workloads import (
     vocab_ids,
     workload_from_args,
 )
-from jaxserve.engine import default_model_path
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.engine.llm_engine import default_model_path
+from jaxserve.engine.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

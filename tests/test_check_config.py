@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from jaxserve import check_config
-from jaxserve.batch import BucketLadders
+from jaxserve.batch.builder import BucketLadders
 from jaxserve.cli import build_parser
 from jaxserve.config import CONFIGS_DIR, EngineConfig
 from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES

@@ -83,7 +83,7 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
     log = tmp_path / "serve.log"
     env = {**os.environ, "JAXSERVE_API_KEY": "env-key", "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--max-num-seqs", "32",
-               "--port", str(port), "--compilation-cache-dir", TEST_CACHE_DIR]
+               "--port", str(port), "--compilation-cache-dir", TEST_CACHE_DIR, "--skip-precompile"]
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"

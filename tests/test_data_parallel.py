@@ -14,7 +14,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
 from jaxserve.config import EngineConfig
 from jaxserve.distributed.replicas import ROUTED_PREFIX_PAGES, ReplicaRouter
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
 

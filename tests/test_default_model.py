@@ -7,14 +7,14 @@ import pytest
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import DEFAULT_MODEL_CONFIG, EngineConfig
-from jaxserve.engine import default_model_path
+from jaxserve.engine.llm_engine import default_model_path
 
 EXPECTED = os.path.join(os.path.dirname(__file__), "fixtures", "default_model_expected.json")
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(show_progress=False)
+    return LLM(show_progress=False, skip_precompile=True)
 
 
 def test_no_model_means_the_bundled_model_with_the_tiny_cpu_config():

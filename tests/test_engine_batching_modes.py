@@ -8,7 +8,7 @@ import pytest
 
 from helpers import small_engine_args
 from jaxserve.kv.cache_manager import pages_for_tokens
-from jaxserve.llm import LLM
+from jaxserve.engine.llm import LLM
 from jaxserve.sampling_params import SamplingParams
 
 PROMPTS = [[5 + i] * (3 + 7 * i) for i in range(6)]  # 3 to 38 tokens

@@ -30,8 +30,8 @@ from helpers import checkpoint, checkpoint_tensors, expected, greedy_outputs_com
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention import make_attention, xla
 from jaxserve.attention.base import LayerAttention
-from jaxserve.batch import padded_batch_arrays
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.builder import padded_batch_arrays
+from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.config import EngineConfig
 from jaxserve.kv import fp8
 from jaxserve.model.checkpoint import convert, load_weights

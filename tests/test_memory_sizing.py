@@ -8,7 +8,7 @@ import pytest
 from helpers import small_engine_args
 
 from jaxserve import LLM
-from jaxserve import engine_core
+from jaxserve.engine import core as engine_core
 from jaxserve.kv import sizing
 from jaxserve.kv.sizing import GIB, check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine_core import resolve_num_pages
+from jaxserve.engine.core import resolve_num_pages
 from jaxserve.model.loader import SafetensorsFolder
 from jaxserve.model.spec import ModelSpec
 from helpers import ARCHITECTURES, checkpoint

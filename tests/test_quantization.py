@@ -26,7 +26,7 @@ import pytest
 from helpers import checkpoint, checkpoint_tensors, expected, greedy_outputs_compiling_nothing, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.quality import compare_distributions, next_token_logprobs, scoring_runner, source_prompts
-from jaxserve.engine import default_model_path
+from jaxserve.engine.llm_engine import default_model_path
 from jaxserve.model.loader import load_params
 from jaxserve.model.quantize import FORMATS, dequantize, linear, quantize_params, quantize_weight, weight_bytes
 from jaxserve.model.registry import quantizable_leaves

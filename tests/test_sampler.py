@@ -1,4 +1,4 @@
-"""Tests for jaxserve.sampler: penalties, greedy/random sampling and logprobs."""
+"""Tests for jaxserve.sampling.sampler: penalties, greedy/random sampling and logprobs."""
 
 import os
 
@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from jaxserve.sampler import (  # noqa: E402
+from jaxserve.sampling.sampler import (  # noqa: E402
     KIND_ALLOWED,
     KIND_BANNED,
     KIND_BIAS,

@@ -32,7 +32,7 @@ from fake_runner import (
 )
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.request import RequestStatus
-from jaxserve.scheduler import SampledToken
+from jaxserve.engine.scheduler import SampledToken
 
 # ---- random workloads ----------------------------------------------------------------------
 
@@ -596,7 +596,7 @@ def test_scheduler_modules_do_not_import_jax():
         package = types.ModuleType("jaxserve")
         package.__path__ = [{os.path.join(root, "jaxserve")!r}]
         sys.modules["jaxserve"] = package
-        import jaxserve.scheduler, jaxserve.kv.page_pool, jaxserve.kv.cache_manager, jaxserve.request
+        import jaxserve.engine.scheduler, jaxserve.kv.page_pool, jaxserve.kv.cache_manager, jaxserve.request
         bad = sorted(m for m in sys.modules if m == "jax" or m.startswith(("jax.", "jaxlib")))
         assert not bad, bad
     """)

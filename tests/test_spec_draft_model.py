@@ -24,9 +24,9 @@ from helpers import (
     spec_generate,
 )
 from jaxserve import LLM, SamplingParams
-from jaxserve.batch import BucketLadders
+from jaxserve.batch.builder import BucketLadders
 from jaxserve.config import EngineConfig
-from jaxserve.engine import ASSETS_DIR, DEFAULT_MODEL_NAME
+from jaxserve.engine.llm_engine import ASSETS_DIR, DEFAULT_MODEL_NAME
 from jaxserve.spec.draft import DraftModelProposer
 
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)

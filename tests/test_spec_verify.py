@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxserve.batch import padded_sampling_arrays
-from jaxserve.sampler import SamplingBatch
+from jaxserve.batch.builder import padded_sampling_arrays
+from jaxserve.sampling.sampler import SamplingBatch
 from jaxserve.spec.ngram import propose_ngram
 from jaxserve.spec.verify import Proposals
 from jaxserve.spec.verify import verify as verify_eagerly
@@ -107,7 +107,7 @@ def test_greedy_rows_keep_the_argmax_prefix_then_the_argmax():
 def test_every_emitted_token_is_the_plain_samplers_at_its_index(temperature, top_k, top_p, min_p):
     """Whatever is proposed (right, wrong or nothing), the token a row emits at output index s is the one the
     plain sampler draws at s: speculation changes how many tokens a step emits, never which."""
-    from jaxserve.sampler import sample
+    from jaxserve.sampling.sampler import sample
 
     num_rows, width = 512, 4
     rng = np.random.default_rng(0)
@@ -132,7 +132,7 @@ def test_every_emitted_token_is_the_plain_samplers_at_its_index(temperature, top
 def test_penalised_rows_count_the_proposals_before_each_position_as_output(temperature):
     """With penalties, biases and allowed ids, position j is sampled as plain decoding samples it after the
     proposals before it: the tokens emitted equal a plain sampler run token by token, its history growing."""
-    from jaxserve.sampler import KIND_ALLOWED, KIND_BIAS, KIND_OUTPUT, KIND_PROMPT, sample
+    from jaxserve.sampling.sampler import KIND_ALLOWED, KIND_BIAS, KIND_OUTPUT, KIND_PROMPT, sample
 
     num_rows, width = 64, 4
     rng = np.random.default_rng(1)

@@ -1,10 +1,10 @@
-"""Tests for jaxserve.stop_checker."""
+"""Tests for jaxserve.engine.stop_checker."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.stop_checker import StopMatch, StopStringChecker
+from jaxserve.engine.stop_checker import StopMatch, StopStringChecker
 
 
 def _stream(checker: StopStringChecker, deltas: list[str]):

@@ -23,7 +23,7 @@ import pytest
 from helpers import running_server, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.structured.params import StructuredOutputsParams

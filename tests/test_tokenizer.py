@@ -1,8 +1,8 @@
-"""Tests for jaxserve.tokenizer: loading and streaming detokenization.
+"""Tests for jaxserve.engine.tokenizer: loading and streaming detokenization.
 
 The tokenizers are tiny ones built here; the reference for what a user must
 see is the Hugging Face decode of the prompt and output together, minus the
-decode of the prompt (see the module docstring of jaxserve.tokenizer).
+decode of the prompt (see the module docstring of jaxserve.engine.tokenizer).
 """
 
 import functools
@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from jaxserve.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 REPLACEMENT = "\ufffd"
 SPECIALS = ["<unk>", "<s>", "</s>"]

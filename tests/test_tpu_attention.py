@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention import make_attention, resolve_backend, tpu
 from jaxserve.attention.base import LayerAttention
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.model.sharding import make_mesh
 from jaxserve.model.spec import ModelSpec
 from pallas_kernels.ragged_paged_attention import reference

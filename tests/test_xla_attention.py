@@ -21,11 +21,12 @@ import pytest
 import yaml
 from helpers import checkpoint, expected, small_engine_args
 
-from jaxserve import LLM, SamplingParams, runner
+from jaxserve import LLM, SamplingParams
+from jaxserve.runner import runner
 from jaxserve.attention import cudnn, xla
 from jaxserve.attention.base import LayerAttention
-from jaxserve.batch import BucketLadders
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.builder import BucketLadders
+from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.bench.models import SHAPES
 from jaxserve.model.spec import ModelSpec
 from pallas_kernels.ragged_paged_attention import reference

@@ -32,8 +32,8 @@ def model_spec(model: Model):
 
 def decode_batch(inputs: dict, page_size: int):
     """The BatchDescriptor of a decode step: one token per row at position `seq_len - 1`."""
-    from jaxserve.batch import padded_batch_arrays
-    from jaxserve.batch_descriptor import BatchDescriptor
+    from jaxserve.batch.builder import padded_batch_arrays
+    from jaxserve.batch.descriptor import BatchDescriptor
 
     page_table = np.asarray(inputs["page_table"])  # (B, W)
     seq_lens = np.asarray(inputs["seq_lens"])  # (B,)

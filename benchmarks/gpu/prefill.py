@@ -89,8 +89,8 @@ def xla_backend_call(plan: Plan, inputs: dict):
     from benchmarks.gpu.fallback import model_spec
     from jaxserve.attention import make_attention
     from jaxserve.attention.base import LayerAttention
-    from jaxserve.batch import padded_batch_arrays
-    from jaxserve.batch_descriptor import BatchDescriptor
+    from jaxserve.batch.builder import padded_batch_arrays
+    from jaxserve.batch.descriptor import BatchDescriptor
     from jaxserve.model.sharding import make_mesh
 
     page_size = plan.page_size

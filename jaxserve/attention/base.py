@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from pallas_kernels.tile_math import FP8_BITS
 
 LAYOUTS = ("split", "fused")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from pallas_kernels.tile_math import from_cache
 
 logger = logging.getLogger("jaxserve")

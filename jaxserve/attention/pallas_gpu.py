@@ -13,11 +13,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.attention.base import AttentionBackend, LayerAttention
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.model.sharding import KV_CACHE_SPEC, MODEL_AXIS
 from pallas_kernels.paged_decode_attention import kernel as decode_kernel
 from pallas_kernels.paged_kv_write import kernel as kv_write_kernel

@@ -46,11 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as tpu_kernel
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.attention.base import AttentionBackend, LayerAttention, cache_shapes
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.model.sharding import KV_CACHE_SPEC, MODEL_AXIS
 
 HEADS_SPEC = P(None, MODEL_AXIS, None)  # (T, heads, D): heads split over the mesh

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxserve.attention import cudnn
 from jaxserve.attention.base import AttentionBackend, LayerAttention
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from pallas_kernels.ragged_paged_attention import reference
 from pallas_kernels.tile_math import from_cache
 

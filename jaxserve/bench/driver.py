@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from jaxserve.bench.stats import RequestTrace
 from jaxserve.bench.workloads import BenchRequest, Workload
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 
 

@@ -57,16 +57,27 @@ from collections.abc import Callable, Iterator, Sequence
 
 from jaxserve.bench import models, preemption, quantization, speculation, stats
 from jaxserve.bench.harness import (
-    PAGE_SIZE, Engines, Run, System, cell, compare, ms, ratios, run_once, same_tokens, spread, timing,
+    PAGE_SIZE,
+    Engines,
+    Run,
+    System,
+    cell,
+    compare,
+    ms,
+    ratios,
+    run_once,
+    same_tokens,
+    spread,
+    timing,
 )
 from jaxserve.bench.offline import make_logger
 from jaxserve.bench.results import command_args, write_json
 from jaxserve.bench.workloads import BenchRequest, Workload, random_workload, shared_prefix_workload, vocab_ids
 from jaxserve.config import DEFAULT_CACHE_DIR
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.step_timing import PHASES
+from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.step_timing import PHASES
-from jaxserve.tokenizer import load_tokenizer
 
 EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling", "preemption", "speculation",
            "quantization")

@@ -13,7 +13,7 @@ from jaxserve.bench import stats
 from jaxserve.bench.driver import DriveResult, bench_params, drive
 from jaxserve.bench.workloads import BenchRequest, Workload
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
 
 PAGE_SIZE = 16  # tokens per KV page

@@ -190,7 +190,7 @@ def ensure_model(shape_name: str, cache_dir: str, seed: int = 0,
     """The folder of a named shape: the bundled model's, or a generated one under `cache_dir` (built on first
     use, reused while its fingerprint matches)."""
     if shape_name == BUNDLED:
-        from jaxserve.engine import default_model_path
+        from jaxserve.engine.llm_engine import default_model_path
 
         return default_model_path()
     if shape_name not in SHAPES:

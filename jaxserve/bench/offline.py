@@ -59,11 +59,11 @@ from jaxserve.bench.driver import DriveResult, drive
 from jaxserve.bench.results import command_args, write_json
 from jaxserve.bench.workloads import BenchRequest, Workload, add_workload_arguments, workload_from_args
 from jaxserve.config import VALID_DTYPES, EngineConfig
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.step_timing import PHASES
+from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.model.spec import ModelSpec
-from jaxserve.step_timing import PHASES
-from jaxserve.tokenizer import load_tokenizer
 
 SYSTEMS = ("jaxserve", "jaxserve-sync", "jaxserve-static", "hf-generate", "hf-continuous", "ctranslate2")
 JAXSERVE_SYSTEMS = SYSTEMS[:3]

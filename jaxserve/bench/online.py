@@ -222,8 +222,8 @@ def reset_prefix_cache(target: Target, api_key: str | None) -> bool:
 
 def load_workload(args: argparse.Namespace, card: dict) -> tuple[Workload, str, int]:
     """The workload of the options, with the tokenizer folder and max_model_len it was built for."""
-    from jaxserve.engine import default_model_path
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.engine.llm_engine import default_model_path
+    from jaxserve.engine.tokenizer import load_tokenizer
 
     root = card.get("root")
     tokenizer_path = args.tokenizer or (root if isinstance(root, str) and os.path.isdir(root) else default_model_path())

@@ -18,7 +18,17 @@ from collections.abc import Callable, Sequence
 
 from jaxserve.bench import stats
 from jaxserve.bench.harness import (
-    PAGE_SIZE, Engines, Run, System, cell, compare, ms, ratios, same_tokens, spread, timing,
+    PAGE_SIZE,
+    Engines,
+    Run,
+    System,
+    cell,
+    compare,
+    ms,
+    ratios,
+    same_tokens,
+    spread,
+    timing,
 )
 from jaxserve.bench.workloads import random_workload
 from jaxserve.kv.cache_manager import pages_for_tokens

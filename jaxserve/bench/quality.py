@@ -12,14 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.batch import BucketLadders, prefill_batches
+from jaxserve.batch.builder import BucketLadders, prefill_batches
 from jaxserve.config import EngineConfig
 from jaxserve.kv import fp8
 from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
-from jaxserve.runner import Runner
+from jaxserve.runner.runner import Runner
 
 PAGE_SIZE = 16
 
@@ -44,10 +44,10 @@ def scoring_runner(path: str, quantization: str = "none", kv_cache_dtype: str = 
 def source_prompts(model: str, count: int, num_tokens: int) -> list[list[int]]:
     """`count` prompts of `num_tokens` tokens: consecutive pieces of jaxserve's scheduler source (Python, which
     the bundled model was trained on), in the model's tokenizer."""
-    import jaxserve.scheduler
-    from jaxserve.tokenizer import load_tokenizer
+    import jaxserve.engine.scheduler
+    from jaxserve.engine.tokenizer import load_tokenizer
 
-    with open(jaxserve.scheduler.__file__) as f:
+    with open(jaxserve.engine.scheduler.__file__) as f:
         ids = load_tokenizer(model).encode(f.read(), add_special_tokens=False)
     if len(ids) < count * num_tokens:
         raise ValueError(f"the source has {len(ids)} tokens, fewer than {count} x {num_tokens}")

@@ -26,7 +26,7 @@ import jaxserve
 from jaxserve.bench import models
 from jaxserve.bench.harness import Engines, Run, System, cell, compare, ms, ratios, same_tokens, spread, timing
 from jaxserve.bench.workloads import BenchRequest, Workload
-from jaxserve.tokenizer import load_tokenizer
+from jaxserve.engine.tokenizer import load_tokenizer
 
 MARKER = "\n# the same code again:\n"
 
@@ -50,7 +50,8 @@ def code_editing_workload(model: str, num_requests: int, prompt_chars: int, outp
     """`num_requests` prompts, each a piece of jaxserve's source, the marker and the piece's first third."""
     tokenizer = load_tokenizer(model)
     package = os.path.dirname(jaxserve.__file__)
-    text = "".join(open(path).read() for path in sorted(glob.glob(os.path.join(package, "*.py"))))
+    text = "".join(open(path).read() for path in sorted(glob.glob(os.path.join(package, "**", "*.py"),
+                                                                      recursive=True)))
     requests = []
     for index in range(num_requests):
         start = (index * prompt_chars) % max(1, len(text) - prompt_chars)

@@ -14,8 +14,8 @@ import asyncio
 import collections
 from collections.abc import Callable
 
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.kv.cache_manager import page_hash, root_hash
 from jaxserve.request import Request
 

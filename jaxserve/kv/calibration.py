@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.attention import make_attention
-from jaxserve.batch import prefill_batches
+from jaxserve.batch.builder import prefill_batches
 from jaxserve.kv.fp8 import FP8_MAX
 from jaxserve.model.registry import model_for
 from jaxserve.model.spec import ModelSpec
@@ -32,7 +32,7 @@ def calibration_prompts(tokenizer_path: str, max_tokens: int) -> list[list[int]]
     """The calibration text in the tokenizer of `tokenizer_path`: CALIBRATION_PROMPTS prompts of
     min(CALIBRATION_TOKENS, max_tokens) tokens (fewer prompts if the text runs out)."""
     from jaxserve.bench.workloads import load_sharegpt
-    from jaxserve.tokenizer import load_tokenizer
+    from jaxserve.engine.tokenizer import load_tokenizer
 
     _, conversations = load_sharegpt(None)
     tokenizer = load_tokenizer(tokenizer_path)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.model.sharding import MODEL_AXIS
 
 FP8_DTYPE = jnp.float8_e4m3fn

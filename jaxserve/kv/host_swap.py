@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxserve.buckets import geometric_ladder, pick_bucket
+from jaxserve.batch.buckets import geometric_ladder, pick_bucket
 from jaxserve.kv.page_pool import NULL_PAGE
 
 PageCopies = list[tuple[int, int]]  # (source page, destination page) pairs

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.kv.fp8 import write_and_attend
 from jaxserve.model.quantize import linear
 

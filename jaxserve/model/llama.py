@@ -23,8 +23,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention.base import LayerAttention
-from jaxserve.model.layers import (StepContext, apply_rope, optional_param, project, projection, projection_width,
-                                   rms_norm, rope_cos_sin, scan_layers)
+from jaxserve.model.layers import (
+    StepContext,
+    apply_rope,
+    optional_param,
+    project,
+    projection,
+    projection_width,
+    rms_norm,
+    rope_cos_sin,
+    scan_layers,
+)
 from jaxserve.model.registry import Model, Weight, register
 from jaxserve.model.sharding import MODEL_AXIS
 from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec, llama_family_spec

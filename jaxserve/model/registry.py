@@ -19,11 +19,10 @@ import importlib.metadata
 from collections.abc import Callable
 
 import jax
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.attention.base import AttentionFn, WriteKVFn
-from jaxserve.batch_descriptor import BatchDescriptor
+from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.model.layers import StepContext
 from jaxserve.model.spec import ModelSpec
 

@@ -13,9 +13,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 import jaxserve
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.distributed.replicas import DataParallelEngine, build_replicas
-from jaxserve.engine import LLMEngine
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
 from jaxserve.server.metrics import ServerMetrics, cache_config_info

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.beam_search import BeamSearchParams
+from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.tools import NamedToolChoice, Tool, arguments_for_template, find_tool, required_schema
@@ -269,7 +269,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     # Samples generated per prompt, of which the n with the highest cumulative logprob are returned (None: n).
     best_of: int | None = None
-    # vLLM's beam search: beam width best_of (None: n), the n best beams returned (jaxserve/beam_search.py)
+    # vLLM's beam search: beam width best_of (None: n), the n best beams returned (jaxserve/engine/beam_search.py)
     use_beam_search: bool = False
     length_penalty: float = 1.0
 

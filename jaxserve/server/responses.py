@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 
+from jaxserve.engine.stop_checker import StopStringChecker
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.request import Logprob
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.stop_checker import StopStringChecker
 
 MIN_LOGPROB = -9999.0  # what OpenAI and vLLM send for a log-probability of -inf
 

@@ -18,14 +18,15 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from jaxserve.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
-from jaxserve.beam_search import (
+from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxserve.engine.beam_search import (
     BeamSearch,
     BeamSearchParams,
     async_engine_step,
     request_output,
     run_beam_search_async,
 )
+from jaxserve.engine.tokenizer import render_chat, render_chat_text
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
@@ -57,7 +58,6 @@ from jaxserve.server.tools import (
     call_id,
     tool_call_field,
 )
-from jaxserve.tokenizer import render_chat, render_chat_text
 
 logger = logging.getLogger("jaxserve")
 
@@ -173,7 +173,7 @@ class OpenAIServing:
     async def _beam_search_completion(self, request_id: str, prompts: list, body: CompletionRequest,
                                       params: SamplingParams, raw: Request) -> Response | dict:
         """use_beam_search (vLLM's extra field): the n best beams of each prompt are its choices. Every step
-        runs each live beam as a one-token request through the async engine (jaxserve/beam_search.py); a
+        runs each live beam as a one-token request through the async engine (jaxserve/engine/beam_search.py); a
         client that leaves cancels the search, which aborts the step in flight."""
         created = int(time.time())
         try:

@@ -18,9 +18,10 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.batch import BucketLadders, build_batch, padded_decode_step_arrays
-from jaxserve.batch_descriptor import DecodeSteps
+from jaxserve.batch.builder import BucketLadders, build_batch, padded_decode_step_arrays
+from jaxserve.batch.descriptor import DecodeSteps
 from jaxserve.config import EngineConfig
+from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
@@ -28,7 +29,6 @@ from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.sharding import cache_kv_heads
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Request
-from jaxserve.scheduler import ScheduledRequest, SchedulerOutput
 from jaxserve.spec.draft_runner import DraftRunner
 
 

@@ -16,14 +16,14 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.batch import padded_batch_arrays, padded_decode_step_arrays
-from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps
-from jaxserve.decode_steps import run_decode_steps
+from jaxserve.batch.builder import padded_batch_arrays, padded_decode_step_arrays
+from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps
+from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.model.sharding import put_global
-from jaxserve.packing import Layout, pack, unpack
-from jaxserve.runner import Runner
-from jaxserve.sampler import first_argmax
+from jaxserve.runner.decode_steps import run_decode_steps
+from jaxserve.runner.runner import Runner
+from jaxserve.sampling.sampler import first_argmax
 
 
 def run_draft_steps(forward: Callable, params: dict, caches: tuple, batch: BatchDescriptor, steps: DecodeSteps,

@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.sampler import KIND_OUTPUT, KIND_PAD, SamplingBatch, sample
+from jaxserve.sampling.sampler import KIND_OUTPUT, KIND_PAD, SamplingBatch, sample
 
 
 @jax.tree_util.register_dataclass

@@ -20,8 +20,8 @@ import threading
 import llguidance
 import llguidance.hf
 import llguidance.numpy
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 import numpy as np
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from jaxserve.structured.params import StructuredOutputsParams
 

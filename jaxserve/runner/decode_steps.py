@@ -16,9 +16,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps
+from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps
 from jaxserve.kv.page_pool import NULL_PAGE
-from jaxserve.sampler import SamplingBatch, sample
+from jaxserve.sampling.sampler import SamplingBatch, sample
 
 
 def sampled_by(sampling: SamplingBatch) -> Callable:

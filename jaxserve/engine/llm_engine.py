@@ -10,15 +10,15 @@ import random
 import time
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine_core import EngineCore
-from jaxserve.generation_config import load_generation_defaults
-from jaxserve.output_processor import OutputProcessor
+from jaxserve.engine.core import EngineCore
+from jaxserve.engine.generation_config import load_generation_defaults
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from jaxserve.tokenizer import load_tokenizer
 
-ASSETS_DIR = os.path.join(os.path.dirname(__file__), "assets")
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
 DEFAULT_MODEL_NAME = "tiny-stdlib-llama"
 
 Prompt = str | list[int]

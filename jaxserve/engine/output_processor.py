@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from jaxserve.engine.stop_checker import StopStringChecker
+from jaxserve.engine.tokenizer import IncrementalDetokenizer
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.stop_checker import StopStringChecker
-from jaxserve.tokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass

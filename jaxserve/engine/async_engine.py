@@ -15,11 +15,11 @@ import queue
 import threading
 from collections.abc import Callable
 
-from jaxserve.engine import LLMEngine, Prompt
+from jaxserve.engine.llm_engine import LLMEngine, Prompt
+from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("jaxserve")
 

@@ -24,7 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tqdm.auto import tqdm
 
 from jaxserve.attention import make_attention
-from jaxserve.batch import (
+from jaxserve.batch.buckets import pick_bucket
+from jaxserve.batch.builder import (
     BucketLadders,
     padded_batch_arrays,
     padded_decode_step_arrays,
@@ -32,15 +33,14 @@ from jaxserve.batch import (
     padded_proposal_arrays,
     padded_sampling_arrays,
 )
-from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
-from jaxserve.buckets import pick_bucket
-from jaxserve.decode_steps import run_decode_steps, sampled_by
+from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
+from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.kv.host_swap import HostSwap
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import KV_CACHE_SPEC, put_global
 from jaxserve.model.spec import ModelSpec
-from jaxserve.packing import Layout, pack, unpack
-from jaxserve.sampler import SamplingBatch, bitmask_width, raw_logprobs, sample
+from jaxserve.runner.decode_steps import run_decode_steps, sampled_by
+from jaxserve.sampling.sampler import SamplingBatch, bitmask_width, raw_logprobs, sample
 from jaxserve.spec.verify import Proposals, verify
 
 
@@ -504,7 +504,7 @@ class Runner:
         """Start the model and the sampler (and the scoring of prompt tokens when `prompt` is given) on the
         device and return at once; `PendingStep.fetch()` waits for the samples. A token whose id the host
         does not have yet is read from the previous dispatch's samples (`batch.device_token_index`). With
-        `decode_steps`, a decode-only batch runs several iterations in one call (decode_steps.py)."""
+        `decode_steps`, a decode-only batch runs several iterations in one call (runner/decode_steps.py)."""
         if decode_steps is not None:
             return self._dispatch_decode_steps(batch, sampling, decode_steps)
         if proposals is not None:

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from jaxserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine, Prompt
+from jaxserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
+from jaxserve.engine.llm_engine import LLMEngine, Prompt
+from jaxserve.engine.tokenizer import render_chat
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.tokenizer import render_chat
 
 PromptInput = str | list[int] | dict
 
@@ -70,7 +70,7 @@ class LLM:
         """vLLM's offline beam search: the best `params.beam_width` beams of each prompt, best first.
 
         Each step runs every live beam of every prompt through `generate` as a one-token request
-        (see jaxserve/beam_search.py). Prompts take the forms `generate` takes (a dict may carry a
+        (see jaxserve/engine/beam_search.py). Prompts take the forms `generate` takes (a dict may carry a
         'cache_salt'); every prompt is validated before any step runs.
         """
         step_params = params.step_params()

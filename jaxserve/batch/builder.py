@@ -11,12 +11,13 @@ import dataclasses
 
 import numpy as np
 
-from jaxserve.batch_descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
-from jaxserve.buckets import pick_bucket, geometric_ladder
+from jaxserve.batch.buckets import geometric_ladder, pick_bucket
+from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
+from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.request import Request
-from jaxserve.sampler import (
+from jaxserve.sampling.sampler import (
     KIND_ALLOWED,
     KIND_BANNED,
     KIND_BIAS,
@@ -33,7 +34,6 @@ from jaxserve.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
 )
-from jaxserve.scheduler import SchedulerOutput
 from jaxserve.spec.verify import Proposals
 
 PAD_TOKEN_ID = 0

@@ -11,7 +11,7 @@ import time
 
 import jax
 
-from jaxserve.batch import (
+from jaxserve.batch.builder import (
     MAX_AUX_EXTRA,
     BucketLadders,
     build_batch,
@@ -25,6 +25,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.distributed import runtime
 from jaxserve.distributed.channel import FollowerChannel, LeaderChannel
 from jaxserve.distributed.mirror import Mirrored, exit_soon, serve_leader
+from jaxserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from jaxserve.engine.step_timing import StepTiming
 from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
@@ -33,13 +35,11 @@ from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
-from jaxserve.runner import CompileCounter, PendingStep, Runner, StepOutput, TokenLogprobs
-from jaxserve.scheduler import SampledToken, Scheduler, SchedulerOutput
-from jaxserve.spec.metrics import SpecDecodeStats
+from jaxserve.runner.runner import CompileCounter, PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.spec.draft import DraftModelProposer
+from jaxserve.spec.metrics import SpecDecodeStats
 from jaxserve.spec.ngram import NgramProposer
 from jaxserve.spec.proposer import Proposer
-from jaxserve.step_timing import StepTiming
 
 logger = logging.getLogger("jaxserve")
 # Longest a step with nothing to run sleeps on the grammar compiles its waiting requests need (they wake it at

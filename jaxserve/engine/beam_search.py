@@ -31,7 +31,7 @@ from jaxserve.request import Logprob
 from jaxserve.sampling_params import FLOAT32_MAX, INT32_MAX, SamplingParams, check_float, check_int
 
 if TYPE_CHECKING:
-    from jaxserve.async_engine import AsyncLLMEngine, RequestStream
+    from jaxserve.engine.async_engine import AsyncLLMEngine, RequestStream
 
 StepPrompt = dict  # {"prompt_token_ids": [...], optional "cache_salt": str}: one beam's engine request
 

@@ -1,0 +1,1 @@
+"""Jittable next-token sampling."""
