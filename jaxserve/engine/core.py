@@ -35,7 +35,8 @@ from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
-from jaxserve.runner.runner import CompileCounter, PendingStep, Runner, StepOutput, TokenLogprobs
+from jaxserve.runner.executables import CompileCounter
+from jaxserve.runner.runner import PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.spec.draft import DraftModelProposer
 from jaxserve.spec.metrics import SpecDecodeStats
 from jaxserve.spec.ngram import NgramProposer

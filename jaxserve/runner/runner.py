@@ -7,13 +7,10 @@ updated in place.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import functools
 import itertools
-import os
-import threading
 import time
 from collections.abc import Callable
 
@@ -21,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from tqdm.auto import tqdm
 
 from jaxserve.attention import make_attention
 from jaxserve.batch.buckets import pick_bucket
@@ -40,35 +36,15 @@ from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import KV_CACHE_SPEC, put_global
 from jaxserve.model.spec import ModelSpec
 from jaxserve.runner.decode_steps import run_decode_steps, sampled_by
+from jaxserve.runner.executables import (
+    CompileCounter,
+    abstract_arguments,
+    compile_all,
+    share_executable,
+    shared_executable,
+)
 from jaxserve.sampling.sampler import SamplingBatch, bitmask_width, raw_logprobs, sample
 from jaxserve.spec.verify import Proposals, verify
-
-
-class CompileCounter:
-    """Counts XLA backend compilations in this process (all engines together)."""
-
-    _lock = threading.Lock()
-    _count = 0
-    _registered = False
-
-    @classmethod
-    def install(cls) -> None:
-        """Register the jax.monitoring listener once per process."""
-        with cls._lock:
-            if not cls._registered:
-                jax.monitoring.register_event_duration_secs_listener(cls._on_event)
-                cls._registered = True
-
-    @classmethod
-    def _on_event(cls, event: str, duration: float, **kwargs) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            with cls._lock:
-                cls._count += 1
-
-    @classmethod
-    def count(cls) -> int:
-        """Backend compilations so far."""
-        return cls._count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,52 +120,6 @@ def with_device_tokens(batch: BatchDescriptor, last_tokens: jax.Array) -> BatchD
     index = batch.device_token_index
     input_ids = jnp.where(index >= 0, last_tokens[jnp.maximum(index, 0)], batch.input_ids)  # (T,)
     return dataclasses.replace(batch, input_ids=input_ids)
-
-
-# Executables of this process by what they were traced from (`Runner.trace_key`, the step function, the shapes,
-# dtypes and shardings of its arguments): an engine built like an earlier one (a benchmark comparing scheduler
-# options, the tests) takes its executables instead of tracing and compiling them again. An entry holds an
-# executable only (no params, no pages); past SHARED_EXECUTABLES the least recently used go.
-SHARED_EXECUTABLES = 512
-_shared_executables: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
-_shared_lock = threading.Lock()
-
-
-def _shared_executable(key: tuple) -> jax.stages.Compiled | None:
-    with _shared_lock:
-        if key in _shared_executables:
-            _shared_executables.move_to_end(key)
-        return _shared_executables.get(key)
-
-
-def _share_executable(key: tuple, executable: jax.stages.Compiled) -> None:
-    with _shared_lock:
-        _shared_executables[key] = executable
-        while len(_shared_executables) > SHARED_EXECUTABLES:
-            _shared_executables.popitem(last=False)
-
-
-def abstract_arguments(args: tuple) -> tuple:
-    """What a call's trace depends on besides its function: the tree of `args` and each leaf's shape, dtype and
-    sharding (static leaves, such as layouts, as they are)."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((leaf.shape, jnp.dtype(leaf.dtype), leaf.sharding) if hasattr(leaf, "shape") else leaf
-                       for leaf in leaves)
-
-
-def compile_all(lowered: list[tuple[tuple[dict, tuple, tuple], jax.stages.Lowered]], description: str,
-                show_progress: bool) -> None:
-    """Compile each ((table, key, shared key), lowered) on a thread pool (XLA releases the GIL) into `table[key]`,
-    and share it under its shared key."""
-    bar = tqdm(total=len(lowered), desc=description, disable=not show_progress, leave=False)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        futures = {pool.submit(low.compile): target for target, low in lowered}
-        for future in concurrent.futures.as_completed(futures):
-            table, key, shared_key = futures[future]
-            table[key] = future.result()
-            _share_executable(shared_key, table[key])
-            bar.update()
-    bar.close()
 
 
 class Runner:
@@ -419,7 +349,7 @@ class Runner:
             for key in keys:
                 function, args = call(*key)
                 shared_key = self._shared_key(function, args)
-                shared = _shared_executable(shared_key)
+                shared = shared_executable(shared_key)
                 if shared is None:
                     lowered.append(((table, key, shared_key), function.lower(*args)))
                 else:
@@ -572,9 +502,9 @@ class Runner:
         if key not in table:
             function, args = call(*key)
             shared_key = self._shared_key(function, args)
-            table[key] = _shared_executable(shared_key)
+            table[key] = shared_executable(shared_key)
             if table[key] is None:
                 self.num_lazy_compiles += 1
                 table[key] = function.lower(*args).compile()
-                _share_executable(shared_key, table[key])
+                share_executable(shared_key, table[key])
         return table[key]
