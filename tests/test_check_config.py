@@ -111,7 +111,7 @@ def test_a_config_that_does_not_fit_its_device_fails_with_the_reason(tmp_path, m
     config.write_text("max_model_len: 512\nmax_num_seqs: 16\nmax_num_batched_tokens: 64\n"
                       "gpu_memory_utilization: 0.000001\n")
     monkeypatch.setattr(check_config, "use_host_devices", lambda count: None)
-    args = build_parser().parse_args(["check-config", str(config), "--platforms", "cuda", "--buckets", "edges",
+    args = build_parser().parse_args(["check-config", str(config), "--platforms", "cuda", "--buckets", "largest",
                                       "--attention-backend", "xla"])
     assert args.handler(args) == 1
     out = capsys.readouterr().out
@@ -146,7 +146,7 @@ def test_known_model_folders_that_are_not_here_map_to_published_configs():
 
 
 def test_a_quantized_config_lowers_and_counts_its_quantized_weights(tmp_path):
-    """The bundled model (one device) with fp8 weights and an fp8 KV cache: every edge bucket lowers for cuda,
+    """The bundled model (one device) with fp8 weights and an fp8 KV cache: the largest buckets lower for cuda,
     the weights take their quantized bytes (the linear layers 1 byte per weight plus a float32 scale per output
     channel, the KV scales a float32 per layer and KV head; the tied embeddings stay float32), and a KV page is a
     quarter of a float32 page."""
@@ -155,7 +155,7 @@ def test_a_quantized_config_lowers_and_counts_its_quantized_weights(tmp_path):
         config = tmp_path / f"tiny-{mode}-{kv_cache_dtype}.yaml"
         config.write_text(f"max_model_len: 256\nmax_num_seqs: 8\nmax_num_batched_tokens: 32\nquantization: {mode}\n"
                           f"kv_cache_dtype: {kv_cache_dtype}\n")
-        checks[mode] = check_config.check_config(str(config), ["cuda"], {"cuda": "h100"}, buckets="edges",
+        checks[mode] = check_config.check_config(str(config), ["cuda"], {"cuda": "h100"}, buckets="largest",
                                                  attention_backend="xla")
     assert checks["fp8"].failures == []
     plans = {mode: check.platforms[0].memory for mode, check in checks.items()}
