@@ -20,9 +20,13 @@ import tempfile
 
 MEASURE = """
 import json, time
-from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.config import EngineConfig
-from jaxserve.runner.runner import Runner
+try:
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.runner.runner import Runner
+except ImportError:  # a revision before the layout by concern (85fc9ed)
+    from jaxserve.engine import LLMEngine
+    from jaxserve.runner import Runner
 spent = {}
 warmup = Runner.warmup
 def timed_warmup(self, show_progress=True):
