@@ -34,7 +34,8 @@ ENGINE_FLAGS = (
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
     "skip_precompile", "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format",
     "async_scheduling", "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions",
-    "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel", "enable_structured_outputs",
+    "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
+    "enable_structured_outputs",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
 )
 

@@ -502,9 +502,10 @@ class Runner:
         if key not in table:
             function, args = call(*key)
             shared_key = self._shared_key(function, args)
-            table[key] = shared_executable(shared_key)
-            if table[key] is None:
+            executable = shared_executable(shared_key)
+            if executable is None:  # never parked as None in the table: a failed compile leaves no entry
                 self.num_lazy_compiles += 1
-                table[key] = function.lower(*args).compile()
-                share_executable(shared_key, table[key])
+                executable = function.lower(*args).compile()
+                share_executable(shared_key, executable)
+            table[key] = executable
         return table[key]
