@@ -33,8 +33,8 @@ def timed_warmup(self, show_progress=True):
     start = time.perf_counter()
     warmup(self, show_progress)
     spent["seconds"] = time.perf_counter() - start
-    spent["executables"] = sum(len(table) for table in (self._forward_exec, self._sample_exec, self._prompt_exec,
-                                                        self._steps_exec, self._verify_exec, self._verify_sample_exec))
+    tables = ("_forward_exec", "_sample_exec", "_prompt_exec", "_steps_exec", "_verify_exec", "_verify_sample_exec")
+    spent["executables"] = sum(len(getattr(self, table, {})) for table in tables)  # revisions hold some of them
 Runner.warmup = timed_warmup
 LLMEngine(EngineConfig.for_model(None, compilation_cache_dir=None), show_progress=False)
 print(json.dumps(spent))

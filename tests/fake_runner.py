@@ -222,6 +222,11 @@ def check_schedule(scheduler: Scheduler, output: SchedulerOutput) -> None:
         # as placeholders at once.
         assert request.num_computed_tokens == item.num_computed_tokens + item.num_positions
         assert request.num_computed_tokens + item.samples <= request.num_tokens
+        if item.spec_token_ids:  # a decode verifying proposals, beside anything else
+            assert item.samples and item.num_new_tokens == 1 + len(item.spec_token_ids)
+            assert len(item.spec_token_ids) <= config.num_speculative_tokens
+            assert item.sample_index + len(item.spec_token_ids) < request.max_tokens
+            assert request.num_computed_tokens < config.max_model_len
         if item.num_steps > 1:
             assert item.samples and item.num_new_tokens == 1 and not output.preempted_ids
             assert item.sample_index + item.num_steps <= request.max_tokens

@@ -183,7 +183,7 @@ def test_random_workloads_preempting_by_swap(workload, mode, num_host_pages, lag
 @given(workloads(), st.integers(1, 4), st.floats(0.0, 1.0), st.integers(0, 2**32 - 1),
        st.sampled_from(["recompute", "swap"]))
 def test_random_workloads_with_speculative_proposals(workload, num_speculative, hit_rate, seed, mode):
-    """Speculative decoding: in each step that verifies, every decoding request proposes up to `num_speculative` tokens,
+    """Speculative decoding: in each step, every decoding request proposes up to `num_speculative` tokens,
     each the fake model's next token with probability `hit_rate` (else a wrong one); the step verifies them
     and a rejected proposal's position is computed again later. The same invariants and outputs, every
     position's KV that of the request's real token when a step reads it (FakeKV), every page back."""
@@ -433,6 +433,24 @@ def test_chunk_shares_the_budget_with_running_decodes():
     scheduler.add_request(_spec("B", 30, 3, arrival_time=1.0).build(64))
     assert _rows(_step(scheduler)) == [("A", 4, 1), ("B", 0, 15)]
     assert _rows(_step(scheduler)) == [("A", 5, 1), ("B", 15, 15)]
+
+
+def test_a_decode_verifies_its_proposals_beside_a_prefill_chunk_taking_their_budget_first():
+    """Speculative decoding in a mixed step (vLLM's order): the running decode takes its token and its proposals
+    from the budget before the waiting prompt's chunk takes the rest, and a row with nothing to propose (B's
+    prompt) shares the verifying step."""
+    proposer = FakeProposer(lambda request: [fake_token(request.request_id, request.num_tokens + i) for i in range(3)])
+    scheduler = make_scheduler(page_size=8, num_pages=20, max_num_seqs=4, max_num_batched_tokens=16,
+                               max_model_len=64, num_speculative_tokens=3, proposer=proposer)
+    scheduler.add_request(_spec("A", 4, 20).build(64))
+    _step(scheduler)
+    scheduler.add_request(_spec("B", 30, 3, arrival_time=1.0).build(64))
+    output = _step(scheduler)
+    assert _rows(output) == [("A", 4, 4), ("B", 0, 12)]
+    assert len(output.scheduled[0].spec_token_ids) == 3 and not output.scheduled[1].spec_token_ids
+    assert scheduler.requests["A"].num_output_tokens == 1 + 4  # every proposal was right, and one more
+    assert _rows(_step(scheduler)) == [("A", 8, 4), ("B", 12, 12)]
+    assert _rows(_step(scheduler)) == [("A", 12, 4), ("B", 24, 6)]
 
 
 def test_without_chunking_a_prompt_waits_until_it_fits_whole():

@@ -3,8 +3,9 @@
 Greedy outputs must be identical with and without speculation, on prompts that repeat themselves (so
 many proposals are made, some accepted, some rejected), under preemption and chunked prefill (the
 long workload overflows a 31-page pool, and its prompts are longer than the 32-token budget), and
-with requests that cannot speculate (logprobs, min_tokens) in the same batch; penalised requests speculate. Seeded sampling gives the plain engine's
-tokens.
+with requests that cannot speculate (min_tokens, a grammar) in the same batch; penalised requests and requests with
+logprobs speculate (with the plain engine's logprobs), and decodes verify beside prompt chunks. Seeded
+sampling gives the plain engine's tokens.
 Nothing compiles after warm-up and every page comes back. Distribution exactness of the verifier is
 tests/test_spec_verify.py's.
 
@@ -22,6 +23,7 @@ from helpers import (
     spec_generate,
 )
 from jaxserve import LLM, SamplingParams
+from jaxserve.structured.params import StructuredOutputsParams
 
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -31,7 +33,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engines():
     return {"plain": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS)),
-            "spec": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, speculative_config=SPEC))}
+            "spec": LLM(checkpoint("llama"), **small_engine_args(**ENGINE_ARGS, speculative_config=SPEC,
+                                                                 enable_structured_outputs=True))}
+
+
+def _recorded_steps(llm, monkeypatch) -> list:
+    """The list the engine's scheduler appends each step's SchedulerOutput to, from now on."""
+    scheduler, outputs = llm.engine.core.scheduler, []
+
+    def recorded(schedule=scheduler.schedule):
+        outputs.append(schedule())
+        return outputs[-1]
+
+    monkeypatch.setattr(scheduler, "schedule", recorded)
+    return outputs
 
 
 def _repetitive_prompts() -> list[list[int]]:
@@ -52,17 +67,21 @@ def test_greedy_outputs_are_identical_with_speculation(engines):
     assert 0 < moved["num_accepted_tokens"] < moved["num_draft_tokens"], f"want accepts and rejects: {moved}"
 
 
-def test_greedy_outputs_are_identical_under_preemption_and_chunked_prefill(engines):
-    """Ten requests of 40-100 prompt tokens (chunked: the budget is 32) and 60 outputs for 31 pages."""
+def test_greedy_outputs_are_identical_under_preemption_and_chunked_prefill(engines, monkeypatch):
+    """Ten requests of 40-100 prompt tokens (chunked: the budget is 32) and 60 outputs for 31 pages. Decodes
+    verify their proposals in the steps that also carry other requests' prompt chunks."""
+    steps = _recorded_steps(engines["spec"], monkeypatch)
     rng = random.Random(9)
     prompts = [([rng.randrange(4, 500) for _ in range(rng.randint(3, 8))] * 30)[: rng.randint(40, 100)]
                for _ in range(10)]
     moved = check_same_tokens_under_preemption(engines["plain"], engines["spec"], prompts, GREEDY.clone(max_tokens=60))
     assert moved["num_accepted_tokens"] > 0
+    mixed = [o for o in steps if any(i.spec_token_ids for i in o.scheduled) and not all(i.samples for i in o.scheduled)]
+    assert len(mixed) >= 3, "no step verified proposals beside a prompt chunk"
 
 
 def test_requests_that_cannot_speculate_share_the_batch(engines):
-    """Logprobs and min_tokens still banning stop ids make a request's steps ordinary ones; every output still
+    """min_tokens still banning stop ids keeps a request from proposing, not the others; every output still
     equals the plain engine's."""
     prompts = _repetitive_prompts()[:4]
     params = [GREEDY, GREEDY.clone(logprobs=2), GREEDY.clone(max_tokens=5, min_tokens=4, stop_token_ids=[7]),
@@ -71,6 +90,41 @@ def test_requests_that_cannot_speculate_share_the_batch(engines):
     got = [o for o in engines["spec"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [len(o.outputs[0].token_ids) for o in got] == [48, 48, 5, 1]
+
+
+def test_a_constrained_request_shares_the_verifying_steps(engines, monkeypatch):
+    """A request with a grammar proposes nothing (its mask is known for one position) but is sampled under its
+    mask in the steps where the others verify: its output is one of its choices and theirs the plain engine's."""
+    prompts = _repetitive_prompts()
+    choices = ["alpha beta", "gamma"]
+    constrained = SamplingParams(temperature=0.0, max_tokens=16,
+                                 structured_outputs=StructuredOutputsParams(choice=choices))
+    want, _ = spec_generate(engines["plain"], prompts[1:], GREEDY)
+    steps = _recorded_steps(engines["spec"], monkeypatch)
+    got, moved = spec_generate(engines["spec"], prompts, [constrained] + [GREEDY] * (len(prompts) - 1))
+    assert got[1:] == want
+    assert engines["spec"].get_tokenizer().decode(got[0][0]) in choices
+    assert any(any(i.spec_token_ids for i in o.scheduled) and any(i.request.grammar and i.samples for i in o.scheduled)
+               for o in steps), "no step verified proposals beside the constrained request's sample"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_requests_with_logprobs_speculate_and_get_the_plain_logprobs(engines, temperature):
+    """Each emitted token's logprobs come from the target's logits at its verified position: the same tokens,
+    ranks and (to float tolerance) logprobs as the plain engine's."""
+    prompts = _repetitive_prompts()
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=24, ignore_eos=True, logprobs=2)
+    before = engines["spec"].stats()["spec_decode"]["num_draft_tokens"]
+    want = engines["plain"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = engines["spec"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert engines["spec"].stats()["spec_decode"]["num_draft_tokens"] - before > 20
+    for plain, spec in zip(want, got):
+        assert spec.outputs[0].token_ids == plain.outputs[0].token_ids
+        for expected, actual in zip(plain.outputs[0].logprobs, spec.outputs[0].logprobs, strict=True):
+            assert expected.keys() == actual.keys()
+            for token, entry in expected.items():
+                assert actual[token].rank == entry.rank
+                assert actual[token].logprob == pytest.approx(entry.logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

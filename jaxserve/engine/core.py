@@ -227,7 +227,7 @@ class EngineCore:
             except Exception:
                 return False, self._fail_unbuildable(output)
         started, collected = time.perf_counter(), []
-        if sampling.token_bitmask.shape[1]:  # constrained rows (never a multi-step or verifying step)
+        if sampling.token_bitmask.shape[1]:  # constrained rows (never a multi-step step; never proposing)
             with self.timing.measure("dispatch"):
                 forward = self.runner.dispatch_forward(batch, prompt)
             while self._in_flight:
@@ -235,7 +235,7 @@ class EngineCore:
             with self.timing.measure("build"):
                 fill_token_bitmasks(sampling, output)
             with self.timing.measure("dispatch"):
-                pending = self.runner.dispatch_sampler(forward, sampling)
+                pending = self.runner.dispatch_sampler(forward, sampling, proposals)
         else:
             with self.timing.measure("dispatch"):
                 pending = self.runner.dispatch(batch, sampling, prompt, steps, proposals)
@@ -299,7 +299,8 @@ class EngineCore:
             entry += count
 
     def _sampled_tokens(self, output: SchedulerOutput, result: StepOutput) -> list[list[SampledToken]]:
-        """Each scheduled chunk's samples, in order (none for a chunk that stops mid-prompt)."""
+        """Each scheduled chunk's samples, in order (none for a chunk that stops mid-prompt), with their
+        logprobs when the request asked."""
         sampled: list[list[SampledToken]] = []
         for row, item in enumerate(output.scheduled):
             if not item.samples:
@@ -311,10 +312,12 @@ class EngineCore:
             else:
                 token_ids = result.token_ids[: item.num_steps, row].tolist()
             num_logprobs = item.request.sampling_params.logprobs
-            logprobs = None
-            if num_logprobs is not None:  # multi-step decodes have no logprobs rows
-                logprobs = _logprob_dict(result.sampled_logprobs, row, token_ids[0], num_logprobs)
-            sampled.append([SampledToken(token_ids[0], logprobs)] + [SampledToken(t) for t in token_ids[1:]])
+            if num_logprobs is None:  # (multi-step decodes never have logprobs rows)
+                sampled.append([SampledToken(t) for t in token_ids])
+            else:
+                first = row * result.logprobs_per_row
+                sampled.append([SampledToken(t, _logprob_dict(result.sampled_logprobs, first + j, t, num_logprobs))
+                                for j, t in enumerate(token_ids)])
         return sampled
 
     def kv_occupancy(self) -> tuple[int, int]:

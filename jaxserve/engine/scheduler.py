@@ -150,6 +150,7 @@ class Scheduler:
         """Give each running request, then each waiting one, tokens from one budget (priority: the
         most urgent first, preempting less urgent running requests for a waiting one that outranks them)."""
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
+        guesses = self._guesses()
         for request in self._running_in_order():
             if plan.budget <= 0:
                 break
@@ -157,7 +158,12 @@ class Scheduler:
                 continue  # preempted earlier in this step, or only waits for its last samples
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             if self._grow_or_preempt(request, num_new, plan):
-                plan.add(self._schedule_one(request, num_new))
+                item = self._schedule_one(request, num_new)
+                guess = guesses.get(request.request_id, ())[: plan.budget - num_new]
+                if guess:  # the decode verifies its proposals too, when free pages for them can be had
+                    item = self._extend_decode(item, len(guess), num_new_tokens=1 + len(guess),
+                                               spec_token_ids=guess) or item
+                plan.add(item)
 
         if self.config.static_batching:
             candidates = self._static_batch_waiting()
@@ -178,8 +184,6 @@ class Scheduler:
         scheduled = plan.scheduled
         if self.config.num_scheduler_steps > 1 and not plan.preempted_ids:
             scheduled = self._take_steps(scheduled)
-        if self.proposer is not None and not plan.preempted_ids:
-            scheduled = self._take_proposals(scheduled, plan.budget)
         for item in scheduled:
             self._advance(item)
         self.num_swapped_out_pages += len(plan.swap_out)
@@ -221,28 +225,22 @@ class Scheduler:
             stepped.append(item)
         return stepped
 
-    def _take_proposals(self, scheduled: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
-        """Speculative decoding: when every row is a decode that can verify, the proposer guesses the next tokens
-        of the rows that have room for any (before their max_tokens and max_model_len), and each such row feeds
-        its guess after its last token (as much of it as the budget allows and its pages can be had for), so the
-        step verifies it. Otherwise the step stays as it is and nothing is proposed."""
-        if not scheduled or not all(_verifies(item) for item in scheduled):
-            return scheduled
-        room = [min(self.config.num_speculative_tokens, item.request.max_tokens - item.sample_index - 1,
-                    self.config.max_model_len - 2 - item.num_computed_tokens) for item in scheduled]
-        guesses = iter(self.proposer.propose([item.request for item, r in zip(scheduled, room) if r > 0]))
-        verified = []
-        for item, limit in zip(scheduled, room):
-            count = min(len(guess := next(guesses)), limit, budget) if limit > 0 else 0
-            extended = None
-            if count > 0:
-                extended = self._extend_decode(item, count, num_new_tokens=1 + count,
-                                               spec_token_ids=tuple(guess[:count]))
-            if extended is not None:
-                item = extended
-                budget -= count
-            verified.append(item)
-        return verified
+    def _guesses(self) -> dict[str, tuple[int, ...]]:
+        """Speculative decoding: the proposer's guess of the next tokens of each running decode that can verify
+        proposals, as many as fit before its max_tokens and max_model_len (none without a proposer). Asked before
+        the step is planned, as vLLM does: a decode takes its proposals' tokens from the budget (and free pages
+        for them) before the requests after it, and the waiting ones, take theirs; the step verifies them
+        whatever else it holds (prefill chunks, rows that do not propose)."""
+        if self.proposer is None:
+            return {}
+        room = {request.request_id: min(self.config.num_speculative_tokens,
+                                        request.max_tokens - request.num_sampled_tokens - 1,
+                                        self.config.max_model_len - 2 - request.num_computed_tokens)
+                for request in self.running if _can_propose(request)}
+        asking = [request for request in self.running if room.get(request.request_id, 0) > 0]
+        guesses = self.proposer.propose(asking) if asking else []
+        return {request.request_id: tuple(guess[: room[request.request_id]])
+                for request, guess in zip(asking, guesses, strict=True)}
 
     def _extend_decode(self, item: ScheduledRequest, extra: int, **changes) -> ScheduledRequest | None:
         """A one-token decode that also computes `extra` positions after its token (multi-step iterations or
@@ -596,12 +594,14 @@ def _decodes_plainly(item: ScheduledRequest) -> bool:
             and len(request.eos_token_ids) <= MAX_EOS_TOKEN_IDS)
 
 
-def _verifies(item: ScheduledRequest) -> bool:
-    """True for a one-token decode that can verify proposals: the device draws the samples of the positions
-    after it knowing only the proposals (penalties, logit biases and allowed ids apply there, the proposals
-    joining the penalty history); not with bad words, a grammar, or min_tokens still banning stop ids (whose bans at the
-    next positions the host decides) or logprobs."""
-    request, params = item.request, item.request.sampling_params
-    return (item.samples and item.num_new_tokens == 1 and not request.bad_words_token_ids
-            and request.grammar is None and item.sample_index >= params.min_tokens and params.logprobs is None
+def _can_propose(request: Request) -> bool:
+    """True for a running decode (one token to compute, sampled) that can verify proposals: the device draws
+    the samples of the positions after its token knowing only the proposals (penalties, logit biases and
+    allowed ids apply there, the proposals joining the penalty history; logprobs are those of each emitted
+    token); not with bad words, a grammar, or min_tokens still banning stop ids (whose bans at the next
+    positions the host decides)."""
+    params = request.sampling_params
+    return (request.status is RequestStatus.RUNNING and request.num_tokens - request.num_computed_tokens == 1
+            and not request.num_output_placeholders and not request.bad_words_token_ids
+            and request.grammar is None and request.num_sampled_tokens >= params.min_tokens
             and not request.num_prompt_logprobs_missing)

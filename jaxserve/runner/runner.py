@@ -68,8 +68,11 @@ class StepOutput:
     """Samples for the real rows of one step (numpy, on the host)."""
 
     token_ids: np.ndarray  # (S, num_seqs) int32: iteration s's sample of each row (S = 1 but in multi-step decodes)
-    sampled_logprobs: TokenLogprobs | None = None  # of token_ids; fetched only when some row asked
+    # of token_ids, logprobs_per_row entries a row (a verification's row r, position j at r * S + j); fetched
+    # only when some row asked
+    sampled_logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None  # of the PromptLogprobBatch's targets, when there was one
+    logprobs_per_row: int = 1
 
 
 @dataclasses.dataclass
@@ -77,6 +80,7 @@ class ForwardStep:
     """A dispatched forward whose sampler is not dispatched yet."""
 
     logits: jax.Array  # (R, V) float32, on the device
+    hidden: jax.Array  # (T, H) final hidden states of every step token, on the device (a verification reads them)
     prompt_scored: tuple | None  # the prompt-logprob executable's outputs, when the step scored prompt tokens
     num_seqs: int  # real rows
     num_prompt_targets: int  # real prompt-logprob entries
@@ -87,25 +91,38 @@ class PendingStep:
     """A dispatched step: device arrays the host has not fetched yet."""
 
     token_ids: jax.Array  # (R,) int32 samples of every row, or (K, R) for the K iterations of a multi-step decode
-    logprobs: tuple | None  # (logprobs, ranks, top ids, top logprobs) device arrays, when some row asked
+    # (logprobs, ranks, top ids, top logprobs) device arrays, when some row asked: one entry per row, or per
+    # verified position (row r's position j at r * S + j) in a verification
+    logprobs: tuple | None
     prompt_scored: tuple | None  # the prompt-logprob executable's outputs, when the step scored prompt tokens
     num_seqs: int  # real rows
     num_prompt_targets: int  # real prompt-logprob entries
+    logprobs_per_row: int = 1  # logprobs entries of each row: S in a verification, else 1
     ready: concurrent.futures.Future | None = None  # resolves to time.perf_counter() when the device is done
 
     def fetch(self) -> StepOutput:
         """Wait for the device and copy the real rows' results to the host."""
         count = self.num_seqs
-        sampled_logprobs = TokenLogprobs.fetch(self.logprobs, count) if self.logprobs is not None else None
+        sampled_logprobs = None
+        if self.logprobs is not None:
+            sampled_logprobs = TokenLogprobs.fetch(self.logprobs, count * self.logprobs_per_row)
         prompt_logprobs = None
         if self.prompt_scored is not None:
             prompt_logprobs = TokenLogprobs.fetch(self.prompt_scored, self.num_prompt_targets)
-        return StepOutput(np.atleast_2d(np.asarray(self.token_ids))[:, :count], sampled_logprobs, prompt_logprobs)
+        return StepOutput(np.atleast_2d(np.asarray(self.token_ids))[:, :count], sampled_logprobs, prompt_logprobs,
+                          self.logprobs_per_row)
 
 
 def _padded_rows(token_ids: jax.Array, max_rows: int) -> jax.Array:
     """(R,) samples -> (max_rows,), where the next step reads the ids the host has not seen yet."""
     return jnp.zeros((max_rows,), jnp.int32).at[: token_ids.shape[0]].set(token_ids)
+
+
+def _activation_bytes(function: Callable, args: tuple) -> int:
+    """Per-device bytes an executable needs beyond its inputs: temporaries plus outputs that do not alias a
+    donated input (XLA's memory analysis)."""
+    memory = function.lower(*args).compile().memory_analysis()
+    return memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
 
 
 def _ready_time(arrays) -> float:
@@ -190,20 +207,16 @@ class Runner:
                                                num_scheduler_steps, page_size)  # samples: (K, R)
             return samples, last_of_rows(samples, steps.num_steps), caches
 
-        def verify_logits_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout]):
-            """The target's logits (R, S, V) at each verifying row's last token and proposals."""
-            batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
+        def verify_packed(params, hidden, buffers, layouts: tuple[Layout, Layout]):
+            """A speculative verification after the step's forward: the target's logits at each row's last token
+            and proposals (from the hidden states) decide the tokens (S, R), -1 after each row's last; also each
+            row's last token, padded to (max_rows,), and the logprobs of every (row, position)."""
+            sampling = unpack(buffers[0], layouts[0], SamplingBatch)
             proposals = unpack(buffers[1], layouts[1], Proposals)
-            _, hidden, caches = forward(params, caches, batch)
             num_rows, width = proposals.logits_index.shape
             logits = token_logits(params, hidden[proposals.logits_index.reshape(-1)], spec)  # (R * S, V)
-            return logits.reshape(num_rows, width, -1), caches
-
-        def verify_sample_packed(logits, buffers, layouts: tuple[Layout, Layout]):
-            """(tokens (S, R), -1 after each row's last; each row's last token, padded to (max_rows,))."""
-            sampling, proposals = unpack(buffers[0], layouts[0], SamplingBatch), unpack(buffers[1], layouts[1], Proposals)
-            tokens = verify(logits, sampling, proposals)  # (S, R)
-            return tokens, last_of_rows(tokens, jnp.sum(tokens >= 0, axis=0))
+            tokens, out = verify(logits.reshape(num_rows, width, -1), sampling, proposals)  # (S, R)
+            return tokens, last_of_rows(tokens, jnp.sum(tokens >= 0, axis=0)), out
 
         def prompt_logprobs_packed(params, hidden, buffer, layout: Layout):
             prompt = unpack(buffer, layout, PromptLogprobBatch)
@@ -225,12 +238,8 @@ class Runner:
             static_argnums=(2,),
         )
         self._decode_steps = step_jit(decode_steps_packed)
-        self._verify = jax.jit(
-            verify_logits_packed, in_shardings=(param_shardings, self._kv_sharding, self._replicated, self._replicated),
-            out_shardings=(self._replicated, self._kv_sharding), donate_argnums=(1,), static_argnums=(4,),
-        )
-        self._verify_sample = jax.jit(verify_sample_packed, in_shardings=(self._replicated, self._replicated),
-                                      out_shardings=self._replicated, static_argnums=(2,))
+        self._verify = jax.jit(verify_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
+                               out_shardings=self._replicated, static_argnums=(3,))
         # The last step's sampled token of each row, where the next step reads the ids the host has not seen.
         self.last_tokens = put_global(np.zeros((self.max_rows,), np.int32), self._replicated)  # (max rows,)
         self._ready_clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-ready")
@@ -242,8 +251,7 @@ class Runner:
         self._sample_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (R, P, M) -> executable
         self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
         self._steps_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> multi-step executable
-        self._verify_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> verification's forward
-        self._verify_sample_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (R, P) -> its sampler
+        self._verify_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, P, M) -> verification
         self.num_lazy_compiles = 0
         CompileCounter.install()
 
@@ -285,36 +293,33 @@ class Runner:
 
     def peak_activation_bytes(self, num_pages: int) -> int:
         """Per-device bytes the largest step needs beyond its inputs, from XLA's memory analysis of the
-        largest forward bucket and the largest sampler bucket (temporaries plus outputs that do not alias a
-        donated input); compiled against an abstract pool of `num_pages` pages, which they do not depend on."""
+        largest forward bucket and then the larger of the largest sampler and verification buckets
+        (temporaries plus outputs that do not alias a donated input); compiled against an abstract pool of
+        `num_pages` pages, which they do not depend on."""
         largest_forward = self.forward_call(self.ladders.tokens[-1], self.ladders.page_widths[-1], num_pages)
-        largest_sampler = self.sampler_call(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
-                                            self.mask_widths[-1])
-        total = 0
-        for function, args in (largest_forward, largest_sampler):
-            memory = function.lower(*args).compile().memory_analysis()
-            total += memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
-        return total
+        largest_samplers = [self.sampler_call(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
+                                              self.mask_widths[-1])]
+        if self.num_speculative_tokens:
+            largest_samplers.append(self.verify_call(self.ladders.tokens[-1], self.ladders.aux_widths[-1],
+                                                     self.mask_widths[-1]))
+        return _activation_bytes(*largest_forward) + max(_activation_bytes(*call) for call in largest_samplers)
 
     # ---- compilation -------------------------------------------------------------------------
 
-    def shapes(self) -> tuple[list[tuple[int, int]], ...]:
+    def shapes(self) -> tuple[list[tuple[int, ...]], ...]:
         """Every (T, W) forward shape, (R, P, M) sampler shape (M: no token bitmask, or one word per 32 tokens),
-        (T,) prompt-logprob shape, the (T, W) shapes of
-        multi-step decodes (T up to the token rung holding max_num_seqs decodes) and of speculative verification
-        (T up to the rung holding max_num_seqs decodes with all their proposals), and the (R, P) shapes of the
-        verification's sampler (the rows of those token rungs), that the ladders allow."""
+        (T,) prompt-logprob shape, the (T, W) shapes of multi-step decodes (T up to the token rung holding
+        max_num_seqs decodes) and the (T, P, M) shapes of speculative verification (after any forward), that the
+        ladders allow."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
         sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths, self.mask_widths))
-        steps = verify = verify_sampler = []
+        steps = verify = []
         if self.num_scheduler_steps > 1:
             steps = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1)]
         if self.num_speculative_tokens:
-            verify = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1 + self.num_speculative_tokens)]
-            verify_rows = sorted({self.ladders.rows_for(t) for t, _ in verify})
-            verify_sampler = list(itertools.product(verify_rows, self.ladders.aux_widths))
+            verify = list(itertools.product(self.ladders.tokens, self.ladders.aux_widths, self.mask_widths))
         prompt = [(num_tokens,) for num_tokens in self.ladders.tokens]
-        return forward, sampler, prompt, steps, verify, verify_sampler
+        return forward, sampler, prompt, steps, verify
 
     def _decode_tokens_rung(self, tokens_per_row: int) -> int:
         """The token rung holding max_num_seqs rows of `tokens_per_row` tokens (the top rung when none does)."""
@@ -326,11 +331,10 @@ class Runner:
 
         With the persistent compilation cache on, a restart loads these instead of compiling.
         """
-        forward, sampler, prompt, steps, verify, verify_sampler = self.shapes()
+        forward, sampler, prompt, steps, verify = self.shapes()
         self.compile_buckets([(self._forward_exec, self.forward_call, forward),
                               (self._steps_exec, self.decode_steps_call, steps),
                               (self._verify_exec, self.verify_call, verify),
-                              (self._verify_sample_exec, self.verify_sampler_call, verify_sampler),
                               (self._sample_exec, self.sampler_call, sampler),
                               (self._prompt_exec, self.prompt_logprobs_call, prompt)],
                              "compiling step buckets", show_progress)
@@ -338,7 +342,7 @@ class Runner:
     def num_executables(self) -> int:
         """How many bucket executables this runner holds (compiled here, loaded from the cache or shared)."""
         return sum(len(table) for table in (self._forward_exec, self._sample_exec, self._prompt_exec,
-                                            self._steps_exec, self._verify_exec, self._verify_sample_exec))
+                                            self._steps_exec, self._verify_exec))
 
     def compile_buckets(self, groups: list[tuple[dict, Callable, list[tuple[int, ...]]]], description: str,
                         show_progress: bool) -> None:
@@ -377,36 +381,23 @@ class Runner:
     def decode_steps_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
         """The multi-step decode bucket (T, W): T tokens, one per row, sampled with no per-row token lists."""
         num_rows = self.ladders.rows_for(num_tokens)
-        extras = (SamplingBatch(**padded_sampling_arrays(num_rows, 0)), DecodeSteps(**padded_decode_step_arrays(num_rows)))
-        return self._packed_step_call(self._decode_steps, num_tokens, width, extras, num_pages)
-
-    def verify_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
-        """The speculative verification's forward bucket (T, W): T tokens, each verifying row's last token and its
-        proposals; their logits out."""
-        proposals = Proposals(**padded_proposal_arrays(self.ladders.rows_for(num_tokens),
-                                                       1 + self.num_speculative_tokens))
-        return self._packed_step_call(self._verify, num_tokens, width, (proposals,), num_pages)
-
-    def verify_sampler_call(self, num_rows: int, aux_width: int) -> tuple[Callable, tuple]:
-        """The speculative verification's sampler bucket (R, P): R rows of 1 + k logits, P aux tokens per row."""
-        width = 1 + self.num_speculative_tokens
-        parts = (pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width))),
-                 pack(Proposals(**padded_proposal_arrays(num_rows, width))))
-        logits = jax.ShapeDtypeStruct((num_rows, width, self.spec.vocab_size), jnp.float32, sharding=self._replicated)
-        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return self._verify_sample, (logits, buffers, tuple(layout for _, layout in parts))
-
-    def _packed_step_call(self, function: Callable, num_tokens: int, width: int, extras: tuple,
-                          num_pages: int | None) -> tuple[Callable, tuple]:
-        """A bucket of a step function taking (params, caches, last tokens, packed (batch, *extras)) and their
-        layouts, like the multi-step and the verification executables."""
-        num_rows = self.ladders.rows_for(num_tokens)
-        parts = [pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)))]
-        parts += [pack(extra) for extra in extras]
+        parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
+                 pack(SamplingBatch(**padded_sampling_arrays(num_rows, 0))),
+                 pack(DecodeSteps(**padded_decode_step_arrays(num_rows))))
         caches = self.kv_caches if num_pages is None else self.cache_structs(num_pages)
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return function, (self.params, caches, last_tokens, buffers, tuple(layout for _, layout in parts))
+        return self._decode_steps, (self.params, caches, last_tokens, buffers, tuple(layout for _, layout in parts))
+
+    def verify_call(self, num_tokens: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
+        """The speculative verification bucket (T, P, M): after a forward of T tokens, the rows of that token
+        rung, 1 + k verified positions each, P aux tokens and M bitmask words per row."""
+        num_rows = self.ladders.rows_for(num_tokens)
+        parts = (pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width, mask_width))),
+                 pack(Proposals(**padded_proposal_arrays(num_rows, 1 + self.num_speculative_tokens))))
+        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
+        layouts = tuple(layout for _, layout in parts)
+        return self._verify, (self.params, self._hidden_struct(num_tokens), buffers, layouts)
 
     def sampler_call(self, num_rows: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
         """The sampler bucket (R, P, M)."""
@@ -417,10 +408,12 @@ class Runner:
     def prompt_logprobs_call(self, num_tokens: int) -> tuple[Callable, tuple]:
         """The prompt-logprob bucket (T,)."""
         buffer, layout = pack(PromptLogprobBatch(**padded_prompt_logprob_arrays(num_tokens)))
-        hidden = jax.ShapeDtypeStruct(
-            (num_tokens, self.spec.hidden_size), self.params["embed"].dtype, sharding=self._replicated
-        )
-        return self._prompt_logprobs, (self.params, hidden, self._abstract(buffer), layout)
+        return self._prompt_logprobs, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout)
+
+    def _hidden_struct(self, num_tokens: int) -> jax.ShapeDtypeStruct:
+        """A forward's final hidden states (T, H) as an abstract array."""
+        return jax.ShapeDtypeStruct((num_tokens, self.spec.hidden_size), self.params["embed"].dtype,
+                                    sharding=self._replicated)
 
     def _abstract(self, buffer: np.ndarray) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self._replicated)
@@ -434,12 +427,11 @@ class Runner:
         """Start the model and the sampler (and the scoring of prompt tokens when `prompt` is given) on the
         device and return at once; `PendingStep.fetch()` waits for the samples. A token whose id the host
         does not have yet is read from the previous dispatch's samples (`batch.device_token_index`). With
-        `decode_steps`, a decode-only batch runs several iterations in one call (runner/decode_steps.py)."""
+        `decode_steps`, a decode-only batch runs several iterations in one call (runner/decode_steps.py); with
+        `proposals`, the rows that propose tokens verify them (`dispatch_sampler`)."""
         if decode_steps is not None:
             return self._dispatch_decode_steps(batch, sampling, decode_steps)
-        if proposals is not None:
-            return self._dispatch_verify(batch, sampling, proposals)
-        return self.dispatch_sampler(self.dispatch_forward(batch, prompt), sampling)
+        return self.dispatch_sampler(self.dispatch_forward(batch, prompt), sampling, proposals)
 
     def dispatch_forward(self, batch: BatchDescriptor, prompt: PromptLogprobBatch | None = None) -> "ForwardStep":
         """The first half of `dispatch` (a plain step): start the model (and the scoring of prompt tokens) and
@@ -453,16 +445,31 @@ class Runner:
             scorer = self._executable(self._prompt_exec, (num_tokens,), self.prompt_logprobs_call)
             scored = scorer(self.params, hidden, put_global(pack(prompt)[0], self._replicated))
             num_targets = int(prompt.num_targets)
-        return ForwardStep(logits, scored, int(batch.num_seqs), num_targets)
+        return ForwardStep(logits, hidden, scored, int(batch.num_seqs), num_targets)
 
-    def dispatch_sampler(self, step: "ForwardStep", sampling: SamplingBatch) -> "PendingStep":
-        """The second half of `dispatch`: start the sampler on a dispatched forward's logits."""
-        num_rows = sampling.temperature.shape[0]
-        sampler = self._executable(self._sample_exec, (num_rows, *sampling.aux_token_ids.shape[1:],
-                                                       *sampling.token_bitmask.shape[1:]), self.sampler_call)
-        out, self.last_tokens = sampler(step.logits, put_global(pack(sampling)[0], self._replicated))
+    def dispatch_sampler(self, step: "ForwardStep", sampling: SamplingBatch,
+                         proposals: Proposals | None = None) -> "PendingStep":
+        """The second half of `dispatch`: start the sampler on a dispatched forward's logits. With `proposals`, a
+        speculative verification instead: the target's logits at each row's last token and proposals decide
+        the row's accepted proposals and the token after them, (S, R) with -1 after a row's last token; a row
+        without proposals samples its one token as the plain sampler would."""
+        words = put_global(pack(sampling)[0], self._replicated)
+        bitmask_words = sampling.token_bitmask.shape[1:]
+        if proposals is None:
+            num_rows = sampling.temperature.shape[0]
+            sampler = self._executable(self._sample_exec, (num_rows, *sampling.aux_token_ids.shape[1:], *bitmask_words),
+                                       self.sampler_call)
+            out, self.last_tokens = sampler(step.logits, words)
+            token_ids, per_row = out.token_ids, 1
+        else:
+            key = (step.hidden.shape[0], *sampling.aux_token_ids.shape[1:], *bitmask_words)
+            verifier = self._executable(self._verify_exec, key, self.verify_call)
+            token_ids, self.last_tokens, out = verifier(self.params, step.hidden,
+                                                        (words, put_global(pack(proposals)[0], self._replicated)))
+            per_row = proposals.logits_index.shape[1]
         logprobs = (out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs) if sampling.need_logprobs else None
-        return self._pending(out.token_ids, logprobs, step.prompt_scored, step.num_seqs, step.num_prompt_targets)
+        return self._pending(token_ids, logprobs, step.prompt_scored, step.num_seqs, step.num_prompt_targets,
+                             per_row)
 
     def _dispatch_decode_steps(self, batch: BatchDescriptor, sampling: SamplingBatch,
                                steps: DecodeSteps) -> "PendingStep":
@@ -476,23 +483,10 @@ class Runner:
         tokens, self.last_tokens, self.kv_caches = executable(self.params, self.kv_caches, self.last_tokens, buffers)
         return self._pending(tokens, None, None, int(batch.num_seqs), 0)
 
-    def _dispatch_verify(self, batch: BatchDescriptor, sampling: SamplingBatch, proposals: Proposals) -> "PendingStep":
-        """A speculative verification: each row's accepted proposals and the token after them come back as one
-        (S, R) array, -1 after a row's last token."""
-        if sampling.need_logprobs:
-            raise RuntimeError("a verification step has no logprobs")
-        (num_rows, width), aux_width = batch.page_table.shape, sampling.aux_token_ids.shape[1]
-        forward = self._executable(self._verify_exec, (batch.input_ids.shape[0], width), self.verify_call)
-        sampler = self._executable(self._verify_sample_exec, (num_rows, aux_width), self.verify_sampler_call)
-        batch_words, sampling_words, proposal_words = put_global(
-            tuple(pack(part)[0] for part in (batch, sampling, proposals)), self._replicated)
-        logits, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, (batch_words, proposal_words))
-        tokens, self.last_tokens = sampler(logits, (sampling_words, proposal_words))
-        return self._pending(tokens, None, None, int(batch.num_seqs), 0)
-
-    def _pending(self, token_ids: jax.Array, logprobs, scored, num_seqs: int, num_targets: int) -> "PendingStep":
+    def _pending(self, token_ids: jax.Array, logprobs, scored, num_seqs: int, num_targets: int,
+                 logprobs_per_row: int = 1) -> "PendingStep":
         """A PendingStep whose `ready` the helper thread resolves when its outputs are computed."""
-        pending = PendingStep(token_ids, logprobs, scored, num_seqs, num_targets)
+        pending = PendingStep(token_ids, logprobs, scored, num_seqs, num_targets, logprobs_per_row)
         pending.ready = self._ready_clock.submit(_ready_time, (token_ids, scored))
         return pending
 

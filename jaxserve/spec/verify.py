@@ -23,7 +23,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxserve.sampling.sampler import KIND_OUTPUT, KIND_PAD, SamplingBatch, sample
+from jaxserve.sampling.sampler import KIND_OUTPUT, KIND_PAD, SamplerOutput, SamplingBatch, sample
 
 
 @jax.tree_util.register_dataclass
@@ -36,21 +36,22 @@ class Proposals:
     logits_index: jax.Array  # (R, S) int32 the step token of each verified position: the row's first + j; pad 0
 
 
-def verify(logits: jax.Array, sampling: SamplingBatch, proposals: Proposals) -> jax.Array:
+def verify(logits: jax.Array, sampling: SamplingBatch, proposals: Proposals) -> tuple[jax.Array, SamplerOutput]:
     """The tokens each row emits: its accepted proposals, then the sample after them; -1 after.
 
     `logits` (R, S, V) float32 are the target's at each row's S positions. Position j is sampled as output
     index `sample_index + j`, its penalty history extended by the proposals before it (accepted, they are the
-    output there). Returns (S, R) int32."""
+    output there). Returns the tokens (S, R) int32 and the sampler's output at every position, row-major
+    (R * S rows: row r's position j at r * S + j; its logprobs are those of the emitted tokens there)."""
     num_rows, width, vocab = logits.shape
-    samples = sample(logits.reshape(num_rows * width, vocab), per_position(sampling, proposals)).token_ids
-    samples = samples.reshape(num_rows, width)  # (R, S)
+    out = sample(logits.reshape(num_rows * width, vocab), per_position(sampling, proposals))
+    samples = out.token_ids.reshape(num_rows, width)  # (R, S)
     positions = jnp.arange(width)  # (S,)
     # The proposal each position checks: d_{j+1} at position j < num_tokens, else none (-1, never a sample).
     padded = jnp.pad(proposals.token_ids, ((0, 0), (0, 1)), constant_values=-1)  # (R, S)
     checked = jnp.where(positions[None, :] < proposals.num_tokens[:, None], padded, -1)  # (R, S)
     num_accepted = jnp.sum(jnp.cumprod(samples == checked, axis=1), axis=1)  # (R,) leading proposals kept
-    return jnp.where(positions[None, :] <= num_accepted[:, None], samples, -1).T  # (S, R)
+    return jnp.where(positions[None, :] <= num_accepted[:, None], samples, -1).T, out  # (S, R)
 
 
 def per_position(sampling: SamplingBatch, proposals: Proposals) -> SamplingBatch:
