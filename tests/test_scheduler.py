@@ -435,22 +435,26 @@ def test_chunk_shares_the_budget_with_running_decodes():
     assert _rows(_step(scheduler)) == [("A", 5, 1), ("B", 15, 15)]
 
 
-def test_a_decode_verifies_its_proposals_beside_a_prefill_chunk_taking_their_budget_first():
-    """Speculative decoding in a mixed step (vLLM's order): the running decode takes its token and its proposals
-    from the budget before the waiting prompt's chunk takes the rest, and a row with nothing to propose (B's
-    prompt) shares the verifying step."""
+def test_a_decode_verifies_its_proposals_beside_a_prompt_chunk_with_the_budget_the_chunk_leaves():
+    """Speculative decoding in a mixed step: the waiting prompt's chunk takes the budget before the running
+    decode's proposals, which get what is left (none while the prompt fills the budget), and a row with nothing
+    to propose (the prompt) shares the verifying step."""
     proposer = FakeProposer(lambda request: [fake_token(request.request_id, request.num_tokens + i) for i in range(3)])
     scheduler = make_scheduler(page_size=8, num_pages=20, max_num_seqs=4, max_num_batched_tokens=16,
                                max_model_len=64, num_speculative_tokens=3, proposer=proposer)
-    scheduler.add_request(_spec("A", 4, 20).build(64))
+    scheduler.add_request(_spec("A", 4, 30).build(64))
     _step(scheduler)
-    scheduler.add_request(_spec("B", 30, 3, arrival_time=1.0).build(64))
+    scheduler.add_request(_spec("B", 27, 3, arrival_time=1.0).build(64))
     output = _step(scheduler)
-    assert _rows(output) == [("A", 4, 4), ("B", 0, 12)]
-    assert len(output.scheduled[0].spec_token_ids) == 3 and not output.scheduled[1].spec_token_ids
-    assert scheduler.requests["A"].num_output_tokens == 1 + 4  # every proposal was right, and one more
-    assert _rows(_step(scheduler)) == [("A", 8, 4), ("B", 12, 12)]
-    assert _rows(_step(scheduler)) == [("A", 12, 4), ("B", 24, 6)]
+    assert _rows(output) == [("A", 4, 1), ("B", 0, 15)] and not output.scheduled[0].spec_token_ids  # squeezed out
+    output = _step(scheduler)
+    assert _rows(output) == [("A", 5, 4), ("B", 15, 12)]  # the chunk leaves 3 tokens: A's proposals
+    assert output.scheduled[0].spec_token_ids and not output.scheduled[1].spec_token_ids
+    assert scheduler.requests["A"].num_output_tokens == 2 + 4  # every proposal was right, and one more
+    scheduler.add_request(_spec("C", 13, 3, arrival_time=2.0).build(64))
+    output = _step(scheduler)
+    assert _rows(output) == [("A", 9, 2), ("B", 27, 1), ("C", 0, 13)]  # 1 token left: for A, none for B
+    assert len(output.scheduled[0].spec_token_ids) == 1 and not output.scheduled[1].spec_token_ids
 
 
 def test_without_chunking_a_prompt_waits_until_it_fits_whole():

@@ -15,6 +15,7 @@ Engines have the shapes of test_async_and_multistep's (8 rows, token buckets 16 
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 
@@ -49,6 +50,24 @@ def _recorded_steps(llm, monkeypatch) -> list:
     return outputs
 
 
+def _always_proposing(llm, monkeypatch) -> None:
+    """Make the engine's n-gram proposer guess k tokens whenever it is asked: its own guess, padded with the
+    request's last token, so a decode verifies whenever the step leaves budget, whatever the model writes."""
+    timed = llm.engine.core.scheduler.proposer
+    ngram, k = timed.proposer, SPEC["num_speculative_tokens"]
+
+    def propose(requests):
+        last = [r.token_ids(r.num_known_tokens - 1, r.num_known_tokens) for r in requests]
+        return [(guess + tail * k)[:k] for guess, tail in zip(ngram.propose(requests), last)]
+
+    monkeypatch.setattr(timed, "proposer", types.SimpleNamespace(propose=propose, release=ngram.release))
+
+
+def _is_prompt_chunk(item) -> bool:
+    """True for a scheduled chunk of a request's prompt (a prompt's last chunk leaves budget for proposals)."""
+    return item.num_computed_tokens < len(item.request.prompt_token_ids)
+
+
 def _repetitive_prompts() -> list[list[int]]:
     rng = random.Random(3)
     prompts = []
@@ -71,25 +90,35 @@ def test_greedy_outputs_are_identical_under_preemption_and_chunked_prefill(engin
     """Ten requests of 40-100 prompt tokens (chunked: the budget is 32) and 60 outputs for 31 pages. Decodes
     verify their proposals in the steps that also carry other requests' prompt chunks."""
     steps = _recorded_steps(engines["spec"], monkeypatch)
+    _always_proposing(engines["spec"], monkeypatch)
     rng = random.Random(9)
     prompts = [([rng.randrange(4, 500) for _ in range(rng.randint(3, 8))] * 30)[: rng.randint(40, 100)]
                for _ in range(10)]
     moved = check_same_tokens_under_preemption(engines["plain"], engines["spec"], prompts, GREEDY.clone(max_tokens=60))
     assert moved["num_accepted_tokens"] > 0
-    mixed = [o for o in steps if any(i.spec_token_ids for i in o.scheduled) and not all(i.samples for i in o.scheduled)]
-    assert len(mixed) >= 3, "no step verified proposals beside a prompt chunk"
+    mixed = [o for o in steps if any(i.spec_token_ids for i in o.scheduled) and any(map(_is_prompt_chunk, o.scheduled))]
+    assert mixed, "no step verified proposals beside a prompt chunk"
 
 
-def test_requests_that_cannot_speculate_share_the_batch(engines):
-    """min_tokens still banning stop ids keeps a request from proposing, not the others; every output still
-    equals the plain engine's."""
-    prompts = _repetitive_prompts()[:4]
+def test_requests_that_cannot_speculate_share_the_batch(engines, monkeypatch):
+    """min_tokens still banning stop ids, or prompt logprobs still to score, keep a request from proposing, not
+    the others: the long prompt's chunks are scored in steps where the others verify. Every output (and the
+    prompt logprobs) equals the plain engine's."""
+    prompts = _repetitive_prompts()[:4] + [([5, 9, 14] * 40)[:90]]
     params = [GREEDY, GREEDY.clone(logprobs=2), GREEDY.clone(max_tokens=5, min_tokens=4, stop_token_ids=[7]),
-              GREEDY.clone(max_tokens=1)]
-    want = [o for o in engines["plain"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    got = [o for o in engines["spec"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+              GREEDY.clone(max_tokens=1), GREEDY.clone(max_tokens=8, prompt_logprobs=1)]
+    want = engines["plain"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    steps = _recorded_steps(engines["spec"], monkeypatch)
+    _always_proposing(engines["spec"], monkeypatch)
+    got = engines["spec"].generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert [len(o.outputs[0].token_ids) for o in got] == [48, 48, 5, 1]
+    assert [len(o.outputs[0].token_ids) for o in got] == [48, 48, 5, 1, 8]
+    for expected, actual in zip(want[4].prompt_logprobs[1:], got[4].prompt_logprobs[1:], strict=True):
+        assert expected.keys() == actual.keys()
+        assert all(actual[t].logprob == pytest.approx(e.logprob, abs=1e-4) for t, e in expected.items())
+    scored = lambda item: item.request.sampling_params.prompt_logprobs and _is_prompt_chunk(item)  # noqa: E731
+    assert any(any(i.spec_token_ids for i in o.scheduled) and any(map(scored, o.scheduled)) for o in steps), (
+        "no prompt chunk was scored in a verifying step")
 
 
 def test_a_constrained_request_shares_the_verifying_steps(engines, monkeypatch):

@@ -150,7 +150,6 @@ class Scheduler:
         """Give each running request, then each waiting one, tokens from one budget (priority: the
         most urgent first, preempting less urgent running requests for a waiting one that outranks them)."""
         plan = _StepPlan(budget=self.config.max_num_batched_tokens)
-        guesses = self._guesses()
         for request in self._running_in_order():
             if plan.budget <= 0:
                 break
@@ -158,12 +157,7 @@ class Scheduler:
                 continue  # preempted earlier in this step, or only waits for its last samples
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             if self._grow_or_preempt(request, num_new, plan):
-                item = self._schedule_one(request, num_new)
-                guess = guesses.get(request.request_id, ())[: plan.budget - num_new]
-                if guess:  # the decode verifies its proposals too, when free pages for them can be had
-                    item = self._extend_decode(item, len(guess), num_new_tokens=1 + len(guess),
-                                               spec_token_ids=guess) or item
-                plan.add(item)
+                plan.add(self._schedule_one(request, num_new))
 
         if self.config.static_batching:
             candidates = self._static_batch_waiting()
@@ -184,6 +178,8 @@ class Scheduler:
         scheduled = plan.scheduled
         if self.config.num_scheduler_steps > 1 and not plan.preempted_ids:
             scheduled = self._take_steps(scheduled)
+        if self.proposer is not None and not plan.preempted_ids:
+            scheduled = self._take_proposals(scheduled, plan.budget)
         for item in scheduled:
             self._advance(item)
         self.num_swapped_out_pages += len(plan.swap_out)
@@ -225,22 +221,29 @@ class Scheduler:
             stepped.append(item)
         return stepped
 
-    def _guesses(self) -> dict[str, tuple[int, ...]]:
-        """Speculative decoding: the proposer's guess of the next tokens of each running decode that can verify
-        proposals, as many as fit before its max_tokens and max_model_len (none without a proposer). Asked before
-        the step is planned, as vLLM does: a decode takes its proposals' tokens from the budget (and free pages
-        for them) before the requests after it, and the waiting ones, take theirs; the step verifies them
-        whatever else it holds (prefill chunks, rows that do not propose)."""
-        if self.proposer is None:
-            return {}
-        room = {request.request_id: min(self.config.num_speculative_tokens,
-                                        request.max_tokens - request.num_sampled_tokens - 1,
-                                        self.config.max_model_len - 2 - request.num_computed_tokens)
-                for request in self.running if _can_propose(request)}
-        asking = [request for request in self.running if room.get(request.request_id, 0) > 0]
-        guesses = self.proposer.propose(asking) if asking else []
-        return {request.request_id: tuple(guess[: room[request.request_id]])
-                for request, guess in zip(asking, guesses, strict=True)}
+    def _take_proposals(self, scheduled: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
+        """Speculative decoding with the budget the step leaves (`budget`): the proposer guesses the next tokens of
+        each scheduled decode that can propose and has room for any (before its max_tokens and max_model_len),
+        and such a decode feeds its guess after its token, as much of it as the budget left and free pages allow,
+        in running order. The step verifies them beside whatever else it holds (prompt chunks, rows that do not
+        propose). Proposals come after waiting prompts, so a backlog of prompts squeezes speculation out."""
+        if budget <= 0:
+            return scheduled
+        room = {item.request.request_id: min(self.config.num_speculative_tokens,
+                                             item.request.max_tokens - item.sample_index - 1,
+                                             self.config.max_model_len - 2 - item.num_computed_tokens)
+                for item in scheduled if _can_propose(item.request)}
+        asking = [item.request for item in scheduled if room.get(item.request.request_id, 0) > 0]
+        guesses = dict(zip((r.request_id for r in asking), self.proposer.propose(asking) if asking else []))
+        verifying = []
+        for item in scheduled:
+            guess = tuple(guesses.get(item.request.request_id, ())[: min(room.get(item.request.request_id, 0), budget)])
+            if guess:
+                extended = self._extend_decode(item, len(guess), num_new_tokens=1 + len(guess), spec_token_ids=guess)
+                if extended is not None:
+                    item, budget = extended, budget - len(guess)
+            verifying.append(item)
+        return verifying
 
     def _extend_decode(self, item: ScheduledRequest, extra: int, **changes) -> ScheduledRequest | None:
         """A one-token decode that also computes `extra` positions after its token (multi-step iterations or
