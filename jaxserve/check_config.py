@@ -53,7 +53,7 @@ BUCKET_SETS = {  # --buckets: which buckets are lowered
     "largest": "the largest bucket of each kind (the quickest check that a config lowers and fits)",
 }
 # The order of Runner.shapes().
-KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify")
+KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify_rows", "verify")
 # Custom calls jax.export does not promise to keep stable, which the step functions use on purpose: Pallas's
 # Triton kernels and cuDNN attention. Any other one (a host callback, say) fails its bucket.
 EXPECTED_UNSTABLE_CALLS = ("__gpu$xla.gpu.triton", "__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax")
@@ -95,7 +95,8 @@ class BucketCheck:
     """One bucket lowered for one platform."""
 
     kind: str  # one of KINDS
-    # forward and decode_steps (T, W), sampler (R, P, M: token bitmask words), prompt_logprobs (T,), verify (T, P, M)
+    # forward and decode_steps (T, W), sampler and verify (R, P, M: token bitmask words), prompt_logprobs and
+    # verify_rows (T,)
     shape: tuple[int, ...]
     seconds: float  # CPU seconds of jax.export (tracing and lowering)
     error: str | None = None  # "ErrorType: message" when it failed
@@ -103,7 +104,7 @@ class BucketCheck:
     def describe(self) -> str:
         """The bucket, e.g. "forward (T=16, W=1)"."""
         names = {"forward": ("T", "W"), "sampler": ("R", "P", "M"), "prompt_logprobs": ("T",),
-                 "decode_steps": ("T", "W"), "verify": ("T", "P", "M")}[self.kind]
+                 "decode_steps": ("T", "W"), "verify_rows": ("T",), "verify": ("R", "P", "M")}[self.kind]
         return f"{self.kind} ({', '.join(f'{n}={v}' for n, v in zip(names, self.shape))})"
 
 
@@ -265,12 +266,13 @@ def select_buckets(ladders, shapes: tuple[list, ...], which: str) -> tuple[list,
     widths = {ladders.page_widths[0], ladders.page_widths[-1]}
     rows = {min(ladders.row_buckets()), max(ladders.row_buckets())}
     aux = {ladders.aux_widths[0], *ladders.aux_widths[1:2], ladders.aux_widths[-1]}
-    forward, sampler, prompt, steps, verify = shapes
+    forward, sampler, prompt, steps, verify_rows, verify = shapes
     return ([s for s in forward if s[0] in tokens and s[1] in widths],
             [s for s in sampler if s[0] in rows and s[1] in aux],
             [s for s in prompt if s[0] in {ladders.tokens[0], ladders.tokens[-1]}],
             [s for s in steps if s[0] in tokens and s[1] in widths],
-            [s for s in verify if s[0] in tokens and s[1] in aux])
+            [s for s in verify_rows if s[0] in {ladders.tokens[0], ladders.tokens[-1]}],
+            [s for s in verify if s[0] in rows and s[1] in aux])
 
 
 def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
@@ -280,6 +282,7 @@ def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
         "sampler": lambda shape: runner.sampler_call(*shape),
         "prompt_logprobs": lambda shape: runner.prompt_logprobs_call(*shape),
         "decode_steps": lambda shape: runner.decode_steps_call(*shape, num_pages),
+        "verify_rows": lambda shape: runner.verify_rows_call(*shape),
         "verify": lambda shape: runner.verify_call(*shape),
     }
 
@@ -347,9 +350,10 @@ def cpu_estimates(runner) -> tuple[int, dict[str, float]]:
     function.lower(*args).compile()
     prompt = cpu_seconds() - start
     # A multi-step decode bucket is a forward and a sampler in a loop, counted as one of each; a verification
-    # bucket (the LM head at each verified position, then a sampler) as a sampler.
+    # bucket (the LM head at each verified position, then a sampler) as a sampler; taking the verified positions'
+    # hidden states out of a forward (one gather) as nothing.
     seconds = {"forward": forward_and_sampler / 2, "sampler": forward_and_sampler / 2, "prompt_logprobs": prompt,
-               "decode_steps": forward_and_sampler, "verify": forward_and_sampler / 2}
+               "decode_steps": forward_and_sampler, "verify_rows": 0.0, "verify": forward_and_sampler / 2}
     return activation_bytes, seconds
 
 
@@ -429,7 +433,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
 
 
 TABLE_HEADER = (
-    "| config | platform | attention | executables (fwd / sampler / prompt / multi-step / verify) "
+    "| config | platform | attention | executables (fwd / sampler / prompt / multi-step / verify rows / verify) "
     "| lowered "
     "| lowering CPU s: total (slowest) | kernels | weights GiB | activations GiB (est.) | KV pool GiB (tokens) "
     "| device GiB | compile est. min | result |"

@@ -64,7 +64,8 @@ def test_the_largest_buckets_are_lowered_and_every_executable_counted(shipped):
     _, checks = shipped
     check = checks["llama-3.1-8b-1xh200"]
     # each sampler bucket twice: without and with the structured-output token bitmask (128256 / 32 words)
-    assert check["executables"] == {"forward": 70, "sampler": 70, "prompt_logprobs": 10, "decode_steps": 0, "verify": 0}
+    assert check["executables"] == {"forward": 70, "sampler": 70, "prompt_logprobs": 10, "decode_steps": 0,
+                                   "verify_rows": 0, "verify": 0}
     buckets = {(b["kind"], tuple(b["shape"])) for b in check["platforms"][0]["buckets"]}
     (sampler,) = [shape for kind, shape in buckets if kind == "sampler"]
     assert buckets == {("forward", (8192, 2048)), ("sampler", sampler), ("prompt_logprobs", (8192,))}
@@ -78,14 +79,14 @@ def test_edges_are_each_ladders_ends_and_the_rungs_either_side_of_max_num_seqs()
                                   config.page_size, config.min_token_bucket, max_aux_extra=0)
     shapes = (list(itertools.product(ladders.tokens, ladders.page_widths)),
               list(itertools.product(ladders.row_buckets(), ladders.aux_widths, (0, 4008))),
-              [(t,) for t in ladders.tokens], [], [])
+              [(t,) for t in ladders.tokens], [], [], [])
     forward, sampler, prompt, *_ = check_config.select_buckets(ladders, shapes, "edges")
     assert set(forward) == {(t, w) for t in (16, 256, 512, 8192) for w in (1, 2048)}
     assert {shape[0] for shape in sampler} == {16, 256} and {shape[2] for shape in sampler} == {0, 4008}
     assert {shape[1] for shape in sampler} == {0, ladders.aux_widths[1], ladders.aux_widths[-1]}
     assert set(prompt) == {(16,), (8192,)}
     largest = check_config.select_buckets(ladders, shapes, "largest")
-    assert largest[:3] == ([(8192, 2048)], [max(shapes[1])], [(8192,)]) and largest[3:] == ([], [])
+    assert largest[:3] == ([(8192, 2048)], [max(shapes[1])], [(8192,)]) and largest[3:] == ([], [], [])
 
 
 def test_memory_estimate_of_the_8b_config_on_an_h200(shipped):
@@ -158,7 +159,9 @@ def test_a_quantized_config_lowers_and_counts_its_quantized_weights(tmp_path):
                                                  attention_backend="xla")
     assert checks["fp8"].failures == [] and checks["none"].failures == []
     assert checks["none"].executables["verify"] > 0 and checks["fp8"].executables["verify"] == 0
-    assert [b.kind for b in checks["none"].platforms[0].buckets].count("verify") == 1
+    assert checks["none"].executables["verify_rows"] == checks["none"].executables["prompt_logprobs"]
+    kinds = [b.kind for b in checks["none"].platforms[0].buckets]
+    assert kinds.count("verify") == kinds.count("verify_rows") == 1
     plans = {mode: check.platforms[0].memory for mode, check in checks.items()}
     assert plans["fp8"].page_bytes * 4 == plans["none"].page_bytes
     assert plans["fp8"].num_pages >= 4 * plans["none"].num_pages - 4

@@ -207,14 +207,19 @@ class Runner:
                                                num_scheduler_steps, page_size)  # samples: (K, R)
             return samples, last_of_rows(samples, steps.num_steps), caches
 
-        def verify_packed(params, hidden, buffers, layouts: tuple[Layout, Layout]):
+        def verify_rows_packed(hidden, buffer, layout: Layout):
+            """The hidden states (R * S, H) of each row's last token and proposals, out of the step's (T, H)."""
+            return hidden[unpack(buffer, layout, Proposals).logits_index.reshape(-1)]
+
+        def verify_packed(params, rows, buffers, layouts: tuple[Layout, Layout]):
             """A speculative verification after the step's forward: the target's logits at each row's last token
-            and proposals (from the hidden states) decide the tokens (S, R), -1 after each row's last; also each
-            row's last token, padded to (max_rows,), and the logprobs of every (row, position)."""
+            and proposals (from their hidden states `rows`, (R * S, H)) decide the tokens (S, R), -1 after each
+            row's last; also each row's last token, padded to (max_rows,), and the logprobs of every (row,
+            position)."""
             sampling = unpack(buffers[0], layouts[0], SamplingBatch)
             proposals = unpack(buffers[1], layouts[1], Proposals)
             num_rows, width = proposals.logits_index.shape
-            logits = token_logits(params, hidden[proposals.logits_index.reshape(-1)], spec)  # (R * S, V)
+            logits = token_logits(params, rows, spec)  # (R * S, V)
             tokens, out = verify(logits.reshape(num_rows, width, -1), sampling, proposals)  # (S, R)
             return tokens, last_of_rows(tokens, jnp.sum(tokens >= 0, axis=0)), out
 
@@ -238,6 +243,8 @@ class Runner:
             static_argnums=(2,),
         )
         self._decode_steps = step_jit(decode_steps_packed)
+        self._verify_rows = jax.jit(verify_rows_packed, in_shardings=(self._replicated, self._replicated),
+                                    out_shardings=self._replicated, static_argnums=(2,))
         self._verify = jax.jit(verify_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
                                out_shardings=self._replicated, static_argnums=(3,))
         # The last step's sampled token of each row, where the next step reads the ids the host has not seen.
@@ -251,7 +258,8 @@ class Runner:
         self._sample_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (R, P, M) -> executable
         self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
         self._steps_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> multi-step executable
-        self._verify_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (T, P, M) -> verification
+        self._verify_rows_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> verified positions' states
+        self._verify_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (R, P, M) -> verification
         self.num_lazy_compiles = 0
         CompileCounter.install()
 
@@ -300,7 +308,7 @@ class Runner:
         largest_samplers = [self.sampler_call(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
                                               self.mask_widths[-1])]
         if self.num_speculative_tokens:
-            largest_samplers.append(self.verify_call(self.ladders.tokens[-1], self.ladders.aux_widths[-1],
+            largest_samplers.append(self.verify_call(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
                                                      self.mask_widths[-1]))
         return _activation_bytes(*largest_forward) + max(_activation_bytes(*call) for call in largest_samplers)
 
@@ -309,17 +317,17 @@ class Runner:
     def shapes(self) -> tuple[list[tuple[int, ...]], ...]:
         """Every (T, W) forward shape, (R, P, M) sampler shape (M: no token bitmask, or one word per 32 tokens),
         (T,) prompt-logprob shape, the (T, W) shapes of multi-step decodes (T up to the token rung holding
-        max_num_seqs decodes) and the (T, P, M) shapes of speculative verification (after any forward), that the
-        ladders allow."""
+        max_num_seqs decodes), and with speculative decoding the (T,) shapes that take the verified positions'
+        hidden states out of a forward and the (R, P, M) shapes of the verification, that the ladders allow."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
         sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths, self.mask_widths))
-        steps = verify = []
+        prompt = [(num_tokens,) for num_tokens in self.ladders.tokens]
+        steps = verify_rows = verify = []
         if self.num_scheduler_steps > 1:
             steps = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1)]
         if self.num_speculative_tokens:
-            verify = list(itertools.product(self.ladders.tokens, self.ladders.aux_widths, self.mask_widths))
-        prompt = [(num_tokens,) for num_tokens in self.ladders.tokens]
-        return forward, sampler, prompt, steps, verify
+            verify_rows, verify = prompt, sampler
+        return forward, sampler, prompt, steps, verify_rows, verify
 
     def _decode_tokens_rung(self, tokens_per_row: int) -> int:
         """The token rung holding max_num_seqs rows of `tokens_per_row` tokens (the top rung when none does)."""
@@ -331,9 +339,10 @@ class Runner:
 
         With the persistent compilation cache on, a restart loads these instead of compiling.
         """
-        forward, sampler, prompt, steps, verify = self.shapes()
+        forward, sampler, prompt, steps, verify_rows, verify = self.shapes()
         self.compile_buckets([(self._forward_exec, self.forward_call, forward),
                               (self._steps_exec, self.decode_steps_call, steps),
+                              (self._verify_rows_exec, self.verify_rows_call, verify_rows),
                               (self._verify_exec, self.verify_call, verify),
                               (self._sample_exec, self.sampler_call, sampler),
                               (self._prompt_exec, self.prompt_logprobs_call, prompt)],
@@ -342,7 +351,7 @@ class Runner:
     def num_executables(self) -> int:
         """How many bucket executables this runner holds (compiled here, loaded from the cache or shared)."""
         return sum(len(table) for table in (self._forward_exec, self._sample_exec, self._prompt_exec,
-                                            self._steps_exec, self._verify_exec))
+                                            self._steps_exec, self._verify_rows_exec, self._verify_exec))
 
     def compile_buckets(self, groups: list[tuple[dict, Callable, list[tuple[int, ...]]]], description: str,
                         show_progress: bool) -> None:
@@ -389,15 +398,23 @@ class Runner:
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
         return self._decode_steps, (self.params, caches, last_tokens, buffers, tuple(layout for _, layout in parts))
 
-    def verify_call(self, num_tokens: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
-        """The speculative verification bucket (T, P, M): after a forward of T tokens, the rows of that token
-        rung, 1 + k verified positions each, P aux tokens and M bitmask words per row."""
-        num_rows = self.ladders.rows_for(num_tokens)
+    def verify_rows_call(self, num_tokens: int) -> tuple[Callable, tuple]:
+        """The bucket (T,) that takes the hidden states of each row's 1 + k verified positions out of a forward's
+        T: the rows of that token rung."""
+        buffer, layout = pack(Proposals(**padded_proposal_arrays(self.ladders.rows_for(num_tokens),
+                                                                 1 + self.num_speculative_tokens)))
+        return self._verify_rows, (self._hidden_struct(num_tokens), self._abstract(buffer), layout)
+
+    def verify_call(self, num_rows: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
+        """The speculative verification bucket (R, P, M): R rows of 1 + k verified positions each (their hidden
+        states in), P aux tokens and M bitmask words per row."""
+        width = 1 + self.num_speculative_tokens
         parts = (pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width, mask_width))),
-                 pack(Proposals(**padded_proposal_arrays(num_rows, 1 + self.num_speculative_tokens))))
+                 pack(Proposals(**padded_proposal_arrays(num_rows, width))))
+        rows = jax.ShapeDtypeStruct((num_rows * width, self.spec.hidden_size), self.params["embed"].dtype,
+                                    sharding=self._replicated)
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        layouts = tuple(layout for _, layout in parts)
-        return self._verify, (self.params, self._hidden_struct(num_tokens), buffers, layouts)
+        return self._verify, (self.params, rows, buffers, tuple(layout for _, layout in parts))
 
     def sampler_call(self, num_rows: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
         """The sampler bucket (R, P, M)."""
@@ -454,19 +471,17 @@ class Runner:
         the row's accepted proposals and the token after them, (S, R) with -1 after a row's last token; a row
         without proposals samples its one token as the plain sampler would."""
         words = put_global(pack(sampling)[0], self._replicated)
-        bitmask_words = sampling.token_bitmask.shape[1:]
+        key = (sampling.temperature.shape[0], *sampling.aux_token_ids.shape[1:], *sampling.token_bitmask.shape[1:])
         if proposals is None:
-            num_rows = sampling.temperature.shape[0]
-            sampler = self._executable(self._sample_exec, (num_rows, *sampling.aux_token_ids.shape[1:], *bitmask_words),
-                                       self.sampler_call)
-            out, self.last_tokens = sampler(step.logits, words)
+            out, self.last_tokens = self._executable(self._sample_exec, key, self.sampler_call)(step.logits, words)
             token_ids, per_row = out.token_ids, 1
         else:
-            key = (step.hidden.shape[0], *sampling.aux_token_ids.shape[1:], *bitmask_words)
-            verifier = self._executable(self._verify_exec, key, self.verify_call)
-            token_ids, self.last_tokens, out = verifier(self.params, step.hidden,
-                                                        (words, put_global(pack(proposals)[0], self._replicated)))
             per_row = proposals.logits_index.shape[1]
+            proposal_words = put_global(pack(proposals)[0], self._replicated)
+            take_rows = self._executable(self._verify_rows_exec, step.hidden.shape[:1], self.verify_rows_call)
+            verifier = self._executable(self._verify_exec, key, self.verify_call)
+            rows = take_rows(step.hidden, proposal_words)  # (R * S, H)
+            token_ids, self.last_tokens, out = verifier(self.params, rows, (words, proposal_words))
         logprobs = (out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs) if sampling.need_logprobs else None
         return self._pending(token_ids, logprobs, step.prompt_scored, step.num_seqs, step.num_prompt_targets,
                              per_row)

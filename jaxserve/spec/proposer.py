@@ -10,8 +10,8 @@ from jaxserve.request import Request
 class Proposer(Protocol):
     """Guesses the tokens that follow each request's known tokens.
 
-    The scheduler calls `propose` for the rows of a step that will verify proposals (every row a plain
-    decode, the host holding every token: speculative steps are brought before the next is planned), and
+    The scheduler calls `propose` for a step's decodes that can verify proposals, when the step leaves budget
+    for them (the host holds every token: speculative steps are brought before the next is planned), and
     `release` when a request leaves the running batch (finished or preempted), so a proposer with per-request
     state (the draft model's KV pages) gives it back."""
 
