@@ -5,8 +5,9 @@
 
 Each run is a fresh process (`python -c`, the persistent compilation cache off) that builds the engine on the
 bundled model with its default buckets (and --overrides, a JSON object of EngineConfig fields) and reports how
-long `Runner.warmup` took (tracing, lowering and compiling every bucket) and how many executables it compiled. The baseline runs from a `git worktree` of the revision;
-runs alternate baseline / current, so a slow spell of a shared machine hits both. Prints mean and best.
+long `Runner.warmup` took (tracing, lowering and compiling every bucket) and how many executables it compiled.
+The baseline runs from a `git worktree` of the revision; runs alternate baseline / current, so a slow spell of a
+shared machine hits both. Prints mean and best.
 """
 
 from __future__ import annotations

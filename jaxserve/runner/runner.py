@@ -72,7 +72,7 @@ class StepOutput:
     # only when some row asked
     sampled_logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None  # of the PromptLogprobBatch's targets, when there was one
-    logprobs_per_row: int = 1
+    logprobs_per_row: int = 1  # S in a verification, else 1
 
 
 @dataclasses.dataclass
