@@ -130,7 +130,7 @@ def test_a_constrained_request_shares_the_verifying_steps(engines, monkeypatch):
                                  structured_outputs=StructuredOutputsParams(choice=choices))
     want, _ = spec_generate(engines["plain"], prompts[1:], GREEDY)
     steps = _recorded_steps(engines["spec"], monkeypatch)
-    got, moved = spec_generate(engines["spec"], prompts, [constrained] + [GREEDY] * (len(prompts) - 1))
+    got, _ = spec_generate(engines["spec"], prompts, [constrained] + [GREEDY] * (len(prompts) - 1))
     assert got[1:] == want
     assert engines["spec"].get_tokenizer().decode(got[0][0]) in choices
     assert any(any(i.spec_token_ids for i in o.scheduled) and any(i.request.grammar and i.samples for i in o.scheduled)
