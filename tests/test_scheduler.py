@@ -457,6 +457,27 @@ def test_a_decode_verifies_its_proposals_beside_a_prompt_chunk_with_the_budget_t
     assert len(output.scheduled[0].spec_token_ids) == 1 and not output.scheduled[1].spec_token_ids
 
 
+def test_the_proposer_is_asked_only_for_the_decodes_the_budget_left_can_take():
+    """Three decodes and a 10-token prompt leave 3 tokens of the 16: A alone is asked (its room is 3), so a draft
+    model would not draft for B and C in a step that cannot verify their guesses."""
+    asked = []
+
+    def guess(request):
+        asked.append(request.request_id)
+        return [fake_token(request.request_id, request.num_tokens + i) for i in range(3)]
+
+    scheduler = make_scheduler(page_size=8, num_pages=20, max_num_seqs=4, max_num_batched_tokens=16,
+                               max_model_len=64, num_speculative_tokens=3, proposer=FakeProposer(guess))
+    for request_id in "ABC":
+        scheduler.add_request(_spec(request_id, 4, 20).build(64))
+    _step(scheduler)
+    asked.clear()
+    scheduler.add_request(_spec("D", 10, 3, arrival_time=1.0).build(64))
+    output = _step(scheduler)
+    assert _rows(output) == [("A", 4, 4), ("B", 4, 1), ("C", 4, 1), ("D", 0, 10)]
+    assert asked == ["A"]
+
+
 def test_without_chunking_a_prompt_waits_until_it_fits_whole():
     scheduler = make_scheduler(page_size=8, num_pages=20, max_num_seqs=4, max_num_batched_tokens=16,
                                max_model_len=16, enable_chunked_prefill=False)

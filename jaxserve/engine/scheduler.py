@@ -223,17 +223,20 @@ class Scheduler:
 
     def _take_proposals(self, scheduled: list[ScheduledRequest], budget: int) -> list[ScheduledRequest]:
         """Speculative decoding with the budget the step leaves (`budget`): the proposer guesses the next tokens of
-        each scheduled decode that can propose and has room for any (before its max_tokens and max_model_len),
-        and such a decode feeds its guess after its token, as much of it as the budget left and free pages allow,
-        in running order. The step verifies them beside whatever else it holds (prompt chunks, rows that do not
-        propose). Proposals come after waiting prompts, so a backlog of prompts squeezes speculation out."""
-        if budget <= 0:
-            return scheduled
+        the scheduled decodes that can propose and have room for any (before their max_tokens and max_model_len),
+        in running order, as many as the budget could take whole guesses of, and each feeds its guess after its
+        token, as much of it as the budget left and free pages allow. The step verifies them beside whatever else
+        it holds (prompt chunks, rows that do not propose). Proposals come after waiting prompts, so a backlog of
+        prompts squeezes speculation out."""
         room = {item.request.request_id: min(self.config.num_speculative_tokens,
                                              item.request.max_tokens - item.sample_index - 1,
                                              self.config.max_model_len - 2 - item.num_computed_tokens)
                 for item in scheduled if _can_propose(item.request)}
-        asking = [item.request for item in scheduled if room.get(item.request.request_id, 0) > 0]
+        asking, wanted = [], 0
+        for item in scheduled:
+            if wanted < budget and room.get(item.request.request_id, 0) > 0:
+                asking.append(item.request)
+                wanted += room[item.request.request_id]
         guesses = dict(zip((r.request_id for r in asking), self.proposer.propose(asking) if asking else []))
         verifying = []
         for item in scheduled:
