@@ -161,8 +161,10 @@ def test_the_loader_reads_each_devices_shard_of_one_layer_at_a_time(monkeypatch)
 def test_loading_peak_rss_stays_under_the_largest_tensor_plus_a_fixed_margin(tmp_path):
     """The loader's host memory, measured: loading a 440 MiB checkpoint whose stacked leaves are 16 times its
     largest tensor (8 MiB) grows RSS by no more than the params (host memory on the CPU) plus the largest tensor
-    plus 64 MiB. Measured on a 2-core machine: 17-25 MiB over the params; a loader that built each stacked leaf on
-    the host took 379-467 MiB, and this one, while it read through jax arrays, 76-100 MiB."""
+    plus 64 MiB. Measured on a 2-core machine: -8 to 16 MiB over the params after a warm-up load of the same
+    shapes (37-57 MiB, and once 95 in a loaded CI run, when the warm-up was another checkpoint and the measured
+    load compiled); a loader that built each stacked leaf on the host took 379-467 MiB, and this one, while it
+    read through jax arrays, 76-100 MiB."""
     import subprocess
     import sys
 
@@ -181,8 +183,7 @@ def test_loading_peak_rss_stays_under_the_largest_tensor_plus_a_fixed_margin(tmp
     # glibc's malloc arenas (up to 8 per core, one per thread that allocates at once) hold freed memory apart from
     # what the loader keeps; two make the growth the loader's, however loaded the machine is.
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
-    done = subprocess.run([sys.executable, probe, checkpoint("llama"), str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, env=env)
+    done = subprocess.run([sys.executable, probe, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     overhead = measured["peak_growth"] - measured["params"]
