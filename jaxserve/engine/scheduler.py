@@ -601,13 +601,13 @@ def _decodes_plainly(item: ScheduledRequest) -> bool:
 
 
 def _can_propose(request: Request) -> bool:
-    """True for a running decode (one token to compute, sampled) that can verify proposals: the device draws
+    """True for a scheduled decode (one token to compute, sampled) that can verify proposals: the device draws
     the samples of the positions after its token knowing only the proposals (penalties, logit biases and
     allowed ids apply there, the proposals joining the penalty history; logprobs are those of each emitted
     token); not with bad words, a grammar, or min_tokens still banning stop ids (whose bans at the next
     positions the host decides)."""
     params = request.sampling_params
-    return (request.status is RequestStatus.RUNNING and request.num_tokens - request.num_computed_tokens == 1
+    return (request.num_tokens - request.num_computed_tokens == 1
             and not request.num_output_placeholders and not request.bad_words_token_ids
             and request.grammar is None and request.num_sampled_tokens >= params.min_tokens
             and not request.num_prompt_logprobs_missing)

@@ -411,10 +411,9 @@ class Runner:
         width = 1 + self.num_speculative_tokens
         parts = (pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width, mask_width))),
                  pack(Proposals(**padded_proposal_arrays(num_rows, width))))
-        rows = jax.ShapeDtypeStruct((num_rows * width, self.spec.hidden_size), self.params["embed"].dtype,
-                                    sharding=self._replicated)
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return self._verify, (self.params, rows, buffers, tuple(layout for _, layout in parts))
+        return self._verify, (self.params, self._hidden_struct(num_rows * width), buffers,
+                              tuple(layout for _, layout in parts))
 
     def sampler_call(self, num_rows: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
         """The sampler bucket (R, P, M)."""
@@ -428,7 +427,8 @@ class Runner:
         return self._prompt_logprobs, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout)
 
     def _hidden_struct(self, num_tokens: int) -> jax.ShapeDtypeStruct:
-        """A forward's final hidden states (T, H) as an abstract array."""
+        """Final hidden states of `num_tokens` tokens (N, H) as an abstract array: a forward's T, or the R * S
+        verified positions."""
         return jax.ShapeDtypeStruct((num_tokens, self.spec.hidden_size), self.params["embed"].dtype,
                                     sharding=self._replicated)
 
