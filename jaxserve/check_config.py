@@ -12,7 +12,8 @@ For each config and target platform it
 - estimates one device's memory: the weights' shards (exact), the activations of the largest step (an
   estimate: XLA's memory analysis of the largest forward and sampler buckets compiled for the CPU with the
   `xla` attention path), and the KV pool `gpu_memory_utilization` leaves (kv/sizing.py), against the memory
-  of a named device;
+  of a named device; with a draft model (speculative_config method draft_model) its weights, its pool of as
+  many pages and its proposal buckets count too, as the engine counts them;
 - estimates the start-up compile time: the CPU compile time of the largest bucket of each kind, scaled to
   the number of executables (serial; device compiles differ, and the engine compiles on a thread pool).
 
@@ -52,8 +53,8 @@ BUCKET_SETS = {  # --buckets: which buckets are lowered
     "edges": "the smallest and largest rung of each ladder, and the token rungs either side of max_num_seqs",
     "largest": "the largest bucket of each kind (the quickest check that a config lowers and fits)",
 }
-# The order of Runner.shapes().
-KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify_rows", "verify")
+# The order of Runner.shapes(), then a draft model's proposal buckets (DraftRunner.propose_call).
+KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify_rows", "verify", "draft")
 # Custom calls jax.export does not promise to keep stable, which the step functions use on purpose: Pallas's
 # Triton kernels and cuDNN attention. Any other one (a host callback, say) fails its bucket.
 EXPECTED_UNSTABLE_CALLS = ("__gpu$xla.gpu.triton", "__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax")
@@ -95,8 +96,8 @@ class BucketCheck:
     """One bucket lowered for one platform."""
 
     kind: str  # one of KINDS
-    # forward and decode_steps (T, W), sampler and verify (R, P, M: token bitmask words), prompt_logprobs and
-    # verify_rows (T,)
+    # forward, decode_steps and draft (T, W), sampler and verify (R, P, M: token bitmask words), prompt_logprobs
+    # and verify_rows (T,)
     shape: tuple[int, ...]
     seconds: float  # CPU seconds of jax.export (tracing and lowering)
     error: str | None = None  # "ErrorType: message" when it failed
@@ -104,7 +105,8 @@ class BucketCheck:
     def describe(self) -> str:
         """The bucket, e.g. "forward (T=16, W=1)"."""
         names = {"forward": ("T", "W"), "sampler": ("R", "P", "M"), "prompt_logprobs": ("T",),
-                 "decode_steps": ("T", "W"), "verify_rows": ("T",), "verify": ("R", "P", "M")}[self.kind]
+                 "decode_steps": ("T", "W"), "verify_rows": ("T",), "verify": ("R", "P", "M"),
+                 "draft": ("T", "W")}[self.kind]
         return f"{self.kind} ({', '.join(f'{n}={v}' for n, v in zip(names, self.shape))})"
 
 
@@ -132,11 +134,11 @@ class ConfigCheck:
     """One config on every target platform."""
 
     config: str  # the YAML file
-    model_note: str  # where the architecture came from
+    model_note: str  # where the architecture came from (and the draft model's)
     tensor_parallel_size: int
     page_size: int  # tokens per KV page
     executables: dict[str, int]  # kind -> buckets the engine compiles at start-up
-    weight_bytes: int  # one device's shard of the weights (exact)
+    weight_bytes: int  # one device's shard of the weights, a draft model's included (exact)
     activation_bytes: int  # the largest step's peak on one device (estimate, CPU-compiled)
     compile_seconds: dict[str, float]  # kind -> CPU seconds of compiling one bucket for the CPU (measured)
     platforms: list[PlatformCheck]
@@ -266,16 +268,17 @@ def select_buckets(ladders, shapes: tuple[list, ...], which: str) -> tuple[list,
     widths = {ladders.page_widths[0], ladders.page_widths[-1]}
     rows = {min(ladders.row_buckets()), max(ladders.row_buckets())}
     aux = {ladders.aux_widths[0], *ladders.aux_widths[1:2], ladders.aux_widths[-1]}
-    forward, sampler, prompt, steps, verify_rows, verify = shapes
+    forward, sampler, prompt, steps, verify_rows, verify, draft = shapes
     return ([s for s in forward if s[0] in tokens and s[1] in widths],
             [s for s in sampler if s[0] in rows and s[1] in aux],
             [s for s in prompt if s[0] in {ladders.tokens[0], ladders.tokens[-1]}],
             [s for s in steps if s[0] in tokens and s[1] in widths],
             [s for s in verify_rows if s[0] in {ladders.tokens[0], ladders.tokens[-1]}],
-            [s for s in verify if s[0] in rows and s[1] in aux])
+            [s for s in verify if s[0] in rows and s[1] in aux],
+            [s for s in draft if s[0] in tokens and s[1] in widths])
 
 
-def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
+def bucket_calls(runner, draft_runner, num_pages: int) -> dict[str, Callable]:
     """kind -> a function from a bucket's shape to (jitted step function, abstract arguments)."""
     return {
         "forward": lambda shape: runner.forward_call(*shape, num_pages),
@@ -284,6 +287,7 @@ def bucket_calls(runner, num_pages: int) -> dict[str, Callable]:
         "decode_steps": lambda shape: runner.decode_steps_call(*shape, num_pages),
         "verify_rows": lambda shape: runner.verify_rows_call(*shape),
         "verify": lambda shape: runner.verify_call(*shape),
+        "draft": lambda shape: draft_runner.propose_call(*shape, num_pages),
     }
 
 
@@ -298,11 +302,12 @@ def lower_bucket(function, args: tuple, platform: str) -> tuple[float, set[str]]
     return seconds, set(re.findall(r"stablehlo\.custom_call @([\w$.\-]+)", exported.mlir_module()))
 
 
-def lower_all(runner, shapes: tuple[list, ...], num_pages: int, platform: str) -> tuple[list[BucketCheck], set[str]]:
-    """Lower every bucket in `shapes` (Runner.shapes()' lists, one per kind of KINDS); a failure is recorded, not
-    raised."""
+def lower_all(runner, draft_runner, shapes: tuple[list, ...], num_pages: int,
+              platform: str) -> tuple[list[BucketCheck], set[str]]:
+    """Lower every bucket in `shapes` (one list per kind of KINDS; the draft's empty without `draft_runner`); a
+    failure is recorded, not raised."""
     checks, custom_calls = [], set()
-    calls = bucket_calls(runner, num_pages)
+    calls = bucket_calls(runner, draft_runner, num_pages)
     for kind, kind_shapes in zip(KINDS, shapes):
         for shape in kind_shapes:
             start = cpu_seconds()
@@ -333,11 +338,12 @@ def target_chip(platform: str, device: str) -> contextlib.AbstractContextManager
 # ---- estimates on the CPU ---------------------------------------------------------------------------------------
 
 
-def cpu_estimates(runner) -> tuple[int, dict[str, float]]:
-    """(the largest step's activation bytes per device, CPU compile seconds of one bucket of each kind), from a
-    runner on the CPU with the xla attention path: the activations as the engine sizes them
-    (Runner.peak_activation_bytes: the largest forward and sampler buckets, compiled), the compile seconds
-    measured on the largest bucket of each kind (forward and sampler share that call's time).
+def cpu_estimates(runner, draft_runner) -> tuple[int, dict[str, float]]:
+    """(the largest step's activation bytes per device, CPU compile seconds of one bucket of each kind), from
+    runners on the CPU with the xla attention path (the target's and None or the draft's): the activations as
+    the engine sizes them (Runner.peak_activation_bytes: the largest forward and sampler buckets, compiled; the
+    draft's largest proposal bucket when that is larger), the compile seconds measured on the largest bucket of
+    each kind (forward and sampler share that call's time).
 
     The pool is MIN_POOL_PAGES: the CPU compiler writes K/V into a bf16 pool by converting the whole pool to
     f32 and back (two f32 copies of it as temporaries, which grow with the pool), a CPU-only detour that a pool
@@ -349,11 +355,17 @@ def cpu_estimates(runner) -> tuple[int, dict[str, float]]:
     function, args = runner.prompt_logprobs_call(runner.ladders.tokens[-1])
     function.lower(*args).compile()
     prompt = cpu_seconds() - start
+    draft = 0.0
+    if draft_runner is not None:
+        start = cpu_seconds()
+        activation_bytes = max(activation_bytes, draft_runner.peak_activation_bytes(MIN_POOL_PAGES))
+        draft = cpu_seconds() - start
     # A multi-step decode bucket is a forward and a sampler in a loop, counted as one of each; a verification
     # bucket (the LM head at each verified position, then a sampler) as a sampler; taking the verified positions'
     # hidden states out of a forward (one gather) as nothing.
     seconds = {"forward": forward_and_sampler / 2, "sampler": forward_and_sampler / 2, "prompt_logprobs": prompt,
-               "decode_steps": forward_and_sampler, "verify_rows": 0.0, "verify": forward_and_sampler / 2}
+               "decode_steps": forward_and_sampler, "verify_rows": 0.0, "verify": forward_and_sampler / 2,
+               "draft": draft}
     return activation_bytes, seconds
 
 
@@ -383,6 +395,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     from jaxserve.model.loader import resolve_dtype
     from jaxserve.model.sharding import cache_kv_heads, make_mesh
     from jaxserve.runner.runner import Runner
+    from jaxserve.spec.draft_runner import DraftRunner
 
     config = EngineConfig.from_yaml(path, **({"attention_backend": attention_backend} if attention_backend else {}))
     spec, note = resolve_spec(config.model, model_shape)
@@ -395,6 +408,16 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     params = abstract_params(spec, mesh, dtype, kv_heads, weight_quantization(config, spec), config.kv_cache_dtype)
     needed_pages = pages_for_tokens(max_model_len, config.page_size) + 1
 
+    speculative = config.speculative_config or {}
+    draft = None  # (spec, abstract params, KV heads, dtype) of a draft model
+    if speculative.get("method") == "draft_model":
+        draft_spec, draft_note = resolve_spec(speculative["model"], None)
+        draft_kv_heads = cache_kv_heads(draft_spec, tp)
+        draft_dtype = jnp.dtype(resolve_dtype(config.dtype, draft_spec))
+        draft = (draft_spec, abstract_params(draft_spec, mesh, draft_dtype, draft_kv_heads, "none",
+                                             config.kv_cache_dtype), draft_kv_heads, draft_dtype)
+        note = f"{note}; draft model {draft_note}"
+
     def runner(backend: str, platform: str) -> Runner:
         return Runner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads,
                       cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype),
@@ -402,27 +425,40 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
                       num_scheduler_steps=config.num_scheduler_steps,
                       num_speculative_tokens=config.num_speculative_tokens)
 
+    def draft_runner(backend: str, platform: str) -> DraftRunner | None:
+        if draft is None:
+            return None
+        draft_spec, draft_params, draft_kv_heads, draft_dtype = draft
+        return DraftRunner(draft_spec, draft_params, mesh, page_size=config.page_size,
+                           num_cache_kv_heads=draft_kv_heads,
+                           cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, draft_dtype), ladders=ladders,
+                           attention_backend=backend, platform=platform,
+                           num_proposals=config.num_speculative_tokens)
+
     cpu_runner = runner("xla", "cpu")
-    activation_bytes, compile_seconds = cpu_estimates(cpu_runner)
-    weight_bytes = shard_bytes(params)
-    every_shape = cpu_runner.shapes()
+    activation_bytes, compile_seconds = cpu_estimates(cpu_runner, draft_runner("xla", "cpu"))
+    weight_bytes = shard_bytes(params) + (shard_bytes(draft[1]) if draft else 0)
+    every_shape = cpu_runner.shapes() + ((cpu_runner.shapes()[0] if draft else []),)
     checks = []
     for platform in platforms:
         device = devices[platform]
         try:
             platform_runner = runner(config.attention_backend, PLATFORMS[platform])
+            platform_draft = draft_runner(config.attention_backend, PLATFORMS[platform])
         except ValueError as why:
             checks.append(PlatformCheck(platform, device, None, [], [], None, f"attention backend: {why}"))
             continue
-        try:  # a page as the platform's backend stores it (the TPU layout pads the head dimension)
+        # a page as the platform's backend stores it (the TPU layout pads the head dimension), the draft's too
+        page_bytes = sum(r.page_bytes() for r in (platform_runner, platform_draft) if r is not None) // tp
+        try:
             plan, error = memory_plan(device, config.gpu_memory_utilization, weight_bytes, activation_bytes,
-                                      platform_runner.page_bytes() // tp, max_model_len, config.page_size), None
+                                      page_bytes, max_model_len, config.page_size), None
         except ValueError as why:
             plan, error = None, f"memory on {device}: {why}"
         pool_pages = plan.num_pages if plan else needed_pages  # the pool the engine would compile against
         with target_chip(platform, device):
-            bucket_checks, custom_calls = lower_all(platform_runner, select_buckets(ladders, every_shape, buckets),
-                                                    pool_pages, platform)
+            bucket_checks, custom_calls = lower_all(platform_runner, platform_draft,
+                                                    select_buckets(ladders, every_shape, buckets), pool_pages, platform)
         checks.append(PlatformCheck(platform, device, platform_runner.attention.name, bucket_checks,
                                     sorted(custom_calls), plan, error))
     return ConfigCheck(path, note, tp, config.page_size, dict(zip(KINDS, map(len, every_shape))), weight_bytes,
@@ -433,7 +469,8 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
 
 
 TABLE_HEADER = (
-    "| config | platform | attention | executables (fwd / sampler / prompt / multi-step / verify rows / verify) "
+    "| config | platform | attention | executables (fwd / sampler / prompt / multi-step / verify rows / verify "
+    "/ draft) "
     "| lowered "
     "| lowering CPU s: total (slowest) | kernels | weights GiB | activations GiB (est.) | KV pool GiB (tokens) "
     "| device GiB | compile est. min | result |"
@@ -461,7 +498,8 @@ def report(checks: list[ConfigCheck], buckets: str) -> str:
     """The markdown report: notes on every estimate, the table, the memory split of each row, the failures."""
     lines = [f"Lowered with jax.export on the CPU; buckets: {buckets} ({BUCKET_SETS[buckets]}).",
              "Memory is per device. Weights: exact shard sizes. Activations: an estimate, XLA's memory analysis of the "
-             "largest forward and sampler buckets compiled for the CPU with the xla attention path (against a "
+             "largest forward and sampler buckets (or a draft model's largest proposal bucket, when larger) compiled "
+             "for the CPU with the xla attention path (against a "
              f"{MIN_POOL_PAGES}-page pool: the CPU's f32 detour through the pool left out). KV pool: what "
              "gpu_memory_utilization of the device leaves (kv/sizing.py). Compile estimate: CPU compile seconds of the "
              "largest bucket of each kind times the executable count, serial (not a device measurement). Times are CPU "

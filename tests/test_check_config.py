@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from jaxserve import check_config
@@ -65,7 +66,7 @@ def test_the_largest_buckets_are_lowered_and_every_executable_counted(shipped):
     check = checks["llama-3.1-8b-1xh200"]
     # each sampler bucket twice: without and with the structured-output token bitmask (128256 / 32 words)
     assert check["executables"] == {"forward": 70, "sampler": 70, "prompt_logprobs": 10, "decode_steps": 0,
-                                   "verify_rows": 0, "verify": 0}
+                                   "verify_rows": 0, "verify": 0, "draft": 0}
     buckets = {(b["kind"], tuple(b["shape"])) for b in check["platforms"][0]["buckets"]}
     (sampler,) = [shape for kind, shape in buckets if kind == "sampler"]
     assert buckets == {("forward", (8192, 2048)), ("sampler", sampler), ("prompt_logprobs", (8192,))}
@@ -79,14 +80,15 @@ def test_edges_are_each_ladders_ends_and_the_rungs_either_side_of_max_num_seqs()
                                   config.page_size, config.min_token_bucket, max_aux_extra=0)
     shapes = (list(itertools.product(ladders.tokens, ladders.page_widths)),
               list(itertools.product(ladders.row_buckets(), ladders.aux_widths, (0, 4008))),
-              [(t,) for t in ladders.tokens], [], [], [])
-    forward, sampler, prompt, *_ = check_config.select_buckets(ladders, shapes, "edges")
-    assert set(forward) == {(t, w) for t in (16, 256, 512, 8192) for w in (1, 2048)}
+              [(t,) for t in ladders.tokens], [], [], [], list(itertools.product(ladders.tokens, ladders.page_widths)))
+    forward, sampler, prompt, *_, draft = check_config.select_buckets(ladders, shapes, "edges")
+    assert set(forward) == set(draft) == {(t, w) for t in (16, 256, 512, 8192) for w in (1, 2048)}
     assert {shape[0] for shape in sampler} == {16, 256} and {shape[2] for shape in sampler} == {0, 4008}
     assert {shape[1] for shape in sampler} == {0, ladders.aux_widths[1], ladders.aux_widths[-1]}
     assert set(prompt) == {(16,), (8192,)}
     largest = check_config.select_buckets(ladders, shapes, "largest")
-    assert largest[:3] == ([(8192, 2048)], [max(shapes[1])], [(8192,)]) and largest[3:] == ([], [], [])
+    assert largest[:3] == ([(8192, 2048)], [max(shapes[1])], [(8192,)]) and largest[3:6] == ([], [], [])
+    assert largest[6] == [(8192, 2048)]
 
 
 def test_memory_estimate_of_the_8b_config_on_an_h200(shipped):
@@ -170,3 +172,26 @@ def test_a_quantized_config_lowers_and_counts_its_quantized_weights(tmp_path):
     scales = layers * ((heads + 2 * kv_heads) * head_dim + hidden + 2 * inner + hidden)
     kv_scales = 2 * layers * kv_heads  # k_scale and v_scale (L, Hkv)
     assert checks["none"].weight_bytes - checks["fp8"].weight_bytes == linear * 4 - linear - (scales + kv_scales) * 4
+
+
+def test_a_draft_model_counts_its_weights_pool_and_buckets(tmp_path):
+    """The bundled model drafting for itself (2 proposals): twice its weights and twice the bytes of its page (the
+    draft's pool has as many pages), one proposal executable per forward bucket, and its largest proposal bucket
+    lowered for cuda like the target's."""
+    from jaxserve.engine.llm_engine import default_model_path
+    from jaxserve.model.sharding import make_mesh
+
+    config = tmp_path / "tiny-draft.yaml"
+    config.write_text(f"max_model_len: 256\nmax_num_seqs: 8\nmax_num_batched_tokens: 32\n"
+                      f"speculative_config: {{model: {default_model_path()}, num_speculative_tokens: 2}}\n")
+    check = check_config.check_config(str(config), ["cuda"], {"cuda": "h100"}, buckets="largest",
+                                      attention_backend="xla")
+    assert check.failures == []
+    assert check.executables["draft"] == check.executables["forward"] > 0
+    assert [b.describe() for b in check.platforms[0].buckets if b.kind == "draft"] == ["draft (T=32, W=16)"]
+    spec, _ = check_config.resolve_spec(None, None)
+    target = check_config.abstract_params(spec, make_mesh(1), jnp.float32, spec.num_kv_heads)
+    assert check.weight_bytes == 2 * check_config.shard_bytes(target)
+    page_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 16 * 4  # K and V, float32, 16 tokens
+    assert check.platforms[0].memory.page_bytes == 2 * page_bytes
+    assert check.compile_seconds["draft"] > 0 and "draft model" in check.model_note

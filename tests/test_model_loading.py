@@ -105,8 +105,8 @@ def test_pool_too_small_for_one_request_is_a_value_error():
     config = EngineConfig(model=checkpoint("llama"), page_size=16, num_pages=8)
     runner = SimpleNamespace(page_bytes=lambda: 2 * 16 * 1024)  # the runner's bytes of one page
     with pytest.raises(ValueError, match="cannot hold one request"):
-        resolve_num_pages(config, max_model_len=128, runner=runner)
-    assert resolve_num_pages(config, max_model_len=112, runner=runner) == 8
+        resolve_num_pages(config, max_model_len=128, runners=[runner])
+    assert resolve_num_pages(config, max_model_len=112, runners=[runner]) == 8
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.batch.builder import BucketLadders
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import ASSETS_DIR, DEFAULT_MODEL_NAME
+from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.spec.draft import DraftModelProposer
 
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
@@ -48,6 +49,8 @@ class FakeDraftRunner:
         self.ladders = BucketLadders.build(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=4,
                                            max_model_len=64, page_size=4, min_token_bucket=4, max_aux_extra=0)
         self.calls: list[dict] = []
+        self.copies: list[list[tuple[int, int]]] = []  # each call's (source, copy) page copies
+        self.fail = False  # propose raises
 
     def allocate_kv(self, num_pages: int) -> None:
         pass
@@ -56,6 +59,9 @@ class FakeDraftRunner:
         pass
 
     def propose(self, batch, steps) -> np.ndarray:
+        if self.fail:
+            raise RuntimeError("the device call failed")
+        self.copies.append([(int(s), int(d)) for s, d in zip(batch.copy_src, batch.copy_dst) if s != NULL_PAGE])
         fed = int(batch.query_start_loc[batch.num_seqs])
         self.calls.append({"tokens": batch.input_ids[:fed].tolist(), "positions": batch.positions[:fed].tolist(),
                            "further": steps.num_steps[: batch.num_seqs].tolist()})
@@ -64,9 +70,11 @@ class FakeDraftRunner:
         return np.asarray([[base + 10 * row + i for row in range(rows)] for i in range(self.num_proposals)])
 
 
-def _proposer(num_pages: int = 40, budget: int = 16, k: int = 3) -> tuple[DraftModelProposer, FakeDraftRunner]:
+def _proposer(num_pages: int = 40, budget: int = 16, k: int = 3,
+              prefix_caching: bool = False) -> tuple[DraftModelProposer, FakeDraftRunner]:
     runner = FakeDraftRunner(k, budget)
-    proposer = DraftModelProposer(runner, max_num_batched_tokens=budget, max_model_len=64)
+    proposer = DraftModelProposer(runner, max_num_batched_tokens=budget, max_model_len=64,
+                                  enable_prefix_caching=prefix_caching)
     proposer.allocate(num_pages, show_progress=False)
     return proposer, runner
 
@@ -121,6 +129,84 @@ def test_a_request_whose_draft_pages_cannot_be_had_gets_no_proposal():
     assert len(runner.calls[-1]["further"]) == 1
 
 
+def _sharing(prompt: list[int], tail: int, request_id: str, salt: str | None = None):
+    """A request whose prompt is `prompt` and then `tail` tokens of its own (page size 4)."""
+    request = RequestSpec(request_id, prompt_len=len(prompt) + tail, max_tokens=30).build(64)
+    request.prompt_token_ids = list(prompt) + list(request.prompt_token_ids[len(prompt):])
+    request.cache_salt = salt
+    return request
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_draft_takes_a_cached_prefix_and_feeds_only_the_rest(prefix_caching):
+    proposer, runner = _proposer(prefix_caching=prefix_caching)
+    shared = list(range(100, 110))  # two full pages and half of a third
+    first, second = _sharing(shared, 3, "a"), _sharing(shared, 2, "b")
+    proposer.propose([first])
+    proposer.propose([second])
+    if prefix_caching:  # the first two pages come from the cache: b feeds from position 8 on
+        assert runner.calls[-1]["positions"] == list(range(8, 12))
+        assert proposer.kv.page_ids("b")[:2] == proposer.kv.page_ids("a")[:2]
+        assert proposer.num_cached_tokens == 8
+    else:
+        assert runner.calls[-1]["positions"] == list(range(12))
+        assert proposer.num_cached_tokens == 0
+    assert proposer.num_fed_tokens == 13 + 12 - proposer.num_cached_tokens
+    proposer.release("a")
+    proposer.release("b")
+    assert proposer.kv.pool.num_free == proposer.kv.pool.num_usable
+
+
+def test_draft_rows_of_one_call_share_pages_scheduled_before_them():
+    """The other samples of a request (n > 1) first propose in the same call: the first row computes the shared
+    pages, the later rows take them (K/V are written before any row attends)."""
+    proposer, runner = _proposer(budget=32, prefix_caching=True)
+    prompt = list(range(200, 210))
+    samples = [_sharing(prompt, 0, f"s{i}") for i in range(3)]
+    for sample in samples:
+        sample.output_token_ids.append(7)  # the target emitted the first token: 11 known tokens
+    proposer.propose(samples)
+    assert runner.calls[-1]["positions"] == list(range(11)) + [8, 9, 10] * 2
+    assert [proposer.kv.page_ids(s.request_id)[:2] for s in samples[1:]] == [proposer.kv.page_ids("s0")[:2]] * 2
+
+
+def test_draft_prefix_cache_keeps_salts_apart():
+    proposer, runner = _proposer(prefix_caching=True)
+    prompt = list(range(300, 310))
+    proposer.propose([_sharing(prompt, 0, "a", salt="x")])
+    proposer.propose([_sharing(prompt, 0, "b", salt="y")])
+    assert runner.calls[-1]["positions"] == list(range(10))
+
+
+def test_draft_copies_a_shared_page_before_writing_into_it():
+    """A request fed up to its last token feeds that token again to propose; when another request took its last
+    full page from the cache meanwhile, the draft writes into a private copy of it."""
+    proposer, runner = _proposer(prefix_caching=True)
+    first = _sharing(list(range(400, 408)), 0, "a")  # exactly two pages
+    proposer.propose([first])
+    assert runner.calls[-1]["positions"] == list(range(8))
+    second = _sharing(list(range(400, 408)), 4, "b")
+    proposer.propose([second])  # takes a's two pages
+    shared = proposer.kv.page_ids("a")[1]
+    assert proposer.kv.page_ids("b")[1] == shared
+    proposer.propose([first])  # nothing new for a: position 7 again, in a page b holds
+    assert runner.calls[-1]["positions"] == [7]
+    assert runner.copies[-1] == [(shared, proposer.kv.page_ids("a")[1])]
+    assert proposer.kv.page_ids("a")[1] != shared and proposer.kv.page_ids("b")[1] == shared
+
+
+def test_a_failed_draft_call_forgets_its_rows_and_the_pages_it_registered():
+    proposer, runner = _proposer(prefix_caching=True)
+    request = _sharing(list(range(500, 510)), 0, "a")
+    runner.fail = True
+    with pytest.raises(RuntimeError, match="device call failed"):
+        proposer.propose([request])
+    assert proposer.kv.pool.num_free == proposer.kv.pool.num_usable and proposer.kv.pool.num_cached == 0
+    runner.fail = False
+    proposer.propose([_sharing(list(range(500, 510)), 0, "b")])
+    assert runner.calls[-1]["positions"] == list(range(10))  # nothing was taken from the failed call's pages
+
+
 # ---- the engine -----------------------------------------------------------------------------------------
 
 
@@ -158,6 +244,25 @@ def test_greedy_outputs_are_identical_under_preemption_and_chunked_prefill(engin
     prompts = _prompts(10, 9, (40, 100))
     moved = check_same_tokens_under_preemption(engines["plain"], engines["self"], prompts, GREEDY.clone(max_tokens=60))
     assert moved["num_accepted_tokens"] > 0
+
+
+def test_prompts_with_a_shared_prefix_reuse_the_drafts_pages(engines):
+    """Six prompts of one 40-token prefix (two full pages of 16) and their own tails: the draft computes the
+    prefix once, each later prompt takes its pages from the draft's prefix cache; greedy tokens unchanged."""
+    prefix = _prompts(1, 11, (40, 40))[0]
+    prompts = [prefix + tail for tail in _prompts(6, 12, (3, 10))]
+    want, _ = spec_generate(engines["plain"], prompts, GREEDY)
+    before = engines["self"].stats()
+    got, moved = spec_generate(engines["self"], prompts, GREEDY)
+    after = engines["self"].stats()
+    assert got == want and moved["num_accepted_tokens"] > 0
+    hits = after["draft_prefix_cache_hits"] - before["draft_prefix_cache_hits"]
+    assert hits >= 5 * 32, f"each prompt after the first should take the prefix's two pages: {hits}"
+    fed = after["draft_fed_tokens"] - before["draft_fed_tokens"]
+    emitted = sum(len(tokens[0]) for tokens in got)
+    assert fed <= sum(map(len, prompts)) - hits + emitted
+    engines["self"].reset_prefix_cache()  # the draft's cache is forgotten with the target's
+    assert engines["self"].engine.core.draft.kv.pool.num_cached == 0
 
 
 def test_penalised_and_short_requests_share_the_batch(engines):

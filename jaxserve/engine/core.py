@@ -83,8 +83,8 @@ class EngineCore:
         if speculative.get("method") == "draft_model":
             self.draft = DraftModelProposer.load(config, self.spec, self.mesh, self.ladders, self.max_model_len)
         # The draft's pool has as many pages as the target's, so a page of each is sized together.
-        draft_page_bytes = self.draft.runner.page_bytes() if self.draft else 0
-        self.num_pages = resolve_num_pages(config, self.max_model_len, self.runner, draft_page_bytes)
+        self.num_pages = resolve_num_pages(config, self.max_model_len,
+                                           [self.runner] + ([self.draft.runner] if self.draft else []))
         if self.group is not None:  # hosts may see different free memory: every process takes the smallest pool
             self.num_pages = runtime.agreed_minimum("num_pages", self.num_pages, self.group)
         host_pool = None
@@ -170,7 +170,10 @@ class EngineCore:
             self.scheduler.finish_request(request_id, status)
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached page (held pages stay held); returns how many were forgotten."""
+        """Forget every cached page, the draft model's too (held pages stay held); returns how many of the
+        target's were forgotten."""
+        if self.draft is not None:
+            self.draft.kv.pool.reset_cache()
         return self.kv.pool.reset_cache()
 
     def has_unfinished_requests(self) -> bool:
@@ -352,6 +355,8 @@ class EngineCore:
             "kv_pages_free": self.kv.pool.num_free,
             "draft_kv_pages_total": self.draft.kv.pool.num_usable if self.draft else 0,
             "draft_kv_pages_free": self.draft.kv.pool.num_free if self.draft else 0,
+            "draft_fed_tokens": self.draft.num_fed_tokens if self.draft else 0,
+            "draft_prefix_cache_hits": self.draft.num_cached_tokens if self.draft else 0,
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_swapped": len(self.kv.swapped_request_ids()),
@@ -440,11 +445,12 @@ def bucket_ladders(config: EngineConfig, spec: ModelSpec, max_model_len: int) ->
     )
 
 
-def resolve_num_pages(config: EngineConfig, max_model_len: int, runner: Runner, extra_page_bytes: int = 0) -> int:
+def resolve_num_pages(config: EngineConfig, max_model_len: int, runners: list[Runner]) -> int:
     """Pages from `num_pages`, or what `gpu_memory_utilization` of the device leaves after the weights and the
-    largest step's activations (kv/sizing.py), or the CPU's `cpu_kv_cache_gib`. `extra_page_bytes`: a page of
-    another pool with as many pages (the draft model's)."""
-    per_page = runner.page_bytes() + extra_page_bytes
+    largest step's activations (kv/sizing.py), or the CPU's `cpu_kv_cache_gib`. `runners`: the target model's
+    and, with a draft model, the draft's; each holds a pool of that many pages, and their steps run one after
+    the other, so the peak activation is the largest of theirs."""
+    per_page = sum(runner.page_bytes() for runner in runners)
     platform = device_platform()
     if config.num_pages is not None:
         num_pages = config.num_pages
@@ -455,11 +461,12 @@ def resolve_num_pages(config: EngineConfig, max_model_len: int, runner: Runner, 
         stats = device_memory_stats(tp)
         if platform == "gpu":
             check_allocator_limit(stats, config.gpu_memory_utilization)
+        pool = pages_for_tokens(max_model_len, config.page_size) + 1
         plan = plan_kv_pages(
             device_bytes=device_memory_bytes(stats, platform),
             utilization=config.gpu_memory_utilization,
             used_bytes=int(stats.get("bytes_in_use", 0)),
-            activation_bytes=runner.peak_activation_bytes(pages_for_tokens(max_model_len, config.page_size) + 1),
+            activation_bytes=max(runner.peak_activation_bytes(pool) for runner in runners),
             page_bytes=per_page // tp,
         )
         logger.info("KV cache sizing: %s", plan.describe())

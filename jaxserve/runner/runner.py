@@ -118,7 +118,7 @@ def _padded_rows(token_ids: jax.Array, max_rows: int) -> jax.Array:
     return jnp.zeros((max_rows,), jnp.int32).at[: token_ids.shape[0]].set(token_ids)
 
 
-def _activation_bytes(function: Callable, args: tuple) -> int:
+def activation_bytes(function: Callable, args: tuple) -> int:
     """Per-device bytes an executable needs beyond its inputs: temporaries plus outputs that do not alias a
     donated input (XLA's memory analysis)."""
     memory = function.lower(*args).compile().memory_analysis()
@@ -310,7 +310,7 @@ class Runner:
         if self.num_speculative_tokens:
             largest_samplers.append(self.verify_call(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
                                                      self.mask_widths[-1]))
-        return _activation_bytes(*largest_forward) + max(_activation_bytes(*call) for call in largest_samplers)
+        return activation_bytes(*largest_forward) + max(activation_bytes(*call) for call in largest_samplers)
 
     # ---- compilation -------------------------------------------------------------------------
 

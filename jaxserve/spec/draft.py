@@ -10,6 +10,12 @@ fed after them (their KV is that of the request's real tokens as far as the targ
 each proposal the draft feeds the request's tokens from the first one it does not hold (usually the one or
 two the last verification emitted; the whole prompt the first time, in chunks of the step budget when it is
 longer) and proposes after the last one. A request whose draft pages cannot be had gets no proposal.
+
+The draft's pool has a prefix cache of its own when the engine's is on (the same KVCacheManager and page hashes
+as the target's): a request's first proposal starts from the longest run of its full pages the draft already
+holds for another request (a shared system prompt, the other samples of a request with n > 1), so the draft
+computes only the rest. Pages are registered as soon as a call schedules their tokens, before it computes them:
+a later row of the same call may take them, since every row's K/V is written before any row attends.
 """
 
 from __future__ import annotations
@@ -43,13 +49,17 @@ class _Fed:
 class DraftModelProposer:
     """Proposes `runner.num_proposals` tokens per request by greedy decoding with the draft model."""
 
-    def __init__(self, runner: DraftRunner, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, runner: DraftRunner, max_num_batched_tokens: int, max_model_len: int,
+                 enable_prefix_caching: bool = False):
         self.runner = runner
         self.num_tokens = runner.num_proposals
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
         self.kv: KVCacheManager | None = None  # allocate(): the draft's pages
         self._fed: dict[str, _Fed] = {}  # request id -> what the draft's KV holds
+        self.num_fed_tokens = 0  # tokens the draft computed to catch up (proposals fed back not counted)
+        self.num_cached_tokens = 0  # tokens it took from its prefix cache instead
 
     @classmethod
     def load(cls, config: EngineConfig, target: ModelSpec, mesh, ladders: BucketLadders,
@@ -73,7 +83,8 @@ class DraftModelProposer:
                              cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=ladders,
                              attention_backend=config.attention_backend,
                              num_proposals=speculative["num_speculative_tokens"])
-        return cls(runner, config.max_num_batched_tokens, max_model_len)
+        return cls(runner, config.max_num_batched_tokens, max_model_len,
+                   enable_prefix_caching=config.enable_prefix_caching and config.batching == "continuous")
 
     def allocate(self, num_pages: int, show_progress: bool = True, precompile: bool = True) -> None:
         """Allocate the draft's KV pool of `num_pages` pages and compile its buckets (with `precompile`; else each
@@ -81,7 +92,7 @@ class DraftModelProposer:
         self.runner.allocate_kv(num_pages)
         if precompile:
             self.runner.warmup(show_progress)
-        self.kv = KVCacheManager(PagePool(num_pages), self.runner.page_size)
+        self.kv = KVCacheManager(PagePool(num_pages), self.runner.page_size, self.enable_prefix_caching)
 
     def release(self, request_id: str) -> None:
         """Give the request's draft pages back and forget what they held."""
@@ -93,8 +104,10 @@ class DraftModelProposer:
         items: list[ScheduledRequest] = []
         further: list[int] = []  # proposals each row makes after its first
         budget = self.max_num_batched_tokens
+        page_size = self.runner.page_size
         for request in requests:
-            computed = self._num_valid(request)
+            cached = self._cached_prefix(request)
+            computed = len(cached) * page_size if cached else self._num_valid(request)
             known = request.num_known_tokens
             take = min(known - computed, budget)
             if take <= 0:
@@ -102,26 +115,41 @@ class DraftModelProposer:
             proposes = take == known - computed
             extra = max(0, min(self.num_tokens - 1, self.max_model_len - known)) if proposes else 0
             total = computed + take + extra
-            if not self.kv.allocate_slots(request.request_id, computed, total):
+            if not self.kv.allocate_slots(request.request_id, computed, total, cached):
                 self.release(request.request_id)
                 continue
-            pages = self.kv.page_ids(request.request_id)[: pages_for_tokens(total, self.runner.page_size)]
-            items.append(ScheduledRequest(request, take, computed, tuple(pages), samples=proposes, num_steps=1 + extra))
+            self.kv.cache_full_pages(request.request_id, computed + take, request.token_ids, request.cache_salt)
+            self.num_cached_tokens += len(cached) * page_size
+            self.num_fed_tokens += take
+            pages = self.kv.page_ids(request.request_id)[: pages_for_tokens(total, page_size)]
+            items.append(ScheduledRequest(request, take, computed, tuple(pages), samples=proposes, num_steps=1 + extra,
+                                          page_copies=tuple(self.kv.pop_copies(request.request_id))))
             further.append(extra)
             budget -= take
         if not items:
             return [[] for _ in requests]
-        output = SchedulerOutput(items, [])
-        batch = build_batch(output, self.runner.page_size, self.runner.ladders)
-        steps = padded_decode_step_arrays(batch.page_table.shape[0])
-        steps["num_steps"][: len(further)] = further
-        proposals = np.asarray(self.runner.propose(batch, DecodeSteps(**steps)))  # (k, R) int32
+        try:
+            batch = build_batch(SchedulerOutput(items, []), page_size, self.runner.ladders)
+            steps = padded_decode_step_arrays(batch.page_table.shape[0])
+            steps["num_steps"][: len(further)] = further
+            proposals = np.asarray(self.runner.propose(batch, DecodeSteps(**steps)))  # (k, R) int32
+        except BaseException:  # the pages registered above were never computed: forget them and the rows
+            for item in items:
+                self.release(item.request.request_id)
+            self.kv.pool.reset_cache()
+            raise
         guesses: dict[str, list[int]] = {}
         for row, (item, extra) in enumerate(zip(items, further)):
             guess = proposals[: 1 + extra, row].tolist() if item.samples else []
             self._fed[item.request.request_id] = _Fed(item.num_computed_tokens + item.num_new_tokens, guess[:extra])
             guesses[item.request.request_id] = guess
         return [guesses.get(request.request_id, []) for request in requests]
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """For a request the draft holds nothing of: the draft's cached pages of its longest cached prefix."""
+        if self.kv.page_ids(request.request_id):
+            return []
+        return self.kv.find_cached_prefix(request.token_ids(0, request.num_known_tokens), request.cache_salt)
 
     def _num_valid(self, request: Request) -> int:
         """The request's leading tokens whose KV the draft holds, short of its last (which is fed again to

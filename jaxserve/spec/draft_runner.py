@@ -22,7 +22,7 @@ from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.model.sharding import put_global
 from jaxserve.runner.decode_steps import run_decode_steps
-from jaxserve.runner.runner import Runner
+from jaxserve.runner.runner import Runner, activation_bytes
 from jaxserve.sampling.sampler import first_argmax
 
 
@@ -94,13 +94,20 @@ class DraftRunner(Runner):
         self.compile_buckets([(self._propose_exec, self.propose_call, self.shapes()[0])], "compiling draft buckets",
                              show_progress)
 
-    def propose_call(self, num_tokens: int, width: int) -> tuple[Callable, tuple]:
-        """The proposal bucket (T, W): a catch-up batch of T tokens and the rows' numbers of further steps."""
+    def propose_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
+        """The proposal bucket (T, W): a catch-up batch of T tokens and the rows' numbers of further steps, against
+        the allocated pool or an abstract one of `num_pages`."""
         num_rows = self.ladders.rows_for(num_tokens)
         parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
                  pack(DecodeSteps(**padded_decode_step_arrays(num_rows))))
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return self._propose, (self.params, self.kv_caches, buffers, tuple(layout for _, layout in parts))
+        caches = self.kv_caches if num_pages is None else self.cache_structs(num_pages)
+        return self._propose, (self.params, caches, buffers, tuple(layout for _, layout in parts))
+
+    def peak_activation_bytes(self, num_pages: int) -> int:
+        """Per-device bytes the largest proposal bucket needs beyond its inputs (XLA's memory analysis, compiled
+        against an abstract pool of `num_pages` pages)."""
+        return activation_bytes(*self.propose_call(self.ladders.tokens[-1], self.ladders.page_widths[-1], num_pages))
 
     def propose(self, batch: BatchDescriptor, steps: DecodeSteps) -> jax.Array:
         """Dispatch one proposal step; returns its (num_proposals, R) int32 proposals on the device."""
