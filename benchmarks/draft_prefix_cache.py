@@ -16,7 +16,8 @@ draft's cache switches (`draft.kv.enable_prefix_caching`). Each round runs every
 the settings in alternating order, after `reset_prefix_cache` (the target's and the draft's), one warm-up pair
 first. Reported per workload and setting: wall seconds (mean, best), engine steps, tokens the draft computed to
 catch up and tokens it took from its cache (per run), the proposer's milliseconds per step (the step timing's
-"propose" phase: the draft's device call included), the mean acceptance length, and whether the tokens equal the
+"propose" phase: the draft's device call included), verifications (rows that verified proposals: a request gets
+none until the draft has caught up with its prompt), the mean acceptance length, and whether the tokens equal the
 other setting's (seeded sampling gives the same tokens whatever is proposed).
 """
 
@@ -77,6 +78,7 @@ def run_once(llm: LLM, prompts: list[list[int]], params: SamplingParams, draft_c
     timing = after["timing"]
     propose_ms = timing["propose_ms"] * timing["steps"] - before["timing"]["propose_ms"] * before["timing"]["steps"]
     return {"seconds": seconds, **moved, "propose_ms_per_step": propose_ms / max(moved["steps"], 1),
+            "verifications": spec["num_drafts"],
             "acceptance_length": (spec["num_accepted_tokens"] + spec["num_drafts"]) / max(spec["num_drafts"], 1),
             "tokens": [[tuple(c.token_ids) for c in o.outputs] for o in outputs]}
 
@@ -122,8 +124,9 @@ def main() -> int:
 def table(loads: dict, runs: dict[tuple[str, bool], list[dict]]) -> str:
     """The markdown table: one row per (workload, setting), and the on/off ratio of wall seconds."""
     lines = ["| workload | draft prefix cache | prompt tokens x samples | wall s mean (best) | on / off mean (best) "
-             "| steps | draft computed | draft cache hits | propose ms / step | acceptance length | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| steps | draft computed | draft cache hits | propose ms / step | verifications | acceptance length "
+             "| same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, (prompts, params) in loads.items():
         off = runs[name, False]
         for on in (True, False):
@@ -141,6 +144,7 @@ def table(loads: dict, runs: dict[tuple[str, bool], list[dict]]) -> str:
                      f"{statistics.mean(r['draft_fed_tokens'] for r in rs):,.0f}",
                      f"{statistics.mean(r['draft_prefix_cache_hits'] for r in rs):,.0f}",
                      f"{statistics.mean(r['propose_ms_per_step'] for r in rs):.1f}",
+                     f"{statistics.mean(r['verifications'] for r in rs):.0f}",
                      f"{statistics.mean(r['acceptance_length'] for r in rs):.2f}", "yes" if same else "no"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

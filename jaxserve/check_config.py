@@ -78,6 +78,11 @@ PUBLISHED_MODELS = {
                               "num_attention_heads": 32, "num_key_value_heads": 8},
     "llama-3.1-70b-instruct": {**_LLAMA_3_1, "hidden_size": 8192, "intermediate_size": 28672,
                                "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8},
+    "llama-3.2-1b-instruct": {  # the draft model of llama-3.1-8b-1xh200-draft.yaml
+        **_LLAMA_3_1, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True,
+        "rope_scaling": {**_LLAMA_3_1["rope_scaling"], "factor": 32.0},
+    },
     "qwen2.5-7b-instruct": {
         "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
         "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,

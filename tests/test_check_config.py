@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 
-import jax.numpy as jnp
 import pytest
 
 from jaxserve import check_config
@@ -106,6 +105,20 @@ def test_memory_estimate_of_the_8b_config_on_an_h200(shipped):
     assert memory["num_pages"] > 32768 // 16 + 1  # holds at least one request of max_model_len
 
 
+def test_the_draft_config_counts_the_drafts_weights_pool_and_buckets(shipped):
+    """llama-3.1-8b-1xh200-draft (Llama-3.2-1B drafting for the 8B) against llama-3.1-8b-1xh200: the 1B's
+    weights on top (1,235,814,400 parameters in bfloat16, the embeddings tied), its page on top of the 8B's in
+    every page of the pool, one proposal executable per forward bucket, its largest proposal bucket lowered."""
+    _, checks = shipped
+    draft, plain = checks["llama-3.1-8b-1xh200-draft"], checks["llama-3.1-8b-1xh200"]
+    assert draft["weight_bytes"] - plain["weight_bytes"] == 2 * 1_235_814_400
+    assert draft["executables"]["draft"] == draft["executables"]["forward"] == 70 and plain["executables"]["draft"] == 0
+    cuda = draft["platforms"][0]
+    assert cuda["memory"]["page_bytes"] == plain["platforms"][0]["memory"]["page_bytes"] + 2 * 16 * 16 * 8 * 64 * 2
+    assert [tuple(b["shape"]) for b in cuda["buckets"] if b["kind"] == "draft"] == [(8192, 2048)]
+    assert "draft model" in draft["model_note"] and draft["compile_seconds"]["draft"] > 0
+
+
 def test_a_config_that_does_not_fit_its_device_fails_with_the_reason(tmp_path, monkeypatch, capsys):
     """In this process (the bundled model needs one device; its XLA flags do not matter to this check), with the
     fallback attention path a GPU takes when the kernels fail."""
@@ -172,26 +185,3 @@ def test_a_quantized_config_lowers_and_counts_its_quantized_weights(tmp_path):
     scales = layers * ((heads + 2 * kv_heads) * head_dim + hidden + 2 * inner + hidden)
     kv_scales = 2 * layers * kv_heads  # k_scale and v_scale (L, Hkv)
     assert checks["none"].weight_bytes - checks["fp8"].weight_bytes == linear * 4 - linear - (scales + kv_scales) * 4
-
-
-def test_a_draft_model_counts_its_weights_pool_and_buckets(tmp_path):
-    """The bundled model drafting for itself (2 proposals): twice its weights and twice the bytes of its page (the
-    draft's pool has as many pages), one proposal executable per forward bucket, and its largest proposal bucket
-    lowered for cuda like the target's."""
-    from jaxserve.engine.llm_engine import default_model_path
-    from jaxserve.model.sharding import make_mesh
-
-    config = tmp_path / "tiny-draft.yaml"
-    config.write_text(f"max_model_len: 256\nmax_num_seqs: 8\nmax_num_batched_tokens: 32\n"
-                      f"speculative_config: {{model: {default_model_path()}, num_speculative_tokens: 2}}\n")
-    check = check_config.check_config(str(config), ["cuda"], {"cuda": "h100"}, buckets="largest",
-                                      attention_backend="xla")
-    assert check.failures == []
-    assert check.executables["draft"] == check.executables["forward"] > 0
-    assert [b.describe() for b in check.platforms[0].buckets if b.kind == "draft"] == ["draft (T=32, W=16)"]
-    spec, _ = check_config.resolve_spec(None, None)
-    target = check_config.abstract_params(spec, make_mesh(1), jnp.float32, spec.num_kv_heads)
-    assert check.weight_bytes == 2 * check_config.shard_bytes(target)
-    page_bytes = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 16 * 4  # K and V, float32, 16 tokens
-    assert check.platforms[0].memory.page_bytes == 2 * page_bytes
-    assert check.compile_seconds["draft"] > 0 and "draft model" in check.model_note

@@ -25,7 +25,8 @@ def test_shipped_configs_are_valid(path):
 
 def test_the_gpu_configs_ship():
     names = {os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS_DIR, "*.yaml"))}
-    assert {"tiny-cpu.yaml", "llama-3.1-8b-1xh200.yaml", "llama-3.1-70b-8xh200.yaml", "qwen2.5-7b-1xh100.yaml"} <= names
+    assert {"tiny-cpu.yaml", "llama-3.1-8b-1xh200.yaml", "llama-3.1-8b-1xh200-draft.yaml", "llama-3.1-70b-8xh200.yaml",
+            "qwen2.5-7b-1xh100.yaml"} <= names
     assert EngineConfig.from_yaml(os.path.join(CONFIGS_DIR, "llama-3.1-70b-8xh200.yaml")).tensor_parallel_size == 8
 
 

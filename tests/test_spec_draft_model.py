@@ -17,6 +17,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fake_runner import RequestSpec
 from helpers import (
@@ -205,6 +207,81 @@ def test_a_failed_draft_call_forgets_its_rows_and_the_pages_it_registered():
     runner.fail = False
     proposer.propose([_sharing(list(range(500, 510)), 0, "b")])
     assert runner.calls[-1]["positions"] == list(range(10))  # nothing was taken from the failed call's pages
+
+
+class ShadowDraftRunner(FakeDraftRunner):
+    """A fake draft runner that also keeps what each KV slot of the draft's pool holds (the token id written there):
+    a call makes its page copies, writes its fed tokens at their slots and each proposal it feeds back at the
+    position after the one before, and never writes one slot twice. Its proposals are 30 or 31, tokens the
+    requests' own tails hold too."""
+
+    def __init__(self, num_proposals: int, max_num_batched_tokens: int, num_pages: int):
+        super().__init__(num_proposals, max_num_batched_tokens)
+        self.slots = np.full((num_pages * self.page_size,), -1)  # (pages * page size,) token id held
+
+    def propose(self, batch, steps) -> np.ndarray:
+        proposals = 30 + super().propose(batch, steps) % 2  # (k, R)
+        size = self.page_size
+        for source, copy in self.copies[-1]:
+            self.slots[copy * size : (copy + 1) * size] = self.slots[source * size : (source + 1) * size]
+        fed = int(batch.query_start_loc[batch.num_seqs])
+        written = [int(slot) for slot in batch.slot_mapping[:fed]]
+        self.slots[written] = batch.input_ids[:fed]
+        for row in range(int(batch.num_seqs)):
+            for step in range(int(steps.num_steps[row])):
+                position = int(batch.seq_lens[row]) + step
+                slot = int(batch.page_table[row, position // size]) * size + position % size
+                self.slots[slot] = proposals[step, row]
+                written.append(slot)
+        assert len(written) == len(set(written)), "a call wrote one KV slot twice"
+        return proposals
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_what_the_draft_believes_it_holds_is_what_its_pages_hold(data):
+    """Random requests (two shared prefixes, two salts), proposal calls over random subsets, the target accepting
+    a random number of each guess, releases: after every call, each request's pages hold its first tokens and then
+    the proposals fed after them, exactly what the proposer counts on (so no row ever wrote into a page another
+    request reads), and every page comes back at the end."""
+    num_pages, page_size = 24, 4
+    budget = data.draw(st.sampled_from([8, 16]), label="budget")
+    runner = ShadowDraftRunner(3, budget, num_pages)
+    proposer = DraftModelProposer(runner, max_num_batched_tokens=budget, max_model_len=64, enable_prefix_caching=True)
+    proposer.allocate(num_pages, show_progress=False)
+    prefixes = [[5, 6, 7, 5, 6, 7, 5, 6], [20, 21, 22, 23, 24, 25]]  # two pages and one and a half
+    active, guesses = [], {}
+    for step in range(data.draw(st.integers(4, 30), label="steps")):
+        action = data.draw(st.sampled_from(["add", "propose", "propose", "emit", "release"]))
+        if action == "add" or not active:
+            prefix = data.draw(st.sampled_from(prefixes))
+            tail = data.draw(st.lists(st.integers(30, 31), min_size=0, max_size=5))
+            request = _sharing(prefix, 0, f"r{step}", salt=data.draw(st.sampled_from([None, "x"])))
+            request.prompt_token_ids = prefix + tail
+            active.append(request)
+        elif action == "propose":
+            chosen = [r for r in active if data.draw(st.booleans())][:4]  # a step's decodes: max_num_seqs at most
+            for request, guess in zip(chosen, proposer.propose(chosen)):
+                guesses[request.request_id] = guess
+        elif action == "emit":
+            request = data.draw(st.sampled_from(active))
+            guess = guesses.pop(request.request_id, [])
+            if request.num_known_tokens + len(guess) + 1 < 60:
+                request.output_token_ids += guess[: data.draw(st.integers(0, len(guess)))] + [40 + step % 4]
+        else:
+            request = active.pop(data.draw(st.integers(0, len(active) - 1)))
+            proposer.release(request.request_id)
+        for request in active:
+            fed = proposer._fed.get(request.request_id)
+            if fed is None:
+                continue
+            want = request.token_ids(0, fed.num_tokens) + fed.proposals
+            pages = proposer.kv.page_ids(request.request_id)
+            held = [int(runner.slots[pages[p // page_size] * page_size + p % page_size]) for p in range(len(want))]
+            assert held == want, (request.request_id, held, want)
+    for request in active:
+        proposer.release(request.request_id)
+    assert proposer.kv.pool.num_free == proposer.kv.pool.num_usable
 
 
 # ---- the engine -----------------------------------------------------------------------------------------
