@@ -25,6 +25,24 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def release_executables_after_each_file():
+    """Free the compiled executables a test file leaves behind once its engines are gone: each holds memory
+    mappings of its machine code, and a worker that kept every file's (the shared table, JAX's jit caches) passed
+    the kernel's default limit of 65530 mappings per process (vm.max_map_count) and crashed in XLA. Later files
+    load theirs from the persistent compilation cache instead."""
+    yield
+    import gc
+
+    import jax
+
+    from jaxserve.runner.executables import clear_shared_executables
+
+    clear_shared_executables()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def openai_server():
     """A real uvicorn server on the bundled model (small buckets), shared by the server tests.

@@ -65,6 +65,13 @@ def share_executable(key: tuple, executable: jax.stages.Compiled) -> None:
             _shared_executables.popitem(last=False)
 
 
+def clear_shared_executables() -> None:
+    """Forget every shared executable, so those no engine holds are freed (a process that builds many engines one
+    after another, such as a test run, would otherwise keep up to SHARED_EXECUTABLES alive)."""
+    with _shared_lock:
+        _shared_executables.clear()
+
+
 def abstract_arguments(args: tuple) -> tuple:
     """What a call's trace depends on besides its function: the tree of `args` and each leaf's shape, dtype and
     sharding (static leaves, such as layouts, as they are)."""
