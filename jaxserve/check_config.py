@@ -443,7 +443,8 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     cpu_runner = runner("xla", "cpu")
     activation_bytes, compile_seconds = cpu_estimates(cpu_runner, draft_runner("xla", "cpu"))
     weight_bytes = shard_bytes(params) + (shard_bytes(draft[1]) if draft else 0)
-    every_shape = cpu_runner.shapes() + ((cpu_runner.shapes()[0] if draft else []),)
+    target_shapes = cpu_runner.shapes()
+    every_shape = target_shapes + ((target_shapes[0] if draft else []),)  # the draft's: the forward's (T, W)
     checks = []
     for platform in platforms:
         device = devices[platform]

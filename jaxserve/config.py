@@ -201,6 +201,12 @@ class EngineConfig:
         return cls.from_yaml(config_path, **overrides)
 
     @property
+    def prefix_caching(self) -> bool:
+        """Whether the KV pools (the target's and a draft model's) cache prefixes: enable_prefix_caching, under
+        continuous batching (static batching is the pre-paging baseline: it shares no pages, so it caches none)."""
+        return self.enable_prefix_caching and self.batching == "continuous"
+
+    @property
     def num_speculative_tokens(self) -> int:
         """Tokens proposed per request and step (0 without speculative decoding)."""
         return self.speculative_config["num_speculative_tokens"] if self.speculative_config else 0

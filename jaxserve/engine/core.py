@@ -102,9 +102,7 @@ class EngineCore:
             self.draft.allocate(self.num_pages, show_progress, precompile=not config.skip_precompile)
         if host_pool is not None:
             self.runner.allocate_host_kv(host_pool.num_pages, pages_for_tokens(self.max_model_len, config.page_size))
-        # Static batching is the pre-paging baseline: it shares no pages, so it caches none.
-        enable_prefix_caching = config.enable_prefix_caching and config.batching == "continuous"
-        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, enable_prefix_caching, host_pool)
+        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.prefix_caching, host_pool)
         self.timing = StepTiming()
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv, self._make_proposer())
         self._compiles_after_warmup_base = CompileCounter.count()

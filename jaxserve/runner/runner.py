@@ -275,6 +275,10 @@ class Runner:
         return tuple(jax.ShapeDtypeStruct(shape, self._cache_dtype, sharding=sharding)
                      for shape, sharding in zip(self._cache_shapes(num_pages), self._kv_sharding))
 
+    def caches(self, num_pages: int | None) -> tuple:
+        """The allocated KV pool (num_pages None) or an abstract one of `num_pages` pages, for a bucket's call."""
+        return self.kv_caches if num_pages is None else self.cache_structs(num_pages)
+
     def page_bytes(self) -> int:
         """Bytes of one page of every layer in the backend's cache arrays (all devices together)."""
         spec = self.spec
@@ -383,9 +387,8 @@ class Runner:
             **padded_batch_arrays(num_tokens, self.ladders.rows_for(num_tokens), width, self.page_size)
         )
         buffer, layout = pack(example)
-        caches = self.kv_caches if num_pages is None else self.cache_structs(num_pages)
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
-        return self._forward, (self.params, caches, last_tokens, self._abstract(buffer), layout)
+        return self._forward, (self.params, self.caches(num_pages), last_tokens, self._abstract(buffer), layout)
 
     def decode_steps_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
         """The multi-step decode bucket (T, W): T tokens, one per row, sampled with no per-row token lists."""
@@ -393,10 +396,10 @@ class Runner:
         parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
                  pack(SamplingBatch(**padded_sampling_arrays(num_rows, 0))),
                  pack(DecodeSteps(**padded_decode_step_arrays(num_rows))))
-        caches = self.kv_caches if num_pages is None else self.cache_structs(num_pages)
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return self._decode_steps, (self.params, caches, last_tokens, buffers, tuple(layout for _, layout in parts))
+        return self._decode_steps, (self.params, self.caches(num_pages), last_tokens, buffers,
+                                    tuple(layout for _, layout in parts))
 
     def verify_rows_call(self, num_tokens: int) -> tuple[Callable, tuple]:
         """The bucket (T,) that takes the hidden states of each row's 1 + k verified positions out of a forward's

@@ -83,8 +83,7 @@ class DraftModelProposer:
                              cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=ladders,
                              attention_backend=config.attention_backend,
                              num_proposals=speculative["num_speculative_tokens"])
-        return cls(runner, config.max_num_batched_tokens, max_model_len,
-                   enable_prefix_caching=config.enable_prefix_caching and config.batching == "continuous")
+        return cls(runner, config.max_num_batched_tokens, max_model_len, enable_prefix_caching=config.prefix_caching)
 
     def allocate(self, num_pages: int, show_progress: bool = True, precompile: bool = True) -> None:
         """Allocate the draft's KV pool of `num_pages` pages and compile its buckets (with `precompile`; else each

@@ -101,8 +101,7 @@ class DraftRunner(Runner):
         parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
                  pack(DecodeSteps(**padded_decode_step_arrays(num_rows))))
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        caches = self.kv_caches if num_pages is None else self.cache_structs(num_pages)
-        return self._propose, (self.params, caches, buffers, tuple(layout for _, layout in parts))
+        return self._propose, (self.params, self.caches(num_pages), buffers, tuple(layout for _, layout in parts))
 
     def peak_activation_bytes(self, num_pages: int) -> int:
         """Per-device bytes the largest proposal bucket needs beyond its inputs (XLA's memory analysis, compiled
