@@ -22,6 +22,7 @@ from jaxserve.config import (
     VALID_POLICIES,
     VALID_PREEMPTION_MODES,
     VALID_QUANTIZATIONS,
+    VALID_REASONING_PARSERS,
     EngineConfig,
 )
 from jaxserve.engine.llm_engine import DEFAULT_MODEL_NAME, LLMEngine
@@ -35,7 +36,7 @@ ENGINE_FLAGS = (
     "skip_precompile", "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format",
     "async_scheduling", "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions",
     "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
-    "enable_structured_outputs",
+    "enable_structured_outputs", "reasoning_parser",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
 )
 
@@ -63,6 +64,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int)
     parser.add_argument("--enable-structured-outputs", action=argparse.BooleanOptionalAction,
                         help="compile the sampler for constrained requests too (default on)")
+    parser.add_argument("--reasoning-parser", choices=list(VALID_REASONING_PARSERS),
+                        help="a reasoning model's markers (<think> ... </think>): structured output constrains the "
+                             "answer after the thinking, and chat replies carry the thinking in `reasoning`")
     parser.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction,
                         help="split a mixture of experts' experts whole over the tensor-parallel devices")
     parser.add_argument("--attention-backend", choices=list(VALID_ATTENTION_BACKENDS))

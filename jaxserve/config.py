@@ -23,6 +23,9 @@ VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas
 # static: a pre-paging server, the baseline of `jaxserve bench`: a batch is admitted only when the previous
 # one has finished, and each sequence reserves pages for max_model_len when it is admitted.
 VALID_BATCHING = ("continuous", "static")
+# Reasoning models' parsers (vLLM's names; engine/reasoning.py): a constrained request's grammar applies after the
+# thinking, and the server splits chat replies into reasoning and content.
+VALID_REASONING_PARSERS = ("deepseek_r1", "qwen3")
 VALID_LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights made on the device (vLLM's name), for benchmarks
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -70,6 +73,9 @@ class EngineConfig:
     # Requests may constrain their output (structured output): the sampler's buckets with a token bitmask are
     # compiled too. Off: fewer executables, and a constrained request is refused.
     enable_structured_outputs: bool = True
+    # A reasoning model's parser (VALID_REASONING_PARSERS; None: the model does not think): structured output
+    # constrains the text after the thinking, and chat replies carry the thinking in `reasoning`.
+    reasoning_parser: str | None = None
     attention_backend: str = "auto"
     seed: int = 0
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
@@ -129,6 +135,8 @@ class EngineConfig:
             object.__setattr__(self, "quantization", "none")
         _check_choice("quantization", self.quantization, VALID_QUANTIZATIONS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, VALID_KV_CACHE_DTYPES)
+        if self.reasoning_parser is not None:
+            _check_choice("reasoning_parser", self.reasoning_parser, VALID_REASONING_PARSERS)
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError(f"calculate_kv_scales must be true or false, got {self.calculate_kv_scales!r}")
         if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":

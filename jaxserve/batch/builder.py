@@ -300,7 +300,7 @@ def fill_token_bitmasks(sampling: SamplingBatch, output: SchedulerOutput) -> Non
         return
     for row, item in enumerate(output.scheduled):
         if item.request.grammar is not None and item.samples and not item.request.is_finished:
-            item.request.grammar.matcher.fill(sampling.token_bitmask, row)
+            item.request.grammar.fill(sampling.token_bitmask, row)
 
 
 def padded_sampling_arrays(num_rows: int, aux_width: int, mask_width: int = 0) -> dict[str, np.ndarray]:

@@ -13,6 +13,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.reasoning import ReasoningParser
 from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
@@ -55,11 +56,14 @@ class LLMEngine:
         self.model_path = config.model or default_model_path()
         if not os.path.isdir(self.model_path):
             raise ValueError(f"model folder {self.model_path!r} does not exist")
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        # A reasoning model's markers (engine/reasoning.py), checked against the tokenizer before anything loads.
+        self.reasoning = None if config.reasoning_parser is None else ReasoningParser.load(config.reasoning_parser,
+                                                                                          self.tokenizer)
         self.core = EngineCore(config, self.model_path, show_progress, first_device)
         if not self.core.is_leader:
             self.core.follow_leader()
             raise SystemExit(0)
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         # SamplingParams field -> the model's default, for the fields a request leaves unset (vLLM's rule).
         self.generation_defaults = load_generation_defaults(config.generation_config, self.model_path)
@@ -134,6 +138,11 @@ class LLMEngine:
         # best_of samples (n when unset); with best_of > n they also compute their tokens' logprobs, to be ranked.
         num_samples, sample_params = params.num_samples, params.engine_params()
         compiled = self._grammar_compile(params)
+        # A reasoning model's constraint applies to the answer: after the end of the thinking, unless the prompt
+        # has closed it.
+        starts_after = None
+        if self.reasoning is not None and not self.reasoning.prompt_ends_reasoning(token_ids):
+            starts_after = self.reasoning.end_token_id
         children = []
         for index in range(num_samples):
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(64)
@@ -146,7 +155,7 @@ class LLMEngine:
                 # others fork from it once it has computed the prompt.
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
                 fork_source=None if index == 0 else children[0].request_id, cache_salt=cache_salt,
-                grammar=None if compiled is None else self.grammars.request_grammar(compiled),
+                grammar=None if compiled is None else self.grammars.request_grammar(compiled, starts_after),
             ))
         return text, children
 

@@ -431,11 +431,10 @@ class Scheduler:
             self.num_prompt_tokens += len(request.prompt_token_ids)
         status = self._stop_status(request, sample.token_id)
         if request.grammar is not None and status is None:  # the sampler drew it from the grammar's mask
-            matcher = request.grammar.matcher
-            if not matcher.accept(sample.token_id):
+            if not request.grammar.accept(sample.token_id):
                 request.error = f"token {sample.token_id} is outside the request's grammar"
                 status = RequestStatus.FINISHED_ERROR
-            elif matcher.is_finished:
+            elif request.grammar.is_finished:
                 status = RequestStatus.FINISHED_STOPPED  # the output is complete
         if status is not None:
             self._end(request, status)

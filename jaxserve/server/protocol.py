@@ -367,6 +367,7 @@ class ChatCompletionRequest(_SamplingFields):
     # None: "auto" with tools, else "none" (OpenAI's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # with a reasoning parser: false leaves the thinking out of the reply (vLLM's)
 
     def check(self) -> None:
         super().check()

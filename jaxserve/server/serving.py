@@ -26,6 +26,7 @@ from jaxserve.engine.beam_search import (
     request_output,
     run_beam_search_async,
 )
+from jaxserve.engine.reasoning import ReasoningStream
 from jaxserve.engine.tokenizer import render_chat, render_chat_text
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -225,24 +226,45 @@ class OpenAIServing:
         outputs = await self._final_outputs(streams, body, raw)
         if outputs is None:
             return Response(status_code=499)
-        output, role, echo = outputs[0], body.reply_role(), body.echo_text()
-        choices = [
-            {"index": c.index, "message": {"role": role, "content": echo + c.text},
-             "logprobs": self._chat_logprobs(params, c.token_ids, c.logprobs),
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-             "token_ids": c.token_ids if body.return_token_ids else None}
-            for c in output.outputs
-        ]
-        if tools is not None:
-            for choice, c in zip(choices, output.outputs):
-                content, calls = tools.extract(c.text, final=True)
-                choice["message"] = {"role": role, "content": (echo + content) or None,
-                                     "tool_calls": [tool_call_field(call, call_id()) for call in calls]}
-                choice["finish_reason"] = _finish_reason(c.finish_reason, bool(calls), tools)
+        output = outputs[0]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = self._chat_message(c, output, body, tools)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(params, c.token_ids, c.logprobs),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                            "token_ids": c.token_ids if body.return_token_ids else None})
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs),
                 "prompt_logprobs": prompt_logprobs_field(self.token_text, output.prompt_logprobs),
                 "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None}
+
+    def _chat_message(self, c: CompletionOutput, output: RequestOutput, body: ChatCompletionRequest,
+                      tools: ToolCallExtractor | None) -> tuple[dict, str | None]:
+        """(the message, the finish reason) of one whole chat reply: with a reasoning parser its thinking apart
+        from its content; with tools the calls found in its content."""
+        message, text = {"role": body.reply_role()}, c.text
+        echo = body.echo_text()
+        reasoning = self._reasoning_stream(output)
+        if reasoning is not None:
+            thought, text = reasoning.advance(text, final=True)
+            message.update(_reasoning_fields(thought if body.include_reasoning else ""))
+        if tools is None:
+            # (with a reasoning parser, an answer the reply never reached is null, as in vLLM)
+            message["content"] = (echo + text) or (None if reasoning is not None else "")
+            return message, c.finish_reason
+        content, calls = tools.extract(text, final=True)
+        message["content"] = (echo + content) or None
+        message["tool_calls"] = [tool_call_field(call, call_id()) for call in calls]
+        return message, _finish_reason(c.finish_reason, bool(calls), tools)
+
+    def _reasoning_stream(self, output: RequestOutput) -> ReasoningStream | None:
+        """The split of a reply into reasoning and content (engine/reasoning.py), None without a reasoning parser;
+        the reply starts in the thinking unless its prompt has closed it."""
+        parser = self.engine.engine.reasoning
+        if parser is None:
+            return None
+        return ReasoningStream(parser, thinking=not parser.prompt_ends_reasoning(output.prompt_token_ids))
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is absent or the served model's name."""
@@ -458,6 +480,7 @@ class OpenAIServing:
         encoder = ChunkEncoder(head)
         states = [ChoiceStream(params) for _ in range(params.n)]
         calls = [None if tools is None else ToolCallStream(tools) for _ in range(params.n)]
+        reasonings = []  # each choice's ReasoningStream (or None), made with the first output
         include_usage, continuous = self._stream_usage(body)
         final, opened = None, False
         try:
@@ -468,10 +491,11 @@ class OpenAIServing:
                 if not opened:
                     for chunk in self._chat_opening(encoder, final, body, params.n, continuous):
                         yield chunk
+                    reasonings = [self._reasoning_stream(final) for _ in range(params.n)]
                     opened = True
                 for c in final.outputs:
-                    chunk = self._chat_delta(encoder, states[c.index], calls[c.index], final, c, body, params,
-                                             continuous)
+                    chunk = self._chat_delta(encoder, states[c.index], calls[c.index], reasonings[c.index], final, c,
+                                             body, params, continuous)
                     if chunk is not None:
                         yield chunk
             if include_usage:
@@ -499,22 +523,27 @@ class OpenAIServing:
         return chunks
 
     def _chat_delta(self, encoder: ChunkEncoder, state: ChoiceStream, calls: ToolCallStream | None,
-                    output: RequestOutput, c: CompletionOutput, body: ChatCompletionRequest, params: SamplingParams,
-                    continuous: bool) -> bytes | None:
-        """The next chunk of sample `c` of a streamed chat (its text, or with tools its content and tool call
-        deltas), or None when there is nothing to send."""
+                    reasoning: ReasoningStream | None, output: RequestOutput, c: CompletionOutput,
+                    body: ChatCompletionRequest, params: SamplingParams, continuous: bool) -> bytes | None:
+        """The next chunk of sample `c` of a streamed chat (its text; with a reasoning parser its reasoning and
+        content; with tools its content and tool call deltas), or None when there is nothing to send."""
         delta = state.advance(c)
         if delta is None:
             return None
         text, first_token = delta
-        finish_reason = c.finish_reason
+        finish_reason, final = c.finish_reason, c.finish_reason is not None
+        message = {}
+        if reasoning is not None:
+            thought, text = reasoning.advance(text, final)
+            if thought and body.include_reasoning:
+                message.update(_reasoning_fields(thought))
         if calls is None:
-            message = {"content": text} if text else {}
+            message.update({"content": text} if text else {})
         else:
-            message = calls.advance(text, c.finish_reason is not None)
-            if not message and c.finish_reason is None and params.logprobs is None:
-                return None  # (held back: it may be a tool call's start)
+            message.update(calls.advance(text, final))
             finish_reason = _finish_reason(finish_reason, calls.called, calls.extractor)
+        if not message and not final and params.logprobs is None:
+            return None  # (held back: it may be a marker or a tool call's start)
         choice = {"index": c.index, "delta": message,
                   "logprobs": self._chat_logprobs(params, c.token_ids[first_token:],
                                                   c.logprobs and c.logprobs[first_token:]),
@@ -536,6 +565,11 @@ def _json_value(value: object) -> object:
         return value
     content = getattr(value, "content", None)  # a tokenizers AddedToken
     return content if isinstance(content, str) else str(value)
+
+
+def _reasoning_fields(thought: str) -> dict:
+    """A message's thinking, under vLLM's name `reasoning` and its former `reasoning_content` (null when none)."""
+    return {"reasoning": thought or None, "reasoning_content": thought or None}
 
 
 def _finish_reason(finish_reason: str | None, called: bool, tools: ToolCallExtractor) -> str | None:

@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.engine.reasoning import partial_suffix
+
 _DECODER = json.JSONDecoder()
 
 
@@ -139,7 +141,7 @@ class HermesParser(ToolCallExtractor):
             start = text.find(self.OPEN, position)
             if start < 0:
                 rest = text[position:]
-                content.append(rest if final else rest[:len(rest) - _partial_suffix(rest, self.OPEN)])
+                content.append(rest if final else rest[:len(rest) - partial_suffix(rest, self.OPEN)])
                 break
             end = text.find(self.CLOSE, start)
             if end < 0:  # an open block: a call in the making, or (once finished) text
@@ -179,14 +181,6 @@ class Llama3JsonParser(ToolCallExtractor):
         calls, end = _leading_calls(text, len(text) - len(stripped), ";")
         rest = text[end:] if calls else text
         return (rest if final and rest.strip() else ""), calls
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that begins `marker` (text held back: it may become the marker)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
 
 
 TOOL_PARSERS: dict[str, type[ToolCallExtractor]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

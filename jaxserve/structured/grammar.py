@@ -3,10 +3,11 @@ on this CPU it compiles a typical JSON schema in ~2 ms against xgrammar's ~7 ms 
 and it depends on nothing, where xgrammar needs torch and triton at run time).
 
 `GrammarCompiler` turns `StructuredOutputsParams` into a validated grammar, once per distinct constraint (an LRU
-cache), on a thread pool so the engine loop never waits for a compile (`submit`). A `Matcher` follows one
-request's output: `fill` writes the (V/32,) int32 bitmask of the tokens allowed next, `accept` advances with the
-sampled token. (Nothing rolls a matcher back: constrained rows never verify speculative proposals, and a preempted
-request keeps the tokens its matcher took.)
+cache), on a thread pool so the engine loop never waits for a compile (`submit`). A request's `RequestGrammar`
+follows its output through its own `Matcher`: `fill` writes the (V/32,) int32 bitmask of the tokens allowed next,
+`accept` advances with the sampled token. For a reasoning model the constraint applies to the answer: the output
+is free until the end of the thinking (`starts_after`; engine/reasoning.py). (Nothing rolls a matcher back:
+constrained rows never verify speculative proposals, and a preempted request keeps the tokens its matcher took.)
 """
 
 from __future__ import annotations
@@ -82,19 +83,23 @@ class GrammarCompiler:
         """A fresh matcher at the start of `grammar`."""
         return Matcher(llguidance.LLMatcher(self.tokenizer, grammar), self.vocab_size)
 
-    def request_grammar(self, compiled: concurrent.futures.Future) -> "RequestGrammar":
-        """One engine request's view of a compile (`submit`'s future): it gets its own matcher."""
-        return RequestGrammar(self, compiled)
+    def request_grammar(self, compiled: concurrent.futures.Future, starts_after: int | None = None) -> "RequestGrammar":
+        """One engine request's view of a compile (`submit`'s future): it gets its own matcher. `starts_after`: a
+        token id before whose first sample the output is free (a reasoning model's end of thinking)."""
+        return RequestGrammar(self, compiled, starts_after)
 
 
 class RequestGrammar:
     """One engine request's constraint: its compile (a future, shared by a request's samples) and, once compiled,
-    its own matcher."""
+    its own matcher, which takes the output from the token after `starts_after` on (from the first token when
+    None). The scheduler and the batch builder see only `fill`, `accept` and `is_finished`."""
 
-    def __init__(self, compiler: GrammarCompiler, compiled: concurrent.futures.Future):
+    def __init__(self, compiler: GrammarCompiler, compiled: concurrent.futures.Future,
+                 starts_after: int | None = None):
         self._compiler = compiler
         self._compiled = compiled
         self._matcher: Matcher | None = None
+        self.starts_after = starts_after  # None once the constraint applies
 
     @property
     def ready(self) -> bool:
@@ -119,6 +124,26 @@ class RequestGrammar:
         if self._matcher is None:
             self._matcher = self._compiler.matcher(self._compiled.result())
         return self._matcher
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the tokens allowed next into row `row` of `bitmask` (R, V/32) int32; a row before the constraint
+        applies is left as it is (every bit set)."""
+        if self.starts_after is None:
+            self.matcher.fill(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Take a sampled token; False when the constraint does not allow it (the request then ends in error).
+        Before the constraint applies every token is allowed, and `starts_after` makes it apply from the next one."""
+        if self.starts_after is None:
+            return self.matcher.accept(token_id)
+        if token_id == self.starts_after:
+            self.starts_after = None
+        return True
+
+    @property
+    def is_finished(self) -> bool:
+        """The constraint applies and is complete (it allows nothing more but EOS)."""
+        return self.starts_after is None and self.matcher.is_finished
 
 
 class Matcher:

@@ -1,0 +1,101 @@
+"""Reasoning models (`reasoning_parser`): where a model's thinking ends, in token ids and in text.
+
+DeepSeek-R1 (and its Llama / Qwen distills, QwQ) and Qwen3 think between `<think>` and `</think>`, each one token
+of their vocabulary, then answer. The chat template may open the thinking in the prompt (R1 writes `<think>\\n`
+after the generation prompt), so the output usually holds only the closing marker. Two users:
+
+- the engine: a request's structured output constrains the answer, not the thinking (vLLM's rule). Its grammar
+  starts after the end marker is sampled (`RequestGrammar(starts_after=...)`), or at once when the prompt has
+  already closed the thinking: Qwen3's template with `enable_thinking: false` writes an empty
+  `<think>\\n\\n</think>` into the prompt (`prompt_ends_reasoning`);
+- the server: a chat reply is split into `reasoning` (the text before the end marker) and `content` (the text after
+  it); an output without the end marker is all reasoning (it was cut short), unless the prompt closed the thinking
+  (all content). `ReasoningStream` hands out the split's deltas while the reply streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+# parser name (vLLM's) -> (the marker that opens the thinking, the marker that ends it)
+REASONING_MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>")}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReasoningParser:
+    """A reasoning model's two markers, as text and as token ids of its tokenizer."""
+
+    start: str
+    end: str
+    start_token_id: int
+    end_token_id: int
+
+    @classmethod
+    def load(cls, name: str, tokenizer) -> "ReasoningParser":
+        """The parser `name` for `tokenizer`; ValueError when a marker is not one token of it, or one that decoding
+        drops (a special token): the model does not think in these markers."""
+        start, end = REASONING_MARKERS[name]
+        vocab = tokenizer.get_vocab()
+        special = set(tokenizer.all_special_tokens)
+        for marker in (start, end):
+            if marker not in vocab:
+                raise ValueError(f"reasoning_parser {name}: the tokenizer has no token {marker!r}; the parser is for "
+                                 f"models that think between {start} and {end} (DeepSeek-R1, QwQ, Qwen3)")
+            if marker in special:
+                raise ValueError(f"reasoning_parser {name}: {marker!r} is a special token of this tokenizer, which "
+                                 f"decoding drops, so replies could not be split")
+        return cls(start, end, vocab[start], vocab[end])
+
+    def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether the prompt has closed the thinking: its last marker is the end marker."""
+        for token_id in reversed(prompt_token_ids):
+            if token_id == self.end_token_id:
+                return True
+            if token_id == self.start_token_id:
+                return False
+        return False
+
+    def split(self, text: str, thinking: bool, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of a reply's text so far; `thinking`: the reply starts in the thinking (the prompt
+        did not close it). A leading start marker is dropped. Before the reply ends (`final` false), text that may
+        still become a marker is held back, so each split's parts are prefixes of the next split's."""
+        if not thinking:
+            return "", text
+        opening = text.lstrip()
+        if opening.startswith(self.start):
+            text = opening[len(self.start):]
+        elif not final and self.start.startswith(opening):  # the start marker in the making (or nothing yet)
+            return "", ""
+        reasoning, marker, content = text.partition(self.end)
+        if marker:
+            return reasoning, content
+        if final:
+            return text, ""
+        return text[:len(text) - partial_suffix(text, self.end)], ""
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (text held back: it may become the marker)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ReasoningStream:
+    """What of one reply's reasoning and content has been streamed; hands out the next deltas."""
+
+    def __init__(self, parser: ReasoningParser, thinking: bool):
+        self.parser = parser
+        self.thinking = thinking
+        self.text = ""
+        self.sent = (0, 0)  # characters of (reasoning, content) handed out
+
+    def advance(self, text: str, final: bool) -> tuple[str, str]:
+        """The (reasoning, content) deltas after `text` more of the reply (either may be empty)."""
+        self.text += text
+        reasoning, content = self.parser.split(self.text, self.thinking, final)
+        deltas = reasoning[self.sent[0]:], content[self.sent[1]:]
+        self.sent = (len(reasoning), len(content))
+        return deltas

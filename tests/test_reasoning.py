@@ -1,0 +1,270 @@
+"""Reasoning models (`reasoning_parser`): chat replies split into `reasoning` and `content`, and structured output
+that constrains only the answer after the thinking.
+
+The parser alone: whole replies, streamed replies cut anywhere (hypothesis), prompts that close the thinking,
+tokenizers without the markers. A constrained request's grammar alone: free until the end marker, then enforced.
+
+End to end, through the openai client against a real server: the bundled model thinks in no markers, so the test
+makes one that does. A plain engine first gives the greedy reply of a chat; the test model is the bundled model
+with that reply's k-th token renamed `</think>` (and a token neither uses renamed `<think>`) in its tokenizer,
+so its greedy reply is the same tokens, and "thinks" for exactly k tokens. Its answers are checked against those
+tokens: the reasoning is the text of the first k, the content the text after the marker, streamed or not; a JSON
+schema constrains only the tokens after the marker; a prompt that closes the thinking makes the whole reply
+content, constrained from the first token.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+
+import jsonschema
+import openai
+import pytest
+from hypothesis import given, settings, strategies as st
+from transformers import AutoTokenizer
+
+from helpers import running_server, small_engine_args
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine, default_model_path
+from jaxserve.engine.reasoning import ReasoningParser, ReasoningStream
+from jaxserve.server.app import build_app
+from jaxserve.server.config import ServerConfig
+from jaxserve.structured.grammar import GrammarCompiler
+from jaxserve.structured.params import StructuredOutputsParams
+
+ENGINE = small_engine_args(max_model_len=256, num_pages=96, max_num_seqs=8, enable_structured_outputs=True)
+MESSAGES = [{"role": "user", "content": "def fibonacci(n):"}]
+CLOSED = MESSAGES + [{"role": "assistant", "content": "<think>\n</think>\n"}]  # the template's empty thinking
+MAX_TOKENS = 24
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["answer"], "additionalProperties": False}
+PARSER = ReasoningParser("<think>", "</think>", 7, 8)
+
+
+# ---- the parser alone --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, thinking, reasoning, content", [
+    ("abc</think>xyz", True, "abc", "xyz"),
+    ("<think>abc</think>xyz", True, "abc", "xyz"),
+    ("\n<think>abc</think>", True, "abc", ""),
+    ("a</think>b</think>c", True, "a", "b</think>c"),
+    ("cut short", True, "cut short", ""),
+    ("abc</think>xyz", False, "", "abc</think>xyz"),
+])
+def test_a_whole_reply_splits_at_the_end_marker(text, thinking, reasoning, content):
+    assert PARSER.split(text, thinking, final=True) == (reasoning, content)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["a", " ", "<", "/", "think", ">", "<think>", "</think>", "</thi", "nk>", "\n"]),
+                max_size=12),
+       st.lists(st.integers(0, 40), max_size=6), st.booleans())
+def test_streamed_deltas_add_up_to_the_whole_split(pieces, cuts, thinking):
+    """However a reply is cut into deltas, the deltas add up to the whole reply's split, and every split before
+    the end holds parts that the next split extends."""
+    text = "".join(pieces)
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    stream, reasoning, content = ReasoningStream(PARSER, thinking), "", ""
+    for start, end in zip(bounds, bounds[1:]):
+        thought, said = stream.advance(text[start:end], final=end == len(text))
+        reasoning, content = reasoning + thought, content + said
+    if len(bounds) == 1:
+        reasoning, content = stream.advance("", final=True)
+    assert (reasoning, content) == PARSER.split(text, thinking, final=True)
+
+
+@pytest.mark.parametrize("prompt, closed", [
+    ([1, 2, 3], False), ([7, 1, 2], False), ([7, 1, 8, 2], True), ([8, 7, 1], False), ([8], True), ([], False),
+])
+def test_a_prompt_closes_the_thinking_when_its_last_marker_is_the_end(prompt, closed):
+    assert PARSER.prompt_ends_reasoning(prompt) is closed
+
+
+def test_a_tokenizer_without_the_markers_is_refused_before_the_engine_loads():
+    with pytest.raises(ValueError, match="no token '<think>'"):
+        ReasoningParser.load("deepseek_r1", AutoTokenizer.from_pretrained(default_model_path()))
+    with pytest.raises(ValueError, match="no token '<think>'"):
+        LLMEngine(EngineConfig.for_model(None, reasoning_parser="qwen3",
+                                         **{k: v for k, v in ENGINE.items() if k != "show_progress"}))
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
+        EngineConfig(reasoning_parser="granite")
+
+
+def test_a_grammar_that_starts_after_a_token_is_free_until_that_token():
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    compiled = compiler.submit(StructuredOutputsParams(regex="[0-9]{2}"))
+    compiled.result()
+    (digit,) = tokenizer.encode("7", add_special_tokens=False)
+    (word,) = tokenizer.encode("def", add_special_tokens=False)
+    grammar = compiler.request_grammar(compiled, starts_after=word)
+    assert grammar.accept(digit) and grammar.accept(digit) and not grammar.is_finished  # free: no grammar yet
+    assert grammar.accept(word) and grammar.starts_after is None  # from here on, two digits
+    assert grammar.accept(digit) and not grammar.is_finished
+    assert grammar.accept(digit) and grammar.is_finished
+    constrained = compiler.request_grammar(compiled, starts_after=word)
+    assert constrained.accept(word) and not constrained.accept(word)
+
+
+# ---- end to end --------------------------------------------------------------------------------------------------
+
+def _engine_options() -> dict:
+    return {k: v for k, v in ENGINE.items() if k != "show_progress"}
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    """(prompt ids, greedy reply ids) of MESSAGES from the bundled model, the index k of the token that becomes
+    the end marker (the first of the reply's tokens, from the third on, that neither the prompt nor the reply has
+    before it), and an id neither holds (the start marker)."""
+    llm = LLM(None, **ENGINE)
+    output = llm.chat(MESSAGES, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                      use_tqdm=False)[0]
+    prompt, reply = output.prompt_token_ids, output.outputs[0].token_ids
+    eos = llm.engine.tokenizer.eos_token_id
+    del llm
+    free = reply.index(eos) if eos in reply else len(reply)  # the reply before any EOS
+    k = next(i for i in range(2, free - 4) if reply[i] not in reply[:i] and reply[i] not in prompt)
+    start = next(t for t in range(4095, 100, -1) if t not in prompt and t not in reply)
+    return prompt, reply, k, start
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory, greedy):
+    """The bundled model whose tokenizer calls the reply's k-th token `</think>` and another `<think>`."""
+    _, reply, k, start = greedy
+    folder = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(default_model_path(), folder)
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    vocab = spec["model"]["vocab"]
+    names = {token_id: name for name, token_id in vocab.items()}
+    for token_id, marker in ((start, "<think>"), (reply[k], "</think>")):
+        old = names[token_id]
+        del vocab[old]
+        vocab[marker] = token_id
+        # merges that make or use the renamed token go with it
+        spec["model"]["merges"] = [m for m in spec["model"]["merges"] if old not in m and "".join(m) != old]
+        spec["added_tokens"].append({"id": token_id, "content": marker, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": False})
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.encode(rendered, add_special_tokens=False) == greedy[0], "the renaming changed the prompt's ids"
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def server(thinking_model, greedy):
+    engine = LLMEngine(EngineConfig.for_model(thinking_model, reasoning_parser="deepseek_r1", **_engine_options()),
+                       show_progress=False)
+    with running_server(build_app(engine, ServerConfig())) as url:
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def expected(server, greedy):
+    """(reasoning, content) of the greedy reply: the text of the tokens before the end marker, and after it."""
+    _, reply, k, _ = greedy
+    tokenizer = server[1].tokenizer
+    return tokenizer.decode(reply[:k]), tokenizer.decode(reply[k + 1:])
+
+
+def _chat(client, stream: bool, **kwargs) -> tuple[str | None, str | None, str | None]:
+    """(reasoning, reasoning_content, content) of a chat reply, its deltas added up when streamed."""
+    kwargs = {"model": "tiny-stdlib-llama", "temperature": 0, **kwargs}
+    if not stream:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        return message.reasoning, message.reasoning_content, message.content
+    reasoning = legacy = content = None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            if getattr(delta, "reasoning", None):
+                assert content is None, "the thinking streamed after the answer began"
+                reasoning = (reasoning or "") + delta.reasoning
+                legacy = (legacy or "") + delta.reasoning_content
+            if delta.content:
+                content = (content or "") + delta.content
+    return reasoning, legacy, content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_reply_splits_into_reasoning_and_content(client, expected, stream):
+    reasoning, legacy, content = _chat(client, stream, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                       extra_body={"ignore_eos": True})
+    assert expected[0] and expected[1]
+    assert (reasoning, legacy, content) == (expected[0], expected[0], expected[1])
+    hidden = client.chat.completions.create(model="tiny-stdlib-llama", messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                            temperature=0, extra_body={"ignore_eos": True, "include_reasoning": False})
+    assert hidden.choices[0].message.reasoning is None and hidden.choices[0].message.content == expected[1]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_schema_constrains_only_the_answer_after_the_thinking(client, expected, stream):
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    reasoning, _, content = _chat(client, stream, messages=MESSAGES, max_tokens=MAX_TOKENS + 40,
+                                  response_format=response_format)
+    assert reasoning == expected[0]  # the thinking was the free greedy reply
+    jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def test_a_prompt_that_closes_the_thinking_gets_a_constrained_answer_only(client, server):
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    message = client.chat.completions.create(
+        model="tiny-stdlib-llama", messages=CLOSED, max_tokens=40, temperature=0, response_format=response_format,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True}).choices[0].message
+    assert message.reasoning is None
+    jsonschema.validate(json.loads(message.content), SCHEMA)
+
+
+def test_a_named_tool_call_comes_from_the_answer(client):
+    """(The tools change the prompt and so the reply: the prompt closes the thinking here.)"""
+    tool = {"type": "function", "function": {"name": "answer", "parameters": SCHEMA}}
+    choice = client.chat.completions.create(
+        model="tiny-stdlib-llama", messages=CLOSED, max_tokens=40, temperature=0, tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "answer"}},
+        extra_body={"add_generation_prompt": False, "continue_final_message": True}).choices[0]
+    assert choice.message.reasoning is None and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "answer"
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+
+
+def test_completions_keep_the_markers_and_constrain_after_them(server, greedy):
+    """/v1/completions does not split the text (vLLM's rule), but its constraints also wait for the end marker;
+    every page comes back afterwards."""
+    url, engine = server
+    prompt, reply, k, _ = greedy
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    def complete(seed: int):
+        return client.completions.create(model="tiny-stdlib-llama", prompt=prompt, max_tokens=MAX_TOKENS + 8,
+                                         temperature=0 if seed == 0 else 1.0, seed=seed,
+                                         extra_body={"guided_regex": "[0-9]{3}-[a-z]{2}", "return_token_ids": True})
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(complete, range(4)))
+    greedy_choice = answers[0].choices[0]
+    assert greedy_choice.token_ids[:k + 1] == reply[:k + 1]
+    for answer in answers:
+        text, finish = answer.choices[0].text, answer.choices[0].finish_reason
+        if "</think>" in text:  # (a sampled reply may not close its thinking within max_tokens)
+            answer_text = text.split("</think>", 1)[1]  # all of it, or what max_tokens left of it
+            assert re.fullmatch("[0-9]{3}-[a-z]{2}" if finish == "stop" else "[0-9]{0,3}(-[a-z]{0,2})?",
+                                answer_text), text
+    assert "</think>" in greedy_choice.text
+    stats = engine.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
