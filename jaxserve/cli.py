@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -26,6 +27,7 @@ from jaxserve.config import (
     EngineConfig,
 )
 from jaxserve.engine.llm_engine import DEFAULT_MODEL_NAME, LLMEngine
+from jaxserve.engine.tokenizer import load_chat_template
 from jaxserve.sampling_params import SamplingParams
 
 # Engine options that have a command-line flag (`--max-num-seqs` for `max_num_seqs`, ...).
@@ -141,6 +143,17 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _json_strings(value: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form of the CORS flags)."""
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return items
+
+
 def _tool_call_parser(args: argparse.Namespace) -> str | None:
     """The tool call parser of `serve`'s flags; ValueError for --enable-auto-tool-choice without one."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -169,6 +182,9 @@ def serve(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_server_load_tracking=args.enable_server_load_tracking, tool_call_parser=_tool_call_parser(args),
+        chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
+        allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
@@ -233,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="vLLM's switch for tool_choice \"auto\", accepted for its launch commands: "
                           "--tool-call-parser alone turns it on, and this needs it")
+    srv.add_argument("--chat-template",
+                     help="a chat template (Jinja), or its file, used instead of the tokenizer's (vLLM's flag)")
+    srv.add_argument("--allowed-origins", type=_json_strings, default=[],
+                     help='CORS: origins browsers may call from, as JSON (\'["https://app.example"]\' or \'["*"]\'); '
+                          "default none: no CORS headers (vLLM allows any origin)")
+    srv.add_argument("--allowed-methods", type=_json_strings, default=["*"], help='CORS: methods (JSON, default ["*"])')
+    srv.add_argument("--allowed-headers", type=_json_strings, default=["*"], help='CORS: headers (JSON, default ["*"])')
+    srv.add_argument("--allow-credentials", action="store_true", help="CORS: let browsers send credentials")
     srv.add_argument("--enable-server-load-tracking", action="store_true",
                      help="count requests in flight on the generation routes, for GET /load")
     srv.add_argument("--enable-force-include-usage", action="store_true",

@@ -168,6 +168,12 @@ def test_invocations_needs_the_api_key_when_one_is_set(openai_server):
     _assert_openai_error(response, 401)
 
 
+def test_no_cors_headers_unless_origins_are_allowed(openai_server):
+    url, _ = openai_server
+    answer = httpx.get(f"{url}/health", headers={"Origin": "https://app.example"})
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers
+
+
 def test_ping_is_health(openai_server):
     url, _ = openai_server
     assert httpx.get(f"{url}/ping").status_code == 200

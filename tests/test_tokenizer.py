@@ -9,13 +9,13 @@ import functools
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from jaxserve.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from jaxserve.engine.llm_engine import default_model_path
+from jaxserve.engine.tokenizer import IncrementalDetokenizer, load_chat_template, load_tokenizer, render_chat_text
 
 REPLACEMENT = "\ufffd"
 SPECIALS = ["<unk>", "<s>", "</s>"]
@@ -342,3 +342,17 @@ def test_load_tokenizer_names_the_folder_without_tokenizer_files(tmp_path):
         load_tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match="does not exist"):
         load_tokenizer(str(tmp_path / "missing"))
+
+
+def test_a_chat_template_is_a_file_or_the_template_itself(tmp_path):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    assert load_chat_template(str(path)) == template
+    assert load_chat_template(template) == template
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    tokenizer = load_tokenizer(default_model_path())
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat_text(tokenizer, messages, add_generation_prompt=False, chat_template=template) == "[user] hi\n"
+    assert render_chat_text(tokenizer, messages).startswith("<|user|>\nhi</s>")  # the tokenizer's own

@@ -21,12 +21,16 @@ import pytest
 import yaml
 from helpers import TEST_CACHE_DIR, small_engine_args
 
+from jaxserve.engine.llm_engine import default_model_path
+
 KEY = "vllm-client-key"
 MODEL = "tiny-stdlib-llama"
 PROMPT = "def fibonacci(n):"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+ORIGIN = "https://app.example"
 VLLM_FLAGS = ["--api-key", KEY, "--metrics-prefix", "vllm", "--enable-server-load-tracking",
-              "--enable-tokenizer-info-endpoint"]
+              "--enable-tokenizer-info-endpoint", "--allowed-origins", f'["{ORIGIN}"]']
+TEMPLATE_MARK = "[custom template]\n"  # what the server's --chat-template writes before the bundled template's text
 
 
 def _free_port() -> int:
@@ -57,8 +61,11 @@ def server(tmp_path_factory):
     config.write_text(yaml.safe_dump(options))
     port = _free_port()
     log = folder / "serve.log"
+    template = folder / "chat_template.jinja"
+    with open(os.path.join(default_model_path(), "chat_template.jinja")) as f:
+        template.write_text("{{ '" + TEMPLATE_MARK.replace("\n", "\\n") + "' }}" + f.read())
     command = [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", str(port),
-               "--compilation-cache-dir", TEST_CACHE_DIR, *VLLM_FLAGS]
+               "--compilation-cache-dir", TEST_CACHE_DIR, "--chat-template", str(template), *VLLM_FLAGS]
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                    env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -190,6 +197,31 @@ def test_vllm_routes(server, client):
     assert info["tokenizer_class"] and info["eos_token"] == "</s>" and "messages" in info["chat_template"]
     answer = httpx.post(f"{server}/invocations", headers=AUTH, json={"prompt": PROMPT, "max_tokens": 2}).json()
     assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 2
+
+
+def test_chat_template_flag_replaces_the_tokenizers(server, client):
+    messages = [{"role": "user", "content": "hi"}]
+    tokens = httpx.post(f"{server}/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    text = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+    assert text.startswith(TEMPLATE_MARK + "<|user|>\nhi")
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat.usage.prompt_tokens == len(tokens)  # the chat route renders with it too
+    info = httpx.get(f"{server}/tokenizer_info", headers=AUTH).json()
+    assert info["chat_template"].startswith("{{ '" + TEMPLATE_MARK.replace("\n", "\\n"))
+
+
+def test_cors_lets_the_allowed_origin_in_only(server):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    answer = httpx.options(f"{server}/v1/chat/completions", headers=preflight)
+    assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == ORIGIN
+    assert "authorization" in answer.headers["access-control-allow-headers"].lower()
+    refused = httpx.options(f"{server}/v1/chat/completions", headers={**preflight, "Origin": "https://elsewhere"})
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
+    models = httpx.get(f"{server}/v1/models", headers={**AUTH, "Origin": ORIGIN})
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == ORIGIN
+    unauthorized = httpx.get(f"{server}/v1/models", headers={"Origin": ORIGIN})
+    assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == ORIGIN
 
 
 def test_server_load_counts_requests_in_flight(server):

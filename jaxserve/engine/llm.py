@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
-from jaxserve.engine.tokenizer import render_chat
+from jaxserve.engine.tokenizer import load_chat_template, render_chat
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -92,18 +92,22 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation (with the `tools` it may call, OpenAI's
-        shape), then generate."""
+        """Apply the chat template (`chat_template`, a Jinja template or its file, else the tokenizer's) to each
+        conversation (with the `tools` it may call, OpenAI's shape), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs, tools) for c in conversations]
+        template = None if chat_template is None else load_chat_template(chat_template)
+        prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs, tools, template)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def render_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
-        """Token ids of one conversation (and its tools) under the chat template."""
+                    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                    chat_template: str | None = None) -> list[int]:
+        """Token ids of one conversation (and its tools) under the chat template (the tokenizer's unless given)."""
         return render_chat(self.engine.tokenizer, conversation, add_generation_prompt,
-                           chat_template_kwargs=chat_template_kwargs, tools=tools)
+                           chat_template_kwargs=chat_template_kwargs, tools=tools, chat_template=chat_template)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV page, as vLLM's `LLM.reset_prefix_cache` (pages in use stay in use)."""

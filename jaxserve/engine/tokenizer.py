@@ -52,20 +52,33 @@ def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def load_chat_template(value: str) -> str:
+    """A chat template given as vLLM's `--chat-template` takes it: a file's path (its text), or the Jinja template
+    itself; ValueError for a path that does not exist."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if not any(mark in value for mark in "{}\n"):
+        raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def render_chat_text(
     tokenizer, conversation: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None, chat_template: str | None = None,
 ) -> str:
-    """The text of one conversation (and the `tools` it may call, OpenAI's shape) under the tokenizer's chat
-    template; ValueError when it cannot be rendered (no template, or the template rejects the conversation)."""
-    if not getattr(tokenizer, "chat_template", None):
+    """The text of one conversation (and the `tools` it may call, OpenAI's shape) under `chat_template` (default:
+    the tokenizer's); ValueError when it cannot be rendered (no template, or the template rejects the
+    conversation)."""
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
     try:
         return tokenizer.apply_chat_template(
             conversation, tools=tools, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {}),
+            continue_final_message=continue_final_message, tokenize=False, chat_template=chat_template,
+            **(chat_template_kwargs or {}),
         )
     except jinja2.TemplateError as error:
         raise ValueError(f"the chat template rejected the conversation: {error}") from error
@@ -73,12 +86,12 @@ def render_chat_text(
 
 def render_chat(
     tokenizer, conversation: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
-    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+    chat_template_kwargs: dict | None = None, tools: list[dict] | None = None, chat_template: str | None = None,
 ) -> list[int]:
     """Token ids of one conversation under the chat template (the template places the special tokens,
     so none are added); ValueError when it cannot be rendered."""
     text = render_chat_text(tokenizer, conversation, add_generation_prompt, continue_final_message,
-                            chat_template_kwargs, tools)
+                            chat_template_kwargs, tools, chat_template)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
@@ -53,6 +54,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     load = ServerLoad()
     if config.enable_server_load_tracking:
         app.add_middleware(LoadTracking, load=load)
+    if config.allowed_origins:  # outermost: a preflight is answered before the API key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                           allow_credentials=config.allow_credentials)
     app.state.async_engine = async_engine
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_guard(config.api_key))])

@@ -27,6 +27,13 @@ class ServerConfig:
     # How tool calls are found in free text for tool_choice "auto" (server/tools.py TOOL_PARSERS); None: "auto"
     # is refused. vLLM's --tool-call-parser (its --enable-auto-tool-choice is implied).
     tool_call_parser: str | None = None
+    chat_template: str | None = None  # a Jinja chat template used instead of the tokenizer's (vLLM's --chat-template)
+    # CORS (vLLM's flags): origins browsers may call from (none: no CORS headers, where vLLM allows any), and the
+    # methods, headers and credentials those calls may use.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self):
         for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s",

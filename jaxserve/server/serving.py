@@ -120,7 +120,7 @@ class OpenAIServing:
         try:
             return render_chat_text(self.tokenizer, [m.for_template() for m in body.messages],
                                     body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
-                                    body.tools)
+                                    body.tools, self.config.chat_template)
         except (ValueError, TypeError) as error:
             raise APIError(400, f"the chat template cannot render these messages: {error}", "messages") from error
 
@@ -130,8 +130,9 @@ class OpenAIServing:
         config = {name: _json_value(value) for name, value in (self.tokenizer.init_kwargs or {}).items()
                   if name not in ("vocab_file", "merges_file")}
         config["tokenizer_class"] = type(self.tokenizer).__name__
-        if getattr(self.tokenizer, "chat_template", None):
-            config["chat_template"] = self.tokenizer.chat_template
+        template = self.config.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if template:
+            config["chat_template"] = template
         return config
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
@@ -213,7 +214,8 @@ class OpenAIServing:
         tools = self._tool_calls(body)
         try:
             prompt = render_chat(self.tokenizer, body.conversation(), body.add_generation_prompt,
-                                 body.continue_final_message, body.chat_template_kwargs, body.template_tools())
+                                 body.continue_final_message, body.chat_template_kwargs, body.template_tools(),
+                                 self.config.chat_template)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), "messages") from error
         await self._compile_constraint(body, params)
