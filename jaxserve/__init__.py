@@ -3,8 +3,10 @@
 from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.engine.llm import LLM
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
+           "LoRARequest"]
 __version__ = "0.1.0"

@@ -122,6 +122,12 @@ class EngineConfig:
     distributed_timeout_s: float = 60.0
     # Engine replicas over disjoint sets of tensor_parallel_size devices behind one front end (vLLM's name).
     data_parallel_size: int = 1
+    # LoRA adapters served with the base model (model/lora.py; vLLM's names): max_loras resident at once (slots),
+    # each of rank up to max_lora_rank; lora_modules {name: PEFT folder} loaded at start-up (a request names one).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: dict | None = None
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -172,6 +178,7 @@ class EngineConfig:
                 f"got {self.generation_config!r}"
             )
         _check_distributed(self)
+        _check_lora(self)
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
@@ -303,6 +310,26 @@ def _check_distributed(config: EngineConfig) -> None:
     if config.preemption_mode != "recompute":
         raise ValueError(f"preemption_mode {config.preemption_mode} keeps swapped pages in one host's memory: "
                          f"a multi-host engine preempts by recompute")
+
+
+def _check_lora(config: EngineConfig) -> None:
+    """ValueError naming the LoRA option that is wrong."""
+    if not isinstance(config.enable_lora, bool):
+        raise ValueError(f"enable_lora must be true or false, got {config.enable_lora!r}")
+    for name in ("max_loras", "max_lora_rank"):
+        if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {getattr(config, name)!r}")
+    modules = config.lora_modules
+    if modules is None:
+        return
+    if not isinstance(modules, dict) or not all(isinstance(k, str) and k and isinstance(v, str)
+                                                for k, v in modules.items()):
+        raise ValueError(f"lora_modules must map adapter names to PEFT folders, got {modules!r}")
+    if modules and not config.enable_lora:
+        raise ValueError("lora_modules needs enable_lora: true")
+    if len(modules) > config.max_loras:
+        raise ValueError(f"lora_modules names {len(modules)} adapters but max_loras is {config.max_loras}: raise "
+                         f"max_loras (each adapter takes a resident slot)")
 
 
 def _check_choice(name: str, value, choices: tuple) -> None:

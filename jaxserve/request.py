@@ -78,6 +78,7 @@ class Request:
     # prompt pages (copy-on-write) instead of computing the prompt again. None for the first sample.
     fork_source: str | None = None
     cache_salt: str | None = None  # requests share cached prefix pages only when their salts are equal
+    lora_slot: int = -1  # the slot of the LoRA adapter it runs with (model/lora.py); -1: the base model
     num_computed_tokens: int = 0
     # Tokens sampled by steps still on the device: they count in num_tokens (the next step computes the
     # last of them, reading its id on the device) but their ids reach output_token_ids only later.

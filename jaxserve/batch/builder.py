@@ -109,6 +109,7 @@ def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders,
         input_ids[start : start + known] = item.request.token_ids(first, first + known)
         input_ids[stop - proposed : stop] = item.spec_token_ids
         positions[start:stop] = token_positions
+        arrays["lora_slots"][start:stop] = item.request.lora_slot
         slot_mapping[start:stop] = pages[token_positions // page_size] * page_size + token_positions % page_size
         slot_mapping[start : start + item.num_present_tokens] = NULL_PAGE * page_size  # KV already held
         query_start_loc[row] = start
@@ -165,6 +166,7 @@ def padded_batch_arrays(num_tokens: int, num_rows: int, width: int, page_size: i
         "logits_indices": np.zeros((num_rows,), np.int32),  # (R,)
         "copy_src": np.full((num_rows,), NULL_PAGE, np.int32),  # (R,)
         "copy_dst": np.full((num_rows,), NULL_PAGE, np.int32),  # (R,)
+        "lora_slots": np.full((num_tokens,), -1, np.int32),  # (T,)
         "num_seqs": np.asarray(0, np.int32),  # ()
     }
 

@@ -24,6 +24,7 @@ class BatchDescriptor:
     logits_indices: jax.Array  # (R,) int32 index of each row's last token in the flattened batch
     copy_src: jax.Array  # (R,) int32 pages to copy before the step writes (copy-on-write); pad 0
     copy_dst: jax.Array  # (R,) int32 where each copy goes; pad 0 (the null page onto itself)
+    lora_slots: jax.Array  # (T,) int32 the LoRA adapter slot each token runs with (model/lora.py); -1: none
     num_seqs: jax.Array  # () int32 real rows
 
 

@@ -31,7 +31,10 @@ from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
+from jaxserve.lora_request import LoRARequest
 from jaxserve.model.checkpoint import load_weights
+from jaxserve.model.lora import check_lora_support, read_adapter, with_lora_slots
+from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
 from jaxserve.model.spec import ModelSpec
 from jaxserve.request import Logprob, Request, RequestStatus
@@ -69,6 +72,10 @@ class EngineCore:
         self.mesh = make_mesh(tp, first_device)
         kv_heads = cache_kv_heads(self.spec, tp)
         params, dtype = load_weights(config, model_path, self.spec, self.mesh, kv_heads)
+        if config.enable_lora:  # max_loras free adapter slots in the params (model/lora.py)
+            check_lora_support(self.spec)
+            declared = model_for(self.spec.architecture).weights(self.spec, kv_heads, tp)["layers"]
+            params = with_lora_slots(params, declared, self.mesh, config.max_loras, config.max_lora_rank, dtype)
         self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
         self.runner = Runner(
             self.spec, params, self.mesh,
@@ -103,6 +110,11 @@ class EngineCore:
         if host_pool is not None:
             self.runner.allocate_host_kv(host_pool.num_pages, pages_for_tokens(self.max_model_len, config.page_size))
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.prefix_caching, host_pool)
+        self.loras: dict[str, tuple[int, LoRARequest]] = {}  # adapter name -> (its slot, the request that loaded it)
+        if config.enable_lora:
+            self.runner.set_lora(0, {})  # compiles the slot writes now, not at the first adapter loaded later
+            for index, (name, path) in enumerate((config.lora_modules or {}).items()):
+                self.add_lora(LoRARequest(name, index + 1, path))
         self.timing = StepTiming()
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv, self._make_proposer())
         self._compiles_after_warmup_base = CompileCounter.count()
@@ -161,6 +173,36 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a validated request."""
         self.scheduler.add_request(request)
+
+    def add_lora(self, request: LoRARequest) -> int:
+        """Load a LoRA adapter into a free slot (one loaded before under the same name and folder keeps its
+        slot); returns the slot. ValueError when the engine serves no adapters, the name is taken by another
+        folder, every slot holds one, or the adapter cannot be served (model/lora.py)."""
+        if not self.config.enable_lora:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
+        loaded = self.loras.get(request.lora_name)
+        if loaded is not None:
+            if loaded[1].lora_path != request.lora_path:
+                raise ValueError(f"LoRA adapter name {request.lora_name!r} is taken by {loaded[1].lora_path}")
+            return loaded[0]
+        taken = {slot for slot, _ in self.loras.values()}
+        free = [slot for slot in range(self.config.max_loras) if slot not in taken]
+        if not free:
+            raise ValueError(f"every one of the max_loras={self.config.max_loras} adapter slots holds an adapter "
+                             f"({', '.join(self.loras)}): raise max_loras")
+        adapter = read_adapter(request.lora_path, self.spec, self.config.max_lora_rank,
+                               cache_kv_heads(self.spec, self.config.tensor_parallel_size))
+        self.runner.set_lora(free[0], adapter)
+        self.loras[request.lora_name] = (free[0], request)
+        logger.info("LoRA adapter %r from %s in slot %d", request.lora_name, request.lora_path, free[0])
+        return free[0]
+
+    def lora_slot(self, name: str) -> int:
+        """The slot of the adapter loaded as `name`; ValueError naming the loaded ones otherwise."""
+        if name not in self.loras:
+            loaded = ", ".join(self.loras) or "none"
+            raise ValueError(f"no LoRA adapter {name!r} is loaded (loaded: {loaded})")
+        return self.loras[name][0]
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); their pages go back at once."""

@@ -11,6 +11,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
 from jaxserve.engine.tokenizer import load_chat_template, render_chat
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.sampling_params import SamplingParams
 
@@ -50,17 +51,22 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; a prompt is text, token ids, or {'prompt' | 'prompt_token_ids': ...}
-        (with an optional 'cache_salt', vLLM's key: only requests with equal salts share cached pages)."""
+        (with an optional 'cache_salt', vLLM's key: only requests with equal salts share cached pages). With
+        `lora_request` (one for all prompts, or one or None per prompt; vLLM's argument) they run with that LoRA
+        adapter, loaded into a free slot first when it is not yet (the engine needs enable_lora)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
+        loras = _per_prompt(lora_request, len(prompt_list), "LoRARequests")
         # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
+        names = [None if lora is None else self.engine.add_lora(lora) for lora in loras]
         made = []
-        for prompt, params in zip(prompt_list, params_list):
+        for prompt, params, name in zip(prompt_list, params_list, names):
             request_id = str(next(self._ids))
             made.append((request_id, self.engine.make_requests(request_id, _prompt_of(prompt), params,
-                                                               cache_salt=_cache_salt_of(prompt))))
+                                                               cache_salt=_cache_salt_of(prompt), lora_name=name)))
         for request_id, requests in made:
             self.engine.submit(request_id, requests)
         return self._run([request_id for request_id, _ in made], use_tqdm)
@@ -145,6 +151,15 @@ def _as_prompt_list(prompts) -> list[PromptInput]:
     if prompts and all(isinstance(p, int) for p in prompts):
         return [prompts]
     return prompts
+
+
+def _per_prompt(value, count: int, what: str) -> list:
+    """One item per prompt: `value` for every prompt (None or a single item), or its items, one per prompt."""
+    if value is None or not isinstance(value, (list, tuple)):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"got {len(value)} {what} for {count} prompts; pass one, or one per prompt")
+    return list(value)
 
 
 def _as_params_list(params, count: int) -> list[SamplingParams]:

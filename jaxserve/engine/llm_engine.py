@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import gc
+import json
 import os
 import random
 import time
@@ -15,6 +16,7 @@ from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.reasoning import ReasoningParser
 from jaxserve.engine.tokenizer import load_tokenizer
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -31,6 +33,13 @@ def default_model_path() -> str:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"no model given and the bundled default model is missing at {path}; pass model=PATH")
     return path
+
+
+def adapter_salt(cache_salt: str | None, lora_name: str) -> str:
+    """The prefix-cache salt of a request run with a LoRA adapter: its pages hold that adapter's KV, so they are
+    shared only with requests of the same adapter and salt. (A user's salt never starts with NUL, so no user salt
+    can take an adapter's pages.)"""
+    return "\0lora:" + json.dumps([lora_name, cache_salt])
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
@@ -98,11 +107,25 @@ class LLMEngine:
         return None, token_ids
 
     def add_request(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Validate and queue a request (its `best_of` samples, `n` unless set, become as many engine requests)."""
-        children = self.make_requests(request_id, prompt, params or self.default_sampling_params(), priority)
+        """Validate and queue a request (its `best_of` samples, `n` unless set, become as many engine requests),
+        run with the LoRA adapter of `lora_request` (loaded first if it is not yet)."""
+        lora_name = None if lora_request is None else self.add_lora(lora_request)
+        children = self.make_requests(request_id, prompt, params or self.default_sampling_params(), priority,
+                                      lora_name=lora_name)
         self.submit(request_id, children)
+
+    def add_lora(self, lora_request: LoRARequest) -> str:
+        """Load a LoRA adapter into a free slot (vLLM's `add_lora`; nothing happens for one already loaded);
+        returns its name. ValueError when it cannot be (see EngineCore.add_lora)."""
+        self.core.add_lora(lora_request)
+        return lora_request.lora_name
+
+    def list_loras(self) -> dict[str, str]:
+        """The loaded LoRA adapters: name -> PEFT folder."""
+        return {name: request.lora_path for name, (_, request) in self.core.loras.items()}
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults in the fields it sets."""
@@ -110,12 +133,13 @@ class LLMEngine:
 
     def make_requests(
         self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, tokenizer=None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, lora_name: str | None = None,
     ) -> tuple[str | None, list[Request]]:
         """Validate a request and build its engine requests without queueing them; returns (text, children).
 
         `tokenizer` encodes a text prompt and bad words (default: the engine's). Requests share cached
-        prefix pages only when their `cache_salt`s are equal (vLLM's field).
+        prefix pages only when their `cache_salt`s are equal (vLLM's field) and they run with the same LoRA
+        adapter (`lora_name`, one the engine has loaded; None: the base model).
         """
         tokenizer = tokenizer or self.tokenizer
         text, token_ids = self.tokenize_prompt(prompt, tokenizer)
@@ -129,8 +153,10 @@ class LLMEngine:
         if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
             raise ValueError(f"priority must be an int in [{INT64_MIN}, {INT64_MAX}], got {priority!r}")
         self._check_vocabulary(params)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string when given, got {cache_salt!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or cache_salt[0] == "\0"):
+            raise ValueError(f"cache_salt must be a non-empty string not starting with NUL when given, got "
+                             f"{cache_salt!r}")
+        lora_slot = -1 if lora_name is None else self.core.lora_slot(lora_name)
         bad_words = bad_words_token_ids(tokenizer, params.bad_words or [])
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -154,7 +180,9 @@ class LLMEngine:
                 # The samples share their prompt, so only the first computes its logprobs, and the
                 # others fork from it once it has computed the prompt.
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
-                fork_source=None if index == 0 else children[0].request_id, cache_salt=cache_salt,
+                fork_source=None if index == 0 else children[0].request_id,
+                cache_salt=cache_salt if lora_name is None else adapter_salt(cache_salt, lora_name),
+                lora_slot=lora_slot,
                 grammar=None if compiled is None else self.grammars.request_grammar(compiled, starts_after),
             ))
         return text, children

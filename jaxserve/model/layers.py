@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.kv.fp8 import write_and_attend
+from jaxserve.model.lora import lora_delta
 from jaxserve.model.quantize import linear
 
 
@@ -51,10 +52,28 @@ def weight_value(weight: nnx.Param | QuantizedWeight) -> jax.Array | dict:
     return weight[...]
 
 
-def project(x: jax.Array, weight: nnx.Param | QuantizedWeight) -> jax.Array:
-    """x @ weight for a float or a quantized projection; the result in x's dtype."""
+class LoraSlots(nnx.Module):
+    """One projection's resident LoRA adapters (model/lora.py): `a` (..., S, in, R), `b` (..., S, R, out)."""
+
+    def __init__(self, a: jax.Array, b: jax.Array):
+        self.a = nnx.Param(a)
+        self.b = nnx.Param(b)
+
+
+def lora_slots(params: dict) -> nnx.Dict:
+    """A layer's LoraSlots by projection leaf (params["lora"]; empty when the engine serves no adapters)."""
+    return nnx.Dict({leaf: LoraSlots(pair["a"], pair["b"]) for leaf, pair in params.get("lora", {}).items()})
+
+
+def project(x: jax.Array, weight: nnx.Param | QuantizedWeight, lora: LoraSlots | None = None,
+            slots: jax.Array | None = None) -> jax.Array:
+    """x @ weight for a float or a quantized projection, plus what each token's LoRA adapter adds (`slots`: (T,)
+    its slot, -1 for none) when the projection has `lora`; the result in x's dtype."""
     # x: (T, in) -> (T, out)
-    return linear(x, weight_value(weight))
+    out = linear(x, weight_value(weight))
+    if lora is None:
+        return out
+    return out + lora_delta(x, lora.a[...], lora.b[...], slots).astype(out.dtype)
 
 
 def projection_width(weight: nnx.Param | QuantizedWeight) -> int:

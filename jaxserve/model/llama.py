@@ -13,6 +13,7 @@ Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`
 Under weight quantization (model/quantize.py) each of wq, wk, wv, wo, w_gate, w_up, w_down is
 {"weight": the same shape in int8 or float8_e4m3fn, "scale": (L, out) float32}.
 Under an fp8 KV cache (kv/fp8.py): layers/k_scale, v_scale (L, Hkv) float32.
+Serving LoRA adapters (model/lora.py): layers/lora/{wq, ..., w_down}/{a (L, S, in, R), b (L, S, R, out)}.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jaxserve.attention.base import LayerAttention
 from jaxserve.model.layers import (
     StepContext,
     apply_rope,
+    lora_slots,
     optional_param,
     project,
     projection,
@@ -54,24 +56,27 @@ class LlamaLayer(nnx.Module):
         self.w_gate, self.w_up = projection(params["w_gate"]), projection(params["w_up"])
         self.w_down = projection(params["w_down"])
         self.k_scale, self.v_scale = optional_param(params, "k_scale"), optional_param(params, "v_scale")
+        self.lora = lora_slots(params)  # projection leaf -> its LoRA adapters (none unless enable_lora)
 
     def __call__(self, x: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array, rope: tuple[jax.Array, ...],
                  step: StepContext) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """The layer over the step's tokens: (x, caches) after it."""
         # x: (T, H); rope: cos, sin (T, D // 2) each
-        spec = self.spec
-        q, k, v = self.qkv(self.norm(x, self.input_norm))  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
+        spec, slots = self.spec, step.batch.lora_slots
+        q, k, v = self.qkv(self.norm(x, self.input_norm), slots)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         how = LayerAttention(sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window)
         attn, caches = step.attend(q, k, v, caches, layer, (how,), kv_scales=self.kv_scales())  # (T, Hq, D)
-        x = x + project(attn.reshape(attn.shape[0], -1), self.wo)  # (T, H)
+        x = x + project(attn.reshape(attn.shape[0], -1), self.wo, self.lora.get("wo"), slots)  # (T, H)
         return x + self.feed_forward(self.norm(x, self.post_norm), step), caches  # (T, H)
 
     def feed_forward(self, h: jax.Array, step: StepContext) -> jax.Array:
         """The SwiGLU MLP."""
         # h: (T, H) -> (T, H)
-        gate = jax.nn.silu(project(h, self.w_gate))  # (T, I)
-        return project(gate * project(h, self.w_up), self.w_down)
+        slots = step.batch.lora_slots
+        gate = jax.nn.silu(project(h, self.w_gate, self.lora.get("w_gate"), slots))  # (T, I)
+        return project(gate * project(h, self.w_up, self.lora.get("w_up"), slots), self.w_down,
+                       self.lora.get("w_down"), slots)
 
     def norm(self, x: jax.Array, weight: nnx.Param) -> jax.Array:
         """The family's RMSNorm."""
@@ -81,10 +86,12 @@ class LlamaLayer(nnx.Module):
         """The layer's fp8 KV scales (each (Hkv,)), or None for a cache in the weights' dtype."""
         return None if self.k_scale is None else (self.k_scale[...], self.v_scale[...])
 
-    def qkv(self, h: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Per-head q, k, v (KV heads: as many as the cache holds, the projection's width over D)."""
-        # h: (T, H)
-        q, k, v = project(h, self.wq), project(h, self.wk), project(h, self.wv)  # (T, Hq*D), (T, Hkv*D) x 2
+    def qkv(self, h: jax.Array, slots: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Per-head q, k, v (KV heads: as many as the cache holds, the projection's width over D); `slots`: each
+        token's LoRA slot when the engine serves adapters."""
+        # h: (T, H); slots: (T,) int32
+        q, k, v = (project(h, weight, self.lora.get(leaf), slots)
+                   for weight, leaf in ((self.wq, "wq"), (self.wk, "wk"), (self.wv, "wv")))  # (T, Hq*D), (T, Hkv*D) x 2
         if self.bq is not None:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         num_tokens, head_dim = h.shape[0], self.spec.head_dim

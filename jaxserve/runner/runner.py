@@ -32,6 +32,7 @@ from jaxserve.batch.builder import (
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
 from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.kv.host_swap import HostSwap
+from jaxserve.model.lora import write_slot
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import KV_CACHE_SPEC, put_global
 from jaxserve.model.spec import ModelSpec
@@ -284,6 +285,13 @@ class Runner:
         spec = self.spec
         return self.attention.page_bytes(spec.num_layers, self.page_size, self._num_cache_kv_heads, spec.head_dim,
                                          self._cache_dtype)
+
+    def set_lora(self, slot: int, adapter: dict) -> None:
+        """Write a LoRA adapter (model/lora.py `read_adapter`'s host arrays by leaf; {} frees the slot) into slot
+        `slot` of the params; steps dispatched later run with it."""
+        layers = self.params["layers"]
+        self.params = {**self.params, "layers": {**layers, "lora": write_slot(layers["lora"], slot, adapter,
+                                                                               self._replicated.mesh)}}
 
     def allocate_kv(self, num_pages: int) -> None:
         """Allocate the KV pool of `num_pages` pages (zeros, sharded on the KV-head axis)."""

@@ -65,6 +65,7 @@ def next_token_batch(batch: BatchDescriptor, token_ids: jax.Array, steps: Decode
         logits_indices=rows.astype(jnp.int32),
         copy_src=no_copies,
         copy_dst=no_copies,
+        lora_slots=jnp.full((num_rows,), -1, jnp.int32),  # (the draft serves no adapters)
         num_seqs=batch.num_seqs,
     )
 

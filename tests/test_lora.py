@@ -1,0 +1,101 @@
+"""LoRA adapters served with their base model (`enable_lora`, model/lora.py), against Hugging Face + PEFT.
+
+tests/fixtures/lora holds two PEFT adapters of the bundled model and PEFT's greedy tokens with each
+(scripts/make_lora_fixtures.py): `alpha` (rank 8, every projection) and `beta` (rank 4 padded to the engine's 8,
+rsLoRA's scale, q and v of two layers only). One engine serves `alpha` from start-up (`lora_modules`) and loads
+`beta` when a request asks for it; base, alpha and beta requests run in the same steps and each gives PEFT's
+tokens. Prefixes cached under one adapter are never taken by another. Adapters the engine cannot serve, unknown
+names and full slots are clear errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from helpers import small_engine_args
+from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.model.lora import check_lora_support
+from jaxserve.model.spec import ModelSpec
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "lora")
+EXPECTED = json.load(open(os.path.join(FIXTURES, "expected.json")))
+ALPHA = LoRARequest("alpha", 1, os.path.join(FIXTURES, "alpha"))
+BETA = LoRARequest("beta", 2, os.path.join(FIXTURES, "beta"))
+GREEDY = SamplingParams(max_tokens=len(EXPECTED["base"]["outputs"][0]), temperature=0, ignore_eos=True)
+ENGINE = small_engine_args(enable_lora=True, max_loras=2, max_lora_rank=8, lora_modules={"alpha": ALPHA.lora_path})
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(None, **ENGINE)
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+def test_base_and_adapters_in_the_same_steps_give_pefts_tokens(llm):
+    prompts = EXPECTED["prompts"]
+    variants = [(None, "base"), (ALPHA, "alpha"), (BETA, "beta")]  # beta is loaded by this call
+    requests = [(prompt, lora, name) for prompt_index, prompt in enumerate(prompts) for lora, name in variants]
+    outputs = llm.generate([prompt for prompt, _, _ in requests], GREEDY, use_tqdm=False,
+                           lora_request=[lora for _, lora, _ in requests])
+    for (prompt, _, name), tokens in zip(requests, _tokens(outputs)):
+        assert tokens == EXPECTED[name]["outputs"][prompts.index(prompt)], name
+    assert llm.engine.list_loras() == {"alpha": ALPHA.lora_path, "beta": BETA.lora_path}
+    stats = llm.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_a_cached_prefix_is_shared_only_under_the_same_adapter(llm):
+    """The base model computes a prompt first; an adapter's request of the same prompt must not take those pages
+    (its KV differs), and its own second run does."""
+    prompt = EXPECTED["prompts"][0] * 4  # several full pages
+    llm.reset_prefix_cache()
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    hits = llm.stats()["prefix_cache_hits"]
+    first = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=ALPHA)
+    assert llm.stats()["prefix_cache_hits"] == hits  # nothing of the base model's pages
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=ALPHA)
+    assert llm.stats()["prefix_cache_hits"] > hits  # its own pages
+    assert _tokens(again) == _tokens(first)
+
+
+def test_adapters_the_engine_cannot_serve_are_refused(llm, tmp_path):
+    with pytest.raises(ValueError, match="no LoRA adapter 'gamma' is loaded"):
+        llm.engine.make_requests("x", [5, 6, 7], GREEDY, lora_name="gamma")
+    with pytest.raises(ValueError, match="every one of the max_loras=2 adapter slots"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest("gamma", 3, BETA.lora_path))
+    with pytest.raises(ValueError, match="name 'alpha' is taken"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False, lora_request=LoRARequest("alpha", 1, BETA.lora_path))
+    for field, value, message in [("r", 16, "rank r=16 must be an integer in \\[1, max_lora_rank=8\\]"),
+                                  ("use_dora", True, "DoRA adapters are not served"),
+                                  ("modules_to_save", ["lm_head"], "modules saved whole are not served")]:
+        folder = tmp_path / field
+        shutil.copytree(BETA.lora_path, folder)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, field: value}))
+        llm.engine.core.loras.pop("beta", None)  # a free slot, so the adapter itself is what is refused
+        with pytest.raises(ValueError, match=message):
+            llm.engine.add_lora(LoRARequest(field, 9, str(folder)))
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.engine.add_lora(LoRARequest("missing", 9, str(tmp_path / "missing")))
+    stats = llm.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_lora_options_are_checked():
+    with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
+        EngineConfig(lora_modules={"alpha": ALPHA.lora_path})
+    with pytest.raises(ValueError, match="names 2 adapters but max_loras is 1"):
+        EngineConfig(enable_lora=True, lora_modules={"a": ALPHA.lora_path, "b": BETA.lora_path})
+    with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1"):
+        EngineConfig(enable_lora=True, max_lora_rank=0)
+    gemma = ModelSpec.from_pretrained(os.path.join(os.path.dirname(__file__), "fixtures", "checkpoints", "gemma2"))
+    with pytest.raises(ValueError, match="LoRA adapters are served for the Llama family"):
+        check_lora_support(gemma)
