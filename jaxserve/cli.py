@@ -38,7 +38,7 @@ ENGINE_FLAGS = (
     "skip_precompile", "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format",
     "async_scheduling", "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions",
     "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
-    "enable_structured_outputs", "reasoning_parser",
+    "enable_structured_outputs", "reasoning_parser", "enable_lora", "max_loras", "max_lora_rank", "lora_modules",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
 )
 
@@ -69,6 +69,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", choices=list(VALID_REASONING_PARSERS),
                         help="a reasoning model's markers (<think> ... </think>): structured output constrains the "
                              "answer after the thinking, and chat replies carry the thinking in `reasoning`")
+    parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction,
+                        help="serve LoRA adapters with the model (each request may name one)")
+    parser.add_argument("--max-loras", type=int, help="LoRA adapters resident at once (default 1)")
+    parser.add_argument("--max-lora-rank", type=int, help="largest LoRA rank served (default 16)")
+    parser.add_argument("--lora-modules", nargs="+", action=_LoraModules, metavar="NAME=PATH",
+                        help='LoRA adapters (PEFT folders) loaded at start-up, as NAME=PATH or vLLM\'s JSON '
+                             '\'{"name": ..., "path": ...}\'; a request\'s `model` names one')
     parser.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction,
                         help="split a mixture of experts' experts whole over the tensor-parallel devices")
     parser.add_argument("--attention-backend", choices=list(VALID_ATTENTION_BACKENDS))
@@ -141,6 +148,28 @@ def generate(args: argparse.Namespace) -> int:
             printed = len(text)
     sys.stdout.write("\n")
     return 0
+
+
+class _LoraModules(argparse.Action):
+    """--lora-modules NAME=PATH or '{"name": NAME, "path": PATH}' ... (vLLM's two forms) -> {name: path}."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        modules = {}
+        for value in values:
+            if value.lstrip().startswith("{"):
+                try:
+                    entry = json.loads(value)
+                except json.JSONDecodeError as error:
+                    parser.error(f"{option_string}: not JSON: {error}")
+                if not isinstance(entry, dict) or not {"name", "path"} <= set(entry):
+                    parser.error(f"{option_string}: a JSON entry needs name and path, got {value!r}")
+                name, path = entry["name"], entry["path"]
+            elif "=" in value:
+                name, path = value.split("=", 1)
+            else:
+                parser.error(f"{option_string}: expected NAME=PATH or JSON, got {value!r}")
+            modules[name] = path
+        setattr(namespace, self.dest, modules)
 
 
 def _json_strings(value: str) -> list[str]:

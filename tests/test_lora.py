@@ -10,17 +10,22 @@ names and full slots are clear errors.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
 
+import httpx
+import openai
 import pytest
 
-from helpers import small_engine_args
+from helpers import running_server, small_engine_args
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.model.lora import check_lora_support
 from jaxserve.model.spec import ModelSpec
+from jaxserve.server.app import build_app
+from jaxserve.server.config import ServerConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "lora")
 EXPECTED = json.load(open(os.path.join(FIXTURES, "expected.json")))
@@ -66,6 +71,22 @@ def test_a_cached_prefix_is_shared_only_under_the_same_adapter(llm):
     assert _tokens(again) == _tokens(first)
 
 
+def test_an_adapter_in_use_stays_and_a_removed_one_leaves_nothing_behind(llm):
+    """remove_lora waits for the adapter's requests; a later load of the same name does not take the cached
+    pages of the removed one."""
+    prompt = EXPECTED["prompts"][1] * 8
+    first = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=BETA)
+    llm.engine.add_request("waiting", [5, 6, 7], GREEDY, lora_request=BETA)
+    with pytest.raises(ValueError, match="in use by 1 unfinished request"):
+        llm.engine.remove_lora("beta")
+    llm.engine.abort_request("waiting")
+    llm.engine.remove_lora("beta")
+    assert "beta" not in llm.engine.list_loras()
+    hits = llm.stats()["prefix_cache_hits"]
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=BETA)  # loaded again
+    assert llm.stats()["prefix_cache_hits"] == hits and _tokens(again) == _tokens(first)
+
+
 def test_adapters_the_engine_cannot_serve_are_refused(llm, tmp_path):
     with pytest.raises(ValueError, match="no LoRA adapter 'gamma' is loaded"):
         llm.engine.make_requests("x", [5, 6, 7], GREEDY, lora_name="gamma")
@@ -80,7 +101,8 @@ def test_adapters_the_engine_cannot_serve_are_refused(llm, tmp_path):
         shutil.copytree(BETA.lora_path, folder)
         config = json.loads((folder / "adapter_config.json").read_text())
         (folder / "adapter_config.json").write_text(json.dumps({**config, field: value}))
-        llm.engine.core.loras.pop("beta", None)  # a free slot, so the adapter itself is what is refused
+        if "beta" in llm.engine.list_loras():
+            llm.engine.remove_lora("beta")  # a free slot, so the adapter itself is what is refused
         with pytest.raises(ValueError, match=message):
             llm.engine.add_lora(LoRARequest(field, 9, str(folder)))
     with pytest.raises(ValueError, match="no adapter_config.json"):
@@ -99,3 +121,44 @@ def test_lora_options_are_checked():
     gemma = ModelSpec.from_pretrained(os.path.join(os.path.dirname(__file__), "fixtures", "checkpoints", "gemma2"))
     with pytest.raises(ValueError, match="LoRA adapters are served for the Llama family"):
         check_lora_support(gemma)
+
+
+# ---- the server (last in this file: its engine thread drives the engine from here on) ------------------------
+
+@pytest.fixture(scope="module")
+def server(llm):
+    """The OpenAI server on `llm`'s engine, with both adapters loaded: a request's `model` names one."""
+    llm.engine.add_lora(BETA)
+    with running_server(build_app(llm.engine, ServerConfig())) as url:
+        yield url
+
+
+def test_the_server_lists_the_adapters_and_runs_the_one_a_request_names(server):
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    cards = {card.id: card for card in client.models.list().data}
+    assert set(cards) == {"tiny-stdlib-llama", "alpha", "beta"}
+    assert cards["alpha"].parent == "tiny-stdlib-llama" and cards["alpha"].root == ALPHA.lora_path
+
+    def complete(case):
+        prompt_index, model = case
+        return client.completions.create(model=model, prompt=EXPECTED["prompts"][prompt_index], temperature=0,
+                                         max_tokens=GREEDY.max_tokens, extra_body={"ignore_eos": True,
+                                                                                   "return_token_ids": True})
+
+    cases = [(index, model) for index in range(len(EXPECTED["prompts"]))
+             for model in ("tiny-stdlib-llama", "alpha", "beta")]
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(complete, cases))
+    for (index, model), answer in zip(cases, answers):
+        name = "base" if model == "tiny-stdlib-llama" else model
+        assert answer.choices[0].token_ids == EXPECTED[name]["outputs"][index], model
+    chat = client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.model == "beta" and chat.usage.completion_tokens == 4
+
+
+def test_the_server_refuses_unknown_models_and_beam_search_with_an_adapter(server):
+    answer = httpx.post(f"{server}/v1/completions", json={"model": "gamma", "prompt": "x", "max_tokens": 1})
+    assert answer.status_code == 404 and "'alpha'" in answer.json()["error"]["message"]
+    answer = httpx.post(f"{server}/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 2,
+                                                          "use_beam_search": True, "n": 2})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"

@@ -122,9 +122,11 @@ class DataParallelEngine:
     def _num_unstarted(self) -> int:
         return sum(replica.stats()["num_requests_unstarted"] for replica in self.replicas)
 
-    def make_requests(self, request_id: str, prompt, params, priority: int = 0, cache_salt: str | None = None):
-        """Validate one request (ValueError when invalid) without queueing it (any replica validates alike)."""
-        return self.replicas[0].make_requests(request_id, prompt, params, priority, cache_salt)
+    def make_requests(self, request_id: str, prompt, params, priority: int = 0, cache_salt: str | None = None,
+                      lora_name: str | None = None):
+        """Validate one request (ValueError when invalid) without queueing it (any replica validates alike: each
+        loaded the same LoRA adapters into the same slots)."""
+        return self.replicas[0].make_requests(request_id, prompt, params, priority, cache_salt, lora_name)
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """EngineDeadError when a replica is down, EngineOverloadedError past the replicas' waiting requests."""

@@ -173,12 +173,12 @@ class AsyncLLMEngine:
 
     def make_requests(
         self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, lora_name: str | None = None,
     ) -> tuple[str | None, list[Request]]:
         """Validate one request (ValueError when invalid) without queueing it; text is tokenized here,
         with this thread's own tokenizer."""
         return self.engine.make_requests(request_id, prompt, params, priority, tokenizer=self.tokenizer,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt, lora_name=lora_name)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached page (on the engine thread, between steps); returns how many were forgotten."""

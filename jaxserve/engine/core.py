@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -110,7 +111,8 @@ class EngineCore:
         if host_pool is not None:
             self.runner.allocate_host_kv(host_pool.num_pages, pages_for_tokens(self.max_model_len, config.page_size))
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.prefix_caching, host_pool)
-        self.loras: dict[str, tuple[int, LoRARequest]] = {}  # adapter name -> (its slot, the request that loaded it)
+        self.loras: dict[str, LoadedLora] = {}  # the LoRA adapters in the slots, by name
+        self._lora_loads = itertools.count()
         if config.enable_lora:
             self.runner.set_lora(0, {})  # compiles the slot writes now, not at the first adapter loaded later
             for index, (name, path) in enumerate((config.lora_modules or {}).items()):
@@ -182,27 +184,37 @@ class EngineCore:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
         loaded = self.loras.get(request.lora_name)
         if loaded is not None:
-            if loaded[1].lora_path != request.lora_path:
-                raise ValueError(f"LoRA adapter name {request.lora_name!r} is taken by {loaded[1].lora_path}")
-            return loaded[0]
-        taken = {slot for slot, _ in self.loras.values()}
+            if loaded.request.lora_path != request.lora_path:
+                raise ValueError(f"LoRA adapter name {request.lora_name!r} is taken by {loaded.request.lora_path}")
+            return loaded.slot
+        taken = {loaded.slot for loaded in self.loras.values()}
         free = [slot for slot in range(self.config.max_loras) if slot not in taken]
         if not free:
             raise ValueError(f"every one of the max_loras={self.config.max_loras} adapter slots holds an adapter "
-                             f"({', '.join(self.loras)}): raise max_loras")
+                             f"({', '.join(self.loras)}): raise max_loras, or remove one")
         adapter = read_adapter(request.lora_path, self.spec, self.config.max_lora_rank,
                                cache_kv_heads(self.spec, self.config.tensor_parallel_size))
         self.runner.set_lora(free[0], adapter)
-        self.loras[request.lora_name] = (free[0], request)
+        self.loras[request.lora_name] = LoadedLora(free[0], request, f"{request.lora_name}#{next(self._lora_loads)}")
         logger.info("LoRA adapter %r from %s in slot %d", request.lora_name, request.lora_path, free[0])
         return free[0]
 
-    def lora_slot(self, name: str) -> int:
-        """The slot of the adapter loaded as `name`; ValueError naming the loaded ones otherwise."""
+    def remove_lora(self, name: str) -> None:
+        """Free the slot of the adapter loaded as `name`; ValueError while a request that runs with it is
+        unfinished. (Its cached prefix pages can never be taken again: a later load is keyed anew.)"""
+        loaded = self.lora(name)
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_slot == loaded.slot]
+        if users:
+            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s)")
+        self.runner.set_lora(loaded.slot, {})
+        del self.loras[name]
+
+    def lora(self, name: str) -> LoadedLora:
+        """The adapter loaded as `name`; ValueError naming the loaded ones otherwise."""
         if name not in self.loras:
             loaded = ", ".join(self.loras) or "none"
             raise ValueError(f"no LoRA adapter {name!r} is loaded (loaded: {loaded})")
-        return self.loras[name][0]
+        return self.loras[name]
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); their pages go back at once."""
@@ -424,6 +436,15 @@ class _TimedProposer:
     def release(self, request_id: str) -> None:
         """Forward to the proposer."""
         self.proposer.release(request_id)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedLora:
+    """A LoRA adapter in a slot of the params (model/lora.py)."""
+
+    slot: int
+    request: LoRARequest  # how it was asked for (its name and folder)
+    key: str  # unique to this load: what the prefix cache keys the adapter's pages by
 
 
 @dataclasses.dataclass

@@ -35,11 +35,11 @@ def default_model_path() -> str:
     return path
 
 
-def adapter_salt(cache_salt: str | None, lora_name: str) -> str:
-    """The prefix-cache salt of a request run with a LoRA adapter: its pages hold that adapter's KV, so they are
-    shared only with requests of the same adapter and salt. (A user's salt never starts with NUL, so no user salt
-    can take an adapter's pages.)"""
-    return "\0lora:" + json.dumps([lora_name, cache_salt])
+def adapter_salt(cache_salt: str | None, lora_key: str) -> str:
+    """The prefix-cache salt of a request run with a LoRA adapter (`lora_key`: that load of it): its pages hold
+    that adapter's KV, so they are shared only with requests of the same adapter and salt. (A user's salt never
+    starts with NUL, so no user salt can take an adapter's pages.)"""
+    return "\0lora:" + json.dumps([lora_key, cache_salt])
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
@@ -123,9 +123,14 @@ class LLMEngine:
         self.core.add_lora(lora_request)
         return lora_request.lora_name
 
+    def remove_lora(self, name: str) -> None:
+        """Free the slot of the LoRA adapter loaded as `name` (vLLM's `remove_lora`, by name); ValueError while an
+        unfinished request runs with it."""
+        self.core.remove_lora(name)
+
     def list_loras(self) -> dict[str, str]:
         """The loaded LoRA adapters: name -> PEFT folder."""
-        return {name: request.lora_path for name, (_, request) in self.core.loras.items()}
+        return {name: loaded.request.lora_path for name, loaded in self.core.loras.items()}
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults in the fields it sets."""
@@ -156,7 +161,7 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or cache_salt[0] == "\0"):
             raise ValueError(f"cache_salt must be a non-empty string not starting with NUL when given, got "
                              f"{cache_salt!r}")
-        lora_slot = -1 if lora_name is None else self.core.lora_slot(lora_name)
+        lora = None if lora_name is None else self.core.lora(lora_name)
         bad_words = bad_words_token_ids(tokenizer, params.bad_words or [])
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -181,8 +186,8 @@ class LLMEngine:
                 # others fork from it once it has computed the prompt.
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
                 fork_source=None if index == 0 else children[0].request_id,
-                cache_salt=cache_salt if lora_name is None else adapter_salt(cache_salt, lora_name),
-                lora_slot=lora_slot,
+                cache_salt=cache_salt if lora is None else adapter_salt(cache_salt, lora.key),
+                lora_slot=-1 if lora is None else lora.slot,
                 grammar=None if compiled is None else self.grammars.request_grammar(compiled, starts_after),
             ))
         return text, children

@@ -90,16 +90,21 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.scheduling_policy = engine.engine.config.scheduling_policy
         self.generation_defaults = dict(engine.engine.generation_defaults)
+        self.loras = engine.engine.list_loras()  # LoRA adapter name -> folder: a request's `model` may name one
         logger.info("sampling defaults from the model's generation config, for the fields a request leaves "
                     "unset: %s", self.generation_defaults or "none")
 
     # ---- /v1/models, /tokenize, /detokenize ------------------------------------------------------
 
     def models(self) -> dict:
-        """The one served model."""
-        card = {"id": self.config.served_model_name, "object": "model", "created": int(time.time()),
-                "owned_by": "jaxserve", "root": self.engine.engine.model_path, "max_model_len": self.max_model_len}
-        return {"object": "list", "data": [card]}
+        """The served model, then its LoRA adapters (each with the model as its `parent`, as vLLM lists them)."""
+        created = int(time.time())
+        cards = [{"id": self.config.served_model_name, "object": "model", "created": created, "owned_by": "jaxserve",
+                  "root": self.engine.engine.model_path, "parent": None, "max_model_len": self.max_model_len}]
+        cards += [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": path,
+                   "parent": self.config.served_model_name, "max_model_len": self.max_model_len}
+                  for name, path in self.loras.items()]
+        return {"object": "list", "data": cards}
 
     def tokenize(self, body: TokenizeRequest) -> dict:
         """Token ids of a prompt, or of chat messages rendered by the chat template to text and then
@@ -154,6 +159,8 @@ class OpenAIServing:
             raise APIError(400, f"prompt must hold 1 to {self.config.max_prompts} prompts, got {len(prompts)}", "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if body.use_beam_search:
+            if self.check_model(body.model) is not None:
+                raise APIError(400, "use_beam_search runs on the base model only, not with a LoRA adapter", "model")
             return await self._beam_search_completion(request_id, prompts, body, params, raw)
         await self._compile_constraint(body, params)
         streams = self._submit(request_id, prompts, body, params)
@@ -166,7 +173,7 @@ class OpenAIServing:
         choices = [self._completion_choice(prompt_index * params.n + c.index, output, c, body, params)
                    for prompt_index, output in enumerate(outputs) for c in output.outputs]
         response = {"id": request_id, "object": "text_completion", "created": created,
-                    "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs)}
+                    "model": self._model_name(body), "choices": choices, "usage": self._usage(outputs)}
         if body.stream:  # best_of > n is not streamed (vLLM's rule, after OpenAI's): the whole response, one event
             return StreamingResponse(_one_event(response), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -198,7 +205,7 @@ class OpenAIServing:
         choices = [self._completion_choice(prompt_index * body.n + c.index, output, c, body, params)
                    for prompt_index, output in enumerate(outputs) for c in output.outputs]
         return {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs)}
+                "model": self._model_name(body), "choices": choices, "usage": self._usage(outputs)}
 
     def _beam_search(self, request_id: str, prompt: str | list[int], body: CompletionRequest, params: SamplingParams,
                      beam_params: BeamSearchParams) -> BeamSearch:
@@ -237,7 +244,7 @@ class OpenAIServing:
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                             "token_ids": c.token_ids if body.return_token_ids else None})
         return {"id": request_id, "object": "chat.completion", "created": created,
-                "model": self.config.served_model_name, "choices": choices, "usage": self._usage(outputs),
+                "model": self._model_name(body), "choices": choices, "usage": self._usage(outputs),
                 "prompt_logprobs": prompt_logprobs_field(self.token_text, output.prompt_logprobs),
                 "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None}
 
@@ -268,11 +275,19 @@ class OpenAIServing:
             return None
         return ReasoningStream(parser, thinking=not parser.prompt_ends_reasoning(output.prompt_token_ids))
 
-    def check_model(self, model: str | None) -> None:
-        """404 unless `model` is absent or the served model's name."""
-        if model is not None and model != self.config.served_model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.config.served_model_name!r}", "model", "model_not_found")
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names, or None for the served model (or no `model`); 404 for anything else."""
+        if model is None or model == self.config.served_model_name:
+            return None
+        if model in self.loras:
+            return model
+        served = ", ".join(repr(name) for name in [self.config.served_model_name, *self.loras])
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model",
+                       "model_not_found")
+
+    def _model_name(self, body: _SamplingFields) -> str:
+        """The `model` a response names: the request's LoRA adapter, else the served model."""
+        return self.check_model(body.model) or self.config.served_model_name
 
     def _sampling_params(self, body: _SamplingFields) -> SamplingParams:
         """Checks shared by both generation endpoints, then the request's SamplingParams, with the
@@ -325,9 +340,10 @@ class OpenAIServing:
     def _submit(self, request_id: str, prompts: list, body: _SamplingFields,
                 params: SamplingParams) -> list[RequestStream]:
         """Validate every prompt, then queue them all (or none)."""
+        lora_name = self.check_model(body.model)
         try:
-            made = [self.engine.make_requests(f"{request_id}-{i}", prompt, params, body.priority, body.cache_salt)
-                    for i, prompt in enumerate(prompts)]
+            made = [self.engine.make_requests(f"{request_id}-{i}", prompt, params, body.priority, body.cache_salt,
+                                              lora_name) for i, prompt in enumerate(prompts)]
         except ValueError as error:  # about the prompt, or a token id of another field
             prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
             raise APIError(400, str(error), body.param_of(str(error)) or prompt_field) from error
@@ -410,7 +426,7 @@ class OpenAIServing:
                                  body: CompletionRequest, params: SamplingParams) -> AsyncIterator[bytes]:
         """SSE chunks of a streamed completion; the last is `[DONE]`, or an error event when the engine
         fails the request."""
-        head = {"id": request_id, "object": "text_completion", "created": created, "model": self.config.served_model_name}
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": self._model_name(body)}
         encoder = ChunkEncoder(head)
         states = [[ChoiceStream(params) for _ in range(params.n)] for _ in streams]
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -478,7 +494,7 @@ class OpenAIServing:
         (and the echo), then content; the last is `[DONE]`, or an error event when the engine fails the
         request."""
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.config.served_model_name}
+                "model": self._model_name(body)}
         encoder = ChunkEncoder(head)
         states = [ChoiceStream(params) for _ in range(params.n)]
         calls = [None if tools is None else ToolCallStream(tools) for _ in range(params.n)]
