@@ -34,6 +34,7 @@ class FakeEngine:
                                     runner=SimpleNamespace(cache_dtype=np.dtype("float32")),
                                     kv=SimpleNamespace(host_pool=None), on_peer_lost=lambda callback: None)
         self.generation_defaults = {}
+        self.reasoning = None  # no reasoning parser
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
@@ -42,8 +43,11 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.completed: list[str] = []
 
-    def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None, cache_salt=None):
+    def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None, cache_salt=None, lora_name=None):
         return prompt, params.max_tokens
+
+    def list_loras(self):
+        return {}
 
     def submit(self, request_id, made):
         if made[1] == 13:

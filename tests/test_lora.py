@@ -111,6 +111,21 @@ def test_adapters_the_engine_cannot_serve_are_refused(llm, tmp_path):
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 
+def test_adapters_under_tensor_parallelism_give_pefts_tokens():
+    """TP 4 on the bundled model (2 KV heads, so each is repeated, and the adapters' k and v columns with it): the
+    slots split like their projections' rows and columns."""
+    tp_llm = LLM(None, **{**ENGINE, "tensor_parallel_size": 4, "skip_precompile": True,
+                          "lora_modules": {"alpha": ALPHA.lora_path, "beta": BETA.lora_path}})
+    slots = tp_llm.engine.core.runner.params["layers"]["lora"]
+    assert slots["wq"]["b"].addressable_shards[0].data.shape[-1] == slots["wq"]["b"].shape[-1] // 4
+    assert slots["wo"]["a"].addressable_shards[0].data.shape[2] == slots["wo"]["a"].shape[2] // 4
+    prompts = EXPECTED["prompts"]
+    loras = [None, ALPHA, BETA] * len(prompts)
+    outputs = tp_llm.generate([p for p in prompts for _ in range(3)], GREEDY, use_tqdm=False, lora_request=loras)
+    names = ["base", "alpha", "beta"] * len(prompts)
+    assert _tokens(outputs) == [EXPECTED[name]["outputs"][i // 3] for i, name in enumerate(names)]
+
+
 def test_lora_options_are_checked():
     with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
         EngineConfig(lora_modules={"alpha": ALPHA.lora_path})

@@ -489,7 +489,7 @@ class RecordingEngine(FakeEngine):
         self.generation_defaults = generation_defaults
         self.params = []
 
-    def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None, cache_salt=None):
+    def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None, cache_salt=None, lora_name=None):
         self.params.append(params)
         return super().make_requests(request_id, prompt, params, priority, tokenizer)
 
