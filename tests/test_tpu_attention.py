@@ -67,7 +67,8 @@ def _batch(page_size: int, num_pages: int, rng) -> tuple[BatchDescriptor, np.nda
     zeros = np.zeros(num_rows, np.int32)
     batch = BatchDescriptor(input_ids=np.zeros(num_tokens, np.int32),
                             device_token_index=np.full(num_tokens, -1, np.int32), logits_indices=zeros, copy_src=zeros,
-                            copy_dst=zeros, num_seqs=np.asarray(len(ROWS) - 2, np.int32), **arrays)
+                            copy_dst=zeros, lora_slots=np.full(num_tokens, -1, np.int32),
+                            num_seqs=np.asarray(len(ROWS) - 2, np.int32), **arrays)
     return jax.tree.map(jnp.asarray, batch), cached_slots
 
 
@@ -191,7 +192,8 @@ def test_lowers_for_tpu_on_the_cpu(tp):
         batch = BatchDescriptor(input_ids=tokens, device_token_index=tokens - 1, positions=tokens,
                                 slot_mapping=slot_mapping,
                                 query_start_loc=query_start_loc, seq_lens=seq_lens, page_table=page_table,
-                                logits_indices=rows, copy_src=rows, copy_dst=rows, num_seqs=num_seqs)
+                                logits_indices=rows, copy_src=rows, copy_dst=rows, lora_slots=tokens - 1,
+                                num_seqs=num_seqs)
         caches = backend.write_kv((cache,), jnp.int32(1), k, v, batch)
         return backend.attention(q, caches, jnp.int32(1), batch, LayerAttention(128**-0.5)), caches
 

@@ -70,7 +70,7 @@ def _case(rows, page_size, num_kv_heads, group, head_dim, dtype, seed=0):
         positions=jnp.asarray(positions),
         slot_mapping=jnp.zeros(num_tokens, jnp.int32), query_start_loc=jnp.asarray(query_start_loc),
         seq_lens=jnp.asarray(seq_lens), page_table=jnp.asarray(page_table), logits_indices=zeros,
-        copy_src=zeros, copy_dst=zeros, num_seqs=jnp.int32(len(rows)),
+        copy_src=zeros, copy_dst=zeros, lora_slots=jnp.full(num_tokens, -1, jnp.int32), num_seqs=jnp.int32(len(rows)),
     )
     arrays = {name: jnp.asarray(value, dtype) for name, value in
               dict(q=q, k_cache=k_cache, v_cache=v_cache, k_clean=k_clean, v_clean=v_clean).items()}
@@ -214,7 +214,8 @@ def _attention_temp_bytes(spec, platform, num_tokens, num_rows, width, page_size
         input_ids=ints(num_tokens), device_token_index=ints(num_tokens), positions=ints(num_tokens),
         slot_mapping=ints(num_tokens),
         query_start_loc=ints(num_rows + 1), seq_lens=ints(num_rows), page_table=ints(num_rows, width),
-        logits_indices=ints(num_rows), copy_src=ints(num_rows), copy_dst=ints(num_rows), num_seqs=ints())
+        logits_indices=ints(num_rows), copy_src=ints(num_rows), copy_dst=ints(num_rows),
+        lora_slots=ints(num_tokens), num_seqs=ints())
     q = jax.ShapeDtypeStruct((num_tokens, spec.num_heads, spec.head_dim), jnp.bfloat16)  # (T, Hq, D)
     cache = jax.ShapeDtypeStruct((1, num_pages, page_size, spec.num_kv_heads, spec.head_dim), cache_dtype)
     compiled = jax.jit(lambda q, k, v, b: backend.attention(q, (k, v), 0, b, how)).lower(q, cache, cache, batch).compile()
