@@ -214,6 +214,8 @@ def serve(args: argparse.Namespace) -> int:
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
         allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating
+        or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
@@ -286,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allowed-methods", type=_json_strings, default=["*"], help='CORS: methods (JSON, default ["*"])')
     srv.add_argument("--allowed-headers", type=_json_strings, default=["*"], help='CORS: headers (JSON, default ["*"])')
     srv.add_argument("--allow-credentials", action="store_true", help="CORS: let browsers send credentials")
+    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; its "
+                          "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same)")
     srv.add_argument("--enable-server-load-tracking", action="store_true",
                      help="count requests in flight on the generation routes, for GET /load")
     srv.add_argument("--enable-force-include-usage", action="store_true",

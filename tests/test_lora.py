@@ -144,7 +144,7 @@ def test_lora_options_are_checked():
 def server(llm):
     """The OpenAI server on `llm`'s engine, with both adapters loaded: a request's `model` names one."""
     llm.engine.add_lora(BETA)
-    with running_server(build_app(llm.engine, ServerConfig())) as url:
+    with running_server(build_app(llm.engine, ServerConfig(allow_runtime_lora_updating=True))) as url:
         yield url
 
 
@@ -177,3 +177,29 @@ def test_the_server_refuses_unknown_models_and_beam_search_with_an_adapter(serve
     answer = httpx.post(f"{server}/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 2,
                                                           "use_beam_search": True, "n": 2})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
+
+
+def test_adapters_load_and_unload_at_run_time(server):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (on with --allow-runtime-lora-updating)."""
+
+    def post(route: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{server}/v1/{route}", json=body)
+
+    def complete(model: str) -> httpx.Response:
+        return httpx.post(f"{server}/v1/completions", json={
+            "model": model, "prompt": EXPECTED["prompts"][0], "max_tokens": GREEDY.max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+
+    unloaded = post("unload_lora_adapter", {"lora_name": "beta"})
+    assert unloaded.status_code == 200 and unloaded.text == "Success: LoRA adapter 'beta' removed successfully."
+    assert complete("beta").status_code == 404
+    assert "beta" not in {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]}
+    assert post("unload_lora_adapter", {"lora_name": "beta"}).status_code == 404
+    refused = post("load_lora_adapter", {"lora_name": "broken", "lora_path": FIXTURES})  # not a PEFT folder
+    assert refused.status_code == 400 and "no adapter_config.json" in refused.json()["error"]["message"]
+    assert post("load_lora_adapter", {"lora_name": "alpha", "lora_path": BETA.lora_path}).status_code == 400
+    loaded = post("load_lora_adapter", {"lora_name": "beta", "lora_path": BETA.lora_path})
+    assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'beta' added successfully."
+    answer = complete("beta")
+    assert answer.status_code == 200 and answer.json()["choices"][0]["token_ids"] == EXPECTED["beta"]["outputs"][0]
+

@@ -168,6 +168,13 @@ def test_invocations_needs_the_api_key_when_one_is_set(openai_server):
     _assert_openai_error(response, 401)
 
 
+def test_runtime_lora_routes_are_off_unless_allowed(openai_server):
+    url, _ = openai_server
+    body = {"lora_name": "x", "lora_path": "/nowhere"}
+    assert httpx.post(f"{url}/v1/load_lora_adapter", headers=AUTH, json=body).status_code == 404
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", headers=AUTH, json=body).status_code == 404
+
+
 def test_no_cors_headers_unless_origins_are_allowed(openai_server):
     url, _ = openai_server
     answer = httpx.get(f"{url}/health", headers={"Origin": "https://app.example"})

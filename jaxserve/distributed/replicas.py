@@ -145,6 +145,18 @@ class DataParallelEngine:
         return self.replicas[replica].submit(request_id, made,
                                              on_close=lambda: self.router.finished(replica, cost))
 
+    async def add_lora(self, lora_request) -> str:
+        """Load a LoRA adapter on every replica, one after the other: each takes it into the same slot (the lowest
+        free one), since every replica loaded the same adapters in the same order."""
+        for replica in self.replicas:
+            await replica.add_lora(lora_request)
+        return lora_request.lora_name
+
+    async def remove_lora(self, name: str) -> None:
+        """Free an adapter's slot on every replica."""
+        for replica in self.replicas:
+            await replica.remove_lora(name)
+
     async def reset_prefix_cache(self) -> int:
         """Forget every replica's cached pages; returns how many were forgotten in all."""
         forgotten = await asyncio.gather(*(replica.reset_prefix_cache() for replica in self.replicas))

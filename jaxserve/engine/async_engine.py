@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
 from jaxserve.engine.tokenizer import load_tokenizer
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
@@ -182,10 +183,23 @@ class AsyncLLMEngine:
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached page (on the engine thread, between steps); returns how many were forgotten."""
+        return await self._between_steps(self.engine.reset_prefix_cache)
+
+    async def add_lora(self, lora_request: LoRARequest) -> str:
+        """Load a LoRA adapter into a free slot (on the engine thread, between steps; LLMEngine.add_lora)."""
+        return await self._between_steps(lambda: self.engine.add_lora(lora_request))
+
+    async def remove_lora(self, name: str) -> None:
+        """Free an adapter's slot (on the engine thread, between steps; LLMEngine.remove_lora)."""
+        return await self._between_steps(lambda: self.engine.remove_lora(name))
+
+    async def _between_steps(self, function: Callable[[], object]) -> object:
+        """`function()` run on the engine thread between two steps; its result, or its exception raised here.
+        (Commands run in order, so a request submitted before it is in the engine when it runs.)"""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         done = self._loop.create_future()
-        self._commands.put(("reset_prefix_cache", done))
+        self._commands.put(("call", function, done))
         return await done
 
     def check_capacity(self, num_requests: int = 1) -> None:
@@ -270,9 +284,12 @@ class AsyncLLMEngine:
                     self.engine.submit(command[1], command[2])
                 except Exception as error:  # this request is bad; the engine is fine
                     self._loop.call_soon_threadsafe(self._fail_stream, command[1], error)
-            elif command[0] == "reset_prefix_cache":
-                forgotten = self.engine.reset_prefix_cache()
-                self._loop.call_soon_threadsafe(_resolve, command[1], forgotten)
+            elif command[0] == "call":
+                try:
+                    result, error = command[1](), None
+                except Exception as failure:  # handed to the awaiting coroutine
+                    result, error = None, failure
+                self._loop.call_soon_threadsafe(_resolve, command[2], result, error)
             else:
                 final = self.engine.abort_request(command[1])
                 if final is not None:
@@ -303,7 +320,11 @@ class AsyncLLMEngine:
         self._loop.call_soon_threadsafe(self._deliver, outputs)
 
 
-def _resolve(future: asyncio.Future, value) -> None:
-    """Set a future's result unless its waiter has gone (event loop only)."""
-    if not future.done():
+def _resolve(future: asyncio.Future, value, error: BaseException | None = None) -> None:
+    """Set a future's result (or `error`) unless its waiter has gone (event loop only)."""
+    if future.done():
+        return
+    if error is None:
         future.set_result(value)
+    else:
+        future.set_exception(error)

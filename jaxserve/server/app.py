@@ -64,6 +64,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     v1.add_api_route("/completions", serving.completions, methods=["POST"], response_model=None)
     v1.add_api_route("/chat/completions", serving.chat, methods=["POST"], response_model=None)
     v1.add_api_route("/models", serving.models, methods=["GET"])
+    if config.allow_runtime_lora_updating:
+        v1.add_api_route("/load_lora_adapter", serving.load_lora_adapter, methods=["POST"], response_model=None)
+        v1.add_api_route("/unload_lora_adapter", serving.unload_lora_adapter, methods=["POST"], response_model=None)
     app.include_router(v1)
 
     @app.get("/health")

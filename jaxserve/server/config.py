@@ -34,6 +34,8 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind its VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self):
         for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s",

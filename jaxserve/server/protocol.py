@@ -468,3 +468,17 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's): a PEFT folder loaded under a name requests' `model` can then give."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None

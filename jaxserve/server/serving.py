@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from jaxserve.engine.beam_search import (
@@ -28,6 +28,7 @@ from jaxserve.engine.beam_search import (
 )
 from jaxserve.engine.reasoning import ReasoningStream
 from jaxserve.engine.tokenizer import render_chat, render_chat_text
+from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import ServerConfig
@@ -36,7 +37,9 @@ from jaxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     _SamplingFields,
 )
 from jaxserve.server.responses import (
@@ -90,7 +93,9 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.scheduling_policy = engine.engine.config.scheduling_policy
         self.generation_defaults = dict(engine.engine.generation_defaults)
-        self.loras = engine.engine.list_loras()  # LoRA adapter name -> folder: a request's `model` may name one
+        # LoRA adapter name -> folder, a request's `model` may name one; the event loop's copy of the engine's,
+        # updated by the load and unload routes
+        self.loras = engine.engine.list_loras()
         logger.info("sampling defaults from the model's generation config, for the fields a request leaves "
                     "unset: %s", self.generation_defaults or "none")
 
@@ -274,6 +279,36 @@ class OpenAIServing:
         if parser is None:
             return None
         return ReasoningStream(parser, thinking=not parser.prompt_ends_reasoning(output.prompt_token_ids))
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        """POST /v1/load_lora_adapter: the adapter into a free slot, between two steps; 400 for a name in use, a
+        folder the engine cannot serve or no free slot."""
+        if body.lora_name in self.loras or body.lora_name == self.config.served_model_name:
+            raise APIError(400, f"The lora adapter {body.lora_name!r} has already been loaded.", "lora_name")
+        request = LoRARequest(body.lora_name, len(self.loras) + 1, body.lora_path)
+        try:
+            await self.engine.add_lora(request)
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from error
+        except ValueError as error:
+            raise APIError(400, str(error), "lora_path") from error
+        self.loras[body.lora_name] = body.lora_path
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        """POST /v1/unload_lora_adapter: free the adapter's slot; 404 for one not loaded, 400 while a request runs
+        with it."""
+        if body.lora_name not in self.loras:
+            raise APIError(404, f"The lora adapter {body.lora_name!r} cannot be found.", "lora_name",
+                           "model_not_found")
+        try:
+            await self.engine.remove_lora(body.lora_name)
+        except EngineDeadError as error:
+            raise APIError(503, str(error)) from error
+        except ValueError as error:
+            raise APIError(400, str(error), "lora_name") from error
+        del self.loras[body.lora_name]
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     def check_model(self, model: str | None) -> str | None:
         """The LoRA adapter `model` names, or None for the served model (or no `model`); 404 for anything else."""
