@@ -185,3 +185,21 @@ def test_a_quantized_config_lowers_and_counts_its_quantized_weights(tmp_path):
     scales = layers * ((heads + 2 * kv_heads) * head_dim + hidden + 2 * inner + hidden)
     kv_scales = 2 * layers * kv_heads  # k_scale and v_scale (L, Hkv)
     assert checks["none"].weight_bytes - checks["fp8"].weight_bytes == linear * 4 - linear - (scales + kv_scales) * 4
+
+
+def test_a_lora_config_counts_its_adapter_slots(tmp_path):
+    """The bundled model with 3 LoRA slots of rank 8: the largest buckets lower for cuda with the slots in
+    every projection, and the weights grow by exactly the slots' bytes (a (S, in, R) and b (S, R, out) float32 per
+    projection and layer)."""
+    checks = {}
+    for lora in (False, True):
+        config = tmp_path / f"tiny-lora-{lora}.yaml"
+        config.write_text("max_model_len: 256\nmax_num_seqs: 8\nmax_num_batched_tokens: 32\n"
+                          + ("enable_lora: true\nmax_loras: 3\nmax_lora_rank: 8\n" if lora else ""))
+        checks[lora] = check_config.check_config(str(config), ["cuda"], {"cuda": "h100"}, buckets="largest")
+    assert checks[True].failures == [] and checks[False].failures == []
+    hidden, inner, layers, q_width, kv_width = 128, 384, 4, 128, 64  # the bundled model's shape
+    widths = [(hidden, q_width), (hidden, kv_width), (hidden, kv_width), (q_width, hidden), (hidden, inner),
+              (hidden, inner), (inner, hidden)]
+    slots_bytes = layers * sum(3 * (width_in + width_out) * 8 for width_in, width_out in widths) * 4
+    assert checks[True].weight_bytes - checks[False].weight_bytes == slots_bytes

@@ -34,7 +34,7 @@ from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 from jaxserve.lora_request import LoRARequest
 from jaxserve.model.checkpoint import load_weights
-from jaxserve.model.lora import check_lora_support, read_adapter, with_lora_slots
+from jaxserve.model.lora import check_lora_support, lora_slot_structs, read_adapter, with_lora_slots
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
 from jaxserve.model.spec import ModelSpec
@@ -76,7 +76,8 @@ class EngineCore:
         if config.enable_lora:  # max_loras free adapter slots in the params (model/lora.py)
             check_lora_support(self.spec)
             declared = model_for(self.spec.architecture).weights(self.spec, kv_heads, tp)["layers"]
-            params = with_lora_slots(params, declared, self.mesh, config.max_loras, config.max_lora_rank, dtype)
+            params = with_lora_slots(params, lora_slot_structs(declared, self.mesh, config.max_loras,
+                                                               config.max_lora_rank, dtype))
         self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
         self.runner = Runner(
             self.spec, params, self.mesh,

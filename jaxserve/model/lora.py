@@ -51,20 +51,27 @@ def lora_specs(projection_spec: P) -> dict[str, P]:
     return {"a": P(None, None, rows, None), "b": P(None, None, None, columns)}
 
 
-def with_lora_slots(params: dict, declared_layers: dict, mesh: Mesh, num_slots: int, rank: int, dtype) -> dict:
-    """The params with params["layers"]["lora"]: `num_slots` free slots (zeros) of rank `rank` for each target
-    projection, sharded like it (`declared_layers`: the model's layer Weight declarations, model/registry.py)."""
+def lora_slot_structs(declared_layers: dict, mesh: Mesh, num_slots: int, rank: int, dtype) -> dict:
+    """params["layers"]["lora"] as ShapeDtypeStructs in their shardings: `num_slots` slots of rank `rank` for
+    each target projection, split like it (`declared_layers`: the model's layer Weight declarations,
+    model/registry.py)."""
     slots = {}
     for leaf in LORA_TARGETS.values():
         num_layers, width_in, width_out = declared_layers[leaf].shape
         specs = lora_specs(declared_layers[leaf].spec)
         slots[leaf] = {
-            "a": jnp.zeros((num_layers, num_slots, width_in, rank), dtype,
-                           device=NamedSharding(mesh, specs["a"])),  # (L, S, in, R)
-            "b": jnp.zeros((num_layers, num_slots, rank, width_out), dtype,
-                           device=NamedSharding(mesh, specs["b"])),  # (L, S, R, out)
+            "a": jax.ShapeDtypeStruct((num_layers, num_slots, width_in, rank), dtype,
+                                      sharding=NamedSharding(mesh, specs["a"])),  # (L, S, in, R)
+            "b": jax.ShapeDtypeStruct((num_layers, num_slots, rank, width_out), dtype,
+                                      sharding=NamedSharding(mesh, specs["b"])),  # (L, S, R, out)
         }
-    return {**params, "layers": {**params["layers"], "lora": slots}}
+    return slots
+
+
+def with_lora_slots(params: dict, slots: dict) -> dict:
+    """The params with params["layers"]["lora"] = `slots` (lora_slot_structs'), every slot free (zeros)."""
+    zeros = jax.tree_util.tree_map(lambda leaf: jnp.zeros(leaf.shape, leaf.dtype, device=leaf.sharding), slots)
+    return {**params, "layers": {**params["layers"], "lora": zeros}}
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
