@@ -398,7 +398,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     from jaxserve.engine.core import bucket_ladders, resolve_max_model_len
     from jaxserve.model.checkpoint import weight_quantization
     from jaxserve.model.loader import resolve_dtype
-    from jaxserve.model.lora import check_lora_support, lora_slot_structs
+    from jaxserve.model.lora import lora_slot_structs
     from jaxserve.model.registry import model_for
     from jaxserve.model.sharding import cache_kv_heads, make_mesh
     from jaxserve.runner.runner import Runner
@@ -414,9 +414,8 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     ladders = bucket_ladders(config, spec, max_model_len)
     params = abstract_params(spec, mesh, dtype, kv_heads, weight_quantization(config, spec), config.kv_cache_dtype)
     if config.enable_lora:  # the adapter slots: weights the engine holds, and work in every projection
-        check_lora_support(spec)
-        declared = model_for(spec.architecture).weights(spec, kv_heads, tp)["layers"]
-        lora = lora_slot_structs(declared, mesh, config.max_loras, config.max_lora_rank, dtype)
+        lora = lora_slot_structs(model_for(spec.architecture), spec, kv_heads, mesh, config.max_loras,
+                                 config.max_lora_rank, dtype)
         params = {**params, "layers": {**params["layers"], "lora": lora}}
     needed_pages = pages_for_tokens(max_model_len, config.page_size) + 1
 

@@ -19,16 +19,18 @@ import httpx
 import openai
 import pytest
 
-from helpers import running_server, small_engine_args
+from helpers import checkpoint, running_server, small_engine_args
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config import EngineConfig
-from jaxserve.model.lora import check_lora_support
+from jaxserve.model.lora import lora_slot_structs
+from jaxserve.model.registry import Model
 from jaxserve.model.spec import ModelSpec
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "lora")
-EXPECTED = json.load(open(os.path.join(FIXTURES, "expected.json")))
+EXPECTED_ALL = json.load(open(os.path.join(FIXTURES, "expected.json")))
+EXPECTED = EXPECTED_ALL["bundled"]
 ALPHA = LoRARequest("alpha", 1, os.path.join(FIXTURES, "alpha"))
 BETA = LoRARequest("beta", 2, os.path.join(FIXTURES, "beta"))
 GREEDY = SamplingParams(max_tokens=len(EXPECTED["base"]["outputs"][0]), temperature=0, ignore_eos=True)
@@ -126,6 +128,27 @@ def test_adapters_under_tensor_parallelism_give_pefts_tokens():
     assert _tokens(outputs) == [EXPECTED[name]["outputs"][i // 3] for i, name in enumerate(names)]
 
 
+@pytest.mark.parametrize("name, adapter", [("gemma2", "gemma-lora"), ("qwen3-moe", "moe-lora")])
+def test_gemma_and_a_mixture_of_experts_give_pefts_tokens(name, adapter):
+    """Gemma 2 (every projection adapted) and Qwen3-MoE (its attention: the experts take no adapters, and an
+    adapter of them is refused)."""
+    expected = EXPECTED_ALL[name]
+    model = LLM(checkpoint(name), **small_engine_args(max_model_len=96, max_num_batched_tokens=32, num_pages=24,
+                                                      skip_precompile=True, enable_lora=True, max_lora_rank=8,
+                                                      lora_modules={adapter: os.path.join(FIXTURES, adapter)}))
+    params = SamplingParams(max_tokens=len(expected["base"]["outputs"][0]), temperature=0, ignore_eos=True)
+    prompts = expected["prompts"]
+    tuned = LoRARequest(adapter, 1, os.path.join(FIXTURES, adapter))
+    outputs = model.generate(prompts * 2, params, use_tqdm=False,
+                             lora_request=[None] * len(prompts) + [tuned] * len(prompts))
+    assert _tokens(outputs) == expected["base"]["outputs"] + expected[adapter]["outputs"]
+    if name == "qwen3-moe":
+        assert set(model.engine.core.runner.params["layers"]["lora"]) == {"wq", "wk", "wv", "wo"}
+        model.engine.remove_lora(adapter)  # a free slot: the adapter itself is what is refused
+        with pytest.raises(ValueError, match="adapts nothing this engine serves LoRA on"):
+            model.engine.add_lora(LoRARequest("mlp", 2, os.path.join(FIXTURES, "gemma-lora")))
+
+
 def test_lora_options_are_checked():
     with pytest.raises(ValueError, match="lora_modules needs enable_lora"):
         EngineConfig(lora_modules={"alpha": ALPHA.lora_path})
@@ -133,9 +156,9 @@ def test_lora_options_are_checked():
         EngineConfig(enable_lora=True, lora_modules={"a": ALPHA.lora_path, "b": BETA.lora_path})
     with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1"):
         EngineConfig(enable_lora=True, max_lora_rank=0)
-    gemma = ModelSpec.from_pretrained(os.path.join(os.path.dirname(__file__), "fixtures", "checkpoints", "gemma2"))
-    with pytest.raises(ValueError, match="LoRA adapters are served for the Llama family"):
-        check_lora_support(gemma)
+    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    with pytest.raises(ValueError, match="takes no LoRA adapters"):
+        lora_slot_structs(Model(spec_from_config=None, weights=None, module=None), spec, 2, None, 1, 8, "float32")
 
 
 # ---- the server (last in this file: its engine thread drives the engine from here on) ------------------------

@@ -34,7 +34,7 @@ from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 from jaxserve.lora_request import LoRARequest
 from jaxserve.model.checkpoint import load_weights
-from jaxserve.model.lora import check_lora_support, lora_slot_structs, read_adapter, with_lora_slots
+from jaxserve.model.lora import lora_slot_structs, read_adapter, with_lora_slots
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
 from jaxserve.model.spec import ModelSpec
@@ -74,10 +74,9 @@ class EngineCore:
         kv_heads = cache_kv_heads(self.spec, tp)
         params, dtype = load_weights(config, model_path, self.spec, self.mesh, kv_heads)
         if config.enable_lora:  # max_loras free adapter slots in the params (model/lora.py)
-            check_lora_support(self.spec)
-            declared = model_for(self.spec.architecture).weights(self.spec, kv_heads, tp)["layers"]
-            params = with_lora_slots(params, lora_slot_structs(declared, self.mesh, config.max_loras,
-                                                               config.max_lora_rank, dtype))
+            params = with_lora_slots(params, lora_slot_structs(model_for(self.spec.architecture), self.spec, kv_heads,
+                                                               self.mesh, config.max_loras, config.max_lora_rank,
+                                                               dtype))
         self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
         self.runner = Runner(
             self.spec, params, self.mesh,
@@ -194,7 +193,8 @@ class EngineCore:
             raise ValueError(f"every one of the max_loras={self.config.max_loras} adapter slots holds an adapter "
                              f"({', '.join(self.loras)}): raise max_loras, or remove one")
         adapter = read_adapter(request.lora_path, self.spec, self.config.max_lora_rank,
-                               cache_kv_heads(self.spec, self.config.tensor_parallel_size))
+                               cache_kv_heads(self.spec, self.config.tensor_parallel_size),
+                               set(self.runner.params["layers"]["lora"]))
         self.runner.set_lora(free[0], adapter)
         self.loras[request.lora_name] = LoadedLora(free[0], request, f"{request.lora_name}#{next(self._lora_loads)}")
         logger.info("LoRA adapter %r from %s in slot %d", request.lora_name, request.lora_path, free[0])

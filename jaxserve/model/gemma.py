@@ -132,18 +132,20 @@ class GemmaLayer(llama.LlamaLayer):
                  step: StepContext) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """The layer over the step's tokens: (x, caches) after it."""
         # x: (T, H); rope: cos, sin (2, T, D // 2) each: [FULL], [SLIDING]
-        spec = self.spec
+        spec, slots, lora = self.spec, step.batch.lora_slots, self.lora
         kind = jnp.asarray(spec.layer_kinds, jnp.int32)[layer]  # () FULL or SLIDING
-        q, k, v = self.qkv(self.norm(x, self.input_norm))  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
+        q, k, v = self.qkv(self.norm(x, self.input_norm), slots)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
         cos, sin = rope[0][kind], rope[1][kind]  # (T, D // 2) each
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         hows = (LayerAttention(spec.query_scale, None, spec.attn_soft_cap),  # FULL
                 LayerAttention(spec.query_scale, spec.sliding_window, spec.attn_soft_cap))  # SLIDING
         attn, caches = step.attend(q, k, v, caches, layer, hows, kind, self.kv_scales())  # (T, Hq, D)
-        x = x + self.norm(project(attn.reshape(attn.shape[0], -1), self.wo), self.post_norm)  # (T, H)
+        x = x + self.norm(project(attn.reshape(attn.shape[0], -1), self.wo, lora.get("wo"), slots),
+                          self.post_norm)  # (T, H)
         h = self.norm(x, self.pre_ffw_norm)
-        gate = jax.nn.gelu(project(h, self.w_gate), approximate=True)  # (T, I)
-        return x + self.norm(project(gate * project(h, self.w_up), self.w_down), self.post_ffw_norm), caches
+        gate = jax.nn.gelu(project(h, self.w_gate, lora.get("w_gate"), slots), approximate=True)  # (T, I)
+        down = project(gate * project(h, self.w_up, lora.get("w_up"), slots), self.w_down, lora.get("w_down"), slots)
+        return x + self.norm(down, self.post_ffw_norm), caches
 
     def norm(self, x: jax.Array, weight: nnx.Param) -> jax.Array:
         """Gemma's RMSNorm."""
@@ -185,4 +187,4 @@ def weights(spec: GemmaSpec, num_cache_kv_heads: int, tensor_parallel_size: int)
     return map_weights(lambda _, weight: dataclasses.replace(weight, ones=False) if weight.ones else weight, tree)
 
 
-register(GEMMA_FAMILY, Model(spec_from_config=gemma_spec, weights=weights, module=GemmaForCausalLM))
+register(GEMMA_FAMILY, Model(spec_from_config=gemma_spec, weights=weights, module=GemmaForCausalLM, lora=True))

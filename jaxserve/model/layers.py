@@ -20,7 +20,6 @@ from jax.sharding import Mesh
 from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.kv.fp8 import write_and_attend
-from jaxserve.model.lora import lora_delta
 from jaxserve.model.quantize import linear
 
 
@@ -63,6 +62,15 @@ class LoraSlots(nnx.Module):
 def lora_slots(params: dict) -> nnx.Dict:
     """A layer's LoraSlots by projection leaf (params["lora"]; empty when the engine serves no adapters)."""
     return nnx.Dict({leaf: LoraSlots(pair["a"], pair["b"]) for leaf, pair in params.get("lora", {}).items()})
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """What the tokens' LoRA adapters add to a projection of x: (x @ a[s]) @ b[s] for each token's slot s (none for
+    -1), every slot's computed at once and masked (model/lora.py)."""
+    # x: (T, in); a: (S, in, R); b: (S, R, out); slots: (T,) int32 -> (T, out)
+    mask = (slots[:, None] == jnp.arange(a.shape[0])[None, :]).astype(x.dtype)  # (T, S)
+    down = jnp.einsum("ti,sir->tsr", x, a) * mask[:, :, None]  # (T, S, R)
+    return jnp.einsum("tsr,sro->to", down, b)
 
 
 def project(x: jax.Array, weight: nnx.Param | QuantizedWeight, lora: LoraSlots | None = None,

@@ -189,4 +189,4 @@ def weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int)
     return tree
 
 
-register(LLAMA_FAMILY, Model(spec_from_config=llama_family_spec, weights=weights, module=LlamaForCausalLM))
+register(LLAMA_FAMILY, Model(spec_from_config=llama_family_spec, weights=weights, module=LlamaForCausalLM, lora=True))

@@ -9,8 +9,9 @@ every token, (x @ a[s]) @ b[s] of its slot s, computed for all slots at once ((T
 percent of the projection's own work) and masked by the token's slot (`lora_delta`).
 
 Adapters are PEFT folders (`adapter_config.json`, `adapter_model.safetensors`, as `save_pretrained` writes them):
-LoRA on the attention and MLP projections of the Llama family; what else PEFT can express (DoRA, biases, embedding
-or LM-head adapters, per-module ranks, modules saved whole) is refused with the reason.
+LoRA on the attention and dense MLP projections of the architectures whose module adds them (`Model.lora`: the
+Llama family, Gemma 2 / 3; Mixtral and Qwen3-MoE on their attention, not their experts); what else PEFT can express
+(DoRA, biases, embedding or LM-head adapters, per-module ranks, modules saved whole) is refused with the reason.
 """
 
 from __future__ import annotations
@@ -28,20 +29,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file
 
 from jaxserve.model.sharding import put_global
-from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
+from jaxserve.model.spec import ModelSpec
 
 # PEFT's module name -> the projection leaf it adapts (model/llama.py)
 LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate",
                 "up_proj": "w_up", "down_proj": "w_down"}
 KV_LEAVES = ("wk", "wv")  # their columns hold KV heads, repeated when tensor parallelism exceeds them
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
-
-
-def check_lora_support(spec: ModelSpec) -> None:
-    """ValueError when the architecture takes no LoRA adapters."""
-    if spec.architecture not in LLAMA_FAMILY:
-        raise ValueError(f"enable_lora: LoRA adapters are served for the Llama family ({', '.join(LLAMA_FAMILY)}), "
-                         f"not {spec.architecture}")
 
 
 def lora_specs(projection_spec: P) -> dict[str, P]:
@@ -51,12 +45,19 @@ def lora_specs(projection_spec: P) -> dict[str, P]:
     return {"a": P(None, None, rows, None), "b": P(None, None, None, columns)}
 
 
-def lora_slot_structs(declared_layers: dict, mesh: Mesh, num_slots: int, rank: int, dtype) -> dict:
+def lora_slot_structs(model, spec: ModelSpec, num_cache_kv_heads: int, mesh: Mesh, num_slots: int, rank: int,
+                      dtype) -> dict:
     """params["layers"]["lora"] as ShapeDtypeStructs in their shardings: `num_slots` slots of rank `rank` for
-    each target projection, split like it (`declared_layers`: the model's layer Weight declarations,
-    model/registry.py)."""
+    each dense projection of LORA_TARGETS the architecture (`model`, model/registry.py's) has, split like it (a
+    mixture of experts' experts take none); ValueError for an architecture whose module adds no adapters."""
+    if not model.lora:
+        raise ValueError(f"enable_lora: {spec.architecture} takes no LoRA adapters (architectures that do: the "
+                         f"Llama family, Gemma 2 / 3, and the attention of Mixtral and Qwen3-MoE)")
+    declared_layers = model.weights(spec, num_cache_kv_heads, mesh.devices.size)["layers"]
     slots = {}
     for leaf in LORA_TARGETS.values():
+        if len(declared_layers[leaf].shape) != 3:  # (L, E, in, out): experts
+            continue
         num_layers, width_in, width_out = declared_layers[leaf].shape
         specs = lora_specs(declared_layers[leaf].spec)
         slots[leaf] = {
@@ -74,18 +75,11 @@ def with_lora_slots(params: dict, slots: dict) -> dict:
     return {**params, "layers": {**params["layers"], "lora": zeros}}
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
-    """What the tokens' adapters add to a projection of x: (x @ a[s]) @ b[s] for each token's slot s (none for -1)."""
-    # x: (T, in); a: (S, in, R); b: (S, R, out); slots: (T,) int32 -> (T, out)
-    mask = (slots[:, None] == jnp.arange(a.shape[0])[None, :]).astype(x.dtype)  # (T, S)
-    down = jnp.einsum("ti,sir->tsr", x, a) * mask[:, :, None]  # (T, S, R)
-    return jnp.einsum("tsr,sro->to", down, b)
-
-
-def read_adapter(path: str, spec: ModelSpec, max_rank: int, num_cache_kv_heads: int) -> dict[str, tuple]:
+def read_adapter(path: str, spec: ModelSpec, max_rank: int, num_cache_kv_heads: int,
+                 leaves: set[str]) -> dict[str, tuple]:
     """A PEFT LoRA folder as each adapted leaf's (a (L, in, R), b (L, R, out)) float32 host arrays, padded to rank
     `max_rank`, scale folded into b, KV heads repeated as the cache holds them; ValueError naming what this engine
-    cannot serve."""
+    cannot serve (`leaves`: the projections with slots)."""
     config = _adapter_config(path)
     rank = config.get("r")
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
@@ -98,9 +92,10 @@ def read_adapter(path: str, spec: ModelSpec, max_rank: int, num_cache_kv_heads: 
     found: dict[str, dict[str, dict[int, np.ndarray]]] = {}
     for name, tensor in tensors.items():
         match = _TENSOR.search(name)
-        if match is None or match.group(2) not in LORA_TARGETS:
+        if match is None or LORA_TARGETS.get(match.group(2)) not in leaves:
+            served = ", ".join(module for module, leaf in LORA_TARGETS.items() if leaf in leaves)
             raise ValueError(f"LoRA adapter {path}: tensor {name!r} adapts nothing this engine serves LoRA on (the "
-                             f"projections {', '.join(LORA_TARGETS)} of each layer)")
+                             f"projections {served} of each layer)")
         layer, leaf, part = int(match.group(1)), LORA_TARGETS[match.group(2)], match.group(3).lower()
         if layer >= spec.num_layers:
             raise ValueError(f"LoRA adapter {path}: tensor {name!r} is for layer {layer}; the model has "

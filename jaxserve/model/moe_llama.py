@@ -115,4 +115,5 @@ def weights(spec: MoeSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -
     return tree
 
 
-register(tuple(MOE_ARCHITECTURES), Model(spec_from_config=moe_spec, weights=weights, module=MoeForCausalLM))
+register(tuple(MOE_ARCHITECTURES), Model(spec_from_config=moe_spec, weights=weights, module=MoeForCausalLM,
+                                          lora=True))

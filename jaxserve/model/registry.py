@@ -64,6 +64,8 @@ class Model:
     # __call__(caches, StepContext) -> (logits (R, V) float32, hidden (T, H), caches) and
     # logits(hidden (N, H)) -> (N, V) float32
     module: type
+    # the module adds LoRA adapters' products (params["layers"]["lora"], model/lora.py) to its dense projections
+    lora: bool = False
 
     def make_forward(self, spec: ModelSpec, attention: AttentionFn, write_kv: WriteKVFn, mesh: Mesh) -> Callable:
         """forward(params, caches, batch) -> (logits (R, V) float32, hidden (T, H), caches) with the attention
