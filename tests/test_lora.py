@@ -79,6 +79,7 @@ def test_an_adapter_in_use_stays_and_a_removed_one_leaves_nothing_behind(llm):
     prompt = EXPECTED["prompts"][1] * 8
     first = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=BETA)
     llm.engine.add_request("waiting", [5, 6, 7], GREEDY, lora_request=BETA)
+    assert llm.stats()["lora"] == {"max_loras": 2, "running": [], "waiting": ["beta"]}  # the metrics' source
     with pytest.raises(ValueError, match="in use by 1 unfinished request"):
         llm.engine.remove_lora("beta")
     llm.engine.abort_request("waiting")
@@ -192,6 +193,9 @@ def test_the_server_lists_the_adapters_and_runs_the_one_a_request_names(server):
         assert answer.choices[0].token_ids == EXPECTED[name]["outputs"][index], model
     chat = client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.model == "beta" and chat.usage.completion_tokens == 4
+    metrics = httpx.get(f"{server}/metrics").text  # vLLM's info gauge (nothing runs now)
+    assert ('jaxserve:lora_requests_info{max_lora="2",model_name="tiny-stdlib-llama",replica="0",'
+            'running_lora_adapters="",waiting_lora_adapters=""}') in metrics
 
 
 def test_the_server_refuses_unknown_models_and_beam_search_with_an_adapter(server):

@@ -210,6 +210,18 @@ class EngineCore:
         self.runner.set_lora(loaded.slot, {})
         del self.loras[name]
 
+    def _lora_stats(self) -> dict | None:
+        """The adapters running and waiting requests use, by name, and max_loras (None without enable_lora)."""
+        if not self.config.enable_lora:
+            return None
+        names = {loaded.slot: name for name, loaded in self.loras.items()}
+
+        def used(requests) -> list[str]:
+            return sorted({names[r.lora_slot] for r in requests if r.lora_slot in names})
+
+        return {"max_loras": self.config.max_loras, "running": used(self.scheduler.running),
+                "waiting": used(self.scheduler.waiting)}
+
     def lora(self, name: str) -> LoadedLora:
         """The adapter loaded as `name`; ValueError naming the loaded ones otherwise."""
         if name not in self.loras:
@@ -414,6 +426,7 @@ class EngineCore:
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_swapped": len(self.kv.swapped_request_ids()),
             "num_requests_by_priority": self.scheduler.queue_lengths_by_priority(),
+            "lora": self._lora_stats(),
             "compilations_after_warmup": CompileCounter.count() - self._compiles_after_warmup_base,
             "lazy_bucket_compilations": self.runner.num_lazy_compiles,
             "executables": self.runner.num_executables(),

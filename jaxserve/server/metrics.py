@@ -117,6 +117,12 @@ class _EngineCollector:
             yield (CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
                    "Proposed tokens accepted, by their position among a step's proposals.", {"position": str(position)},
                    count)
+        lora = stats.get("lora")
+        if lora is not None:  # vLLM's info gauge: the adapters in use in its labels, the time as its value
+            labels = {"max_lora": str(lora["max_loras"]), "waiting_lora_adapters": ",".join(lora["waiting"]),
+                      "running_lora_adapters": ",".join(lora["running"])}
+            yield (GaugeMetricFamily, "lora_requests_info", "LoRA adapters of the running and waiting requests.",
+                   labels, time.time())
 
 
 class ServerMetrics:
