@@ -6,7 +6,7 @@ of rank R = max_lora_rank (an adapter of lower rank is zero-padded; a free slot 
 adapter's scale, lora_alpha / r). Each token of a step names its request's slot (`BatchDescriptor.lora_slots`,
 -1 for none), so requests of different adapters and of the base model share a step: a projection adds, for
 every token, (x @ a[s]) @ b[s] of its slot s, computed for all slots at once ((T, S, R): S * R columns, a few
-percent of the projection's own work) and masked by the token's slot (`lora_delta`).
+percent of the projection's own work) and masked by the token's slot (`lora_delta` in model/layers.py).
 
 Adapters are PEFT folders (`adapter_config.json`, `adapter_model.safetensors`, as `save_pretrained` writes them):
 LoRA on the attention and dense MLP projections of the architectures whose module adds them (`Model.lora`: the
