@@ -22,6 +22,7 @@ import pytest
 from helpers import checkpoint, running_server, small_engine_args
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.model.lora import lora_slot_structs
 from jaxserve.model.registry import Model
 from jaxserve.model.spec import ModelSpec
@@ -230,3 +231,32 @@ def test_adapters_load_and_unload_at_run_time(server):
     answer = complete("beta")
     assert answer.status_code == 200 and answer.json()["choices"][0]["token_ids"] == EXPECTED["beta"]["outputs"][0]
 
+
+
+def test_data_parallel_replicas_serve_the_same_adapters_in_the_same_slots():
+    """Two replicas (data_parallel_size 2): an adapter from start-up and one loaded at run time are in the same slot
+    on both, so a request runs with its adapter whichever replica the router picks (PEFT's tokens)."""
+    config = EngineConfig.for_model(None, **{**{k: v for k, v in ENGINE.items() if k != "show_progress"},
+                                             "data_parallel_size": 2, "skip_precompile": True,
+                                             "lora_modules": {"alpha": ALPHA.lora_path}})
+    app = build_app(LLMEngine(config, show_progress=False), ServerConfig(allow_runtime_lora_updating=True))
+    with running_server(app) as url:
+        loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": BETA.lora_path})
+        assert loaded.status_code == 200, loaded.text
+        replicas = app.state.async_engine.replicas
+        assert [{name: lora.slot for name, lora in r.engine.core.loras.items()} for r in replicas] == \
+            [{"alpha": 0, "beta": 1}] * 2
+
+        def complete(case):
+            index, model = case
+            return httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": model, "prompt": EXPECTED["prompts"][index], "max_tokens": GREEDY.max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}).json()
+
+        cases = [(index, model) for index in range(len(EXPECTED["prompts"])) for model in ("alpha", "beta")]
+        before = [r.stats()["generation_tokens"] for r in replicas]
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            answers = list(pool.map(complete, cases))
+        for (index, model), answer in zip(cases, answers):
+            assert answer["choices"][0]["token_ids"] == EXPECTED[model]["outputs"][index], model
+        assert all(r.stats()["generation_tokens"] > b for r, b in zip(replicas, before))  # both replicas served
