@@ -157,11 +157,11 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", _checked_speculative_config(self.speculative_config))
             if self.num_scheduler_steps > 1:
                 raise ValueError("speculative_config and num_scheduler_steps > 1 are alternatives: choose one")
-        for name in ("async_scheduling", "skip_precompile"):
+        for name in ("async_scheduling", "skip_precompile", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket",
-                     "num_scheduler_steps"):
+                     "num_scheduler_steps", "max_loras", "max_lora_rank"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -178,7 +178,7 @@ class EngineConfig:
                 f"got {self.generation_config!r}"
             )
         _check_distributed(self)
-        _check_lora(self)
+        _check_lora_modules(self)
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(
                 f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
@@ -312,13 +312,8 @@ def _check_distributed(config: EngineConfig) -> None:
                          f"a multi-host engine preempts by recompute")
 
 
-def _check_lora(config: EngineConfig) -> None:
-    """ValueError naming the LoRA option that is wrong."""
-    if not isinstance(config.enable_lora, bool):
-        raise ValueError(f"enable_lora must be true or false, got {config.enable_lora!r}")
-    for name in ("max_loras", "max_lora_rank"):
-        if not isinstance(getattr(config, name), int) or getattr(config, name) < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {getattr(config, name)!r}")
+def _check_lora_modules(config: EngineConfig) -> None:
+    """ValueError when lora_modules is malformed or does not fit the LoRA options."""
     modules = config.lora_modules
     if modules is None:
         return

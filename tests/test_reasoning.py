@@ -89,8 +89,7 @@ def test_a_tokenizer_without_the_markers_is_refused_before_the_engine_loads():
     with pytest.raises(ValueError, match="no token '<think>'"):
         ReasoningParser.load("deepseek_r1", AutoTokenizer.from_pretrained(default_model_path()))
     with pytest.raises(ValueError, match="no token '<think>'"):
-        LLMEngine(EngineConfig.for_model(None, reasoning_parser="qwen3",
-                                         **{k: v for k, v in ENGINE.items() if k != "show_progress"}))
+        LLMEngine(EngineConfig.for_model(None, reasoning_parser="qwen3", **_engine_options()))
     with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3"):
         EngineConfig(reasoning_parser="granite")
 

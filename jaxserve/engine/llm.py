@@ -58,8 +58,9 @@ class LLM:
         `lora_request` (one for all prompts, or one or None per prompt; vLLM's argument) they run with that LoRA
         adapter, loaded into a free slot first when it is not yet (the engine needs enable_lora)."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params or self.get_default_sampling_params(), len(prompt_list))
-        loras = _per_prompt(lora_request, len(prompt_list), "LoRARequests")
+        params_list = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
+                                  SamplingParams)
+        loras = _per_prompt(lora_request, len(prompt_list), LoRARequest)
         # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
         names = [None if lora is None else self.engine.add_lora(lora) for lora in loras]
         made = []
@@ -153,22 +154,15 @@ def _as_prompt_list(prompts) -> list[PromptInput]:
     return prompts
 
 
-def _per_prompt(value, count: int, what: str) -> list:
-    """One item per prompt: `value` for every prompt (None or a single item), or its items, one per prompt."""
-    if value is None or not isinstance(value, (list, tuple)):
+def _per_prompt(value, count: int, single: type) -> list:
+    """One item per prompt: `value` for every prompt when it is None or a `single`, else its items, one per
+    prompt (a ValueError for another number)."""
+    if value is None or isinstance(value, single):
         return [value] * count
-    if len(value) != count:
-        raise ValueError(f"got {len(value)} {what} for {count} prompts; pass one, or one per prompt")
-    return list(value)
-
-
-def _as_params_list(params, count: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} SamplingParams for {count} prompts; pass one, or one per prompt")
-    return params
+    items = list(value)
+    if len(items) != count:
+        raise ValueError(f"got {len(items)} {single.__name__} for {count} prompts; pass one, or one per prompt")
+    return items
 
 
 def _prompt_of(prompt: PromptInput) -> Prompt:
