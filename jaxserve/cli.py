@@ -216,6 +216,7 @@ def serve(args: argparse.Namespace) -> int:
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
+        max_stored_responses=args.max_stored_responses,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
@@ -291,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--allow-runtime-lora-updating", action="store_true",
                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; its "
                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true does the same)")
+    srv.add_argument("--max-stored-responses", type=int, default=0,
+                     help="keep the newest N responses of /v1/responses, for previous_response_id and GET "
+                          "/v1/responses/{id} (default 0: none, as vLLM)")
     srv.add_argument("--enable-server-load-tracking", action="store_true",
                      help="count requests in flight on the generation routes, for GET /load")
     srv.add_argument("--enable-force-include-usage", action="store_true",

@@ -242,6 +242,25 @@ def test_a_named_tool_call_comes_from_the_answer(client):
     jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_response_holds_a_reasoning_item_then_the_message(client, expected, greedy, stream):
+    """/v1/responses: the thinking is a reasoning item (its text in `content`), counted in reasoning_tokens with its
+    end marker; the answer is the message after it."""
+    kwargs = dict(model="tiny-stdlib-llama", input=MESSAGES, max_output_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        events = list(client.responses.create(stream=True, **kwargs))
+        response = events[-1].response
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == expected[0]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected[1]
+    else:
+        response = client.responses.create(**kwargs)
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and [part.text for part in reasoning.content] == [expected[0]]
+    assert message.type == "message" and response.output_text == expected[1]
+    assert response.usage.output_tokens_details.reasoning_tokens == greedy[2] + 1
+
+
 def test_completions_keep_the_markers_and_constrain_after_them(server, greedy):
     """/v1/completions does not split the text (vLLM's rule), but its constraints also wait for the end marker;
     every page comes back afterwards."""

@@ -21,6 +21,7 @@ from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
 from jaxserve.server.metrics import ServerMetrics, cache_config_info
 from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from jaxserve.server.responses_api import ResponsesServing
 from jaxserve.server.serving import OpenAIServing
 
 
@@ -40,6 +41,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         async_engine = serve_async(engine)
         replica_stats = lambda: [async_engine.stats()]  # noqa: E731
     serving = OpenAIServing(async_engine, config)
+    responses = ResponsesServing(serving, config.max_stored_responses)
     engine.core.on_peer_lost(lambda reason: async_engine.fail(EngineDeadError(f"the multi-host launch broke: {reason}")))
 
     @asynccontextmanager
@@ -63,6 +65,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_guard(config.api_key))])
     v1.add_api_route("/completions", serving.completions, methods=["POST"], response_model=None)
     v1.add_api_route("/chat/completions", serving.chat, methods=["POST"], response_model=None)
+    v1.add_api_route("/responses", responses.create, methods=["POST"], response_model=None)
+    v1.add_api_route("/responses/{response_id}", responses.get, methods=["GET"])
+    v1.add_api_route("/responses/{response_id}", responses.delete, methods=["DELETE"])
     v1.add_api_route("/models", serving.models, methods=["GET"])
     if config.allow_runtime_lora_updating:
         v1.add_api_route("/load_lora_adapter", serving.load_lora_adapter, methods=["POST"], response_model=None)
@@ -177,7 +182,7 @@ class LoadTracking:
     """ASGI middleware: counts each request to a generation route from its arrival until its response,
     streamed or not, has ended, however it ends."""
 
-    PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 
     def __init__(self, app, load: ServerLoad):
         self.app = app

@@ -36,12 +36,17 @@ class ServerConfig:
     allow_credentials: bool = False
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, behind its VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
+    # responses of /v1/responses kept for previous_response_id and GET /v1/responses/{id}: the newest this many
+    # (0: none, vLLM's default)
+    max_stored_responses: int = 0
 
     def __post_init__(self):
         for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s",
                      "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         from jaxserve.server.tools import TOOL_PARSERS

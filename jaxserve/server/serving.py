@@ -172,13 +172,13 @@ class OpenAIServing:
         created = int(time.time())
         if body.stream and params.num_samples == params.n:
             return EngineStreamingResponse(self._completion_chunks(request_id, created, streams, body, params), streams)
-        outputs = await self._final_outputs(streams, body, raw)
+        outputs = await self.final_outputs(streams, body, raw)
         if outputs is None:
             return Response(status_code=499)
         choices = [self._completion_choice(prompt_index * params.n + c.index, output, c, body, params)
                    for prompt_index, output in enumerate(outputs) for c in output.outputs]
         response = {"id": request_id, "object": "text_completion", "created": created,
-                    "model": self._model_name(body), "choices": choices, "usage": self._usage(outputs)}
+                    "model": self.model_name(body), "choices": choices, "usage": self._usage(outputs)}
         if body.stream:  # best_of > n is not streamed (vLLM's rule, after OpenAI's): the whole response, one event
             return StreamingResponse(_one_event(response), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -210,7 +210,7 @@ class OpenAIServing:
         choices = [self._completion_choice(prompt_index * body.n + c.index, output, c, body, params)
                    for prompt_index, output in enumerate(outputs) for c in output.outputs]
         return {"id": request_id, "object": "text_completion", "created": created,
-                "model": self._model_name(body), "choices": choices, "usage": self._usage(outputs)}
+                "model": self.model_name(body), "choices": choices, "usage": self._usage(outputs)}
 
     def _beam_search(self, request_id: str, prompt: str | list[int], body: CompletionRequest, params: SamplingParams,
                      beam_params: BeamSearchParams) -> BeamSearch:
@@ -222,6 +222,33 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response | dict:
         """POST /v1/chat/completions."""
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        params, tools, streams = await self.start_chat(request_id, body)
+        created = int(time.time())
+        if body.stream:
+            return EngineStreamingResponse(self._chat_chunks(request_id, created, streams[0], body, params, tools),
+                                           streams)
+        outputs = await self.final_outputs(streams, body, raw)
+        if outputs is None:
+            return Response(status_code=499)
+        output = outputs[0]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = self.chat_message(c, output, body, tools)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._chat_logprobs(params, c.token_ids, c.logprobs),
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                            "token_ids": c.token_ids if body.return_token_ids else None})
+        return {"id": request_id, "object": "chat.completion", "created": created,
+                "model": self.model_name(body), "choices": choices, "usage": self._usage(outputs),
+                "prompt_logprobs": prompt_logprobs_field(self.token_text, output.prompt_logprobs),
+                "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None}
+
+    async def start_chat(self, request_id: str, body: ChatCompletionRequest
+                         ) -> tuple[SamplingParams, ToolCallExtractor | None, list[RequestStream]]:
+        """Check a chat request, render its prompt, compile its constraint and queue it: (its sampling parameters,
+        how its replies are split into content and tool calls, its one stream). APIError (400 naming the field) for
+        anything the request gets wrong, 503 for an engine that is full or down."""
         params = self._sampling_params(body)
         tools = self._tool_calls(body)
         try:
@@ -231,35 +258,15 @@ class OpenAIServing:
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), "messages") from error
         await self._compile_constraint(body, params)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self._submit(request_id, [prompt], body, params)
-        created = int(time.time())
-        if body.stream:
-            return EngineStreamingResponse(self._chat_chunks(request_id, created, streams[0], body, params, tools),
-                                           streams)
-        outputs = await self._final_outputs(streams, body, raw)
-        if outputs is None:
-            return Response(status_code=499)
-        output = outputs[0]
-        choices = []
-        for c in output.outputs:
-            message, finish_reason = self._chat_message(c, output, body, tools)
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": self._chat_logprobs(params, c.token_ids, c.logprobs),
-                            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
-                            "token_ids": c.token_ids if body.return_token_ids else None})
-        return {"id": request_id, "object": "chat.completion", "created": created,
-                "model": self._model_name(body), "choices": choices, "usage": self._usage(outputs),
-                "prompt_logprobs": prompt_logprobs_field(self.token_text, output.prompt_logprobs),
-                "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None}
+        return params, tools, self._submit(request_id, [prompt], body, params)
 
-    def _chat_message(self, c: CompletionOutput, output: RequestOutput, body: ChatCompletionRequest,
+    def chat_message(self, c: CompletionOutput, output: RequestOutput, body: ChatCompletionRequest,
                       tools: ToolCallExtractor | None) -> tuple[dict, str | None]:
         """(the message, the finish reason) of one whole chat reply: with a reasoning parser its thinking apart
         from its content; with tools the calls found in its content."""
         message, text = {"role": body.reply_role()}, c.text
         echo = body.echo_text()
-        reasoning = self._reasoning_stream(output)
+        reasoning = self.reasoning_stream(output)
         if reasoning is not None:
             thought, text = reasoning.advance(text, final=True)
             message.update(_reasoning_fields(thought if body.include_reasoning else ""))
@@ -272,7 +279,7 @@ class OpenAIServing:
         message["tool_calls"] = [tool_call_field(call, call_id()) for call in calls]
         return message, _finish_reason(c.finish_reason, bool(calls), tools)
 
-    def _reasoning_stream(self, output: RequestOutput) -> ReasoningStream | None:
+    def reasoning_stream(self, output: RequestOutput) -> ReasoningStream | None:
         """The split of a reply into reasoning and content (engine/reasoning.py), None without a reasoning parser;
         the reply starts in the thinking unless its prompt has closed it."""
         parser = self.engine.engine.reasoning
@@ -320,7 +327,7 @@ class OpenAIServing:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model",
                        "model_not_found")
 
-    def _model_name(self, body: _SamplingFields) -> str:
+    def model_name(self, body: _SamplingFields) -> str:
         """The `model` a response names: the request's LoRA adapter, else the served model."""
         return self.check_model(body.model) or self.config.served_model_name
 
@@ -393,7 +400,7 @@ class OpenAIServing:
         headers = {"Retry-After": str(self.config.retry_after_s)} if isinstance(error, EngineOverloadedError) else None
         return APIError(503, str(error), headers=headers)
 
-    async def _final_outputs(self, streams: list[RequestStream], body: _SamplingFields,
+    async def final_outputs(self, streams: list[RequestStream], body: _SamplingFields,
                              raw: Request) -> list[RequestOutput] | None:
         """The final output of every stream, or None when the client disconnects first; a request the
         engine failed alone is a 400."""
@@ -461,7 +468,7 @@ class OpenAIServing:
                                  body: CompletionRequest, params: SamplingParams) -> AsyncIterator[bytes]:
         """SSE chunks of a streamed completion; the last is `[DONE]`, or an error event when the engine
         fails the request."""
-        head = {"id": request_id, "object": "text_completion", "created": created, "model": self._model_name(body)}
+        head = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name(body)}
         encoder = ChunkEncoder(head)
         states = [[ChoiceStream(params) for _ in range(params.n)] for _ in streams]
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -529,7 +536,7 @@ class OpenAIServing:
         (and the echo), then content; the last is `[DONE]`, or an error event when the engine fails the
         request."""
         head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self._model_name(body)}
+                "model": self.model_name(body)}
         encoder = ChunkEncoder(head)
         states = [ChoiceStream(params) for _ in range(params.n)]
         calls = [None if tools is None else ToolCallStream(tools) for _ in range(params.n)]
@@ -544,7 +551,7 @@ class OpenAIServing:
                 if not opened:
                     for chunk in self._chat_opening(encoder, final, body, params.n, continuous):
                         yield chunk
-                    reasonings = [self._reasoning_stream(final) for _ in range(params.n)]
+                    reasonings = [self.reasoning_stream(final) for _ in range(params.n)]
                     opened = True
                 for c in final.outputs:
                     chunk = self._chat_delta(encoder, states[c.index], calls[c.index], reasonings[c.index], final, c,
@@ -580,22 +587,11 @@ class OpenAIServing:
                     body: ChatCompletionRequest, params: SamplingParams, continuous: bool) -> bytes | None:
         """The next chunk of sample `c` of a streamed chat (its text; with a reasoning parser its reasoning and
         content; with tools its content and tool call deltas), or None when there is nothing to send."""
-        delta = state.advance(c)
+        delta = reply_delta(state, calls, reasoning, c, body.include_reasoning)
         if delta is None:
             return None
-        text, first_token = delta
-        finish_reason, final = c.finish_reason, c.finish_reason is not None
-        message = {}
-        if reasoning is not None:
-            thought, text = reasoning.advance(text, final)
-            if thought and body.include_reasoning:
-                message.update(_reasoning_fields(thought))
-        if calls is None:
-            message.update({"content": text} if text else {})
-        else:
-            message.update(calls.advance(text, final))
-            finish_reason = _finish_reason(finish_reason, calls.called, calls.extractor)
-        if not message and not final and params.logprobs is None:
+        message, first_token, finish_reason = delta
+        if not message and c.finish_reason is None and params.logprobs is None:
             return None  # (held back: it may be a marker or a tool call's start)
         choice = {"index": c.index, "delta": message,
                   "logprobs": self._chat_logprobs(params, c.token_ids[first_token:],
@@ -606,6 +602,30 @@ class OpenAIServing:
         if body.return_token_ids:
             choice["token_ids"] = c.token_ids[first_token:]
         return encoder.choice(choice, usage=_chunk_usage(continuous, output, state))
+
+
+def reply_delta(state: ChoiceStream, calls: ToolCallStream | None, reasoning: ReasoningStream | None,
+                c: CompletionOutput, include_reasoning: bool = True) -> tuple[dict, int, str | None] | None:
+    """The next delta of a streamed chat reply `c`: (its message: `reasoning` / `reasoning_content` with a
+    reasoning parser, `content`, `tool_calls` deltas with tools, each only when it has something; the index of
+    its first token; the finish reason, "tool_calls" for a reply that called tools), or None when no text or end
+    came. The message is empty while text is held back (a stop string, a marker or a tool call in the making)."""
+    delta = state.advance(c)
+    if delta is None:
+        return None
+    text, first_token = delta
+    finish_reason, final = c.finish_reason, c.finish_reason is not None
+    message = {}
+    if reasoning is not None:
+        thought, text = reasoning.advance(text, final)
+        if thought and include_reasoning:
+            message.update(_reasoning_fields(thought))
+    if calls is None:
+        message.update({"content": text} if text else {})
+    else:
+        message.update(calls.advance(text, final))
+        finish_reason = _finish_reason(finish_reason, calls.called, calls.extractor)
+    return message, first_token, finish_reason
 
 
 def _json_value(value: object) -> object:
