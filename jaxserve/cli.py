@@ -216,7 +216,7 @@ def serve(args: argparse.Namespace) -> int:
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
-        max_stored_responses=args.max_stored_responses,
+        max_stored_responses=args.max_stored_responses, enable_weight_updates=args.enable_weight_updates,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
@@ -295,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-stored-responses", type=int, default=0,
                      help="keep the newest N responses of /v1/responses, for previous_response_id and GET "
                           "/v1/responses/{id} (default 0: none, as vLLM)")
+    srv.add_argument("--enable-weight-updates", action="store_true",
+                     help="serve POST /update_weights_from_disk (SGLang's route): new weights of the served model "
+                          "from a folder, without a restart")
     srv.add_argument("--enable-server-load-tracking", action="store_true",
                      help="count requests in flight on the generation routes, for GET /load")
     srv.add_argument("--enable-force-include-usage", action="store_true",

@@ -38,6 +38,21 @@ def checkpoint_tensors(name: str, folder: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+def perturbed(tensors: dict[str, np.ndarray], seed: int) -> dict[str, np.ndarray]:
+    """Every tensor plus noise of 0.05: new weights of the same model (for weight updates)."""
+    rng = np.random.default_rng(seed)
+    return {name: (t + 0.05 * rng.standard_normal(t.shape)).astype(t.dtype) for name, t in tensors.items()}
+
+
+def perturbed_checkpoint(name: str, folder: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """A copy of fixture `name` in `folder` with every tensor perturbed; returns the fixture's own tensors."""
+    from safetensors.numpy import save_file
+
+    tensors = checkpoint_tensors(name, folder)
+    save_file(perturbed(tensors, seed), os.path.join(folder, "model.safetensors"))
+    return tensors
+
+
 def greedy_outputs_compiling_nothing(engines: dict) -> dict:
     """Each engine's greedy tokens (8 each) for the llama fixture prompts, asserting that none compiles after
     warm-up and that every page comes back."""

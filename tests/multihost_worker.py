@@ -2,7 +2,9 @@
 PROCESS_ID HTTP_PORT`, two simulated CPU devices each, together a tensor-parallel mesh of 4 on the llama fixture.
 
 Both build `LLM` (on the follower it serves the leader's steps, then ends the process). The leader generates
-offline, prints one `OFFLINE {json}` line, then serves HTTP on the same engine until it is stopped.
+offline, updates the weights to those of the folder JAXSERVE_TEST_NEW_WEIGHTS names and generates again, goes back
+to the fixture's weights, prints one `OFFLINE {json}` line, then serves HTTP on the same engine until it is
+stopped.
 """
 
 import json
@@ -29,8 +31,12 @@ def main(coordinator: str, process_id: int, http_port: int) -> None:
     prompts = expected("llama")["prompts"]
     greedy = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
     sampled = llm.generate(prompts[:4], SamplingParams(**SAMPLED), use_tqdm=False)
+    llm.update_weights(os.environ["JAXSERVE_TEST_NEW_WEIGHTS"])  # every process reads its shards of them
+    updated = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+    llm.update_weights(checkpoint("llama"))  # the fixture's weights again, for the server tests
     print("OFFLINE " + json.dumps({"greedy": [o.outputs[0].token_ids for o in greedy],
-                                   "sampled": [o.outputs[0].token_ids for o in sampled]}), flush=True)
+                                   "sampled": [o.outputs[0].token_ids for o in sampled],
+                                   "updated": [o.outputs[0].token_ids for o in updated]}), flush=True)
     uvicorn.run(build_app(llm.engine, ServerConfig(served_model_name="llama")), host="127.0.0.1", port=http_port,
                 log_level="warning")
 

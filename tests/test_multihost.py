@@ -18,7 +18,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.cli import _engine_config, build_parser
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import runtime
-from helpers import checkpoint, expected
+from helpers import checkpoint, expected, perturbed_checkpoint
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
 START_TIMEOUT_S = 400  # both processes compile the buckets they use (a follower never reads the leader's cache)
@@ -33,9 +33,9 @@ def _free_port() -> int:
 class Launch:
     """The two worker processes; the leader's OFFLINE line, parsed."""
 
-    def __init__(self, log_dir):
+    def __init__(self, log_dir, new_weights: str):
         coordinator, self.http_port = f"127.0.0.1:{_free_port()}", _free_port()
-        env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+        env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), "JAXSERVE_TEST_NEW_WEIGHTS": new_weights}
         self.logs = [open(log_dir / f"process{i}.log", "w+") for i in range(2)]
         self.processes = [subprocess.Popen([sys.executable, WORKER, coordinator, str(i), str(self.http_port)],
                                            env=env, stdout=subprocess.PIPE if i == 0 else self.logs[i],
@@ -90,17 +90,20 @@ class Launch:
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     """The two-process launch, and one process's tokens at TP 4 and TP 1 computed here while it starts."""
-    launch = Launch(tmp_path_factory.mktemp("multihost"))
+    new_weights = str(tmp_path_factory.mktemp("new-weights"))
+    perturbed_checkpoint("llama", new_weights)
+    launch = Launch(tmp_path_factory.mktemp("multihost"), new_weights)
     try:
-        launch.one_process = _one_process_outputs()
+        launch.one_process = _one_process_outputs(new_weights)
         launch.wait_offline()
         yield launch
     finally:
         launch.close()
 
 
-def _one_process_outputs() -> dict:
-    """Greedy and sampled tokens of one process at TP 4 and at TP 1, on the same engine options."""
+def _one_process_outputs(new_weights: str) -> dict:
+    """Greedy and sampled tokens of one process at TP 4 and at TP 1, on the same engine options; at TP 1 the
+    greedy tokens after an update to `new_weights` too."""
     prompts = expected("llama")["prompts"]
     outputs = {}
     for tp in (4, 1):
@@ -109,6 +112,9 @@ def _one_process_outputs() -> dict:
         sampled = llm.generate(prompts[:4], SamplingParams(**SAMPLED), use_tqdm=False)
         outputs[tp] = {"greedy": [o.outputs[0].token_ids for o in greedy],
                        "sampled": [o.outputs[0].token_ids for o in sampled]}
+    llm.update_weights(new_weights)
+    outputs[1]["updated"] = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**GREEDY),
+                                                                          use_tqdm=False)]
     return outputs
 
 
@@ -117,6 +123,11 @@ def test_offline_tokens_equal_one_process_at_tp4_and_tp1(launch):
     assert launch.offline["greedy"] == one_process[4]["greedy"] == one_process[1]["greedy"] == \
         expected("llama")["outputs"]
     assert launch.offline["sampled"] == one_process[4]["sampled"]  # the same keys and the same mesh: same draws
+
+
+def test_a_weight_update_reaches_every_process(launch):
+    """update_weights(folder) is mirrored: each process reads its shards of the new weights."""
+    assert launch.offline["updated"] == launch.one_process[1]["updated"] != launch.offline["greedy"]
 
 
 def _wait_healthy(url: str, timeout_s: float = 60) -> None:

@@ -23,7 +23,7 @@ PEER_LOST_EXIT_S = 3.0
 EXIT_PEER_LOST = 1
 # The runner methods that touch the device after start-up, by runner: each is mirrored.
 MIRRORED_METHODS = {
-    "runner": ("dispatch", "dispatch_forward", "dispatch_sampler", "swap", "set_lora"),
+    "runner": ("dispatch", "dispatch_forward", "dispatch_sampler", "swap", "set_lora", "update_weights"),
     "draft": ("propose",),
 }
 

@@ -157,6 +157,12 @@ class DataParallelEngine:
         for replica in self.replicas:
             await replica.remove_lora(name)
 
+    async def update_weights(self, source) -> int:
+        """Serve new weights on every replica (each reads its own copy onto its devices); the weights version."""
+        versions = await asyncio.gather(*(replica.update_weights(source) for replica in self.replicas))
+        self.router.forget_prefixes()  # the replicas' caches were forgotten, and new requests' salts changed
+        return versions[0]
+
     async def reset_prefix_cache(self) -> int:
         """Forget every replica's cached pages; returns how many were forgotten in all."""
         forgotten = await asyncio.gather(*(replica.reset_prefix_cache() for replica in self.replicas))

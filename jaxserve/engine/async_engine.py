@@ -13,7 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
 from jaxserve.engine.tokenizer import load_tokenizer
@@ -184,6 +184,11 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> int:
         """Forget every cached page (on the engine thread, between steps); returns how many were forgotten."""
         return await self._between_steps(self.engine.reset_prefix_cache)
+
+    async def update_weights(self, source: str | Mapping[str, object]) -> int:
+        """Serve new weights (on the engine thread, between steps; LLMEngine.update_weights); the weights
+        version."""
+        return await self._between_steps(lambda: self.engine.update_weights(source))
 
     async def add_lora(self, lora_request: LoRARequest) -> str:
         """Load a LoRA adapter into a free slot (on the engine thread, between steps; LLMEngine.add_lora)."""

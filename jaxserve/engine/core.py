@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 import jax
 
@@ -33,7 +34,8 @@ from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 from jaxserve.lora_request import LoRARequest
-from jaxserve.model.checkpoint import load_weights
+from jaxserve.model.checkpoint import is_checkpoint, load_weights
+from jaxserve.model.loader import SafetensorsFolder, TensorMapping, check_source
 from jaxserve.model.lora import lora_slot_structs, read_adapter, with_lora_slots
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
@@ -112,6 +114,7 @@ class EngineCore:
             self.runner.allocate_host_kv(host_pool.num_pages, pages_for_tokens(self.max_model_len, config.page_size))
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.prefix_caching, host_pool)
         self.loras: dict[str, LoadedLora] = {}  # the LoRA adapters in the slots, by name
+        self.weights_version = 0  # weight updates so far (update_weights); part of every request's prefix salt
         self._lora_loads = itertools.count()
         if config.enable_lora:
             self.runner.set_lora(0, {})  # compiles the slot writes now, not at the first adapter loaded later
@@ -240,6 +243,38 @@ class EngineCore:
         if self.draft is not None:
             self.draft.kv.pool.reset_cache()
         return self.kv.pool.reset_cache()
+
+    def update_weights(self, source: str | Mapping[str, object]) -> int:
+        """Serve new weights of the same model from now on (model/weight_update.py): from a Hugging Face folder
+        (every process of a multi-host launch reads its shards of it) or from arrays by their Hugging Face names
+        (a one-process engine); returns the weights version (updates so far). Steps dispatched before run with
+        the old weights; requests already running keep the KV they computed with them, but no request made from
+        now on takes a page cached before (the prefix cache is forgotten, and requests' salts carry the version).
+        ValueError, the served weights untouched, for a source that does not fit the model. The draft model of
+        speculative decoding keeps its weights."""
+        if isinstance(source, str):
+            if is_checkpoint(source):
+                raise ValueError(f"update_weights: {source!r} is a converted (orbax) folder; give the Hugging Face "
+                                 "folder (safetensors) it was converted from")
+            folder = SafetensorsFolder(source)
+        elif not isinstance(source, Mapping):
+            raise ValueError(f"update_weights takes a folder path or a mapping of Hugging Face tensor names to "
+                             f"arrays, got {type(source).__name__}")
+        elif self.group is not None:
+            raise ValueError("a multi-host engine takes new weights from a folder every host can read, not from "
+                             "arrays in this process's memory")
+        else:
+            folder = source = TensorMapping(source)
+        try:
+            check_source(folder, self.spec, cache_kv_heads(self.spec, self.config.tensor_parallel_size),
+                         self.mesh.devices.size)
+        except ValueError as error:
+            raise ValueError(f"update_weights: these weights do not fit the served model: {error}") from error
+        self.runner.update_weights(source)
+        self.kv.pool.reset_cache()
+        self.weights_version += 1
+        logger.info("weights updated (version %d)", self.weights_version)
+        return self.weights_version
 
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -120,6 +120,13 @@ class LLM:
         """Forget every cached KV page, as vLLM's `LLM.reset_prefix_cache` (pages in use stay in use)."""
         self.engine.reset_prefix_cache()
         return True
+
+    def update_weights(self, source: str | Mapping[str, object]) -> int:
+        """Generate with new weights of the same model from now on, without a restart or a recompile (reinforcement
+        learning's rollouts): `source` is a Hugging Face folder, or arrays (numpy or JAX) by their Hugging Face
+        tensor names; every tensor the model has must be there, in its shape (ValueError otherwise, the weights
+        untouched). Returns the weights version (updates so far). See EngineCore.update_weights."""
+        return self.engine.update_weights(source)
 
     def stats(self) -> dict:
         """Engine counters: steps, scheduled tokens, preemptions, KV pages total/free, compilations after warm-up."""

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Mapping
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore
@@ -35,11 +36,14 @@ def default_model_path() -> str:
     return path
 
 
-def adapter_salt(cache_salt: str | None, lora_key: str) -> str:
-    """The prefix-cache salt of a request run with a LoRA adapter (`lora_key`: that load of it): its pages hold
-    that adapter's KV, so they are shared only with requests of the same adapter and salt. (A user's salt never
-    starts with NUL, so no user salt can take an adapter's pages.)"""
-    return "\0lora:" + json.dumps([lora_key, cache_salt])
+def prefix_salt(cache_salt: str | None, lora_key: str | None, weights_version: int) -> str | None:
+    """The prefix-cache salt of a request: its pages hold the KV of the weights and the LoRA adapter it runs with,
+    so they are shared only with requests of the same salt, adapter (`lora_key`: that load of it) and weights
+    (`weights_version`: updates so far). The user's salt as it is on the base model's first weights; a user's
+    salt never starts with NUL, so it never takes an adapter's or earlier weights' pages."""
+    if lora_key is None and weights_version == 0:
+        return cache_salt
+    return "\0" + json.dumps([lora_key, weights_version, cache_salt])
 
 
 def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
@@ -186,7 +190,7 @@ class LLMEngine:
                 # others fork from it once it has computed the prompt.
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
                 fork_source=None if index == 0 else children[0].request_id,
-                cache_salt=cache_salt if lora is None else adapter_salt(cache_salt, lora.key),
+                cache_salt=prefix_salt(cache_salt, None if lora is None else lora.key, self.core.weights_version),
                 lora_slot=-1 if lora is None else lora.slot,
                 grammar=None if compiled is None else self.grammars.request_grammar(compiled, starts_after),
             ))
@@ -247,6 +251,11 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV page (pages in use stay in use); returns how many were forgotten."""
         return self.core.reset_prefix_cache()
+
+    def update_weights(self, source: str | Mapping[str, object]) -> int:
+        """Serve new weights of the same model from now on (EngineCore.update_weights); returns the weights
+        version (updates so far)."""
+        return self.core.update_weights(source)
 
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""

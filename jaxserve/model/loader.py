@@ -1,4 +1,5 @@
-"""Load a Hugging Face Llama-family folder's safetensors straight into sharded, stacked params."""
+"""Load a Hugging Face Llama-family folder's safetensors (or the same tensors in memory, by name) straight into
+sharded, stacked params; or load them anew into the params being served (`into`, a weight update)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import glob
 import json
 import os
 import struct
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -95,15 +97,46 @@ class SafetensorsFolder:
             return tuple(f.get_slice(name).get_shape())
 
 
-def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int) -> dict:
+class TensorMapping:
+    """Name -> tensor access over arrays in memory (numpy or JAX, by their Hugging Face names), as
+    SafetensorsFolder gives over files."""
+
+    def __init__(self, tensors: Mapping[str, object]):
+        self._tensors = tensors
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """One tensor, or only its `index` part, as a host numpy array."""
+        if name not in self._tensors:
+            raise ValueError(f"weight {name!r} not found in the weights given")
+        tensor = self._tensors[name]
+        return np.asarray(tensor if index is None else tensor[index])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape."""
+        if name not in self._tensors:
+            raise ValueError(f"weight {name!r} not found in the weights given")
+        return tuple(self._tensors[name].shape)
+
+
+TensorSource = SafetensorsFolder | TensorMapping
+
+
+def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int,
+                into: dict | None = None) -> dict:
     """Read every weight the model declares (model/registry.py) straight into its final sharding: each device's
     shard of each layer is read from the safetensors slice it needs and written into its place in the stacked
-    leaf on the device, so the host holds about one layer's shard at a time, never a whole stacked leaf."""
-    folder = SafetensorsFolder(path)
+    leaf on the device, so the host holds about one layer's shard at a time, never a whole stacked leaf.
+
+    With `into` (params of the same model being served), each stacked leaf it holds is written over in place (it
+    is donated: the devices hold the weights once plus one layer); the leaves it lacks are made anew."""
+    folder = SafetensorsFolder(source) if isinstance(source, str) else source
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
     declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
 
-    def load(name: str, weight: Weight) -> jax.Array | dict:
+    def load(name: str, weight: Weight, current: jax.Array | dict | None) -> jax.Array | dict:
         layout = _Layout(weight.transpose, kv_repeat if weight.kv_heads else 1, spec.head_dim)
         sharding = NamedSharding(mesh, weight.spec)
         if not weight.per_layer:
@@ -113,10 +146,43 @@ def load_params(path: str, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_ca
             if "{j}" in weight.hf_name:
                 raise ValueError("fp8 checkpoints of mixture-of-experts models are not supported: load the bf16 "
                                  "checkpoint with quantization: fp8")
-            return _load_fp8(folder, names, layout, sharding)
-        return _load_stacked(folder, names, layout, sharding, dtype)
+            return _load_fp8(folder, names, layout, sharding, current)
+        return _load_stacked(folder, names, layout, sharding, dtype, current)
 
-    return map_weights(load, declared)
+    return _map_with(load, declared, into or {})
+
+
+def check_source(source: TensorSource, spec: ModelSpec, num_cache_kv_heads: int, num_devices: int) -> None:
+    """ValueError naming the first tensor the model declares that `source` lacks or holds in another shape (an fp8
+    checkpoint's scales too), before anything is read."""
+    kv_repeat = num_cache_kv_heads // spec.num_kv_heads
+    declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, num_devices)
+
+    def check(_: str, weight: Weight, __) -> None:
+        layout = _Layout(weight.transpose, kv_repeat if weight.kv_heads else 1, spec.head_dim)
+        if not weight.per_layer:
+            named = [(weight.hf_name, weight.shape)]
+        else:
+            per_layer = [weight.layer_names(i) for i in range(spec.num_layers)]
+            expert = "{j}" in weight.hf_name
+            named = [(name, weight.shape[2 if expert else 1:]) for names in per_layer
+                     for name in (names if expert else [names])]
+        for name, shape in named:
+            if name not in source:
+                raise ValueError(f"weight {name!r} is missing")
+            if layout.shape(source.shape(name)) != tuple(shape):
+                raise ValueError(f"weight {name!r} has shape {source.shape(name)}, which does not fit the served "
+                                 f"model (it needs {tuple(shape)}{' transposed' if layout.transpose else ''})")
+            if spec.checkpoint_quantization == "fp8" and weight.quantizable and name + "_scale" not in source:
+                raise ValueError(f"weight {name + '_scale'!r} (the fp8 checkpoint's scale) is missing")
+
+    _map_with(check, declared, {})
+
+
+def _map_with(function, weights: dict, current: dict) -> dict:
+    """{name: function(name, weight, the leaf of `current` at the same place or None)} over a declaration tree."""
+    return {name: _map_with(function, node, current.get(name) or {}) if isinstance(node, dict)
+            else function(name, node, current.get(name)) for name, node in weights.items()}
 
 
 def load_kv_scales(path: str, spec: ModelSpec, num_cache_kv_heads: int) -> dict | None:
@@ -155,7 +221,7 @@ class _Layout:
         shape[-1] *= self.kv_repeat
         return tuple(shape)
 
-    def read(self, folder: SafetensorsFolder, name: str, index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
+    def read(self, folder: TensorSource, name: str, index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray:
         """The part `index` (of the params array of `shape`) of tensor `name`, reading only what it needs."""
         bounds = [part.indices(size)[:2] for part, size in zip(index, shape)]  # [(start, stop)] per axis
         columns = np.arange(*bounds[-1])  # params columns -> checkpoint columns (KV heads repeated)
@@ -168,7 +234,7 @@ class _Layout:
         return part[..., source - first] if self.kv_repeat > 1 else part
 
 
-def _load_one(folder: SafetensorsFolder, name: str, layout: _Layout, sharding, dtype,
+def _load_one(folder: TensorSource, name: str, layout: _Layout, sharding, dtype,
               shape: tuple[int, ...] | None = None) -> jax.Array:
     """One unstacked leaf (of `shape` when the caller already knows it), each device's shard read from its
     slice of the checkpoint tensor."""
@@ -177,10 +243,11 @@ def _load_one(folder: SafetensorsFolder, name: str, layout: _Layout, sharding, d
         shape, sharding, lambda index: layout.read(folder, name, index, shape).astype(dtype, copy=False))
 
 
-def _load_fp8(folder: SafetensorsFolder, names: list[str], layout: _Layout, sharding) -> dict:
+def _load_fp8(folder: TensorSource, names: list[str], layout: _Layout, sharding, into: dict | None = None) -> dict:
     """A quantized leaf (model/quantize.py) from an fp8 checkpoint's weights and their `weight_scale`s (one per
-    output channel, (out, 1), or one per tensor), KV heads repeated like the weights."""
-    weight = _load_stacked(folder, names, layout, sharding, jnp.float8_e4m3fn)
+    output channel, (out, 1), or one per tensor), KV heads repeated like the weights; the weights written over
+    `into`'s when given."""
+    weight = _load_stacked(folder, names, layout, sharding, jnp.float8_e4m3fn, (into or {}).get("weight"))
     num_out = weight.shape[-1] // layout.kv_repeat
     scales = []
     for name in names:
@@ -196,7 +263,7 @@ def _load_fp8(folder: SafetensorsFolder, names: list[str], layout: _Layout, shar
     return {"weight": weight, "scale": put_global(np.stack(scales), scale_sharding)}
 
 
-def _load_experts(folder: SafetensorsFolder, names: list[str], layout: _Layout, sharding, dtype,
+def _load_experts(folder: TensorSource, names: list[str], layout: _Layout, sharding, dtype,
                   shape: tuple[int, ...]) -> jax.Array:
     """One layer's (E, ...) stack of expert tensors, each device reading only its experts' slices."""
     def read(index: tuple[slice, ...]) -> np.ndarray:
@@ -207,17 +274,21 @@ def _load_experts(folder: SafetensorsFolder, names: list[str], layout: _Layout, 
     return jax.make_array_from_callback(shape, sharding, read)
 
 
-def _load_stacked(folder: SafetensorsFolder, names: list, layout: _Layout, sharding, dtype) -> jax.Array:
+def _load_stacked(folder: TensorSource, names: list, layout: _Layout, sharding, dtype,
+                  into: jax.Array | None = None) -> jax.Array:
     """A stacked (num_layers, ...) leaf, from one tensor per layer or one list of expert tensors per layer:
-    allocated on the devices, then filled one layer at a time (the update donates the stack, so the devices hold
-    it once plus one layer)."""
+    allocated on the devices (or `into`, when given and of this shape, dtype and sharding), then filled one layer
+    at a time (the update donates the stack, so the devices hold it once plus one layer)."""
     def layer_shape_of(name) -> tuple[int, ...]:
         return (len(name), *layout.shape(folder.shape(name[0]))) if isinstance(name, list) else \
             layout.shape(folder.shape(name))
 
     layer_shape = layer_shape_of(names[0])
     layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
-    stacked = jnp.zeros((len(names), *layer_shape), dtype, device=sharding)
+    shape = (len(names), *layer_shape)
+    reusable = into is not None and not into.is_deleted() and (into.shape, into.dtype, into.sharding) == (
+        shape, jnp.dtype(dtype), sharding)
+    stacked = into if reusable else jnp.zeros(shape, dtype, device=sharding)
     put = _layer_update(sharding)
     for i, name in enumerate(names):
         if layer_shape_of(name) != layer_shape:

@@ -32,10 +32,12 @@ from jaxserve.batch.builder import (
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
 from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.kv.host_swap import HostSwap
+from jaxserve.model.loader import SafetensorsFolder, TensorMapping
 from jaxserve.model.lora import write_slot
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import KV_CACHE_SPEC, put_global
 from jaxserve.model.spec import ModelSpec
+from jaxserve.model.weight_update import reload_params
 from jaxserve.runner.decode_steps import run_decode_steps, sampled_by
 from jaxserve.runner.executables import (
     CompileCounter,
@@ -292,6 +294,12 @@ class Runner:
         layers = self.params["layers"]
         self.params = {**self.params, "layers": {**layers, "lora": write_slot(layers["lora"], slot, adapter,
                                                                                self._replicated.mesh)}}
+
+    def update_weights(self, source: str | TensorMapping) -> None:
+        """Read the model's weights anew from a Hugging Face folder or arrays by name (model/weight_update.py) into
+        the params being served; steps dispatched later run with them, on the same executables."""
+        folder = SafetensorsFolder(source) if isinstance(source, str) else source
+        self.params = reload_params(self.params, folder, self.spec, self._replicated.mesh, self._num_cache_kv_heads)
 
     def allocate_kv(self, num_pages: int) -> None:
         """Allocate the KV pool of `num_pages` pages (zeros, sharded on the KV-head axis)."""

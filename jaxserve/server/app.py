@@ -20,7 +20,13 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
 from jaxserve.server.metrics import ServerMetrics, cache_config_info
-from jaxserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from jaxserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    UpdateWeightsRequest,
+)
 from jaxserve.server.responses_api import ResponsesServing
 from jaxserve.server.serving import OpenAIServing
 
@@ -122,6 +128,20 @@ def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
         except EngineDeadError as error:
             raise APIError(503, str(error)) from error
         return Response(status_code=200)
+
+    if config.enable_weight_updates:
+        @app.post("/update_weights_from_disk", dependencies=guard)
+        async def update_weights_from_disk(body: UpdateWeightsRequest) -> dict:
+            """New weights of the served model from a Hugging Face folder (SGLang's route), between two steps; a 400
+            naming what does not fit, the served weights untouched."""
+            try:
+                version = await serving.engine.update_weights(body.model_path)
+            except EngineDeadError as error:
+                raise APIError(503, str(error)) from error
+            except ValueError as error:
+                raise APIError(400, str(error), "model_path") from error
+            return {"success": True, "message": f"weights updated from {body.model_path}",
+                    "weights_version": version}
 
     @app.post("/invocations", dependencies=guard, response_model=None)
     async def invocations(raw: Request) -> Response | dict:

@@ -39,6 +39,8 @@ class ServerConfig:
     # responses of /v1/responses kept for previous_response_id and GET /v1/responses/{id}: the newest this many
     # (0: none, vLLM's default)
     max_stored_responses: int = 0
+    # POST /update_weights_from_disk (SGLang's route): new weights of the served model from a folder
+    enable_weight_updates: bool = False
 
     def __post_init__(self):
         for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s",

@@ -477,6 +477,12 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_path: str = Field(min_length=1)
 
 
+class UpdateWeightsRequest(BaseModel):
+    """POST /update_weights_from_disk (SGLang's): the folder of the new weights."""
+
+    model_path: str = Field(min_length=1)
+
+
 class UnloadLoRAAdapterRequest(BaseModel):
     """POST /v1/unload_lora_adapter (vLLM's)."""
 

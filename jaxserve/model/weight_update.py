@@ -1,0 +1,46 @@
+"""New weights for the model being served, without a restart or a recompile (reinforcement learning's rollouts:
+the policy's weights change between generations; SGLang's update_weights_from_disk, vLLM's weight-update RPCs).
+
+The weights come from a Hugging Face folder (safetensors) or from arrays in memory by their Hugging Face names,
+in the served model's shapes. Every tensor is checked (present, shape) before anything is written, so a bad
+source leaves the served weights as they were. They are then read as at start-up (model/loader.py), each device
+reading its shard, into the leaves being served: each stacked leaf is written over in place (donated), so the
+devices need room for one more layer, not a second copy of the model, and the executables, which take the params
+as arguments, run on as compiled. Weights the engine quantized at load (`quantization` int8 / fp8 over a float
+checkpoint) are read in full precision and quantized again (room for the new projections in full precision is
+needed then). LoRA slots and the fp8 KV cache's scales stay as they were.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import Mesh
+
+from jaxserve.model.loader import TensorSource, check_source, load_params
+from jaxserve.model.quantize import quantize_params
+from jaxserve.model.registry import quantizable_leaves
+from jaxserve.model.spec import ModelSpec
+
+QUANTIZED_MODES = {"int8": "int8", "float8_e4m3fn": "fp8"}  # a quantized leaf's weight dtype -> its mode
+
+
+def reload_params(params: dict, source: TensorSource, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: int) -> dict:
+    """`params` (those served) with every weight the model declares read anew from `source`; a ValueError, before
+    anything is written, when `source` lacks a tensor or holds one in another shape."""
+    check_source(source, spec, num_cache_kv_heads, mesh.devices.size)
+    layers = params["layers"]
+    mode = None  # the quantization the engine applied at load, if any
+    if spec.checkpoint_quantization == "none":
+        mode = next((QUANTIZED_MODES[layers[name]["weight"].dtype.name] for name in quantizable_leaves(spec)
+                     if isinstance(layers.get(name), dict)), None)
+    into = params
+    if mode is not None:  # those leaves are read anew in full precision, then quantized
+        into = {**params, "layers": {name: leaf for name, leaf in layers.items() if not isinstance(leaf, dict)}}
+    try:
+        loaded = load_params(source, spec, mesh, params["embed"].dtype, num_cache_kv_heads, into=into)
+        if mode is not None:
+            loaded = quantize_params(loaded, mode, quantizable_leaves(spec))
+    except Exception as error:  # (reading the files, say): leaves written over in place are gone
+        raise RuntimeError(f"the weight update failed part-way ({type(error).__name__}: {error}); some of the served "
+                           "weights are lost: update the weights again before serving") from error
+    kept = {name: leaf for name, leaf in layers.items() if name not in loaded["layers"]}  # LoRA slots, KV scales
+    return {**loaded, "layers": {**loaded["layers"], **kept}}

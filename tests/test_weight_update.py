@@ -1,0 +1,179 @@
+"""New weights for a running engine (`update_weights`, POST /update_weights_from_disk): a reinforcement-learning
+rollout engine's policy changes between generations, without a restart or a recompile.
+
+Checked against a fresh engine started on the new weights (whose loading tests/test_engine_vs_hf.py checks
+against Hugging Face): the llama fixture and a copy of it with every tensor perturbed ("the new weights"). After an
+update from the folder, or from arrays in memory (numpy and JAX), the engine gives the fresh engine's greedy
+tokens, its steps compiling nothing, its stacked leaves written over in place; under tensor parallelism 4 (KV heads
+repeated) and with int8 weights quantized at load too. No request made after an update takes a page cached before
+it, even one a request running across the update fills later. Sources that do not fit are refused before anything
+is written. The server's route updates every data-parallel replica.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import httpx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from conftest import API_KEY
+from helpers import checkpoint, expected, perturbed, perturbed_checkpoint, running_server, small_engine_args
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine, default_model_path
+from jaxserve.server.app import build_app
+from jaxserve.server.config import ServerConfig
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = [{"prompt_token_ids": p} for p in expected("llama")["prompts"]]
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> tuple[dict, str]:
+    """(the llama fixture's tensors, a folder holding the new weights with the fixture's other files)."""
+    folder = str(tmp_path_factory.mktemp("new-weights"))
+    return perturbed_checkpoint("llama", folder), folder
+
+
+def _greedy(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def fresh(weights) -> list[list[int]]:
+    """The greedy tokens of an engine started on the new weights."""
+    return _greedy(LLM(weights[1], **small_engine_args()))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(checkpoint("llama"), **small_engine_args())
+
+
+def test_an_updated_engine_gives_a_fresh_engines_tokens_compiling_nothing(llm, weights, fresh):
+    tensors, folder = weights
+    before = _greedy(llm)
+    assert before != fresh  # (the new weights change the tokens)
+    stacked = llm.engine.core.runner.params["layers"]["w_up"]
+    assert llm.update_weights(folder) == 1
+    assert stacked.is_deleted()  # written over in place: the devices never held two copies of it
+    compiles = llm.stats()["compilations_after_warmup"]
+    assert _greedy(llm) == fresh
+    assert llm.stats()["compilations_after_warmup"] == compiles  # the steps run on as compiled
+    # back to the first weights from arrays in memory, numpy and JAX alike
+    in_memory = {name: jnp.asarray(t) if "mlp" in name else t for name, t in tensors.items()}
+    assert llm.update_weights(in_memory) == 2
+    assert _greedy(llm) == before
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+def test_no_request_after_an_update_takes_a_page_cached_before_it(llm, weights, fresh):
+    """A prompt cached under the old weights is computed anew after the update; so is a page a request running
+    across the update fills after it (its KV still mixes both weights)."""
+    tensors, folder = weights
+    llm.update_weights(tensors)
+    every_token = [t for prompt in PROMPTS for t in prompt["prompt_token_ids"]]
+    long_prompt = {"prompt_token_ids": (every_token * 40)[:40]}  # two full pages and a part
+    _greedy(llm, [long_prompt])
+    core = llm.engine.core
+    hits = core.scheduler.num_prefix_cache_hits
+    _greedy(llm, [long_prompt])
+    assert core.scheduler.num_prefix_cache_hits > hits  # (the prompt's pages are cached)
+    # a request that runs across the update: its prompt computed, then the update, then it fills more pages
+    llm.engine.add_request("across", long_prompt["prompt_token_ids"][:30],
+                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    running = core.scheduler.requests["across"]
+    while running.num_computed_tokens < 30:
+        llm.engine.step()
+    llm.update_weights(folder)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    hits = core.scheduler.num_prefix_cache_hits
+    after = _greedy(llm, [long_prompt])
+    assert core.scheduler.num_prefix_cache_hits == hits
+    assert after == _greedy(LLM(folder, **small_engine_args()), [long_prompt])
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "'model.layers.1.mlp.up_proj.weight' is missing"),
+    (lambda t: t.update({"model.norm.weight": np.ones(3, np.float32)}), "'model.norm.weight' has shape"),
+    (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": t["model.layers.0.self_attn.k_proj.weight"].T}),
+     "k_proj.weight' has shape"),
+])
+def test_weights_that_do_not_fit_are_refused_before_anything_is_written(llm, weights, change, message):
+    tensors, _ = weights
+    llm.update_weights(tensors)
+    before = _greedy(llm)
+    wrong = perturbed(tensors, 1)
+    change(wrong)
+    with pytest.raises(ValueError, match=message):
+        llm.update_weights(wrong)
+    assert _greedy(llm) == before
+
+
+def test_sources_that_are_not_weights_are_refused(llm, tmp_path):
+    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+        llm.update_weights(str(tmp_path))
+    with pytest.raises(ValueError, match="a folder path or a mapping"):
+        llm.update_weights([1, 2])
+    (tmp_path / "jaxserve_checkpoint.json").write_text("{}")
+    with pytest.raises(ValueError, match="converted \\(orbax\\) folder"):
+        llm.update_weights(str(tmp_path))
+
+
+@pytest.mark.parametrize("options", [dict(tensor_parallel_size=4), dict(quantization="int8")],
+                         ids=["tp4", "int8"])
+def test_updates_under_tensor_parallelism_and_quantization_at_load(weights, options):
+    """Tensor parallelism 4 over the fixture's KV heads repeats them in the new weights too; int8 weights are
+    quantized again from the new full-precision ones."""
+    tensors, folder = weights
+    llm = LLM(checkpoint("llama"), **small_engine_args(**options))
+    before = _greedy(llm)
+    llm.update_weights(folder)
+    assert _greedy(llm) == _greedy(LLM(folder, **small_engine_args(**options)))
+    llm.update_weights(tensors)
+    assert _greedy(llm) == before
+
+
+@pytest.fixture(scope="module")
+def bundled_copy(tmp_path_factory) -> str:
+    """The bundled model with perturbed weights."""
+    folder = tmp_path_factory.mktemp("bundled") / "model"
+    shutil.copytree(default_model_path(), folder)
+    (path,) = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors")]
+    save_file(perturbed(load_file(path), 2), path)
+    return str(folder)
+
+
+def test_the_server_route_updates_every_data_parallel_replica(bundled_copy):
+    options = {k: v for k, v in small_engine_args().items() if k != "show_progress"}
+    expected_tokens = LLM(bundled_copy, **small_engine_args()).generate(
+        ["def fibonacci(n):"], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+    engine = LLMEngine(EngineConfig.for_model(None, data_parallel_size=2, **options), show_progress=False)
+    app = build_app(engine, ServerConfig(enable_weight_updates=True, api_key=API_KEY))
+    with running_server(app) as url:
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": bundled_copy}).status_code == 401
+        bad = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/nonexistent"}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
+        answer = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": bundled_copy}, headers=auth)
+        assert answer.status_code == 200 and answer.json()["weights_version"] == 1
+        assert [replica.engine.core.weights_version for replica in app.state.async_engine.replicas] == [1, 1]
+        for _ in range(4):  # (a prompt shorter than a page: the router alternates the replicas)
+            reply = httpx.post(f"{url}/v1/completions", headers=auth, json={
+                "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}).json()
+            assert reply["choices"][0]["token_ids"] == expected_tokens
+
+
+def test_the_route_is_off_by_default(openai_server):
+    url, _ = openai_server
+    response = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/x"},
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 404
