@@ -38,9 +38,9 @@ from jaxserve.server.serving import (
     EngineStreamingResponse,
     OpenAIServing,
     RequestFailedError,
-    _failure,
-    _read,
+    read_outputs,
     reply_delta,
+    request_failure,
 )
 from jaxserve.server.tools import ToolCallExtractor, ToolCallStream
 
@@ -227,8 +227,8 @@ class ResponsesServing:
         state, calls = ChoiceStream(params), None if tools is None else ToolCallStream(tools)
         items, reasoning, final, started = OutputItems(body.wants_logprobs()), None, None, False
         try:
-            async for final in _read(stream):
-                failure = _failure(final)
+            async for final in read_outputs(stream):
+                failure = request_failure(final)
                 if failure is not None:
                     yield encode({"type": "error", "code": "400", "message": failure, "param": None})
                     return

@@ -407,7 +407,7 @@ class OpenAIServing:
 
         async def last(stream: RequestStream) -> RequestOutput:
             output = None
-            async for output in _read(stream):
+            async for output in read_outputs(stream):
                 pass
             return output
 
@@ -424,8 +424,8 @@ class OpenAIServing:
             return None
         (outputs,) = finished
         for output in outputs:
-            if _failure(output) is not None:
-                raise APIError(400, _failure(output))
+            if request_failure(output) is not None:
+                raise APIError(400, request_failure(output))
         return outputs
 
     def _usage(self, outputs: list[RequestOutput]) -> dict:
@@ -476,8 +476,8 @@ class OpenAIServing:
         try:
             async for prompt_index, output in _merge(streams):
                 finals[prompt_index] = output
-                if _failure(output) is not None:
-                    yield sse(error_body(400, _failure(output)))
+                if request_failure(output) is not None:
+                    yield sse(error_body(400, request_failure(output)))
                     return
                 for c in output.outputs:
                     state = states[prompt_index][c.index]
@@ -544,9 +544,9 @@ class OpenAIServing:
         include_usage, continuous = self._stream_usage(body)
         final, opened = None, False
         try:
-            async for final in _read(stream):
-                if _failure(final) is not None:
-                    yield sse(error_body(400, _failure(final)))
+            async for final in read_outputs(stream):
+                if request_failure(final) is not None:
+                    yield sse(error_body(400, request_failure(final)))
                     return
                 if not opened:
                     for chunk in self._chat_opening(encoder, final, body, params.n, continuous):
@@ -660,14 +660,14 @@ class RequestFailedError(Exception):
         super().__init__(f"the engine failed this request: {reason}")
 
 
-def _failure(output: RequestOutput) -> str | None:
+def request_failure(output: RequestOutput) -> str | None:
     """Why the engine failed this request alone (an error output), or None."""
     if output.error is None and all(c.finish_reason != "error" for c in output.outputs):
         return None
     return str(RequestFailedError(output.error or "no reason given"))
 
 
-async def _read(stream: RequestStream) -> AsyncIterator[RequestOutput]:
+async def read_outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:
     """The outputs of `stream`; an exception it ends with becomes RequestFailedError, unless the whole
     engine is down (EngineDeadError)."""
     try:
@@ -712,14 +712,14 @@ async def _client_disconnected(raw: Request) -> None:
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(stream index, output) from several streams as they arrive."""
     if len(streams) == 1:
-        async for output in _read(streams[0]):
+        async for output in read_outputs(streams[0]):
             yield 0, output
         return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, stream: RequestStream) -> None:
         try:
-            async for output in _read(stream):
+            async for output in read_outputs(stream):
                 queue.put_nowait((index, output, None))
         except Exception as error:  # handed to the reader, which raises it
             queue.put_nowait((index, None, error))
