@@ -5,9 +5,10 @@ Checked against a fresh engine started on the new weights (whose loading tests/t
 against Hugging Face): the llama fixture and a copy of it with every tensor perturbed ("the new weights"). After an
 update from the folder, or from arrays in memory (numpy and JAX), the engine gives the fresh engine's greedy
 tokens, its steps compiling nothing, its stacked leaves written over in place; under tensor parallelism 4 (KV heads
-repeated) and with int8 weights quantized at load too. No request made after an update takes a page cached before
-it, even one a request running across the update fills later. Sources that do not fit are refused before anything
-is written. The server's route updates every data-parallel replica.
+repeated), with int8 weights quantized at load, and for a mixture of experts (Qwen3-MoE) under expert parallelism
+too. No request made after an update takes a page cached before it, even one a request running across the update
+fills later. Sources that do not fit are refused before anything is written. The server's route updates every
+data-parallel replica.
 """
 
 from __future__ import annotations
@@ -139,6 +140,18 @@ def test_updates_under_tensor_parallelism_and_quantization_at_load(weights, opti
     assert _greedy(llm) == _greedy(LLM(folder, **small_engine_args(**options)))
     llm.update_weights(tensors)
     assert _greedy(llm) == before
+
+
+def test_a_mixture_of_experts_under_expert_parallelism_takes_new_experts(tmp_path):
+    """Each device reads only its experts of the new weights, as at start-up."""
+    tensors = perturbed_checkpoint("qwen3-moe", str(tmp_path))
+    prompts = [{"prompt_token_ids": p} for p in expected("qwen3-moe")["prompts"]]
+    llm = LLM(checkpoint("qwen3-moe"), **small_engine_args(tensor_parallel_size=2, enable_expert_parallel=True))
+    before = _greedy(llm, prompts)
+    llm.update_weights(str(tmp_path))
+    assert _greedy(llm, prompts) == _greedy(LLM(str(tmp_path), **small_engine_args()), prompts) != before
+    llm.update_weights(tensors)
+    assert _greedy(llm, prompts) == before
 
 
 @pytest.fixture(scope="module")
