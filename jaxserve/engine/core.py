@@ -265,7 +265,7 @@ class EngineCore:
                              "arrays in this process's memory")
         else:
             folder = source = TensorMapping(source)
-        try:
+        try:  # once, here: before the runner's call, which a multi-host launch mirrors to every process
             check_source(folder, self.spec, cache_kv_heads(self.spec, self.config.tensor_parallel_size),
                          self.mesh.devices.size)
         except ValueError as error:

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
 from jaxserve.model.quantize import quantized_spec
-from jaxserve.model.registry import Weight, map_weights, model_for
+from jaxserve.model.registry import Weight, map_weights, map_weights_with, model_for
 from jaxserve.model.sharding import put_global
 from jaxserve.model.spec import ModelSpec
 
@@ -149,7 +149,7 @@ def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: 
             return _load_fp8(folder, names, layout, sharding, current)
         return _load_stacked(folder, names, layout, sharding, dtype, current)
 
-    return _map_with(load, declared, into or {})
+    return map_weights_with(load, declared, into or {})
 
 
 def check_source(source: TensorSource, spec: ModelSpec, num_cache_kv_heads: int, num_devices: int) -> None:
@@ -158,7 +158,7 @@ def check_source(source: TensorSource, spec: ModelSpec, num_cache_kv_heads: int,
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
     declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, num_devices)
 
-    def check(_: str, weight: Weight, __) -> None:
+    def check(_: str, weight: Weight) -> None:
         layout = _Layout(weight.transpose, kv_repeat if weight.kv_heads else 1, spec.head_dim)
         if not weight.per_layer:
             named = [(weight.hf_name, weight.shape)]
@@ -176,13 +176,7 @@ def check_source(source: TensorSource, spec: ModelSpec, num_cache_kv_heads: int,
             if spec.checkpoint_quantization == "fp8" and weight.quantizable and name + "_scale" not in source:
                 raise ValueError(f"weight {name + '_scale'!r} (the fp8 checkpoint's scale) is missing")
 
-    _map_with(check, declared, {})
-
-
-def _map_with(function, weights: dict, current: dict) -> dict:
-    """{name: function(name, weight, the leaf of `current` at the same place or None)} over a declaration tree."""
-    return {name: _map_with(function, node, current.get(name) or {}) if isinstance(node, dict)
-            else function(name, node, current.get(name)) for name, node in weights.items()}
+    map_weights(check, declared)
 
 
 def load_kv_scales(path: str, spec: ModelSpec, num_cache_kv_heads: int) -> dict | None:

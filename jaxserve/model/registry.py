@@ -128,8 +128,13 @@ def _import_builtins() -> None:
 def map_weights(function: Callable[[str, Weight], object], weights: dict) -> dict:
     """{name: function(name, weight)} for every `Weight` of a declaration tree, in the same tree, called in the
     declaration's order."""
-    return {name: map_weights(function, node) if isinstance(node, dict) else function(name, node)
-            for name, node in weights.items()}
+    return map_weights_with(lambda name, weight, _: function(name, weight), weights, {})
+
+
+def map_weights_with(function: Callable[[str, Weight, object], object], weights: dict, current: dict) -> dict:
+    """map_weights with, for each `Weight`, the leaf at its place in the tree `current` (None where it has none)."""
+    return {name: map_weights_with(function, node, current.get(name) or {}) if isinstance(node, dict)
+            else function(name, node, current.get(name)) for name, node in weights.items()}
 
 
 def quantizable_leaves(spec: ModelSpec) -> tuple[str, ...]:

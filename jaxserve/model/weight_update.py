@@ -2,8 +2,8 @@
 the policy's weights change between generations; SGLang's update_weights_from_disk, vLLM's weight-update RPCs).
 
 The weights come from a Hugging Face folder (safetensors) or from arrays in memory by their Hugging Face names,
-in the served model's shapes. Every tensor is checked (present, shape) before anything is written, so a bad
-source leaves the served weights as they were. They are then read as at start-up (model/loader.py), each device
+in the served model's shapes. The engine checks every tensor (present, shape: `loader.check_source`) once, before
+anything is written, so a bad source leaves the served weights as they were. They are then read as at start-up (model/loader.py), each device
 reading its shard, into the leaves being served: each stacked leaf is written over in place (donated), so the
 devices need room for one more layer, not a second copy of the model, and the executables, which take the params
 as arguments, run on as compiled. Weights the engine quantized at load (`quantization` int8 / fp8 over a float
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from jaxserve.model.loader import TensorSource, check_source, load_params
+from jaxserve.model.loader import TensorSource, load_params
 from jaxserve.model.quantize import quantize_params
 from jaxserve.model.registry import quantizable_leaves
 from jaxserve.model.spec import ModelSpec
@@ -24,9 +24,8 @@ QUANTIZED_MODES = {"int8": "int8", "float8_e4m3fn": "fp8"}  # a quantized leaf's
 
 
 def reload_params(params: dict, source: TensorSource, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: int) -> dict:
-    """`params` (those served) with every weight the model declares read anew from `source`; a ValueError, before
-    anything is written, when `source` lacks a tensor or holds one in another shape."""
-    check_source(source, spec, num_cache_kv_heads, mesh.devices.size)
+    """`params` (those served) with every weight the model declares read anew from `source`, which the caller has
+    checked (`loader.check_source`)."""
     layers = params["layers"]
     mode = None  # the quantization the engine applied at load, if any
     if spec.checkpoint_quantization == "none":

@@ -56,7 +56,7 @@ class StoredResponse:
 class OutputItems:
     """The output items of one reply, built from its chat deltas (`reasoning`, `content`, `tool_calls`), one item
     open at a time: reasoning text goes to an open reasoning item, content to an open message, each new tool call
-    opens a function call item. `add` and `close` return the streaming events of what they did (without sequence
+    opens a function call item. `add` and `finish` return the streaming events of what they did (without sequence
     numbers)."""
 
     def __init__(self, with_logprobs: bool):

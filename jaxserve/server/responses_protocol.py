@@ -76,8 +76,7 @@ class ResponsesRequest(_SamplingFields):
     """POST /v1/responses."""
 
     route_unsupported: ClassVar = {
-        "add_special_tokens": (_one_of(False), "the chat template alone places the special tokens"),
-        "use_beam_search": (_false, "beam search is on /v1/completions only"),
+        **ChatCompletionRequest.route_unsupported,
         "background": (_false, "responses are answered within the request, not in the background"),
         "conversation": (_unset, "conversations are not kept; chain responses with previous_response_id"),
         "prompt": (_unset, "stored prompt templates are not supported"),
