@@ -7,28 +7,18 @@ update from the folder, or from arrays in memory (numpy and JAX), the engine giv
 tokens, its steps compiling nothing, its stacked leaves written over in place; under tensor parallelism 4 (KV heads
 repeated), with int8 weights quantized at load, and for a mixture of experts (Qwen3-MoE) under expert parallelism
 too. No request made after an update takes a page cached before it, even one a request running across the update
-fills later. Sources that do not fit are refused before anything is written. The server's route updates every
-data-parallel replica.
+fills later. Sources that do not fit are refused before anything is written. The server's route is in
+tests/test_weight_update_server.py.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-
-import httpx
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
-from conftest import API_KEY
-from helpers import checkpoint, expected, perturbed, perturbed_checkpoint, running_server, small_engine_args
+from helpers import checkpoint, expected, perturbed, perturbed_checkpoint, small_engine_args
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig
-from jaxserve.engine.llm_engine import LLMEngine, default_model_path
-from jaxserve.server.app import build_app
-from jaxserve.server.config import ServerConfig
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": p} for p in expected("llama")["prompts"]]
@@ -152,41 +142,3 @@ def test_a_mixture_of_experts_under_expert_parallelism_takes_new_experts(tmp_pat
     assert _greedy(llm, prompts) == _greedy(LLM(str(tmp_path), **small_engine_args()), prompts) != before
     llm.update_weights(tensors)
     assert _greedy(llm, prompts) == before
-
-
-@pytest.fixture(scope="module")
-def bundled_copy(tmp_path_factory) -> str:
-    """The bundled model with perturbed weights."""
-    folder = tmp_path_factory.mktemp("bundled") / "model"
-    shutil.copytree(default_model_path(), folder)
-    (path,) = [os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors")]
-    save_file(perturbed(load_file(path), 2), path)
-    return str(folder)
-
-
-def test_the_server_route_updates_every_data_parallel_replica(bundled_copy):
-    options = {k: v for k, v in small_engine_args().items() if k != "show_progress"}
-    expected_tokens = LLM(bundled_copy, **small_engine_args()).generate(
-        ["def fibonacci(n):"], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
-    engine = LLMEngine(EngineConfig.for_model(None, data_parallel_size=2, **options), show_progress=False)
-    app = build_app(engine, ServerConfig(enable_weight_updates=True, api_key=API_KEY))
-    with running_server(app) as url:
-        auth = {"Authorization": f"Bearer {API_KEY}"}
-        assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": bundled_copy}).status_code == 401
-        bad = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/nonexistent"}, headers=auth)
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
-        answer = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": bundled_copy}, headers=auth)
-        assert answer.status_code == 200 and answer.json()["weights_version"] == 1
-        assert [replica.engine.core.weights_version for replica in app.state.async_engine.replicas] == [1, 1]
-        for _ in range(4):  # (a prompt shorter than a page: the router alternates the replicas)
-            reply = httpx.post(f"{url}/v1/completions", headers=auth, json={
-                "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True}).json()
-            assert reply["choices"][0]["token_ids"] == expected_tokens
-
-
-def test_the_route_is_off_by_default(openai_server):
-    url, _ = openai_server
-    response = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/x"},
-                          headers={"Authorization": f"Bearer {API_KEY}"})
-    assert response.status_code == 404
