@@ -4,9 +4,10 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.engine.llm import LLM
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from jaxserve.pooling.params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "LoRARequest"]
+           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "PoolingOutput"]
 __version__ = "0.1.0"

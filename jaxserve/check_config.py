@@ -54,7 +54,7 @@ BUCKET_SETS = {  # --buckets: which buckets are lowered
     "largest": "the largest bucket of each kind (the quickest check that a config lowers and fits)",
 }
 # The order of Runner.shapes(), then a draft model's proposal buckets (DraftRunner.propose_call).
-KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify_rows", "verify", "draft")
+KINDS = ("forward", "sampler", "prompt_logprobs", "decode_steps", "verify_rows", "verify", "pooling", "draft")
 # Custom calls jax.export does not promise to keep stable, which the step functions use on purpose: Pallas's
 # Triton kernels and cuDNN attention. Any other one (a host callback, say) fails its bucket.
 EXPECTED_UNSTABLE_CALLS = ("__gpu$xla.gpu.triton", "__cudnn$fmhaSoftmax", "__cudnn$fmhaScaleBiasSoftmax")
@@ -101,8 +101,8 @@ class BucketCheck:
     """One bucket lowered for one platform."""
 
     kind: str  # one of KINDS
-    # forward, decode_steps and draft (T, W), sampler and verify (R, P, M: token bitmask words), prompt_logprobs
-    # and verify_rows (T,)
+    # forward, decode_steps and draft (T, W), sampler and verify (R, P, M: token bitmask words), prompt_logprobs,
+    # verify_rows and pooling (T,)
     shape: tuple[int, ...]
     seconds: float  # CPU seconds of jax.export (tracing and lowering)
     error: str | None = None  # "ErrorType: message" when it failed
@@ -273,13 +273,15 @@ def select_buckets(ladders, shapes: tuple[list, ...], which: str) -> tuple[list,
     widths = {ladders.page_widths[0], ladders.page_widths[-1]}
     rows = {min(ladders.row_buckets()), max(ladders.row_buckets())}
     aux = {ladders.aux_widths[0], *ladders.aux_widths[1:2], ladders.aux_widths[-1]}
-    forward, sampler, prompt, steps, verify_rows, verify, draft = shapes
+    forward, sampler, prompt, steps, verify_rows, verify, pool, draft = shapes
+    edge_tokens = {ladders.tokens[0], ladders.tokens[-1]}
     return ([s for s in forward if s[0] in tokens and s[1] in widths],
             [s for s in sampler if s[0] in rows and s[1] in aux],
-            [s for s in prompt if s[0] in {ladders.tokens[0], ladders.tokens[-1]}],
+            [s for s in prompt if s[0] in edge_tokens],
             [s for s in steps if s[0] in tokens and s[1] in widths],
-            [s for s in verify_rows if s[0] in {ladders.tokens[0], ladders.tokens[-1]}],
+            [s for s in verify_rows if s[0] in edge_tokens],
             [s for s in verify if s[0] in rows and s[1] in aux],
+            [s for s in pool if s[0] in edge_tokens],
             [s for s in draft if s[0] in tokens and s[1] in widths])
 
 
@@ -292,6 +294,7 @@ def bucket_calls(runner, draft_runner, num_pages: int) -> dict[str, Callable]:
         "decode_steps": lambda shape: runner.decode_steps_call(*shape, num_pages),
         "verify_rows": lambda shape: runner.verify_rows_call(*shape),
         "verify": lambda shape: runner.verify_call(*shape),
+        "pooling": lambda shape: runner.pooling_call(*shape),
         "draft": lambda shape: draft_runner.propose_call(*shape, num_pages),
     }
 
@@ -367,10 +370,11 @@ def cpu_estimates(runner, draft_runner) -> tuple[int, dict[str, float]]:
         draft = cpu_seconds() - start
     # A multi-step decode bucket is a forward and a sampler in a loop, counted as one of each; a verification
     # bucket (the LM head at each verified position, then a sampler) as a sampler; taking the verified positions'
-    # hidden states out of a forward (one gather) as nothing.
+    # hidden states out of a forward (one gather) as nothing; pooling (a norm and a segment sum) as a prompt-logprob
+    # bucket, which it is cheaper than.
     seconds = {"forward": forward_and_sampler / 2, "sampler": forward_and_sampler / 2, "prompt_logprobs": prompt,
                "decode_steps": forward_and_sampler, "verify_rows": 0.0, "verify": forward_and_sampler / 2,
-               "draft": draft}
+               "pooling": prompt, "draft": draft}
     return activation_bytes, seconds
 
 
@@ -434,7 +438,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
                       cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype),
                       ladders=ladders, attention_backend=backend, platform=platform,
                       num_scheduler_steps=config.num_scheduler_steps,
-                      num_speculative_tokens=config.num_speculative_tokens)
+                      num_speculative_tokens=config.num_speculative_tokens, pooling=config.runner == "pooling")
 
     def draft_runner(backend: str, platform: str) -> DraftRunner | None:
         if draft is None:
@@ -482,7 +486,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
 
 TABLE_HEADER = (
     "| config | platform | attention | executables (fwd / sampler / prompt / multi-step / verify rows / verify "
-    "/ draft) "
+    "/ pooling / draft) "
     "| lowered "
     "| lowering CPU s: total (slowest) | kernels | weights GiB | activations GiB (est.) | KV pool GiB (tokens) "
     "| device GiB | compile est. min | result |"

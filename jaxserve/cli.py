@@ -24,6 +24,7 @@ from jaxserve.config import (
     VALID_PREEMPTION_MODES,
     VALID_QUANTIZATIONS,
     VALID_REASONING_PARSERS,
+    VALID_RUNNERS,
     EngineConfig,
 )
 from jaxserve.engine.llm_engine import DEFAULT_MODEL_NAME, LLMEngine
@@ -40,6 +41,7 @@ ENGINE_FLAGS = (
     "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
     "enable_structured_outputs", "reasoning_parser", "enable_lora", "max_loras", "max_lora_rank", "lora_modules",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
+    "runner", "pooler_config",
 )
 
 
@@ -113,6 +115,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
                              '"model": "DRAFT_FOLDER", "num_speculative_tokens": 3}\'')
+    parser.add_argument("--runner", choices=list(VALID_RUNNERS),
+                        help="pooling: also serve embeddings (the prompt's final hidden states pooled into one "
+                             "vector; /v1/embeddings, LLM.embed) (default generate)")
+    parser.add_argument("--pooler-config",
+                        help='with --runner pooling, how to pool as JSON, e.g. \'{"pooling_type": "MEAN", '
+                             '"normalize": false}\' (default: the model folder\'s sentence-transformers pooling, '
+                             'else LAST, normalized)')
     parser.add_argument("--distributed-coordinator", metavar="HOST:PORT",
                         help="multi-host: process 0's address, the same on every process (auto: from the cluster "
                              "launcher's environment); process 0 leads, the others follow its steps")

@@ -8,6 +8,8 @@ import os
 
 import yaml
 
+from jaxserve.pooling.params import PoolerConfig
+
 VALID_PAGE_SIZES = (8, 16, 32)
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only quantization at load time (model/quantize.py)
@@ -26,6 +28,9 @@ VALID_BATCHING = ("continuous", "static")
 # Reasoning models' parsers (vLLM's names; engine/reasoning.py): a constrained request's grammar applies after the
 # thinking, and the server splits chat replies into reasoning and content.
 VALID_REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# generate: the engine samples tokens; pooling: it also compiles the pooling buckets, and serves embeddings (a
+# prompt's final hidden states pooled into one vector, pooling/) beside generation (vLLM's `runner`).
+VALID_RUNNERS = ("generate", "pooling")
 VALID_LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights made on the device (vLLM's name), for benchmarks
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -128,6 +133,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     lora_modules: dict | None = None
+    # What the engine runs for (VALID_RUNNERS) and, with pooling, how it pools (vLLM's names): {pooling_type: LAST |
+    # MEAN | CLS, normalize}; None: what the model folder's sentence-transformers files say, else LAST, normalized.
+    runner: str = "generate"
+    pooler_config: dict | None = None
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -137,6 +146,11 @@ class EngineConfig:
         _check_choice("batching", self.batching, VALID_BATCHING)
         _check_choice("load_format", self.load_format, VALID_LOAD_FORMATS)
         _check_choice("preemption_mode", self.preemption_mode, VALID_PREEMPTION_MODES)
+        _check_choice("runner", self.runner, VALID_RUNNERS)
+        if self.pooler_config is not None:
+            object.__setattr__(self, "pooler_config", _checked_pooler_config(self.pooler_config))
+            if self.runner != "pooling":
+                raise ValueError("pooler_config is for runner pooling: set runner pooling too")
         if self.quantization is None:
             object.__setattr__(self, "quantization", "none")
         _check_choice("quantization", self.quantization, VALID_QUANTIZATIONS)
@@ -248,20 +262,33 @@ class EngineConfig:
         )
 
 
+def _mapping_option(name: str, value, valid: tuple[str, ...]) -> dict:
+    """An option that is a mapping (or the command line's JSON of one) of the keys `valid`; a ValueError naming
+    what to fix."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{name} is not valid JSON: {error}") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a mapping, got {value!r}")
+    unknown = sorted(set(value) - set(valid))
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
+    return value
+
+
+def _checked_pooler_config(value) -> dict:
+    """pooler_config checked against PoolerConfig's keys and values (pooling/params.py)."""
+    value = _mapping_option("pooler_config", value, tuple(f.name for f in dataclasses.fields(PoolerConfig)))
+    PoolerConfig(**value)
+    return value
+
+
 def _checked_speculative_config(config) -> dict:
     """speculative_config with its defaults filled in; a ValueError naming what to fix."""
-    if isinstance(config, str):  # the command line's JSON
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"speculative_config is not valid JSON: {error}") from error
-    if not isinstance(config, dict):
-        raise ValueError(f"speculative_config must be a mapping, got {config!r}")
-    valid = ("method", "model", *SPECULATIVE_DEFAULTS)
-    unknown = sorted(set(config) - set(valid))
-    if unknown:
-        raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
-    config = {**SPECULATIVE_DEFAULTS, **config}
+    config = {**SPECULATIVE_DEFAULTS, **_mapping_option("speculative_config", config,
+                                                         ("method", "model", *SPECULATIVE_DEFAULTS))}
     if "method" not in config and "model" in config:
         config["method"] = "draft_model"
     _check_choice("speculative_config method", config.get("method"), SPECULATIVE_METHODS)

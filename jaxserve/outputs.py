@@ -1,4 +1,4 @@
-"""User-facing results, shaped like vLLM's RequestOutput / CompletionOutput."""
+"""User-facing results, shaped like vLLM's RequestOutput / CompletionOutput and PoolingRequestOutput."""
 
 from __future__ import annotations
 
@@ -51,3 +51,24 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # why the engine failed this request alone (finish_reason 'error')
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (vLLM's field)
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]  # (H,) or (dimensions,): the pooled final hidden states, L2-normalized when asked
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """One embedding request (vLLM's EmbeddingRequestOutput): `outputs` once its whole prompt is pooled."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None  # None until finished, and for a request aborted or failed
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None  # why the engine failed this request alone
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission

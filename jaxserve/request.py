@@ -7,6 +7,7 @@ import enum
 import time
 from typing import TYPE_CHECKING
 
+from jaxserve.pooling.pooled import PooledPrompt
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the grammar engine loads only for requests that use it
@@ -88,6 +89,8 @@ class Request:
     stop_reason: int | str | None = None
     error: str | None = None  # why the engine failed this request (status FINISHED_ERROR)
     grammar: RequestGrammar | None = None  # structured output: the constraint's compile and matcher
+    # A pooling (embedding) request's pool of its prompt's final hidden states; it generates nothing (max_tokens 0)
+    pooled: PooledPrompt | None = None
     num_preemptions: int = 0
     # Preemptions by other requests since this one last yielded (preempted itself for lack of pages): under the
     # priority policy, a request at max_preemptions is not preempted by another again until it yields or ends.
@@ -138,6 +141,12 @@ class Request:
         if self.prompt_logprobs is None:
             return 0
         return len(self.prompt_token_ids) - len(self.prompt_logprobs)
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """True when the request reads the states of prompt positions before the last (prompt logprobs, mean or
+        first-token pooling), so it cannot skip a cached prefix."""
+        return self.prompt_logprobs is not None or (self.pooled is not None and self.pooled.uses_every_position)
 
     @property
     def is_finished(self) -> bool:

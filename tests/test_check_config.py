@@ -65,7 +65,7 @@ def test_the_largest_buckets_are_lowered_and_every_executable_counted(shipped):
     check = checks["llama-3.1-8b-1xh200"]
     # each sampler bucket twice: without and with the structured-output token bitmask (128256 / 32 words)
     assert check["executables"] == {"forward": 70, "sampler": 70, "prompt_logprobs": 10, "decode_steps": 0,
-                                   "verify_rows": 0, "verify": 0, "draft": 0}
+                                   "verify_rows": 0, "verify": 0, "pooling": 0, "draft": 0}
     buckets = {(b["kind"], tuple(b["shape"])) for b in check["platforms"][0]["buckets"]}
     (sampler,) = [shape for kind, shape in buckets if kind == "sampler"]
     assert buckets == {("forward", (8192, 2048)), ("sampler", sampler), ("prompt_logprobs", (8192,))}
@@ -79,15 +79,16 @@ def test_edges_are_each_ladders_ends_and_the_rungs_either_side_of_max_num_seqs()
                                   config.page_size, config.min_token_bucket, max_aux_extra=0)
     shapes = (list(itertools.product(ladders.tokens, ladders.page_widths)),
               list(itertools.product(ladders.row_buckets(), ladders.aux_widths, (0, 4008))),
-              [(t,) for t in ladders.tokens], [], [], [], list(itertools.product(ladders.tokens, ladders.page_widths)))
-    forward, sampler, prompt, *_, draft = check_config.select_buckets(ladders, shapes, "edges")
+              [(t,) for t in ladders.tokens], [], [], [], [(t,) for t in ladders.tokens],
+              list(itertools.product(ladders.tokens, ladders.page_widths)))
+    forward, sampler, prompt, *_, pool, draft = check_config.select_buckets(ladders, shapes, "edges")
     assert set(forward) == set(draft) == {(t, w) for t in (16, 256, 512, 8192) for w in (1, 2048)}
     assert {shape[0] for shape in sampler} == {16, 256} and {shape[2] for shape in sampler} == {0, 4008}
     assert {shape[1] for shape in sampler} == {0, ladders.aux_widths[1], ladders.aux_widths[-1]}
-    assert set(prompt) == {(16,), (8192,)}
+    assert set(prompt) == set(pool) == {(16,), (8192,)}
     largest = check_config.select_buckets(ladders, shapes, "largest")
     assert largest[:3] == ([(8192, 2048)], [max(shapes[1])], [(8192,)]) and largest[3:6] == ([], [], [])
-    assert largest[6] == [(8192, 2048)]
+    assert largest[6] == [(8192,)] and largest[7] == [(8192, 2048)]
 
 
 def test_memory_estimate_of_the_8b_config_on_an_h200(shipped):
@@ -203,3 +204,15 @@ def test_a_lora_config_counts_its_adapter_slots(tmp_path):
               (hidden, inner), (inner, hidden)]
     slots_bytes = layers * sum(3 * (width_in + width_out) * 8 for width_in, width_out in widths) * 4
     assert checks[True].weight_bytes - checks[False].weight_bytes == slots_bytes
+
+
+def test_a_pooling_config_lowers_its_pooling_buckets(tmp_path):
+    """runner pooling (embeddings): one pooling executable per token rung, the largest lowered for cuda and tpu."""
+    config = tmp_path / "tiny-pooling.yaml"
+    config.write_text("max_model_len: 256\nmax_num_seqs: 8\nmax_num_batched_tokens: 32\nrunner: pooling\n")
+    check = check_config.check_config(str(config), ["cuda", "tpu"], {"cuda": "h100", "tpu": "tpu-v5e"},
+                                      buckets="largest")
+    assert check.failures == []
+    assert check.executables["pooling"] == check.executables["prompt_logprobs"] > 0
+    for platform in check.platforms:
+        assert [b.shape for b in platform.buckets if b.kind == "pooling"] == [(32,)]

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from jaxserve.batch.buckets import geometric_ladder, pick_bucket
-from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
+from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PoolingBatch, PromptLogprobBatch
 from jaxserve.engine.scheduler import SchedulerOutput
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE
@@ -200,6 +200,36 @@ def build_prompt_logprob_batch(output: SchedulerOutput, num_tokens: int) -> tupl
         return None, []
     arrays["num_targets"] = np.asarray(filled, np.int32)
     return PromptLogprobBatch(**arrays), counts
+
+
+def build_pooling_batch(output: SchedulerOutput, num_tokens: int, num_rows: int
+                        ) -> tuple[PoolingBatch | None, list[int]]:
+    """The step tokens pooling requests pool, padded to the step's `num_tokens` tokens of `num_rows` rows; returns
+    the batch and how many positions each scheduled row pools, in row order, or (None, []) when no row pools any
+    (the step then costs nothing extra). A chunk computes positions [c, c + n); of those, a row pools the ones its
+    pool still needs (pooling/pooled.py), so a position computed again after a preemption is pooled once."""
+    if not any(item.request.pooled is not None for item in output.scheduled):
+        return None, []
+    arrays = padded_pooling_arrays(num_tokens, num_rows)
+    counts, start = [], 0
+    for row, item in enumerate(output.scheduled):
+        request, first = item.request, item.num_computed_tokens
+        count = 0
+        if request.pooled is not None:
+            wanted = request.pooled.positions(len(request.prompt_token_ids))
+            low, high = max(first, wanted.start), min(first + item.num_new_tokens, wanted.stop)
+            count = max(high - low, 0)
+            arrays["token_rows"][start + low - first : start + high - first] = row
+        counts.append(count)
+        start += item.num_new_tokens
+    if not any(counts):
+        return None, []
+    return PoolingBatch(**arrays), counts
+
+
+def padded_pooling_arrays(num_tokens: int, num_rows: int) -> dict[str, np.ndarray]:
+    """Every PoolingBatch field at its padding value for a step of T tokens and R rows."""
+    return {"token_rows": np.full((num_tokens,), num_rows, np.int32)}  # (T,)
 
 
 def build_decode_steps(output: SchedulerOutput, num_rows: int) -> DecodeSteps | None:

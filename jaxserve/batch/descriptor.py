@@ -1,5 +1,6 @@
 """BatchDescriptor: the fixed-shape padded pytree that is the model step's input; PromptLogprobBatch:
-which of its tokens' hidden states score a prompt token."""
+which of its tokens' hidden states score a prompt token; PoolingBatch: which of them a pooling request pools;
+DecodeSteps: a multi-step decode's per-row counts."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ class PromptLogprobBatch:
     token_index: jax.Array  # (Q,) int32 index into the step's tokens of the predicting position; pad 0
     target_ids: jax.Array  # (Q,) int32 the prompt token whose logprob is wanted; pad 0
     num_targets: jax.Array  # () int32 real entries
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PoolingBatch:
+    """The step tokens whose final hidden states pooling requests add into their pools (embeddings): each row's
+    sum over its pooled tokens comes back (pooling/pooled.py)."""
+
+    token_rows: jax.Array  # (T,) int32 the row whose sum a token's state joins; R (no row) for the others
 
 
 @jax.tree_util.register_dataclass

@@ -128,6 +128,11 @@ class DataParallelEngine:
         loaded the same LoRA adapters into the same slots)."""
         return self.replicas[0].make_requests(request_id, prompt, params, priority, cache_salt, lora_name)
 
+    def make_pooling_requests(self, request_id: str, prompt, params, priority: int = 0, cache_salt: str | None = None,
+                              lora_name: str | None = None):
+        """Validate one embedding request (ValueError when invalid) without queueing it."""
+        return self.replicas[0].make_pooling_requests(request_id, prompt, params, priority, cache_salt, lora_name)
+
     def check_capacity(self, num_requests: int = 1) -> None:
         """EngineDeadError when a replica is down, EngineOverloadedError past the replicas' waiting requests."""
         if not self.is_running:

@@ -19,6 +19,7 @@ from jaxserve.engine.llm_engine import LLMEngine, Prompt
 from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
+from jaxserve.pooling.params import PoolingParams
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
 
@@ -59,7 +60,7 @@ class RequestStream:
         """Hand a newer output to the reader (event loop only); the reader wakes for the first output,
         the last, and whenever `stream_interval` more tokens have arrived since it last woke."""
         self._latest = output
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        num_tokens = sum(len(c.token_ids) for c in output.outputs) if isinstance(output, RequestOutput) else 0
         if not self.started or output.finished or num_tokens - self._tokens_woken >= stream_interval:
             self.started = True
             self._tokens_woken = num_tokens
@@ -180,6 +181,15 @@ class AsyncLLMEngine:
         with this thread's own tokenizer."""
         return self.engine.make_requests(request_id, prompt, params, priority, tokenizer=self.tokenizer,
                                          cache_salt=cache_salt, lora_name=lora_name)
+
+    def make_pooling_requests(
+        self, request_id: str, prompt: Prompt, params: PoolingParams, priority: int = 0,
+        cache_salt: str | None = None, lora_name: str | None = None,
+    ) -> tuple[str | None, list[Request]]:
+        """Validate one embedding request (ValueError when invalid) without queueing it, with this thread's own
+        tokenizer (LLMEngine.make_pooling_requests)."""
+        return self.engine.make_pooling_requests(request_id, prompt, params, priority, tokenizer=self.tokenizer,
+                                                 cache_salt=cache_salt, lora_name=lora_name)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached page (on the engine thread, between steps); returns how many were forgotten."""

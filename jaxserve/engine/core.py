@@ -18,6 +18,7 @@ from jaxserve.batch.builder import (
     BucketLadders,
     build_batch,
     build_decode_steps,
+    build_pooling_batch,
     build_prompt_logprob_batch,
     build_proposals,
     build_sampling_batch,
@@ -40,6 +41,7 @@ from jaxserve.model.lora import lora_slot_structs, read_adapter, with_lora_slots
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
 from jaxserve.model.spec import ModelSpec
+from jaxserve.pooling.params import PoolerConfig, matryoshka_dimensions, resolve_pooler_config
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner.executables import CompileCounter
 from jaxserve.runner.runner import PendingStep, Runner, StepOutput, TokenLogprobs
@@ -86,8 +88,14 @@ class EngineCore:
             cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=self.ladders,
             attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
-            structured_outputs=config.enable_structured_outputs,
+            structured_outputs=config.enable_structured_outputs, pooling=config.runner == "pooling",
         )
+        # runner pooling: how prompts are pooled into embeddings, and the sizes a Matryoshka model may cut them to
+        self.pooler: PoolerConfig | None = None
+        self.matryoshka_dimensions: tuple[int, ...] | None = None
+        if config.runner == "pooling":
+            self.pooler = resolve_pooler_config(model_path, config.pooler_config)
+            self.matryoshka_dimensions = matryoshka_dimensions(model_path, self.spec.hidden_size)
         self.draft = None  # speculative decoding's draft model (method draft_model)
         speculative = config.speculative_config or {}
         if speculative.get("method") == "draft_model":
@@ -326,13 +334,14 @@ class EngineCore:
             return False, []
         with self.timing.measure("build"):
             try:
-                batch, sampling, (prompt, prompt_counts), steps, proposals = self._build_inputs(output)
+                batch, sampling, (prompt, prompt_counts), (pooling, pooled_counts), steps, proposals = \
+                    self._build_inputs(output)
             except Exception:
                 return False, self._fail_unbuildable(output)
         started, collected = time.perf_counter(), []
         if sampling.token_bitmask.shape[1]:  # constrained rows (never a multi-step step; never proposing)
             with self.timing.measure("dispatch"):
-                forward = self.runner.dispatch_forward(batch, prompt)
+                forward = self.runner.dispatch_forward(batch, prompt, pooling)
             while self._in_flight:
                 collected += self._collect()
             with self.timing.measure("build"):
@@ -341,9 +350,9 @@ class EngineCore:
                 pending = self.runner.dispatch_sampler(forward, sampling, proposals)
         else:
             with self.timing.measure("dispatch"):
-                pending = self.runner.dispatch(batch, sampling, prompt, steps, proposals)
+                pending = self.runner.dispatch(batch, sampling, prompt, steps, proposals, pooling)
         self.timing.dispatched(started, pending.ready)
-        self._in_flight.append(_InFlight(output, prompt_counts, pending))
+        self._in_flight.append(_InFlight(output, prompt_counts, pooled_counts, pending))
         self.counters["steps"] += 1
         self.counters["scheduled_tokens"] += sum(item.num_positions for item in output.scheduled)
         self.counters["padded_tokens"] += batch.input_ids.shape[0] * max(item.num_steps for item in output.scheduled)
@@ -360,11 +369,13 @@ class EngineCore:
         with self.timing.measure("update"):
             if step.prompt_counts:
                 self._record_prompt_logprobs(step.output, step.prompt_counts, result.prompt_logprobs)
+            if step.pooled_counts:
+                self._record_pooled(step.output, step.pooled_counts, result.pooled)
             return self.scheduler.update(step.output, self._sampled_tokens(step.output, result))
 
     def _build_inputs(self, output: SchedulerOutput):
         """The step's padded inputs: BatchDescriptor, SamplingBatch, (PromptLogprobBatch or None, counts),
-        DecodeSteps or None, Proposals or None."""
+        (PoolingBatch or None, counts), DecodeSteps or None, Proposals or None."""
         device_rows = {}  # request id -> its row in the step in flight, whose samples stay on the device
         if self._in_flight:
             device_rows = {item.request.request_id: row for row, item in enumerate(self._in_flight[-1].output.scheduled)}
@@ -372,8 +383,9 @@ class EngineCore:
         num_rows = batch.page_table.shape[0]
         sampling = build_sampling_batch(output, num_rows, self.ladders, self.spec.vocab_size)
         prompt = build_prompt_logprob_batch(output, batch.input_ids.shape[0])
+        pooling = build_pooling_batch(output, batch.input_ids.shape[0], num_rows)
         proposals = build_proposals(output, num_rows, 1 + self.config.num_speculative_tokens)
-        return batch, sampling, prompt, build_decode_steps(output, num_rows), proposals
+        return batch, sampling, prompt, pooling, build_decode_steps(output, num_rows), proposals
 
     def _fail_unbuildable(self, output: SchedulerOutput) -> list[Request]:
         """Find the requests whose inputs cannot be built, each on its own, and end them with an error."""
@@ -400,6 +412,13 @@ class EngineCore:
                 target = item.request.prompt_token_ids[len(item.request.prompt_logprobs)]
                 item.request.prompt_logprobs.append(_logprob_dict(scored, index, target, num_top))
             entry += count
+
+    @staticmethod
+    def _record_pooled(output: SchedulerOutput, counts: list[int], pooled) -> None:
+        """Add each pooling row's sum of its newly pooled positions' states (`pooled` (rows, H)) to its pool."""
+        for item, count, total in zip(output.scheduled, counts, pooled):
+            if count:
+                item.request.pooled.add(total, count)
 
     def _sampled_tokens(self, output: SchedulerOutput, result: StepOutput) -> list[list[SampledToken]]:
         """Each scheduled chunk's samples, in order (none for a chunk that stops mid-prompt), with their
@@ -502,6 +521,7 @@ class _InFlight:
 
     output: SchedulerOutput
     prompt_counts: list[int]  # prompt-logprob entries per scheduled row ([] when none)
+    pooled_counts: list[int]  # positions each scheduled row pooled ([] when none)
     pending: PendingStep
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from tqdm.auto import tqdm
 
@@ -12,7 +12,8 @@ from jaxserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearch
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
 from jaxserve.engine.tokenizer import load_chat_template, render_chat
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import PoolingRequestOutput, RequestOutput
+from jaxserve.pooling.params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
@@ -57,17 +58,35 @@ class LLM:
         (with an optional 'cache_salt', vLLM's key: only requests with equal salts share cached pages). With
         `lora_request` (one for all prompts, or one or None per prompt; vLLM's argument) they run with that LoRA
         adapter, loaded into a free slot first when it is not yet (the engine needs enable_lora)."""
+        params = sampling_params or self.get_default_sampling_params()
+        return self._run_all(self.engine.make_requests, prompts, params, SamplingParams, lora_request, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's embedding (`output.outputs.embedding`), its final hidden states pooled
+        as the engine's pooler says (LAST, MEAN or CLS; pooling/params.py) and L2-normalized unless
+        `pooling_params` say otherwise. Prompts and adapters as for `generate`; the engine needs runner pooling."""
+        return self._run_all(self.engine.make_pooling_requests, prompts, pooling_params or PoolingParams(),
+                             PoolingParams, lora_request, use_tqdm)
+
+    def _run_all(self, make: Callable, prompts, params, params_type: type, lora_request, use_tqdm: bool) -> list:
+        """Build every prompt's request with `make` (LLMEngine.make_requests or make_pooling_requests) and its
+        params (one for all, or one per prompt), validating everything before queueing anything, so a bad prompt
+        leaves no half-run batch; then run them to completion."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _per_prompt(sampling_params or self.get_default_sampling_params(), len(prompt_list),
-                                  SamplingParams)
+        params_list = _per_prompt(params, len(prompt_list), params_type)
         loras = _per_prompt(lora_request, len(prompt_list), LoRARequest)
-        # Validate everything before queueing anything, so a bad prompt leaves no half-run batch.
         names = [None if lora is None else self.engine.add_lora(lora) for lora in loras]
         made = []
-        for prompt, params, name in zip(prompt_list, params_list, names):
+        for prompt, prompt_params, name in zip(prompt_list, params_list, names):
             request_id = str(next(self._ids))
-            made.append((request_id, self.engine.make_requests(request_id, _prompt_of(prompt), params,
-                                                               cache_salt=_cache_salt_of(prompt), lora_name=name)))
+            made.append((request_id, make(request_id, _prompt_of(prompt), prompt_params,
+                                          cache_salt=_cache_salt_of(prompt), lora_name=name)))
         for request_id, requests in made:
             self.engine.submit(request_id, requests)
         return self._run([request_id for request_id, _ in made], use_tqdm)
@@ -132,7 +151,7 @@ class LLM:
         """Engine counters: steps, scheduled tokens, preemptions, KV pages total/free, compilations after warm-up."""
         return self.engine.stats()
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
         """Step until every request finished; whatever interrupts the run (an exception, Ctrl-C) aborts
         the requests still pending, so none stays queued and their pages go back."""
         pending = set(request_ids)

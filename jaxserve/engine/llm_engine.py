@@ -18,7 +18,9 @@ from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.reasoning import ReasoningParser
 from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import PoolingRequestOutput, RequestOutput
+from jaxserve.pooling.params import PoolingParams, check_dimensions
+from jaxserve.pooling.pooled import PooledPrompt
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -26,6 +28,8 @@ ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
 DEFAULT_MODEL_NAME = "tiny-stdlib-llama"
 
 Prompt = str | list[int]
+# An embedding request runs its prompt and samples nothing (its one sampler row is dropped).
+POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=0, temperature=0.0, detokenize=False)
 
 
 def default_model_path() -> str:
@@ -151,21 +155,14 @@ class LLMEngine:
         adapter (`lora_name`, one the engine has loaded; None: the base model).
         """
         tokenizer = tokenizer or self.tokenizer
-        text, token_ids = self.tokenize_prompt(prompt, tokenizer)
-        if params.truncate_prompt_tokens is not None:
-            token_ids = token_ids[-params.truncate_prompt_tokens:]
+        text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens, tokenizer)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: it must be "
                 f"shorter so at least one token can be generated"
             )
-        if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
-            raise ValueError(f"priority must be an int in [{INT64_MIN}, {INT64_MAX}], got {priority!r}")
         self._check_vocabulary(params)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or cache_salt[0] == "\0"):
-            raise ValueError(f"cache_salt must be a non-empty string not starting with NUL when given, got "
-                             f"{cache_salt!r}")
-        lora = None if lora_name is None else self.core.lora(lora_name)
+        salt, lora = self._placement(priority, cache_salt, lora_name)
         bad_words = bad_words_token_ids(tokenizer, params.bad_words or [])
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -190,11 +187,56 @@ class LLMEngine:
                 # others fork from it once it has computed the prompt.
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
                 fork_source=None if index == 0 else children[0].request_id,
-                cache_salt=prefix_salt(cache_salt, None if lora is None else lora.key, self.core.weights_version),
-                lora_slot=-1 if lora is None else lora.slot,
+                cache_salt=salt, lora_slot=-1 if lora is None else lora.slot,
                 grammar=None if compiled is None else self.grammars.request_grammar(compiled, starts_after),
             ))
         return text, children
+
+    def make_pooling_requests(
+        self, request_id: str, prompt: Prompt, params: PoolingParams | None = None, priority: int = 0,
+        tokenizer=None, cache_salt: str | None = None, lora_name: str | None = None,
+    ) -> tuple[str | None, list[Request]]:
+        """Validate an embedding request and build its engine request without queueing it; returns (text, [it]).
+        It computes its prompt (up to max_model_len tokens), pools the final hidden states as the engine's pooler
+        says (pooling/) and samples nothing. ValueError on an engine not started with runner pooling."""
+        pooler = self.core.pooler
+        if pooler is None:
+            raise ValueError("embeddings need an engine started with runner pooling (--runner pooling); this one "
+                             "runs generate")
+        params = params or PoolingParams()
+        check_dimensions(params.dimensions, self.core.matryoshka_dimensions)
+        text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens, tokenizer or self.tokenizer)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}: "
+                             f"shorten it, or set truncate_prompt_tokens")
+        salt, lora = self._placement(priority, cache_salt, lora_name)
+        normalize = pooler.normalize if params.normalize is None else params.normalize
+        request = Request(
+            request_id=request_id, prompt_token_ids=token_ids, sampling_params=POOLING_SAMPLING_PARAMS,
+            eos_token_ids=(), seed=0, max_tokens=0, priority=priority, cache_salt=salt,
+            lora_slot=-1 if lora is None else lora.slot,
+            pooled=PooledPrompt(pooler.pooling_type, normalize, params.dimensions),
+        )
+        return text, [request]
+
+    def _prompt_tokens(self, prompt: Prompt, truncate_prompt_tokens: int | None, tokenizer
+                       ) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt, only its last `truncate_prompt_tokens` ids when that is set."""
+        text, token_ids = self.tokenize_prompt(prompt, tokenizer)
+        if truncate_prompt_tokens is not None:
+            token_ids = token_ids[-truncate_prompt_tokens:]
+        return text, token_ids
+
+    def _placement(self, priority: int, cache_salt: str | None, lora_name: str | None):
+        """(the prefix-cache salt, the loaded LoRA adapter or None) of a request, its priority, salt and adapter
+        checked: a ValueError naming what to fix."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not INT64_MIN <= priority <= INT64_MAX:
+            raise ValueError(f"priority must be an int in [{INT64_MIN}, {INT64_MAX}], got {priority!r}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or cache_salt[0] == "\0"):
+            raise ValueError(f"cache_salt must be a non-empty string not starting with NUL when given, got "
+                             f"{cache_salt!r}")
+        lora = None if lora_name is None else self.core.lora(lora_name)
+        return prefix_salt(cache_salt, None if lora is None else lora.key, self.core.weights_version), lora
 
     @functools.cached_property
     def grammars(self):
@@ -243,7 +285,7 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id
         return () if eos is None else (eos,)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
+    def abort_request(self, request_id: str) -> RequestOutput | PoolingRequestOutput | None:
         """Abort a user request: its pages return at once; returns its final output (or None if unknown)."""
         self.core.finish_requests(self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED)
         return self.output_processor.abort(request_id)
@@ -261,7 +303,7 @@ class LLMEngine:
         """True while anything waits or runs."""
         return self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One engine step; outputs for the user requests that moved."""
         timing = self.core.timing
         with timing.measure("step"):

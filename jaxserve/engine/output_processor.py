@@ -13,7 +13,8 @@ import time
 
 from jaxserve.engine.stop_checker import StopStringChecker
 from jaxserve.engine.tokenizer import IncrementalDetokenizer
-from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from jaxserve.pooling.pooled import PooledPrompt
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 
@@ -48,10 +49,13 @@ class _RequestState:
     show_logprobs: bool  # the user asked for logprobs (best_of > n computes them anyway, to rank)
     error: str | None = None
     num_cached_tokens: int = 0
+    pooled: PooledPrompt | None = None  # an embedding request's pool, filled by the engine
 
-    def output(self) -> RequestOutput | None:
+    def output(self) -> RequestOutput | PoolingRequestOutput | None:
         """The output so far; None while best_of > n has unfinished samples (nothing is shown before the
         ranking is known, so no sample that loses is ever shown)."""
+        if self.pooled is not None:
+            return self._pooling_output()
         samples = sorted(self.samples.values(), key=lambda s: s.index)
         if self.num_returned < len(samples):
             if any(s.finish_reason is None for s in samples):
@@ -76,6 +80,15 @@ class _RequestState:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, self.metrics,
                              prompt_logprobs, self.error, self.num_cached_tokens)
 
+    def _pooling_output(self) -> PoolingRequestOutput:
+        """An embedding request's output: its embedding once it has finished with its whole prompt pooled."""
+        (sample,) = self.samples.values()
+        finished = sample.finish_reason is not None
+        complete = sample.finish_reason == "stop" and not self.pooled.positions(len(self.prompt_token_ids))
+        outputs = PoolingOutput(self.pooled.embedding()) if complete else None
+        return PoolingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
+                                    self.metrics, self.error, self.num_cached_tokens)
+
 
 class OutputProcessor:
     """Keeps per-request detokenizers and turns engine updates into RequestOutputs."""
@@ -98,7 +111,7 @@ class OutputProcessor:
             request_id, prompt, first.prompt_token_ids, samples,
             RequestMetrics(first.arrival_time, max_tokens=first.max_tokens),
             None if scoring is None else scoring.prompt_logprobs,
-            num_returned=params.n, show_logprobs=params.output_logprobs is not None,
+            num_returned=params.n, show_logprobs=params.output_logprobs is not None, pooled=first.pooled,
         )
         for child in children:
             self._parent_of[child.request_id] = request_id

@@ -309,7 +309,7 @@ class Scheduler:
             self.kv.fork(request.request_id, source.request_id, len(request.prompt_token_ids))
             num_computed, num_present = len(request.prompt_token_ids) - 1, 1
         else:
-            if request.prompt_logprobs is None:  # scoring the prompt needs every position computed
+            if not request.needs_every_prompt_position:
                 cached = self.kv.find_cached_prefix(request.token_ids(0, request.num_tokens), request.cache_salt)
             num_computed = len(cached) * self.kv.page_size
         remaining = request.num_tokens - num_computed
@@ -409,8 +409,9 @@ class Scheduler:
                                          request.num_known_tokens), request.token_ids, request.cache_salt)
             if not samples:
                 continue
-            if request.max_tokens == 0:  # the prompt ran (for its logprobs); nothing is generated
-                self._end(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+            if request.max_tokens == 0:  # the prompt ran (for its logprobs, or pooled); nothing is generated
+                pooled = request.pooled is not None
+                self._end(request, RequestStatus.FINISHED_STOPPED if pooled else RequestStatus.FINISHED_LENGTH_CAPPED)
             else:
                 for sample in samples:
                     if self._append(request, sample, now):

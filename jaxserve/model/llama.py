@@ -139,10 +139,15 @@ class LlamaForCausalLM(nnx.Module):
         # positions: (T,) int32 -> cos, sin: (T, D // 2) float32 each
         return rope_cos_sin(positions, self.spec.rope.inv_freq())
 
+    def final_states(self, hidden: jax.Array) -> jax.Array:
+        """The final norm over some tokens' last layer outputs (Hugging Face's `last_hidden_state`)."""
+        # hidden: (N, H) -> (N, H)
+        return self.layers.norm(hidden, self.final_norm)
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """Final norm and LM head over some tokens' last hidden states."""
         # hidden: (N, H) -> (N, V) float32
-        normed = self.layers.norm(hidden, self.final_norm)  # (N, H)
+        normed = self.final_states(hidden)  # (N, H)
         lm_head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # (H, V)
         return jnp.dot(normed, lm_head, preferred_element_type=jnp.float32)
 

@@ -61,8 +61,8 @@ class Model:
     # (spec, KV heads held per layer, tensor parallel size) -> the params tree of `Weight`s
     weights: Callable[[ModelSpec, int, int], dict]
     # the Flax NNX module: module(params, spec) over the params tree (model/layers.py), with
-    # __call__(caches, StepContext) -> (logits (R, V) float32, hidden (T, H), caches) and
-    # logits(hidden (N, H)) -> (N, V) float32
+    # __call__(caches, StepContext) -> (logits (R, V) float32, hidden (T, H), caches),
+    # logits(hidden (N, H)) -> (N, V) float32 and (for pooling) final_states(hidden (N, H)) -> (N, H)
     module: type
     # the module adds LoRA adapters' products (params["layers"]["lora"], model/lora.py) to its dense projections
     lora: bool = False
@@ -80,6 +80,11 @@ class Model:
     def token_logits(self, params: dict, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
         """The LM head's logits (N, V) float32 over some tokens' last hidden states (N, H)."""
         return self.module(params, spec).logits(hidden)
+
+    def final_states(self, params: dict, hidden: jax.Array, spec: ModelSpec) -> jax.Array:
+        """The final hidden states (N, H) (after the final norm: Hugging Face's `last_hidden_state`) of some tokens'
+        last layer outputs (N, H): what pooling (embeddings) reads."""
+        return self.module(params, spec).final_states(hidden)
 
 
 def copy_pages(caches: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) -> tuple[jax.Array, ...]:

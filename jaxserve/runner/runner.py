@@ -25,11 +25,12 @@ from jaxserve.batch.builder import (
     BucketLadders,
     padded_batch_arrays,
     padded_decode_step_arrays,
+    padded_pooling_arrays,
     padded_prompt_logprob_arrays,
     padded_proposal_arrays,
     padded_sampling_arrays,
 )
-from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PromptLogprobBatch
+from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PoolingBatch, PromptLogprobBatch
 from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.kv.host_swap import HostSwap
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping
@@ -76,6 +77,7 @@ class StepOutput:
     sampled_logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None  # of the PromptLogprobBatch's targets, when there was one
     logprobs_per_row: int = 1  # S in a verification, else 1
+    pooled: np.ndarray | None = None  # (num_seqs, H) float32 each row's sum of pooled states, when a row pooled
 
 
 @dataclasses.dataclass
@@ -87,6 +89,7 @@ class ForwardStep:
     prompt_scored: tuple | None  # the prompt-logprob executable's outputs, when the step scored prompt tokens
     num_seqs: int  # real rows
     num_prompt_targets: int  # real prompt-logprob entries
+    pooled: jax.Array | None = None  # (R, H) float32 each row's sum of pooled states, when a row pooled
 
 
 @dataclasses.dataclass
@@ -101,6 +104,7 @@ class PendingStep:
     num_seqs: int  # real rows
     num_prompt_targets: int  # real prompt-logprob entries
     logprobs_per_row: int = 1  # logprobs entries of each row: S in a verification, else 1
+    pooled: jax.Array | None = None  # (R, H) float32 each row's sum of pooled states, when a row pooled
     ready: concurrent.futures.Future | None = None  # resolves to time.perf_counter() when the device is done
 
     def fetch(self) -> StepOutput:
@@ -112,8 +116,9 @@ class PendingStep:
         prompt_logprobs = None
         if self.prompt_scored is not None:
             prompt_logprobs = TokenLogprobs.fetch(self.prompt_scored, self.num_prompt_targets)
+        pooled = None if self.pooled is None else np.asarray(jax.device_get(self.pooled))[:count]
         return StepOutput(np.atleast_2d(np.asarray(self.token_ids))[:, :count], sampled_logprobs, prompt_logprobs,
-                          self.logprobs_per_row)
+                          self.logprobs_per_row, pooled)
 
 
 def _padded_rows(token_ids: jax.Array, max_rows: int) -> jax.Array:
@@ -160,6 +165,7 @@ class Runner:
         num_scheduler_steps: int = 1,
         num_speculative_tokens: int = 0,
         structured_outputs: bool = True,
+        pooling: bool = False,
     ):
         self.spec = spec
         self.params = params
@@ -167,6 +173,7 @@ class Runner:
         self.ladders = ladders
         self.num_scheduler_steps = num_scheduler_steps
         self.num_speculative_tokens = num_speculative_tokens
+        self.pooling = pooling  # the pooling buckets (embeddings) are built too
         # the sampler buckets with a structured-output token bitmask are built too (else only those without)
         self.mask_widths = (0, bitmask_width(spec.vocab_size)) if structured_outputs else (0,)
         self._replicated = NamedSharding(mesh, P())
@@ -180,6 +187,7 @@ class Runner:
 
         model = model_for(spec.architecture)
         token_logits = model.token_logits  # (params, hidden (N, H), spec) -> (N, V) float32
+        final_states = model.final_states  # (params, hidden (N, H), spec) -> (N, H) after the final norm
         forward = model.make_forward(spec, self.attention.attention, self.attention.write_kv, mesh)
         self.model_forward = forward  # (params, caches, BatchDescriptor) -> (logits (R, V), hidden (T, H), caches)
         # Each leaf's own sharding (the loader's, or a quantized leaf's): params of any layout the model takes.
@@ -231,6 +239,12 @@ class Runner:
             logits = token_logits(params, hidden[prompt.token_index], spec)  # (Q, V) float32
             return raw_logprobs(logits, prompt.target_ids)
 
+        def pool_packed(params, hidden, buffer, layout: Layout, num_rows: int):
+            """Each of the step's R rows' sum (R, H) float32 of the final states of the tokens it pools."""
+            token_rows = unpack(buffer, layout, PoolingBatch).token_rows  # (T,) row, or R: none
+            states = final_states(params, hidden, spec).astype(jnp.float32)  # (T, H)
+            return jax.ops.segment_sum(states, token_rows, num_segments=num_rows + 1)[:num_rows]
+
         # Step functions of (params, caches, last tokens, packed inputs, layouts) -> (outputs, last tokens or
         # hidden states, caches), the pool donated.
         step_jit = functools.partial(
@@ -257,12 +271,15 @@ class Runner:
             prompt_logprobs_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
             out_shardings=self._replicated, static_argnums=(3,),
         )
+        self._pool = jax.jit(pool_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
+                             out_shardings=self._replicated, static_argnums=(3, 4))
         self._forward_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
         self._sample_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (R, P, M) -> executable
         self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
         self._steps_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> multi-step executable
         self._verify_rows_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> verified positions' states
         self._verify_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (R, P, M) -> verification
+        self._pool_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> the rows' pooled sums
         self.num_lazy_compiles = 0
         CompileCounter.install()
 
@@ -337,17 +354,20 @@ class Runner:
     def shapes(self) -> tuple[list[tuple[int, ...]], ...]:
         """Every (T, W) forward shape, (R, P, M) sampler shape (M: no token bitmask, or one word per 32 tokens),
         (T,) prompt-logprob shape, the (T, W) shapes of multi-step decodes (T up to the token rung holding
-        max_num_seqs decodes), and with speculative decoding the (T,) shapes that take the verified positions'
-        hidden states out of a forward and the (R, P, M) shapes of the verification, that the ladders allow."""
+        max_num_seqs decodes), with speculative decoding the (T,) shapes that take the verified positions'
+        hidden states out of a forward and the (R, P, M) shapes of the verification, and with pooling the (T,)
+        shapes that pool the rows' states, that the ladders allow."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
         sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths, self.mask_widths))
         prompt = [(num_tokens,) for num_tokens in self.ladders.tokens]
-        steps = verify_rows = verify = []
+        steps = verify_rows = verify = pool = []
         if self.num_scheduler_steps > 1:
             steps = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1)]
         if self.num_speculative_tokens:
             verify_rows, verify = prompt, sampler
-        return forward, sampler, prompt, steps, verify_rows, verify
+        if self.pooling:
+            pool = prompt
+        return forward, sampler, prompt, steps, verify_rows, verify, pool
 
     def _decode_tokens_rung(self, tokens_per_row: int) -> int:
         """The token rung holding max_num_seqs rows of `tokens_per_row` tokens (the top rung when none does)."""
@@ -359,19 +379,21 @@ class Runner:
 
         With the persistent compilation cache on, a restart loads these instead of compiling.
         """
-        forward, sampler, prompt, steps, verify_rows, verify = self.shapes()
+        forward, sampler, prompt, steps, verify_rows, verify, pool = self.shapes()
         self.compile_buckets([(self._forward_exec, self.forward_call, forward),
                               (self._steps_exec, self.decode_steps_call, steps),
                               (self._verify_rows_exec, self.verify_rows_call, verify_rows),
                               (self._verify_exec, self.verify_call, verify),
                               (self._sample_exec, self.sampler_call, sampler),
-                              (self._prompt_exec, self.prompt_logprobs_call, prompt)],
+                              (self._prompt_exec, self.prompt_logprobs_call, prompt),
+                              (self._pool_exec, self.pooling_call, pool)],
                              "compiling step buckets", show_progress)
 
     def num_executables(self) -> int:
         """How many bucket executables this runner holds (compiled here, loaded from the cache or shared)."""
         return sum(len(table) for table in (self._forward_exec, self._sample_exec, self._prompt_exec,
-                                            self._steps_exec, self._verify_rows_exec, self._verify_exec))
+                                            self._steps_exec, self._verify_rows_exec, self._verify_exec,
+                                            self._pool_exec))
 
     def compile_buckets(self, groups: list[tuple[dict, Callable, list[tuple[int, ...]]]], description: str,
                         show_progress: bool) -> None:
@@ -445,6 +467,12 @@ class Runner:
         buffer, layout = pack(PromptLogprobBatch(**padded_prompt_logprob_arrays(num_tokens)))
         return self._prompt_logprobs, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout)
 
+    def pooling_call(self, num_tokens: int) -> tuple[Callable, tuple]:
+        """The pooling bucket (T,): the step's T tokens' states summed into its rows."""
+        num_rows = self.ladders.rows_for(num_tokens)
+        buffer, layout = pack(PoolingBatch(**padded_pooling_arrays(num_tokens, num_rows)))
+        return self._pool, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout, num_rows)
+
     def _hidden_struct(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         """Final hidden states of `num_tokens` tokens (N, H) as an abstract array: a forward's T, or the R * S
         verified positions."""
@@ -459,19 +487,22 @@ class Runner:
     def dispatch(
         self, batch: BatchDescriptor, sampling: SamplingBatch, prompt: PromptLogprobBatch | None = None,
         decode_steps: DecodeSteps | None = None, proposals: Proposals | None = None,
+        pooling: PoolingBatch | None = None,
     ) -> "PendingStep":
-        """Start the model and the sampler (and the scoring of prompt tokens when `prompt` is given) on the
-        device and return at once; `PendingStep.fetch()` waits for the samples. A token whose id the host
+        """Start the model and the sampler (and the scoring of prompt tokens when `prompt` is given, the pooling
+        of the rows' states when `pooling` is) on the device and return at once; `PendingStep.fetch()` waits for the samples. A token whose id the host
         does not have yet is read from the previous dispatch's samples (`batch.device_token_index`). With
         `decode_steps`, a decode-only batch runs several iterations in one call (runner/decode_steps.py); with
         `proposals`, the rows that propose tokens verify them (`dispatch_sampler`)."""
         if decode_steps is not None:
             return self._dispatch_decode_steps(batch, sampling, decode_steps)
-        return self.dispatch_sampler(self.dispatch_forward(batch, prompt), sampling, proposals)
+        return self.dispatch_sampler(self.dispatch_forward(batch, prompt, pooling), sampling, proposals)
 
-    def dispatch_forward(self, batch: BatchDescriptor, prompt: PromptLogprobBatch | None = None) -> "ForwardStep":
-        """The first half of `dispatch` (a plain step): start the model (and the scoring of prompt tokens) and
-        return at once; the host may then finish the sampling batch (the grammar masks) while it runs."""
+    def dispatch_forward(self, batch: BatchDescriptor, prompt: PromptLogprobBatch | None = None,
+                         pooling: PoolingBatch | None = None) -> "ForwardStep":
+        """The first half of `dispatch` (a plain step): start the model (and the scoring of prompt tokens, the
+        pooling of states) and return at once; the host may then finish the sampling batch (the grammar masks)
+        while it runs."""
         num_tokens, width = batch.input_ids.shape[0], batch.page_table.shape[1]
         forward = self._executable(self._forward_exec, (num_tokens, width), self.forward_call)
         batch_words = put_global(pack(batch)[0], self._replicated)
@@ -481,7 +512,11 @@ class Runner:
             scorer = self._executable(self._prompt_exec, (num_tokens,), self.prompt_logprobs_call)
             scored = scorer(self.params, hidden, put_global(pack(prompt)[0], self._replicated))
             num_targets = int(prompt.num_targets)
-        return ForwardStep(logits, hidden, scored, int(batch.num_seqs), num_targets)
+        pooled = None
+        if pooling is not None:
+            pool = self._executable(self._pool_exec, (num_tokens,), self.pooling_call)
+            pooled = pool(self.params, hidden, put_global(pack(pooling)[0], self._replicated))
+        return ForwardStep(logits, hidden, scored, int(batch.num_seqs), num_targets, pooled)
 
     def dispatch_sampler(self, step: "ForwardStep", sampling: SamplingBatch,
                          proposals: Proposals | None = None) -> "PendingStep":
@@ -503,7 +538,7 @@ class Runner:
             token_ids, self.last_tokens, out = verifier(self.params, rows, (words, proposal_words))
         logprobs = (out.logprobs, out.ranks, out.top_token_ids, out.top_logprobs) if sampling.need_logprobs else None
         return self._pending(token_ids, logprobs, step.prompt_scored, step.num_seqs, step.num_prompt_targets,
-                             per_row)
+                             per_row, step.pooled)
 
     def _dispatch_decode_steps(self, batch: BatchDescriptor, sampling: SamplingBatch,
                                steps: DecodeSteps) -> "PendingStep":
@@ -518,10 +553,10 @@ class Runner:
         return self._pending(tokens, None, None, int(batch.num_seqs), 0)
 
     def _pending(self, token_ids: jax.Array, logprobs, scored, num_seqs: int, num_targets: int,
-                 logprobs_per_row: int = 1) -> "PendingStep":
+                 logprobs_per_row: int = 1, pooled: jax.Array | None = None) -> "PendingStep":
         """A PendingStep whose `ready` the helper thread resolves when its outputs are computed."""
-        pending = PendingStep(token_ids, logprobs, scored, num_seqs, num_targets, logprobs_per_row)
-        pending.ready = self._ready_clock.submit(_ready_time, (token_ids, scored))
+        pending = PendingStep(token_ids, logprobs, scored, num_seqs, num_targets, logprobs_per_row, pooled)
+        pending.ready = self._ready_clock.submit(_ready_time, (token_ids, scored, pooled))
         return pending
 
     def _executable(self, table: dict, key: tuple[int, ...], call: Callable) -> jax.stages.Compiled:

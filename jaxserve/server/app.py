@@ -18,6 +18,7 @@ from jaxserve.distributed.replicas import DataParallelEngine, build_replicas
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.config import ServerConfig
+from jaxserve.server.embeddings import EmbeddingsServing
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
 from jaxserve.server.metrics import ServerMetrics, cache_config_info
 from jaxserve.server.protocol import (
@@ -48,6 +49,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         replica_stats = lambda: [async_engine.stats()]  # noqa: E731
     serving = OpenAIServing(async_engine, config)
     responses = ResponsesServing(serving, config.max_stored_responses)
+    embeddings = EmbeddingsServing(serving)
     engine.core.on_peer_lost(lambda reason: async_engine.fail(EngineDeadError(f"the multi-host launch broke: {reason}")))
 
     @asynccontextmanager
@@ -74,6 +76,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     v1.add_api_route("/responses", responses.create, methods=["POST"], response_model=None)
     v1.add_api_route("/responses/{response_id}", responses.get, methods=["GET"])
     v1.add_api_route("/responses/{response_id}", responses.delete, methods=["DELETE"])
+    v1.add_api_route("/embeddings", embeddings.create, methods=["POST"], response_model=None)
     v1.add_api_route("/models", serving.models, methods=["GET"])
     if config.allow_runtime_lora_updating:
         v1.add_api_route("/load_lora_adapter", serving.load_lora_adapter, methods=["POST"], response_model=None)
@@ -202,7 +205,7 @@ class LoadTracking:
     """ASGI middleware: counts each request to a generation route from its arrival until its response,
     streamed or not, has ended, however it ends."""
 
-    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/invocations")
 
     def __init__(self, app, load: ServerLoad):
         self.app = app

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.outputs import RequestOutput
+from jaxserve.outputs import PoolingRequestOutput, RequestOutput
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 FIRST_TOKEN_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -194,6 +194,9 @@ class ServerMetrics:
         that arrived together), and the finished requests."""
         now = time.monotonic() if now is None else now
         for output in outputs:
+            if isinstance(output, PoolingRequestOutput):  # an embedding: one output, when it has finished
+                self._observe_pooled(output)
+                continue
             num_tokens = max(len(c.token_ids) for c in output.outputs)
             seen = self._last_output.pop(output.request_id, None)  # (tokens, time) at its previous output
             if seen is not None and num_tokens > seen[0]:
@@ -217,7 +220,15 @@ class ServerMetrics:
             self.params_max_tokens.observe(output.metrics.max_tokens)
         self._observe_latencies(output)
 
-    def _observe_latencies(self, output: RequestOutput) -> None:
+    def _observe_pooled(self, output: PoolingRequestOutput) -> None:
+        """Record a finished embedding request: its end (stop, or abort or error without an embedding), its prompt
+        and its latencies."""
+        reason = "stop" if output.outputs is not None else ("error" if output.error else "abort")
+        self.request_success.labels(self.model_name, reason).inc()
+        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self._observe_latencies(output)
+
+    def _observe_latencies(self, output: RequestOutput | PoolingRequestOutput) -> None:
         """Observe each phase of a finished request whose two ends it reached (an abort may miss some)."""
         t = output.metrics
         phases = (

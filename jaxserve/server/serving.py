@@ -201,7 +201,7 @@ class OpenAIServing:
             if not await _unless_client_leaves(search, raw):
                 return Response(status_code=499)
         except (EngineOverloadedError, EngineDeadError) as error:
-            raise self._unavailable(error) from error
+            raise self.unavailable(error) from error
         except (ValueError, RuntimeError) as error:  # a step the engine refused or failed
             raise APIError(400, str(error)) from error
         outputs = [request_output(f"{request_id}-{i}", search.output(self.tokenizer), body.n, self.tokenizer,
@@ -392,38 +392,23 @@ class OpenAIServing:
         try:
             self.engine.check_capacity(len(made))
         except (EngineOverloadedError, EngineDeadError) as error:
-            raise self._unavailable(error) from error
+            raise self.unavailable(error) from error
         return [self.engine.submit(f"{request_id}-{i}", m) for i, m in enumerate(made)]
 
-    def _unavailable(self, error: EngineOverloadedError | EngineDeadError) -> APIError:
+    def unavailable(self, error: EngineOverloadedError | EngineDeadError) -> APIError:
         """503 for an engine that is full (retry after a while) or down."""
         headers = {"Retry-After": str(self.config.retry_after_s)} if isinstance(error, EngineOverloadedError) else None
         return APIError(503, str(error), headers=headers)
 
     async def final_outputs(self, streams: list[RequestStream], body: _SamplingFields,
-                             raw: Request) -> list[RequestOutput] | None:
+                            raw: Request) -> list[RequestOutput] | None:
         """The final output of every stream, or None when the client disconnects first; a request the
         engine failed alone is a 400."""
-
-        async def last(stream: RequestStream) -> RequestOutput:
-            output = None
-            async for output in read_outputs(stream):
-                pass
-            return output
-
         try:
-            finished = await _unless_client_leaves(asyncio.gather(*(last(s) for s in streams)), raw)
-        except EngineDeadError as error:
-            raise APIError(503, str(error)) from error
+            outputs = await last_outputs(streams, raw)
         except RequestFailedError as error:
             raise APIError(400, str(error), body.param_of(str(error.__cause__))) from error
-        finally:
-            for stream in streams:
-                stream.close()
-        if not finished:
-            return None
-        (outputs,) = finished
-        for output in outputs:
+        for output in outputs or ():
             if request_failure(output) is not None:
                 raise APIError(400, request_failure(output))
         return outputs
@@ -665,6 +650,26 @@ def request_failure(output: RequestOutput) -> str | None:
     if output.error is None and all(c.finish_reason != "error" for c in output.outputs):
         return None
     return str(RequestFailedError(output.error or "no reason given"))
+
+
+async def last_outputs(streams: list[RequestStream], raw: Request) -> list | None:
+    """The final output of every stream, or None when the client disconnects first; 503 when the engine is down,
+    RequestFailedError for a request it failed alone. Every stream is closed however this ends."""
+
+    async def last(stream: RequestStream):
+        output = None
+        async for output in read_outputs(stream):
+            pass
+        return output
+
+    try:
+        finished = await _unless_client_leaves(asyncio.gather(*(last(s) for s in streams)), raw)
+    except EngineDeadError as error:
+        raise APIError(503, str(error)) from error
+    finally:
+        for stream in streams:
+            stream.close()
+    return finished[0] if finished else None
 
 
 async def read_outputs(stream: RequestStream) -> AsyncIterator[RequestOutput]:

@@ -1,0 +1,113 @@
+"""POST /v1/embeddings (OpenAI's Embeddings API, vLLM's extras) on a server started with runner pooling, through
+the openai client and plain HTTP; the same engine still serves completions. A server of runner generate refuses
+the route with a 400 that says how to start one that serves it.
+"""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from conftest import API_KEY
+from helpers import running_server, small_engine_args
+from jaxserve.config import EngineConfig
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.server.app import build_app
+from jaxserve.server.config import ServerConfig
+
+MODEL = "tiny-stdlib-llama"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+TEXTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def push(self, item):"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """(URL, engine) of a server whose engine pools (LAST, normalized: the defaults) and generates."""
+    options = {k: v for k, v in small_engine_args().items() if k != "show_progress"}
+    engine = LLMEngine(EngineConfig.for_model(None, runner="pooling", **options), show_progress=False)
+    with running_server(build_app(engine, ServerConfig(api_key=API_KEY, max_prompts=4))) as url:
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=API_KEY, max_retries=0)
+
+
+def _embed(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/embeddings", headers=AUTH, json={"model": MODEL, **body}, timeout=60)
+
+
+def _error(response: httpx.Response, param: str) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    return error["message"]
+
+
+def test_the_openai_client_gets_one_unit_vector_per_input_in_order(server, client):
+    url, engine = server
+    answer = client.embeddings.create(model=MODEL, input=TEXTS)  # the client asks for base64 and decodes it
+    assert [item.index for item in answer.data] == [0, 1, 2] and answer.model == MODEL
+    floats = _embed(url, input=TEXTS).json()
+    for item, plain in zip(answer.data, floats["data"]):
+        assert plain["object"] == "embedding"
+        np.testing.assert_allclose(item.embedding, plain["embedding"], rtol=1e-6)
+        assert len(item.embedding) == engine.core.spec.hidden_size
+        assert abs(np.linalg.norm(item.embedding) - 1.0) < 1e-5
+    lengths = [len(engine.tokenizer.encode(text)) for text in TEXTS]
+    assert answer.usage.prompt_tokens == answer.usage.total_tokens == sum(lengths)
+    assert floats["usage"]["completion_tokens"] == 0 and floats["object"] == "list"
+    assert floats["id"].startswith("embd-")
+
+
+def test_token_inputs_special_tokens_and_truncation(server):
+    url, engine = server
+    ids = engine.tokenizer.encode(TEXTS[0])
+    by_text = _embed(url, input=TEXTS[0]).json()["data"][0]["embedding"]
+    by_ids = _embed(url, input=ids).json()
+    np.testing.assert_allclose(by_ids["data"][0]["embedding"], by_text, rtol=1e-5, atol=1e-6)
+    batch = _embed(url, input=[ids, ids[1:]]).json()
+    plain = _embed(url, input=TEXTS[0], add_special_tokens=False).json()
+    np.testing.assert_allclose(plain["data"][0]["embedding"], batch["data"][1]["embedding"], rtol=1e-5, atol=1e-6)
+    assert plain["usage"]["prompt_tokens"] == len(ids) - 1
+    cut = _embed(url, input=ids, truncate_prompt_tokens=len(ids) - 1).json()
+    np.testing.assert_allclose(cut["data"][0]["embedding"], batch["data"][1]["embedding"], rtol=1e-5, atol=1e-6)
+    raw = np.asarray(_embed(url, input=TEXTS[0], normalize=False).json()["data"][0]["embedding"])
+    np.testing.assert_allclose(raw / np.linalg.norm(raw), by_text, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_requests_are_400s_naming_the_field(server):
+    url, engine = server
+    assert "Matryoshka" in _error(_embed(url, input="x", dimensions=8), "dimensions")
+    _error(_embed(url, input="x", dimensions=0), "dimensions")
+    _error(_embed(url, input=""), "input")
+    _error(_embed(url, input=[]), "input")
+    _error(_embed(url, input=["a"] * 5), "input")  # max_prompts 4
+    _error(_embed(url, input=[engine.core.spec.vocab_size]), "input")
+    assert "max_model_len" in _error(_embed(url, input=[5] * (engine.max_model_len + 1)), "input")
+    _error(_embed(url, input="x", messages=[{"role": "user", "content": "hi"}]), "messages")
+    _error(_embed(url, input="x", priority=1), "priority")
+    assert _embed(url, input="x", encoding_format="int8").status_code == 400
+    assert _embed(url, model="other", input="x").status_code == 404
+    assert httpx.post(f"{url}/v1/embeddings", json={"input": "x"}).status_code == 401
+    stats = engine.stats()
+    assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+
+
+def test_the_pooling_server_still_completes_and_counts_embeddings_in_its_metrics(server, client):
+    url, _ = server
+    completion = client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=4, temperature=0)
+    assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 4
+    client.embeddings.create(model=MODEL, input=TEXTS[:2])
+    metrics = httpx.get(f"{url}/metrics").text
+    (line,) = [line for line in metrics.splitlines()
+               if line.startswith("jaxserve:request_success_total{") and 'finished_reason="stop"' in line]
+    assert float(line.split()[-1]) >= 2
+
+
+def test_a_generate_server_says_how_to_serve_embeddings(openai_server):
+    url, _ = openai_server
+    assert "--runner pooling" in _error(_embed(url, input="import os"), "model")
