@@ -8,7 +8,10 @@ until the engine can serve the new weights (params on the devices):
 - `update_weights(folder)`: a running engine reads the other set from its safetensors folder;
 - `update_weights(arrays)`: the same from numpy arrays in memory (what a trainer in the same process hands over);
 - `restart`: the old engine dropped and an `LLM` started on the other folder (weights, KV pool, executables from
-  the warm compilation cache: one warm-up start fills it).
+  the warm compilation cache: one warm-up start fills it);
+- `sleep(L) + update_weights(arrays) + wake_up`: an RL loop that lends the devices to a trainer: the engine frees
+  its KV pool and weights (level 1: kept in host memory; level 2: discarded), takes the new weights while asleep
+  and reads them at the wake-up, with a zeroed KV pool (sleep mode).
 The sets alternate, so every timed call changes the weights; one warm-up round, then --repeats rounds in an order
 that alternates between rounds. Reported: mean and best seconds, and each against the restart's. Afterwards the
 updated engine's greedy tokens are checked against a fresh engine's on the same weights.
@@ -60,7 +63,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     first = ensure_model(args.model_shape, args.cache_dir)
-    options = dict(show_progress=False, compilation_cache_dir=os.path.join(args.cache_dir, "xla-cache"))
+    options = dict(show_progress=False, compilation_cache_dir=os.path.join(args.cache_dir, "xla-cache"),
+                   enable_sleep_mode=True)
     with tempfile.TemporaryDirectory() as scratch:
         second = os.path.join(scratch, "second")
         perturbed_copy(first, second)
@@ -73,13 +77,23 @@ def main() -> None:
             engine["llm"].update_weights(source_of(turn[0]))
             jax.block_until_ready(engine["llm"].engine.core.runner.params)
 
+        def sleep_update_wake(level: int) -> None:
+            turn[0] = 1 - turn[0]
+            llm = engine["llm"]
+            llm.sleep(level)
+            llm.update_weights(arrays[turn[0]])
+            llm.wake_up()
+            jax.block_until_ready((llm.engine.core.runner.params, llm.engine.core.runner.kv_caches))
+
         def restart() -> None:
             turn[0] = 1 - turn[0]
             del engine["llm"]
             engine["llm"] = LLM(folders[turn[0]], **options)
 
         settings = {"update_weights(folder)": lambda: update(folders.__getitem__),
-                    "update_weights(arrays)": lambda: update(arrays.__getitem__), "restart": restart}
+                    "update_weights(arrays)": lambda: update(arrays.__getitem__),
+                    "sleep(1) + update_weights(arrays) + wake_up": lambda: sleep_update_wake(1),
+                    "sleep(2) + update_weights(arrays) + wake_up": lambda: sleep_update_wake(2), "restart": restart}
         seconds: dict[str, list[float]] = {name: [] for name in settings}
         order = list(settings)
         for round_index in range(args.repeats + 1):

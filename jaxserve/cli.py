@@ -41,7 +41,7 @@ ENGINE_FLAGS = (
     "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
     "enable_structured_outputs", "reasoning_parser", "enable_lora", "max_loras", "max_lora_rank", "lora_modules",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
-    "runner", "pooler_config",
+    "runner", "pooler_config", "enable_sleep_mode",
 )
 
 
@@ -115,6 +115,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                              '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", '
                              '"model": "DRAFT_FOLDER", "num_speculative_tokens": 3}\'')
+    parser.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=None,
+                        help="let the engine free its KV pool and weights between uses (LLM.sleep / wake_up; the "
+                             "server's POST /sleep, /wake_up and GET /is_sleeping)")
     parser.add_argument("--runner", choices=list(VALID_RUNNERS),
                         help="pooling: also serve embeddings (the prompt's final hidden states pooled into one "
                              "vector; /v1/embeddings, LLM.embed) (default generate)")

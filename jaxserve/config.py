@@ -137,6 +137,9 @@ class EngineConfig:
     # MEAN | CLS, normalize}; None: what the model folder's sentence-transformers files say, else LAST, normalized.
     runner: str = "generate"
     pooler_config: dict | None = None
+    # Sleep mode (vLLM's name): `sleep` frees the KV pool and the weights' device memory between uses (a trainer
+    # sharing the devices), `wake_up` takes them back.
+    enable_sleep_mode: bool = False
 
     def __post_init__(self):
         _check_choice("page_size", self.page_size, VALID_PAGE_SIZES)
@@ -171,7 +174,7 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", _checked_speculative_config(self.speculative_config))
             if self.num_scheduler_steps > 1:
                 raise ValueError("speculative_config and num_scheduler_steps > 1 are alternatives: choose one")
-        for name in ("async_scheduling", "skip_precompile", "enable_lora"):
+        for name in ("async_scheduling", "skip_precompile", "enable_lora", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket",

@@ -14,7 +14,13 @@ import asyncio
 import collections
 from collections.abc import Callable
 
-from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
+from jaxserve.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineSleepingError,
+    RequestStream,
+)
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.kv.cache_manager import page_hash, root_hash
 from jaxserve.request import Request
@@ -137,6 +143,8 @@ class DataParallelEngine:
         """EngineDeadError when a replica is down, EngineOverloadedError past the replicas' waiting requests."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error else "the engine is not running")
+        if self.is_sleeping():
+            raise EngineSleepingError("the engine is asleep (sleep mode): wake it up first (POST /wake_up)")
         if self._num_unstarted() + num_requests > self.max_waiting_requests:
             raise EngineOverloadedError(f"{self._num_unstarted()} requests are already waiting to start "
                                         f"(max_waiting_requests={self.max_waiting_requests}); retry later")
@@ -167,6 +175,19 @@ class DataParallelEngine:
         versions = await asyncio.gather(*(replica.update_weights(source) for replica in self.replicas))
         self.router.forget_prefixes()  # the replicas' caches were forgotten, and new requests' salts changed
         return versions[0]
+
+    async def sleep(self, level: int = 1) -> None:
+        """Put every replica to sleep (each frees its own devices)."""
+        await asyncio.gather(*(replica.sleep(level) for replica in self.replicas))
+        self.router.forget_prefixes()  # the replicas' caches were forgotten
+
+    async def wake_up(self) -> None:
+        """Wake every replica."""
+        await asyncio.gather(*(replica.wake_up() for replica in self.replicas))
+
+    def is_sleeping(self) -> bool:
+        """True while a replica sleeps."""
+        return any(replica.is_sleeping() for replica in self.replicas)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every replica's cached pages; returns how many were forgotten in all."""

@@ -34,6 +34,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can run."""
 
 
+class EngineSleepingError(EngineDeadError):
+    """The engine sleeps (sleep mode): no request can run until it wakes up."""
+
+
 class EngineOverloadedError(RuntimeError):
     """Too many requests are waiting to start; the caller should retry later."""
 
@@ -200,6 +204,18 @@ class AsyncLLMEngine:
         version."""
         return await self._between_steps(lambda: self.engine.update_weights(source))
 
+    async def sleep(self, level: int = 1) -> None:
+        """Free the devices' memory (on the engine thread, between steps; LLMEngine.sleep)."""
+        await self._between_steps(lambda: self.engine.sleep(level))
+
+    async def wake_up(self) -> None:
+        """Take the devices back (on the engine thread, between steps; LLMEngine.wake_up)."""
+        await self._between_steps(self.engine.wake_up)
+
+    def is_sleeping(self) -> bool:
+        """True between `sleep` and `wake_up`."""
+        return self.engine.is_sleeping()
+
     async def add_lora(self, lora_request: LoRARequest) -> str:
         """Load a LoRA adapter into a free slot (on the engine thread, between steps; LLMEngine.add_lora)."""
         return await self._between_steps(lambda: self.engine.add_lora(lora_request))
@@ -222,6 +238,8 @@ class AsyncLLMEngine:
         exceed max_waiting_requests."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error else "the engine is not running")
+        if self.engine.is_sleeping():
+            raise EngineSleepingError("the engine is asleep (sleep mode): wake it up first (POST /wake_up)")
         if self._num_unstarted + num_requests > self.max_waiting_requests:
             raise EngineOverloadedError(
                 f"{self._num_unstarted} requests are already waiting to start "

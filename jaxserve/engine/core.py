@@ -123,6 +123,11 @@ class EngineCore:
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.prefix_caching, host_pool)
         self.loras: dict[str, LoadedLora] = {}  # the LoRA adapters in the slots, by name
         self.weights_version = 0  # weight updates so far (update_weights); part of every request's prefix salt
+        # Sleep mode: 0 awake, else the level slept at; the weights a wake-up reads (a folder or arrays that
+        # update_weights gave while asleep); the folder the served weights came from, when they did from one.
+        self.sleep_level = 0
+        self._wake_source: str | TensorMapping | None = None
+        self._weights_folder = model_path if config.load_format == "auto" and not is_checkpoint(model_path) else None
         self._lora_loads = itertools.count()
         if config.enable_lora:
             self.runner.set_lora(0, {})  # compiles the slot writes now, not at the first adapter loaded later
@@ -184,8 +189,15 @@ class EngineCore:
         return _TimedProposer(proposer, self.timing)
 
     def add_request(self, request: Request) -> None:
-        """Queue a validated request."""
+        """Queue a validated request (ValueError while asleep)."""
+        self._check_awake("run requests")
         self.scheduler.add_request(request)
+
+    def _check_awake(self, to: str) -> None:
+        """ValueError while the engine sleeps, saying what it cannot do (`to`) and how to wake it."""
+        if self.sleep_level:
+            raise ValueError(f"the engine is asleep (sleep level {self.sleep_level}) and cannot {to}: call wake_up() "
+                             "first")
 
     def add_lora(self, request: LoRARequest) -> int:
         """Load a LoRA adapter into a free slot (one loaded before under the same name and folder keeps its
@@ -193,6 +205,7 @@ class EngineCore:
         folder, every slot holds one, or the adapter cannot be served (model/lora.py)."""
         if not self.config.enable_lora:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
+        self._check_awake("load LoRA adapters")
         loaded = self.loras.get(request.lora_name)
         if loaded is not None:
             if loaded.request.lora_path != request.lora_path:
@@ -218,6 +231,7 @@ class EngineCore:
         users = [r.request_id for r in self.scheduler.requests.values() if r.lora_slot == loaded.slot]
         if users:
             raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s)")
+        self._check_awake("remove LoRA adapters")
         self.runner.set_lora(loaded.slot, {})
         del self.loras[name]
 
@@ -259,7 +273,7 @@ class EngineCore:
         the old weights; requests already running keep the KV they computed with them, but no request made from
         now on takes a page cached before (the prefix cache is forgotten, and requests' salts carry the version).
         ValueError, the served weights untouched, for a source that does not fit the model. The draft model of
-        speculative decoding keeps its weights."""
+        speculative decoding keeps its weights. While asleep, the weights are read when the engine wakes up."""
         if isinstance(source, str):
             if is_checkpoint(source):
                 raise ValueError(f"update_weights: {source!r} is a converted (orbax) folder; give the Hugging Face "
@@ -278,11 +292,61 @@ class EngineCore:
                          self.mesh.devices.size)
         except ValueError as error:
             raise ValueError(f"update_weights: these weights do not fit the served model: {error}") from error
-        self.runner.update_weights(source)
+        if self.sleep_level:
+            self._wake_source = source
+        else:
+            self.runner.update_weights(source)
+        self._weights_folder = source if isinstance(source, str) else None
         self.kv.pool.reset_cache()
         self.weights_version += 1
         logger.info("weights updated (version %d)", self.weights_version)
         return self.weights_version
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory the engine holds between uses (vLLM's sleep mode, for a trainer that shares the
+        devices): the KV pool (the prefix cache is forgotten) and the weights, copied to host memory first at level
+        1, discarded at level 2 (`wake_up` reads them again from their folder, or from what `update_weights` gives
+        while asleep). LoRA slots, KV scales and a draft model's weights wait in host memory at either level.
+        ValueError without enable_sleep_mode, with unfinished requests, on a multi-host engine, or asleep."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep needs an engine started with enable_sleep_mode (--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights discarded), got "
+                             f"{level!r}")
+        if self.sleep_level:
+            raise ValueError(f"the engine is already asleep (sleep level {self.sleep_level})")
+        if self.group is not None:
+            raise ValueError("a multi-host engine cannot sleep: its weights are spread over the hosts' memories")
+        unfinished = len(self.scheduler.requests)
+        if unfinished:
+            raise ValueError(f"{unfinished} request(s) are unfinished: let them finish or abort them before sleep")
+        while self._in_flight:  # steps of requests aborted since
+            self._collect()
+        self.reset_prefix_cache()
+        self.runner.sleep(keep_weights=level == 1)
+        if self.draft is not None:
+            self.draft.runner.sleep(keep_weights=True)
+        self.sleep_level = level
+        logger.info("asleep (level %d): the KV pool and the weights left the devices", level)
+
+    def wake_up(self) -> None:
+        """Take the devices back after `sleep` (nothing happens awake): zeroed KV pools and the weights, from host
+        memory, or read from what `update_weights` gave while asleep, or after level 2 from the folder they came
+        from. ValueError, still asleep, after level 2 with no folder to read them from (the served weights came
+        from arrays, a converted folder or random): give them with `update_weights` first."""
+        if not self.sleep_level:
+            return
+        source = self._wake_source
+        if source is None and self.sleep_level == 2:
+            if self._weights_folder is None:
+                raise ValueError("wake_up: the weights were discarded (sleep level 2) and came from no Hugging Face "
+                                 "folder the engine can read again: give them with update_weights(...) first")
+            source = self._weights_folder
+        self.runner.wake_up(source)
+        if self.draft is not None:
+            self.draft.runner.wake_up()
+        self.sleep_level, self._wake_source = 0, None
+        logger.info("awake: the KV pool and the weights are back on the devices")
 
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""

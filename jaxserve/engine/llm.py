@@ -147,6 +147,21 @@ class LLM:
         untouched). Returns the weights version (updates so far). See EngineCore.update_weights."""
         return self.engine.update_weights(source)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (the engine needs enable_sleep_mode): free the devices' memory between uses, for a
+        trainer that shares them: the KV pool (the prefix cache is forgotten) and the weights, kept in host memory
+        at level 1, discarded at level 2 (read again at `wake_up` from their folder, or from what `update_weights`
+        gives meanwhile). Nothing may be running; generating while asleep is a ValueError."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Take the devices back after `sleep`: the weights and a zeroed KV pool, on the same executables."""
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        """True between `sleep` and `wake_up`."""
+        return self.engine.is_sleeping()
+
     def stats(self) -> dict:
         """Engine counters: steps, scheduled tokens, preemptions, KV pages total/free, compilations after warm-up."""
         return self.engine.stats()

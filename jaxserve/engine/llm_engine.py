@@ -299,6 +299,18 @@ class LLMEngine:
         version (updates so far)."""
         return self.core.update_weights(source)
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool's and the weights' device memory until `wake_up` (EngineCore.sleep)."""
+        self.core.sleep(level)
+
+    def wake_up(self) -> None:
+        """Take the devices back after `sleep` (EngineCore.wake_up)."""
+        self.core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        """True between `sleep` and `wake_up`."""
+        return bool(self.core.sleep_level)
+
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""
         return self.core.has_unfinished_requests()

@@ -13,31 +13,48 @@ needed then). LoRA slots and the fp8 KV cache's scales stay as they were.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.model.loader import TensorSource, load_params
 from jaxserve.model.quantize import quantize_params
-from jaxserve.model.registry import quantizable_leaves
+from jaxserve.model.registry import model_for, quantizable_leaves
 from jaxserve.model.spec import ModelSpec
 
 QUANTIZED_MODES = {"int8": "int8", "float8_e4m3fn": "fp8"}  # a quantized leaf's weight dtype -> its mode
 
 
-def reload_params(params: dict, source: TensorSource, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: int) -> dict:
-    """`params` (those served) with every weight the model declares read anew from `source`, which the caller has
-    checked (`loader.check_source`)."""
+def quantized_at_load(params: dict, spec: ModelSpec) -> str | None:
+    """The quantization the engine applied to the served float checkpoint's weights at load (int8 or fp8), else
+    None (none applied, or the checkpoint's own fp8, which the loader reads as it is)."""
+    if spec.checkpoint_quantization != "none":
+        return None
     layers = params["layers"]
-    mode = None  # the quantization the engine applied at load, if any
-    if spec.checkpoint_quantization == "none":
-        mode = next((QUANTIZED_MODES[layers[name]["weight"].dtype.name] for name in quantizable_leaves(spec)
-                     if isinstance(layers.get(name), dict)), None)
+    return next((QUANTIZED_MODES[layers[name]["weight"].dtype.name] for name in quantizable_leaves(spec)
+                 if isinstance(layers.get(name), dict)), None)
+
+
+def undeclared_leaves(params: dict, spec: ModelSpec, num_cache_kv_heads: int, num_devices: int) -> dict:
+    """The params leaves no checkpoint tensor gives (the LoRA slots, the fp8 KV cache's scales), as {"layers": ...}:
+    what a weight reload keeps."""
+    declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, num_devices)["layers"]
+    return {"layers": {name: leaf for name, leaf in params["layers"].items() if name not in declared}}
+
+
+def reload_params(params: dict, source: TensorSource, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: int,
+                  dtype: jnp.dtype, quantization: str | None) -> dict:
+    """`params` with every weight the model declares read anew from `source`, which the caller has checked
+    (`loader.check_source`), in `dtype` and quantized again as at load (`quantization`: `quantized_at_load`'s).
+    The declared leaves `params` holds are written over in place; those it lacks (after a sleep that discarded
+    them) are made anew; its other leaves are kept."""
+    layers = params["layers"]
     into = params
-    if mode is not None:  # those leaves are read anew in full precision, then quantized
+    if quantization is not None:  # those leaves are read anew in full precision, then quantized
         into = {**params, "layers": {name: leaf for name, leaf in layers.items() if not isinstance(leaf, dict)}}
     try:
-        loaded = load_params(source, spec, mesh, params["embed"].dtype, num_cache_kv_heads, into=into)
-        if mode is not None:
-            loaded = quantize_params(loaded, mode, quantizable_leaves(spec))
+        loaded = load_params(source, spec, mesh, dtype, num_cache_kv_heads, into=into)
+        if quantization is not None:
+            loaded = quantize_params(loaded, quantization, quantizable_leaves(spec))
     except Exception as error:  # (reading the files, say): leaves written over in place are gone
         raise RuntimeError(f"the weight update failed part-way ({type(error).__name__}: {error}); some of the served "
                            "weights are lost: update the weights again before serving") from error

@@ -38,7 +38,7 @@ from jaxserve.model.lora import write_slot
 from jaxserve.model.registry import model_for
 from jaxserve.model.sharding import KV_CACHE_SPEC, put_global
 from jaxserve.model.spec import ModelSpec
-from jaxserve.model.weight_update import reload_params
+from jaxserve.model.weight_update import quantized_at_load, reload_params, undeclared_leaves
 from jaxserve.runner.decode_steps import run_decode_steps, sampled_by
 from jaxserve.runner.executables import (
     CompileCounter,
@@ -133,6 +133,11 @@ def activation_bytes(function: Callable, args: tuple) -> int:
     return memory.temp_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
 
 
+def _subtree(tree: dict, like: dict) -> dict:
+    """The part of the nested dict `tree` with the keys of `like` (a tree of its leaves' places)."""
+    return {key: _subtree(tree[key], value) if isinstance(value, dict) else tree[key] for key, value in like.items()}
+
+
 def _ready_time(arrays) -> float:
     """Block until `arrays` are computed; the time.perf_counter() at which they were."""
     jax.block_until_ready(arrays)
@@ -184,6 +189,11 @@ class Runner:
         self._kv_sharding = tuple(NamedSharding(mesh, KV_CACHE_SPEC) for _ in self._cache_shapes(1))
         self.kv_caches: tuple[jax.Array, ...] = ()  # allocate_kv: the backend's layout, each (L, P, S, heads, D)
         self.host_swap: HostSwap | None = None  # allocate_host_kv: the swap space in host memory
+        self.num_pages = 0  # of the allocated KV pool
+        self._zero_pool: Callable[[], tuple[jax.Array, ...]] | None = None  # makes that pool, zeroed
+        self.weight_dtype = params["embed"].dtype  # what weights are read in (a weight update, a wake-up)
+        self.quantized_at_load = quantized_at_load(params, spec)  # int8 / fp8 applied to a float checkpoint, or None
+        self.host_params: dict | None = None  # while asleep (`sleep`): what of the params waits in host memory
 
         model = model_for(spec.architecture)
         token_logits = model.token_logits  # (params, hidden (N, H), spec) -> (N, V) float32
@@ -315,14 +325,45 @@ class Runner:
     def update_weights(self, source: str | TensorMapping) -> None:
         """Read the model's weights anew from a Hugging Face folder or arrays by name (model/weight_update.py) into
         the params being served; steps dispatched later run with them, on the same executables."""
+        self.params = self._reload(self.params, source)
+
+    def _reload(self, params: dict, source: str | TensorMapping) -> dict:
+        """`params` with the model's weights read from `source` (model/weight_update.py)."""
         folder = SafetensorsFolder(source) if isinstance(source, str) else source
-        self.params = reload_params(self.params, folder, self.spec, self._replicated.mesh, self._num_cache_kv_heads)
+        return reload_params(params, folder, self.spec, self._replicated.mesh, self._num_cache_kv_heads,
+                             self.weight_dtype, self.quantized_at_load)
+
+    def sleep(self, keep_weights: bool) -> None:
+        """Free the device memory of the KV pool and the weights (sleep mode): the params are copied to host memory
+        first (`keep_weights`), else only the leaves no checkpoint gives (LoRA slots, KV scales), and `wake_up` must
+        read the weights again."""
+        kept = self.params if keep_weights else undeclared_leaves(self.params, self.spec, self._num_cache_kv_heads,
+                                                                  self._replicated.mesh.devices.size)
+        self.host_params = jax.device_get(kept)
+        for array in jax.tree_util.tree_leaves((self.params, self.kv_caches)):
+            array.delete()
+        self.params, self.kv_caches = None, ()
+
+    def wake_up(self, source: str | TensorMapping | None = None) -> None:
+        """Undo `sleep`: the params back from host memory, the weights among them read from `source` instead when it
+        is given (checked by the caller; required after a sleep that discarded them), and a zeroed KV pool of the
+        size it had."""
+        host, self.host_params = self.host_params, None
+        if source is not None:
+            host = undeclared_leaves(host, self.spec, self._num_cache_kv_heads, self._replicated.mesh.devices.size)
+        params = jax.device_put(host, _subtree(self.param_shardings, host))
+        self.params = params if source is None else self._reload(params, source)
+        self.allocate_kv(self.num_pages)
 
     def allocate_kv(self, num_pages: int) -> None:
-        """Allocate the KV pool of `num_pages` pages (zeros, sharded on the KV-head axis)."""
-        shapes, dtype = self._cache_shapes(num_pages), self._cache_dtype
-        zeros = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes), out_shardings=self._kv_sharding)
-        self.kv_caches = zeros()
+        """Allocate the KV pool of `num_pages` pages (zeros, sharded on the KV-head axis; the same pool again after a
+        sleep compiles nothing)."""
+        if num_pages != self.num_pages or self._zero_pool is None:
+            shapes, dtype = self._cache_shapes(num_pages), self._cache_dtype
+            self._zero_pool = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes),
+                                      out_shardings=self._kv_sharding)
+        self.num_pages = num_pages
+        self.kv_caches = self._zero_pool()
 
     def allocate_host_kv(self, num_pages: int, max_pages_per_request: int) -> None:
         """Make the host swap pool of `num_pages` pages in the device pool's layout and compile the copies

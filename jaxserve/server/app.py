@@ -146,6 +146,24 @@ def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
             return {"success": True, "message": f"weights updated from {body.model_path}",
                     "weights_version": version}
 
+    if serving.engine.engine.config.enable_sleep_mode:
+        @app.post("/sleep", dependencies=guard)
+        async def sleep(level: int = 1) -> Response:
+            """vLLM's sleep route: free the devices' memory (LLM.sleep) between two steps; a 400 saying why not."""
+            await _engine_call(serving.engine.sleep(level))
+            return Response(status_code=200)
+
+        @app.post("/wake_up", dependencies=guard)
+        async def wake_up() -> Response:
+            """vLLM's wake-up route: take the devices back (LLM.wake_up); a 400 saying why not."""
+            await _engine_call(serving.engine.wake_up())
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping", dependencies=guard)
+        async def is_sleeping() -> dict:
+            """Whether the engine sleeps."""
+            return {"is_sleeping": serving.engine.is_sleeping()}
+
     @app.post("/invocations", dependencies=guard, response_model=None)
     async def invocations(raw: Request) -> Response | dict:
         """SageMaker's one route: a body with `messages` is a chat completion, one with `prompt` a completion."""
@@ -163,6 +181,16 @@ def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
         async def tokenizer_info() -> dict:
             """The tokenizer's configuration and chat template."""
             return serving.tokenizer_info()
+
+
+async def _engine_call(call) -> object:
+    """Await an engine command: a ValueError is a 400 with its message, a dead engine a 503."""
+    try:
+        return await call
+    except EngineDeadError as error:
+        raise APIError(503, str(error)) from error
+    except ValueError as error:
+        raise APIError(400, str(error)) from error
 
 
 async def _json_body(raw: Request) -> object:
