@@ -4,10 +4,17 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.engine.llm import LLM
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from jaxserve.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "PoolingOutput"]
+           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "PoolingOutput", "ScoringRequestOutput", "ScoringOutput"]
 __version__ = "0.1.0"

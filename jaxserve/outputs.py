@@ -72,3 +72,20 @@ class PoolingRequestOutput:
     metrics: RequestMetrics
     error: str | None = None  # why the engine failed this request alone
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    """A pair's score (vLLM's ScoringOutput)."""
+
+    score: float  # the cosine similarity of the two texts' embeddings, in [-1, 1]
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """One scored pair (vLLM's ScoringRequestOutput)."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the first text's tokens, then the second's
+    finished: bool = True

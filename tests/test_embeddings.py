@@ -202,3 +202,21 @@ def test_the_pooler_follows_a_sentence_transformers_folder(tmp_path):
     assert resolve_pooler_config(str(folder), None) == PoolerConfig("MEAN", normalize=True)
     assert resolve_pooler_config(str(folder), {"pooling_type": "CLS"}) == PoolerConfig("CLS", normalize=True)
     assert resolve_pooler_config(str(tmp_path), None) == PoolerConfig("LAST", normalize=True)
+
+
+def _cosine(a, b) -> float:
+    return float(np.dot(_normalized(a), _normalized(b)))
+
+
+def test_score_is_the_cosine_similarity_of_the_embeddings(llama_last):
+    cases = _cases("llama")
+    prompts = [{"prompt_token_ids": case["prompt_token_ids"]} for case in cases[5:9]]
+    one_to_many = llama_last.score(prompts[0], prompts[1:], use_tqdm=False)
+    expected = [_cosine(cases[5]["LAST"], case["LAST"]) for case in cases[6:9]]
+    np.testing.assert_allclose([o.outputs.score for o in one_to_many], expected, atol=1e-5)
+    assert one_to_many[0].prompt_token_ids == cases[5]["prompt_token_ids"] + cases[6]["prompt_token_ids"]
+    pairwise = llama_last.score(prompts[:2], prompts[2:], use_tqdm=False)
+    expected = [_cosine(cases[5]["LAST"], cases[7]["LAST"]), _cosine(cases[6]["LAST"], cases[8]["LAST"])]
+    np.testing.assert_allclose([o.outputs.score for o in pairwise], expected, atol=1e-5)
+    with pytest.raises(ValueError, match="as many first texts"):
+        llama_last.score(prompts[:2], prompts[1:], use_tqdm=False)

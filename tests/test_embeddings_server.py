@@ -108,6 +108,33 @@ def test_the_pooling_server_still_completes_and_counts_embeddings_in_its_metrics
     assert float(line.split()[-1]) >= 2
 
 
+def test_score_and_rerank_are_the_embeddings_cosine_similarities(server):
+    url, _ = server
+    vectors = [np.asarray(item["embedding"]) for item in _embed(url, input=TEXTS).json()["data"]]  # unit vectors
+    similarity = [float(vectors[0] @ vector) for vector in vectors[1:]]
+    scored = httpx.post(f"{url}/v1/score", headers=AUTH, json={"model": MODEL, "text_1": TEXTS[0],
+                                                               "text_2": TEXTS[1:]}).json()
+    assert [item["index"] for item in scored["data"]] == [0, 1] and scored["data"][0]["object"] == "score"
+    np.testing.assert_allclose([item["score"] for item in scored["data"]], similarity, atol=1e-5)
+    pairwise = httpx.post(f"{url}/score", headers=AUTH, json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()
+    np.testing.assert_allclose(pairwise["data"][0]["score"], similarity[0], atol=1e-5)
+    assert _error(httpx.post(f"{url}/v1/score", headers=AUTH, json={"text_1": TEXTS[:2], "text_2": TEXTS}),
+                  "text_1")
+    body = {"model": MODEL, "query": TEXTS[0], "documents": TEXTS[1:], "top_n": 1}
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = httpx.post(f"{url}{path}", headers=AUTH, json=body).json()
+        best = int(np.argmax(similarity))
+        assert [r["index"] for r in ranked["results"]] == [best], path
+        assert ranked["results"][0]["document"] == {"text": TEXTS[1 + best]}
+        np.testing.assert_allclose(ranked["results"][0]["relevance_score"], similarity[best], atol=1e-5)
+    every = httpx.post(f"{url}/v1/rerank", headers=AUTH, json={**body, "top_n": 0}).json()["results"]
+    assert sorted(r["relevance_score"] for r in every) == [r["relevance_score"] for r in every][::-1]
+    _error(httpx.post(f"{url}/v1/rerank", headers=AUTH, json={**body, "documents": []}), "documents")
+    assert httpx.post(f"{url}/rerank", json=body).status_code == 401
+
+
 def test_a_generate_server_says_how_to_serve_embeddings(openai_server):
     url, _ = openai_server
     assert "--runner pooling" in _error(_embed(url, input="import os"), "model")
+    score = httpx.post(f"{url}/v1/score", headers=AUTH, json={"text_1": "a", "text_2": "b"})
+    assert "--runner pooling" in _error(score, "model")

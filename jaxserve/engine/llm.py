@@ -12,8 +12,9 @@ from jaxserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearch
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
 from jaxserve.engine.tokenizer import load_chat_template, render_chat
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import PoolingRequestOutput, RequestOutput
+from jaxserve.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxserve.pooling.params import PoolingParams
+from jaxserve.pooling.score import cosine_scores, score_pairs
 from jaxserve.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
@@ -73,6 +74,25 @@ class LLM:
         `pooling_params` say otherwise. Prompts and adapters as for `generate`; the engine needs runner pooling."""
         return self._run_all(self.engine.make_pooling_requests, prompts, pooling_params or PoolingParams(),
                              PoolingParams, lora_request, use_tqdm)
+
+    def score(
+        self,
+        data_1: PromptInput | Sequence[PromptInput],
+        data_2: PromptInput | Sequence[PromptInput],
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for an embedding model: each pair's cosine similarity (`output.outputs.score`) of the
+        two texts' embeddings; `data_1` is one text (scored against every text of `data_2`) or as many texts as
+        `data_2`, paired in order. Texts take the forms `generate` takes; the engine needs runner pooling."""
+        first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        pairs = score_pairs(len(first), len(second))
+        outputs = self.embed(first + second, PoolingParams(normalize=True), use_tqdm, lora_request)
+        embeddings = [output.outputs.embedding for output in outputs]
+        scores = cosine_scores(embeddings[: len(first)], embeddings[len(first):], pairs)
+        return [ScoringRequestOutput(str(index), ScoringOutput(score),
+                                     outputs[i].prompt_token_ids + outputs[len(first) + j].prompt_token_ids)
+                for index, ((i, j), score) in enumerate(zip(pairs, scores))]
 
     def _run_all(self, make: Callable, prompts, params, params_type: type, lora_request, use_tqdm: bool) -> list:
         """Build every prompt's request with `make` (LLMEngine.make_requests or make_pooling_requests) and its

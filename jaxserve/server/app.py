@@ -77,11 +77,17 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     v1.add_api_route("/responses/{response_id}", responses.get, methods=["GET"])
     v1.add_api_route("/responses/{response_id}", responses.delete, methods=["DELETE"])
     v1.add_api_route("/embeddings", embeddings.create, methods=["POST"], response_model=None)
+    v1.add_api_route("/score", embeddings.score, methods=["POST"], response_model=None)
+    v1.add_api_route("/rerank", embeddings.rerank, methods=["POST"], response_model=None)
     v1.add_api_route("/models", serving.models, methods=["GET"])
     if config.allow_runtime_lora_updating:
         v1.add_api_route("/load_lora_adapter", serving.load_lora_adapter, methods=["POST"], response_model=None)
         v1.add_api_route("/unload_lora_adapter", serving.unload_lora_adapter, methods=["POST"], response_model=None)
     app.include_router(v1)
+    guard = [Depends(_api_key_guard(config.api_key))]  # vLLM serves these outside /v1 too
+    app.add_api_route("/score", embeddings.score, methods=["POST"], response_model=None, dependencies=guard)
+    app.add_api_route("/rerank", embeddings.rerank, methods=["POST"], response_model=None, dependencies=guard)
+    app.add_api_route("/v2/rerank", embeddings.rerank, methods=["POST"], response_model=None, dependencies=guard)
 
     @app.get("/health")
     async def health() -> Response:
@@ -233,7 +239,8 @@ class LoadTracking:
     """ASGI middleware: counts each request to a generation route from its arrival until its response,
     streamed or not, has ended, however it ends."""
 
-    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/invocations")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/score", "/score",
+             "/v1/rerank", "/rerank", "/v2/rerank", "/invocations")
 
     def __init__(self, app, load: ServerLoad):
         self.app = app

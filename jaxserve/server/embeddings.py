@@ -1,5 +1,6 @@
-"""POST /v1/embeddings (OpenAI's Embeddings API, with vLLM's extras): each input's embedding from an engine
-started with runner pooling (jaxserve/pooling/)."""
+"""The pooling routes of an engine started with runner pooling (jaxserve/pooling/): POST /v1/embeddings (OpenAI's
+Embeddings API, with vLLM's extras), and vLLM's score and rerank routes for an embedding model (cosine similarity
+of the texts' embeddings)."""
 
 from __future__ import annotations
 
@@ -16,25 +17,31 @@ from pydantic import BaseModel, ConfigDict
 from jaxserve.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestStream
 from jaxserve.outputs import PoolingRequestOutput
 from jaxserve.pooling.params import PoolingParams
+from jaxserve.pooling.score import cosine_scores, score_pairs
 from jaxserve.server.errors import APIError
 from jaxserve.server.serving import OpenAIServing, RequestFailedError, last_outputs
 
 
-class EmbeddingRequest(BaseModel):
-    """POST /v1/embeddings: OpenAI's fields and vLLM's extras (`truncate_prompt_tokens`, `add_special_tokens`,
-    `normalize`, `priority`). Unknown fields are ignored, as on the other routes."""
+class _PoolingFields(BaseModel):
+    """What every pooling route's body has: OpenAI's `model` and `user`, vLLM's `truncate_prompt_tokens` and
+    `priority`. Unknown fields are ignored, as on the other routes."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None  # keep each text's last that many tokens; -1: max_model_len
+    priority: int = 0
+
+
+class EmbeddingRequest(_PoolingFields):
+    """POST /v1/embeddings: OpenAI's fields and vLLM's extras (`add_special_tokens`, `normalize`)."""
+
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    user: str | None = None
-    truncate_prompt_tokens: int | None = None  # keep each input's last that many tokens; -1: max_model_len
     add_special_tokens: bool = True  # text inputs are tokenized with the tokenizer's special tokens (BOS, ...)
     normalize: bool | None = None  # None: the server's pooler decides
-    priority: int = 0
     messages: Any = None  # vLLM's chat-shaped embedding request: refused
 
     def inputs(self) -> list[str | list[int]]:
@@ -45,8 +52,24 @@ class EmbeddingRequest(BaseModel):
         return list(value)
 
 
+class ScoreRequest(_PoolingFields):
+    """POST /score, /v1/score (vLLM's): `text_1` (one text, or as many as `text_2`) scored against `text_2`."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankRequest(_PoolingFields):
+    """POST /rerank, /v1/rerank, /v2/rerank (vLLM's, after Jina's and Cohere's): `documents` ranked by their score
+    against `query`, the best `top_n` (0: all)."""
+
+    query: str
+    documents: list[str]
+    top_n: int = 0
+
+
 class EmbeddingsServing:
-    """The handler of /v1/embeddings, on the OpenAI server's engine and checks."""
+    """The pooling routes (embeddings, score, rerank), on the OpenAI server's engine and checks."""
 
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
@@ -55,35 +78,82 @@ class EmbeddingsServing:
     async def create(self, body: EmbeddingRequest, raw: Request) -> Response | dict:
         """POST /v1/embeddings: every input's embedding, in input order (OpenAI's `list` of `embedding`s), with the
         prompt tokens they took; a 400 naming the field for what the engine cannot serve."""
-        serving = self.serving
-        lora_name = serving.check_model(body.model)
         if body.messages is not None:
             raise APIError(400, "messages: chat-shaped embedding requests are not supported; render the chat to "
                                 "text (POST /tokenize with messages) and send it as input", "messages")
-        inputs = body.inputs()
-        if not 1 <= len(inputs) <= serving.config.max_prompts:
-            raise APIError(400, f"input must hold 1 to {serving.config.max_prompts} inputs, got {len(inputs)}",
-                           "input")
+        request_id = f"embd-{uuid.uuid4().hex}"
+        prompts = [self._prompt(text_or_ids, body) for text_or_ids in self._counted(body.inputs(), "input")]
+        outputs = await self._pool(request_id, prompts, body, raw, body.dimensions, body.normalize)
+        if outputs is None:
+            return Response(status_code=499)
+        data = [{"object": "embedding", "index": index, "embedding": _encoded(output.outputs.embedding,
+                                                                              body.encoding_format)}
+                for index, output in enumerate(outputs)]
+        return {"id": request_id, "object": "list", "created": int(time.time()),
+                "model": self.serving.model_name(body), "data": data, "usage": _usage(outputs)}
+
+    async def score(self, body: ScoreRequest, raw: Request) -> Response | dict:
+        """POST /score, /v1/score: each pair's cosine similarity of the texts' embeddings (an embedding model's
+        score, as vLLM gives it), in pair order."""
+        first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+        second = self._counted([body.text_2] if isinstance(body.text_2, str) else body.text_2, "text_2")
+        try:
+            pairs = score_pairs(len(first), len(second))
+        except ValueError as error:
+            raise APIError(400, str(error), "text_1") from error
+        request_id = f"score-{uuid.uuid4().hex}"
+        outputs = await self._pool(request_id, first + second, body, raw, normalize=True)
+        if outputs is None:
+            return Response(status_code=499)
+        scores = self._scores(outputs, len(first), pairs)
+        data = [{"index": index, "object": "score", "score": score} for index, score in enumerate(scores)]
+        return {"id": request_id, "object": "list", "created": int(time.time()),
+                "model": self.serving.model_name(body), "data": data, "usage": _usage(outputs)}
+
+    async def rerank(self, body: RerankRequest, raw: Request) -> Response | dict:
+        """POST /rerank, /v1/rerank, /v2/rerank: the documents by their score against the query, best first."""
+        documents = self._counted(body.documents, "documents")
+        if body.top_n < 0:
+            raise APIError(400, f"top_n must be >= 0 (0: every document), got {body.top_n}", "top_n")
+        request_id = f"rerank-{uuid.uuid4().hex}"
+        outputs = await self._pool(request_id, [body.query, *documents], body, raw, normalize=True)
+        if outputs is None:
+            return Response(status_code=499)
+        scores = self._scores(outputs, 1, score_pairs(1, len(documents)))
+        ranked = sorted(range(len(documents)), key=lambda index: -scores[index])[: body.top_n or None]
+        results = [{"index": index, "document": {"text": documents[index]}, "relevance_score": scores[index]}
+                   for index in ranked]
+        return {"id": request_id, "model": self.serving.model_name(body),
+                "usage": {"total_tokens": _usage(outputs)["total_tokens"]}, "results": results}
+
+    def _counted(self, texts: list, field: str) -> list:
+        """`texts`, or a 400 naming `field` unless there are 1 to max_prompts of them."""
+        limit = self.serving.config.max_prompts
+        if not 1 <= len(texts) <= limit:
+            raise APIError(400, f"{field} must hold 1 to {limit} items, got {len(texts)}", field)
+        return texts
+
+    @staticmethod
+    def _scores(outputs: list[PoolingRequestOutput], num_first: int, pairs: list[tuple[int, int]]) -> list[float]:
+        """The pairs' cosine similarities, from the first texts' outputs then the second texts'."""
+        vectors = [output.outputs.embedding for output in outputs]
+        return cosine_scores(vectors[:num_first], vectors[num_first:], pairs)
+
+    async def _pool(self, request_id: str, prompts: list, body: _PoolingFields, raw: Request,
+                    dimensions: int | None = None, normalize: bool | None = None) -> list[PoolingRequestOutput] | None:
+        """Embed every prompt as one request each (all queued, or none) and wait for them: their outputs in order,
+        or None when the client leaves first; a 400 naming the field for what the engine refuses."""
+        serving = self.serving
+        lora_name = serving.check_model(body.model)
         if body.priority != 0 and serving.scheduling_policy != "priority":
             raise APIError(400, "priority needs the server to run with --scheduling-policy priority", "priority")
         truncate = serving.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
         try:
-            params = PoolingParams(body.dimensions, body.normalize, truncate)
+            params = PoolingParams(dimensions, normalize, truncate)
         except ValueError as error:  # PoolingParams' messages start with the field they are about
             raise APIError(400, str(error), str(error).split()[0]) from error
-        request_id = f"embd-{uuid.uuid4().hex}"
-        streams = self._submit(request_id, [self._prompt(text_or_ids, body) for text_or_ids in inputs], params,
-                               body.priority, lora_name)
-        outputs = await self._final_outputs(streams, raw)
-        if outputs is None:
-            return Response(status_code=499)
-        num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
-        data = [{"object": "embedding", "index": index, "embedding": _encoded(output.outputs.embedding,
-                                                                              body.encoding_format)}
-                for index, output in enumerate(outputs)]
-        return {"id": request_id, "object": "list", "created": int(time.time()), "model": serving.model_name(body),
-                "data": data, "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens,
-                                        "completion_tokens": 0, "prompt_tokens_details": None}}
+        streams = self._submit(request_id, prompts, params, body.priority, lora_name)
+        return await self._final_outputs(streams, raw)
 
     def _prompt(self, text_or_ids: str | list[int], body: EmbeddingRequest) -> str | list[int]:
         """An input as the engine takes it: token ids as they are; text as it is, or tokenized here without the
@@ -119,6 +189,13 @@ class EmbeddingsServing:
             if output.outputs is None:
                 raise APIError(400, str(RequestFailedError(output.error or "no embedding came back")))
         return outputs
+
+
+def _usage(outputs: list[PoolingRequestOutput]) -> dict:
+    """The prompt tokens the requests took (a pooling request generates none)."""
+    num_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    return {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0,
+            "prompt_tokens_details": None}
 
 
 def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
