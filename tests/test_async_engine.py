@@ -27,7 +27,8 @@ class FakeEngine:
     def __init__(self):
         self.config = SimpleNamespace(tokenizer=None, scheduling_policy="fcfs", page_size=16, num_pages=None,
                                       enable_prefix_caching=False, gpu_memory_utilization=0.9,
-                                      preemption_mode="recompute", swap_space=4.0, data_parallel_size=1)
+                                      preemption_mode="recompute", swap_space=4.0, data_parallel_size=1,
+                                      enable_sleep_mode=False)
         self.model_path = default_model_path()
         self.max_model_len = 128
         self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096), num_pages=11,
@@ -62,6 +63,9 @@ class FakeEngine:
 
     def has_unfinished_requests(self):
         return bool(self.running)
+
+    def is_sleeping(self):
+        return False
 
     def step(self):
         self.gate.wait()
