@@ -16,5 +16,6 @@ from jaxserve.pooling.params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
-           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "PoolingOutput", "ScoringRequestOutput", "ScoringOutput"]
+           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "PoolingOutput", "ScoringRequestOutput",
+           "ScoringOutput"]
 __version__ = "0.1.0"

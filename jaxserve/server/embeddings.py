@@ -14,7 +14,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
-from jaxserve.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestStream
+from jaxserve.engine.async_engine import RequestStream
 from jaxserve.outputs import PoolingRequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.pooling.score import cosine_scores, score_pairs
@@ -172,11 +172,7 @@ class EmbeddingsServing:
             message = str(error)
             param = "dimensions" if message.startswith("dimensions") else ("model" if "runner" in message else "input")
             raise APIError(400, message, param) from error
-        try:
-            self.engine.check_capacity(len(made))
-        except (EngineOverloadedError, EngineDeadError) as error:
-            raise self.serving.unavailable(error) from error
-        return [self.engine.submit(f"{request_id}-{i}", m) for i, m in enumerate(made)]
+        return self.serving.queue(request_id, made)
 
     async def _final_outputs(self, streams: list[RequestStream], raw: Request) -> list[PoolingRequestOutput] | None:
         """Every stream's final output, or None when the client disconnects first; 400 for a request the engine

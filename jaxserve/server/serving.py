@@ -201,7 +201,7 @@ class OpenAIServing:
             if not await _unless_client_leaves(search, raw):
                 return Response(status_code=499)
         except (EngineOverloadedError, EngineDeadError) as error:
-            raise self.unavailable(error) from error
+            raise self._unavailable(error) from error
         except (ValueError, RuntimeError) as error:  # a step the engine refused or failed
             raise APIError(400, str(error)) from error
         outputs = [request_output(f"{request_id}-{i}", search.output(self.tokenizer), body.n, self.tokenizer,
@@ -389,13 +389,18 @@ class OpenAIServing:
         except ValueError as error:  # about the prompt, or a token id of another field
             prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
             raise APIError(400, str(error), body.param_of(str(error)) or prompt_field) from error
+        return self.queue(request_id, made)
+
+    def queue(self, request_id: str, made: list) -> list[RequestStream]:
+        """Queue requests validated by the engine's make_requests or make_pooling_requests, as `request_id`-0, -1,
+        ...: all, or none and a 503 when the engine is full or down."""
         try:
             self.engine.check_capacity(len(made))
         except (EngineOverloadedError, EngineDeadError) as error:
-            raise self.unavailable(error) from error
+            raise self._unavailable(error) from error
         return [self.engine.submit(f"{request_id}-{i}", m) for i, m in enumerate(made)]
 
-    def unavailable(self, error: EngineOverloadedError | EngineDeadError) -> APIError:
+    def _unavailable(self, error: EngineOverloadedError | EngineDeadError) -> APIError:
         """503 for an engine that is full (retry after a while) or down."""
         headers = {"Retry-After": str(self.config.retry_after_s)} if isinstance(error, EngineOverloadedError) else None
         return APIError(503, str(error), headers=headers)
