@@ -40,7 +40,21 @@ def release_executables_after_each_file():
 
     clear_shared_executables()
     jax.clear_caches()
+    _forget_fastapi_endpoints()
+    gc.unfreeze()
     gc.collect()
+
+
+def _forget_fastapi_endpoints():
+    """Empty FastAPI's module-level caches of endpoint callables (`functools.lru_cache`s of up to 4096 entries in
+    fastapi.dependencies.models): they keep every app's bound route methods, so every test server's serving
+    objects and LLMEngine, with its executables' memory mappings, would live to the end of the worker."""
+    import sys
+
+    models = sys.modules.get("fastapi.dependencies.models")
+    for value in vars(models).values() if models else ():
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
 
 
 @pytest.fixture(scope="session")
