@@ -237,9 +237,17 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
     specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
     if quantization != "none":
         leaves = quantizable_leaves(spec)
-        layers = {name: jax.eval_shape(lambda w: quantize_weight(w, quantization), leaf) if name in leaves else leaf
-                  for name, leaf in shapes["layers"].items()}
-        shapes, specs = {**shapes, "layers": layers}, quantized_partition_specs(specs, leaves)
+        block = spec.checkpoint_weight_block  # an fp8 checkpoint's block-wise scales are served grouped
+
+        def quantized(leaf: jax.ShapeDtypeStruct) -> dict:
+            parts = jax.eval_shape(lambda w: quantize_weight(w, quantization), leaf)
+            if not block:
+                return parts
+            *lead, rows, out = leaf.shape
+            return {**parts, "scale": jax.ShapeDtypeStruct((*lead, rows // block[1], out), jnp.float32)}
+
+        layers = {name: quantized(leaf) if name in leaves else leaf for name, leaf in shapes["layers"].items()}
+        shapes, specs = {**shapes, "layers": layers}, quantized_partition_specs(specs, leaves, block is not None)
     if kv_cache_dtype == "fp8":
         scale = jax.ShapeDtypeStruct((spec.num_layers, num_cache_kv_heads), jnp.float32)  # (L, Hkv)
         shapes, specs = fp8.with_scale_leaves(shapes, scale), fp8.with_scale_leaves(specs, fp8.SCALE_SPEC)

@@ -24,16 +24,20 @@ def checkpoint(name: str) -> str:
     return os.path.join(CHECKPOINTS, name)
 
 
-def checkpoint_tensors(name: str, folder: str) -> dict[str, np.ndarray]:
+def checkpoint_tensors(name: str, folder: str | None) -> dict[str, np.ndarray]:
     """Every tensor of a fixture checkpoint (its files merged), its other files (config, tokenizer) copied into
-    `folder`: the start of a modified copy, which the caller saves into `folder`."""
-    from safetensors.numpy import load_file
+    `folder` (unless None): the start of a modified copy, which the caller saves into `folder`."""
+    from safetensors import safe_open
+
+    from jaxserve.model.loader import SafetensorsFolder  # reads float8 too (safetensors' numpy reader does not)
 
     source, tensors = checkpoint(name), {}
+    reader = SafetensorsFolder(source)
     for file in sorted(os.listdir(source)):
         if file.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(source, file)))
-        elif file != "model.safetensors.index.json" and os.path.isfile(os.path.join(source, file)):
+            with safe_open(os.path.join(source, file), framework="numpy") as f:
+                tensors.update({key: reader.get(key) for key in f.keys()})
+        elif folder and file != "model.safetensors.index.json" and os.path.isfile(os.path.join(source, file)):
             shutil.copy(os.path.join(source, file), folder)
     return tensors
 

@@ -190,7 +190,6 @@ def test_an_fp8_checkpoint_is_served_as_it_is(engines, tmp_path):
 
 @pytest.mark.parametrize("quantization_config, message", [
     ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise scales"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4,
                                                                                 "strategy": "group"}}}},
      "has weights"),

@@ -166,8 +166,9 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
                          f"over {mesh.devices.size} devices needs {num_cache_kv_heads}: convert with "
                          f"--tensor-parallel-size {mesh.devices.size}")
     specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
-    if metadata["quantization"] != "none":
-        specs = quantized_partition_specs(specs, quantizable_leaves(spec))
+    if metadata["quantization"] != "none":  # an fp8 checkpoint's block-wise scales were converted grouped
+        grouped = metadata["quantization"] == spec.checkpoint_quantization and spec.checkpoint_weight_block is not None
+        specs = quantized_partition_specs(specs, quantizable_leaves(spec), grouped)
     if metadata.get("kv_cache_dtype") == "fp8":
         specs = fp8.with_scale_leaves(specs, fp8.SCALE_SPEC)
     checkpointer = ocp.StandardCheckpointer()

@@ -25,7 +25,7 @@ from jaxserve.attention.base import LayerAttention
 from jaxserve.model import llama
 from jaxserve.model.layers import StepContext, apply_rope, project, rope_cos_sin
 from jaxserve.model.registry import Model, map_weights, register
-from jaxserve.model.spec import ModelSpec, RopeSpec, parse_checkpoint_quantization, parse_eos, parse_rope
+from jaxserve.model.spec import ModelSpec, RopeSpec, checkpoint_quantization_fields, parse_eos, parse_rope
 
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 FULL, SLIDING = 0, 1  # a layer's kind: its index into the (attention, rope) choices
@@ -71,7 +71,7 @@ def gemma_spec(arch: str, config: dict, generation_config: dict) -> GemmaSpec:
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=parse_eos(config, generation_config),
-        checkpoint_quantization=parse_checkpoint_quantization(config.get("quantization_config")),
+        **checkpoint_quantization_fields(config.get("quantization_config")),
         layer_kinds=_layer_kinds(arch, config, num_layers),
         local_rope=local_rope,
         query_scale=float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,

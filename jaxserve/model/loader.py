@@ -146,7 +146,7 @@ def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: 
             if "{j}" in weight.hf_name:
                 raise ValueError("fp8 checkpoints of mixture-of-experts models are not supported: load the bf16 "
                                  "checkpoint with quantization: fp8")
-            return _load_fp8(folder, names, layout, sharding, current)
+            return _load_fp8(folder, names, layout, sharding, spec, current)
         return _load_stacked(folder, names, layout, sharding, dtype, current)
 
     return map_weights_with(load, declared, into or {})
@@ -173,8 +173,9 @@ def check_source(source: TensorSource, spec: ModelSpec, num_cache_kv_heads: int,
             if layout.shape(source.shape(name)) != tuple(shape):
                 raise ValueError(f"weight {name!r} has shape {source.shape(name)}, which does not fit the served "
                                  f"model (it needs {tuple(shape)}{' transposed' if layout.transpose else ''})")
-            if spec.checkpoint_quantization == "fp8" and weight.quantizable and name + "_scale" not in source:
-                raise ValueError(f"weight {name + '_scale'!r} (the fp8 checkpoint's scale) is missing")
+            scale_name = name + spec.checkpoint_scale_suffix
+            if spec.checkpoint_quantization == "fp8" and weight.quantizable and scale_name not in source:
+                raise ValueError(f"weight {scale_name!r} (the fp8 checkpoint's scale) is missing")
 
     map_weights(check, declared)
 
@@ -237,24 +238,55 @@ def _load_one(folder: TensorSource, name: str, layout: _Layout, sharding, dtype,
         shape, sharding, lambda index: layout.read(folder, name, index, shape).astype(dtype, copy=False))
 
 
-def _load_fp8(folder: TensorSource, names: list[str], layout: _Layout, sharding, into: dict | None = None) -> dict:
-    """A quantized leaf (model/quantize.py) from an fp8 checkpoint's weights and their `weight_scale`s (one per
-    output channel, (out, 1), or one per tensor), KV heads repeated like the weights; the weights written over
-    `into`'s when given."""
+def _load_fp8(folder: TensorSource, names: list[str], layout: _Layout, sharding, spec: ModelSpec,
+              into: dict | None = None) -> dict:
+    """A quantized leaf (model/quantize.py) from an fp8 checkpoint's weights and their scales (one per output
+    channel, (out, 1), or per tensor; or grouped, one per block of `spec.checkpoint_weight_block`), KV heads
+    repeated like the weights; the weights written over `into`'s when given."""
     weight = _load_stacked(folder, names, layout, sharding, jnp.float8_e4m3fn, (into or {}).get("weight"))
-    num_out = weight.shape[-1] // layout.kv_repeat
-    scales = []
-    for name in names:
-        stored = folder.get(name + "_scale").astype(np.float32).reshape(-1)  # (out,) or (1,)
-        scale = np.broadcast_to(stored, (num_out,)) if stored.size == 1 else stored
-        if scale.shape != (num_out,):
-            raise ValueError(f"{name}_scale has {stored.size} values for {num_out} output channels")
-        if layout.kv_repeat > 1:  # each KV head's channels repeated, as the weight's columns are
-            heads = scale.reshape(-1, layout.head_dim)
-            scale = np.repeat(heads, layout.kv_repeat, axis=0).reshape(-1)
-        scales.append(scale)
-    scale_sharding = NamedSharding(sharding.mesh, quantized_spec(sharding.spec)["scale"])
-    return {"weight": weight, "scale": put_global(np.stack(scales), scale_sharding)}
+    block = spec.checkpoint_weight_block
+    read = _block_scale if block else _channel_scale
+    scales = [read(folder, name, name + spec.checkpoint_scale_suffix, block) for name in names]
+    if layout.kv_repeat > 1:  # each KV head's output channels repeated, as the weight's columns are
+        scales = [np.repeat(scale.reshape(*scale.shape[:-1], -1, layout.head_dim), layout.kv_repeat,
+                            axis=-2).reshape(*scale.shape[:-1], -1) for scale in scales]
+    spec_of_scale = quantized_spec(sharding.spec, grouped=block is not None)["scale"]
+    if block:
+        _check_groups_split_evenly(names[0], scales[0].shape[0], block, sharding.mesh, spec_of_scale[1])
+    return {"weight": weight, "scale": put_global(np.stack(scales), NamedSharding(sharding.mesh, spec_of_scale))}
+
+
+def _channel_scale(folder: TensorSource, name: str, scale_name: str, _) -> np.ndarray:
+    """(out,) float32: a weight's `weight_scale`, one per output channel or one for the tensor."""
+    num_out = folder.shape(name)[0]  # a Linear weight (out, in)
+    stored = folder.get(scale_name).astype(np.float32).reshape(-1)  # (out,) or (1,)
+    if stored.size not in (1, num_out):
+        raise ValueError(f"{scale_name} has {stored.size} values for {num_out} output channels")
+    return np.array(np.broadcast_to(stored, (num_out,)))
+
+
+def _block_scale(folder: TensorSource, name: str, scale_name: str, block: tuple[int, int]) -> np.ndarray:
+    """(in // block columns, out) float32: a weight's (out, in) block scales, (ceil(out / rows), ceil(in / columns)),
+    as grouped scales (model/quantize.py): each block's scale repeated over its output channels."""
+    num_out, num_in = folder.shape(name)
+    rows, columns = block
+    if num_in % columns:
+        raise ValueError(f"{name} has {num_in} input columns, not a multiple of the checkpoint's block of {columns} "
+                         "(weight_block_size): jaxserve needs whole blocks along the input dimension")
+    stored = folder.get(scale_name).astype(np.float32)
+    if stored.shape != (-(-num_out // rows), num_in // columns):
+        raise ValueError(f"{scale_name} has shape {stored.shape}; blocks of {block} over {name}'s "
+                         f"{(num_out, num_in)} need {(-(-num_out // rows), num_in // columns)}")
+    return np.repeat(stored, rows, axis=0)[:num_out].T  # (groups, out)
+
+
+def _check_groups_split_evenly(name: str, groups: int, block: tuple[int, int], mesh: Mesh, axes) -> None:
+    """ValueError unless the devices that split a weight's input rows each get whole blocks of them."""
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    ways = int(np.prod([mesh.shape[axis] for axis in axes]))
+    if groups % ways:
+        raise ValueError(f"{name}'s {groups} blocks of {block[1]} input rows do not split over {ways} devices: "
+                         f"choose a tensor_parallel_size that divides {groups}")
 
 
 def _load_experts(folder: TensorSource, names: list[str], layout: _Layout, sharding, dtype,

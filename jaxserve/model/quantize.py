@@ -8,6 +8,12 @@ format's rounding. A matmul dequantizes in its operand: `(x @ weight) * scale` w
 activations' dtype (exact: int8 and e4m3 values are bf16 values), the scale factored out of the sum. The
 embeddings, the LM head and the norms stay as loaded.
 
+An fp8 checkpoint with block-wise scales (model/spec.py's `checkpoint_weight_block`, DeepSeek's and Qwen3-FP8's
+form) is served as it is stored: its scale is "grouped", (..., in // block columns, out), one per output channel
+and group of input rows (each block's scale repeated over its output channels), so it is sharded exactly like the
+weight. Its matmul dequantizes the weight operand group by group (`dequantize`) before the product: the
+activations stay in their dtype (weight-only, unlike vLLM's block kernels, which quantize them per token group).
+
 Quantizing happens on the device after loading, one leaf at a time in the leaf's sharding (the output
 channels split as the weight's; a row-parallel weight's channel maxima are reduced across devices), so the
 quantized tree is sharded like the float one.
@@ -33,9 +39,21 @@ def quantize_weight(weight: jax.Array, mode: str) -> dict:
     return {"weight": quantized, "scale": scale}
 
 
+def is_grouped(weight: dict) -> bool:
+    """Whether a quantized weight has grouped (block-wise) scales (..., groups, out) rather than (..., out)."""
+    return weight["scale"].ndim == weight["weight"].ndim
+
+
 def dequantize(weight: dict, dtype) -> jax.Array:
     """The float weight (..., in, out) a quantized one stands for."""
-    return (weight["weight"].astype(jnp.float32) * weight["scale"][..., None, :]).astype(dtype)
+    values = weight["weight"].astype(jnp.float32)  # (..., in, out)
+    scale = weight["scale"]  # (..., out) or grouped (..., G, out)
+    if not is_grouped(weight):
+        return (values * scale[..., None, :]).astype(dtype)
+    *lead, rows, out = values.shape
+    groups = scale.shape[-2]
+    grouped = values.reshape(*lead, groups, rows // groups, out) * scale[..., :, None, :]  # (..., G, in / G, out)
+    return grouped.reshape(values.shape).astype(dtype)
 
 
 def linear(x: jax.Array, weight) -> jax.Array:
@@ -43,19 +61,22 @@ def linear(x: jax.Array, weight) -> jax.Array:
     # x: (T, in) -> (T, out)
     if not isinstance(weight, dict):
         return x @ weight
+    if is_grouped(weight):
+        return jnp.dot(x, dequantize(weight, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     product = jnp.dot(x, weight["weight"].astype(x.dtype), preferred_element_type=jnp.float32)  # (T, out)
     return (product * weight["scale"]).astype(x.dtype)
 
 
-def quantized_spec(spec: P) -> dict:
-    """The PartitionSpecs of a quantized weight whose float form has `spec` (..., in, out): the weight keeps it,
-    the scale (..., out) drops the input axis."""
-    return {"weight": spec, "scale": P(*spec[: len(spec) - 2], *spec[len(spec) - 1 :])}
+def quantized_spec(spec: P, grouped: bool = False) -> dict:
+    """The PartitionSpecs of a quantized weight whose float form has `spec` (..., in, out): the weight keeps it; a
+    scale (..., out) drops the input axis, a grouped one (..., groups, out) keeps it too."""
+    return {"weight": spec, "scale": spec if grouped else P(*spec[: len(spec) - 2], *spec[len(spec) - 1 :])}
 
 
-def quantized_partition_specs(specs: dict, leaves: tuple[str, ...]) -> dict:
-    """A params PartitionSpec tree (model/registry.py) for the params with the layer `leaves` quantized."""
-    layers = {name: quantized_spec(spec) if name in leaves else spec for name, spec in specs["layers"].items()}
+def quantized_partition_specs(specs: dict, leaves: tuple[str, ...], grouped: bool = False) -> dict:
+    """A params PartitionSpec tree (model/registry.py) for the params with the layer `leaves` quantized (with
+    grouped scales when `grouped`)."""
+    layers = {name: quantized_spec(spec, grouped) if name in leaves else spec for name, spec in specs["layers"].items()}
     return {**specs, "layers": layers}
 
 

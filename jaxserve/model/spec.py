@@ -77,9 +77,13 @@ class ModelSpec:
     torch_dtype: str = "float32"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # "fp8": the checkpoint's linear layers are float8_e4m3fn with a `weight_scale` per output channel or tensor
-    # (its quantization_config: compressed-tensors float-quantized, or "fp8" without blocks); else "none".
+    # "fp8": the checkpoint's linear layers are float8_e4m3fn, each with its float32 scales in the tensor named
+    # weight + `checkpoint_scale_suffix` (its quantization_config: compressed-tensors float-quantized, or quant_method
+    # "fp8"); else "none". The scales are one per output channel or per tensor, or with `checkpoint_weight_block`
+    # (rows, columns) one per block of the stored (out, in) weight (DeepSeek's and Qwen3-FP8's `weight_block_size`).
     checkpoint_quantization: str = "none"
+    checkpoint_weight_block: tuple[int, int] | None = None
+    checkpoint_scale_suffix: str = "_scale"
     # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
     # expert split like a dense MLP: EngineConfig.enable_expert_parallel, vLLM's flag (model/moe_llama.py).
     expert_parallel: bool = False
@@ -149,7 +153,7 @@ def llama_family_spec(arch: str, config: dict, generation_config: dict) -> Model
         torch_dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=parse_eos(config, generation_config),
-        checkpoint_quantization=parse_checkpoint_quantization(config.get("quantization_config")),
+        **checkpoint_quantization_fields(config.get("quantization_config")),
     )
 
 
@@ -196,26 +200,44 @@ def parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
     return tuple(int(e) for e in eos)
 
 
-def parse_checkpoint_quantization(quantization_config: dict | None) -> str:
-    """"fp8" for the fp8 checkpoint forms jaxserve reads (8-bit float weights with a scale per output channel or
-    per tensor, lm_head left alone), "none" without a quantization_config; a ValueError naming any other form."""
+def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
+    """The ModelSpec fields (checkpoint_quantization, checkpoint_weight_block, checkpoint_scale_suffix) of the fp8
+    checkpoint forms jaxserve reads, 8-bit float linear weights with a scale per output channel, per tensor or per
+    block, lm_head left alone; "none" without a quantization_config; a ValueError naming any other form."""
     if not quantization_config:
-        return "none"
+        return {"checkpoint_quantization": "none"}
     method = quantization_config.get("quant_method")
     supported = ("jaxserve reads fp8 checkpoints whose linear weights are 8-bit floats with a scale per output "
-                 "channel or per tensor (compressed-tensors float-quantized, or quant_method fp8 without blocks)")
+                 "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8)")
     if method == "fp8":
-        if quantization_config.get("weight_block_size"):
-            raise ValueError(f"quant_method fp8 with weight_block_size (block-wise scales) is not supported: {supported}")
-        return "fp8"
+        block = quantization_config.get("weight_block_size")
+        if not block:
+            return {"checkpoint_quantization": "fp8"}
+        return {"checkpoint_quantization": "fp8", "checkpoint_weight_block": _block(block, "weight_block_size"),
+                "checkpoint_scale_suffix": "_scale_inv"}  # DeepSeek's name; it multiplies the weight all the same
     if method != "compressed-tensors":
         raise ValueError(f"quantization_config quant_method {method!r} is not supported: {supported}")
+    blocks = set()
     for name, group in (quantization_config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
-        if (weights.get("type"), weights.get("num_bits"), weights.get("strategy")) not in (
-                ("float", 8, "channel"), ("float", 8, "tensor")):
+        form = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
+        if form == ("float", 8, "block"):
+            blocks.add(_block(weights.get("block_structure"), f"compressed-tensors group {name!r} block_structure"))
+        elif form not in (("float", 8, "channel"), ("float", 8, "tensor")):
             raise ValueError(f"compressed-tensors group {name!r} has weights {weights}: {supported}")
     ignored = set(quantization_config.get("ignore") or []) - {"lm_head"}
     if ignored:
         raise ValueError(f"compressed-tensors ignore lists layers other than lm_head ({sorted(ignored)}): {supported}")
-    return "fp8"
+    if len(blocks) > 1 or (blocks and len(quantization_config["config_groups"]) > 1):
+        raise ValueError(f"compressed-tensors groups mix block sizes or strategies: {supported} with one form")
+    return {"checkpoint_quantization": "fp8", "checkpoint_weight_block": blocks.pop() if blocks else None}
+
+
+def _block(value, where: str) -> tuple[int, int]:
+    """A (rows, columns) block size from a checkpoint's config; a ValueError unless two positive ints."""
+    if not (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ValueError(f"quantization_config {where} must be two positive integers [rows, columns], got {value!r}")
+    return int(value[0]), int(value[1])
+
+
