@@ -41,7 +41,7 @@ def release_executables_after_each_file():
     clear_shared_executables()
     jax.clear_caches()
     _forget_fastapi_endpoints()
-    gc.unfreeze()
+    gc.unfreeze()  # LLMEngine's start-up gc.freeze() hides frozen cycles (engines among them) from gc.collect
     gc.collect()
 
 
