@@ -3,19 +3,22 @@
     PYTHONPATH=. python benchmarks/quantization_quality.py             # the bundled model and two test checkpoints
 
 For each model and mode (int8 or fp8 weights, an fp8 KV cache with scale 1.0 or calibrated scales, fp8 weights
-and KV together), the next-token distribution at every position of a fixed prompt set
-(`bench/quality.py`: the bundled model gets six 100-token pieces of jaxserve's scheduler source, a test
-checkpoint its expected.json prompts) against the unquantized float32 model's: top-1 agreement and the mean
-and largest KL divergence, and the bytes of the linear layers and of a KV page against bfloat16. Prints a
-markdown table.
+and KV together, and the model written as a block-wise fp8 checkpoint, Qwen3-FP8's form, served as stored:
+blocks of 128, or of the largest power of two dividing a smaller model's shapes), the next-token distribution at
+every position of a fixed prompt set (`bench/quality.py`: the bundled model gets six 100-token pieces of
+jaxserve's scheduler source, a test checkpoint its expected.json prompts) against the unquantized float32
+model's: top-1 agreement and the mean and largest KL divergence, and the bytes of the linear layers and of a KV
+page against bfloat16. Prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
@@ -24,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxserve.bench.quality import (  # noqa: E402
     compare_distributions, next_token_logprobs, scoring_runner, source_prompts,
 )
+from jaxserve.bench.fp8_checkpoint import write_fp8_block_checkpoint  # noqa: E402
 from jaxserve.engine.llm_engine import default_model_path  # noqa: E402
 from jaxserve.model.quantize import weight_bytes  # noqa: E402
 from jaxserve.model.registry import quantizable_leaves  # noqa: E402
@@ -47,6 +51,14 @@ def prompts_for(model: str) -> list[list[int]]:
     return source_prompts(model, 6, 100)
 
 
+def block_checkpoint_runner(model: str, spec, folder: str) -> tuple:
+    """(the mode's name, its options, a scoring runner of `model` written as a block-wise fp8 checkpoint into
+    `folder`)."""
+    size = math.gcd(128, spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim)
+    write_fp8_block_checkpoint(model, folder, (size, size))
+    return f"fp8 checkpoint, {size}x{size} blocks", {"quantization": "fp8"}, scoring_runner(folder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="*", help="model folders (default: bundled, test llama, test qwen3)")
@@ -62,8 +74,7 @@ def main() -> None:
         leaves = quantizable_leaves(reference_runner.spec)
         linear = {name: reference_runner.params["layers"][name] for name in leaves}
         bf16_bytes = sum(leaf.size * jnp.dtype(jnp.bfloat16).itemsize for leaf in linear.values())
-        for mode, options in MODES.items():
-            runner = scoring_runner(model, **options)
+        def report(mode: str, options: dict, runner) -> None:
             quality = compare_distributions(reference, next_token_logprobs(runner, prompts))
             quantized = weight_bytes({name: runner.params["layers"][name] for name in leaves})
             linear_share = f"{quantized / bf16_bytes:.3f}" if "quantization" in options else "-"
@@ -72,6 +83,10 @@ def main() -> None:
                   f"{quality['top1_agreement']:.1%} | {quality['mean_kl']:.2e} | {quality['max_kl']:.2e} | "
                   f"{linear_share} | {kv_share if 'kv_cache_dtype' in options else '-'} |", flush=True)
 
+        for mode, options in MODES.items():
+            report(mode, options, scoring_runner(model, **options))
+        with tempfile.TemporaryDirectory() as folder:
+            report(*block_checkpoint_runner(model, reference_runner.spec, folder))
 
 if __name__ == "__main__":
     main()

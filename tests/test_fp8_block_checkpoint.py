@@ -21,7 +21,7 @@ from jaxserve.model.quantize import dequantize, linear
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 
-NAME = "qwen3-fp8-block"
+NAME, MOE = "qwen3-fp8-block", "qwen3-moe-fp8-block"
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
@@ -135,6 +135,9 @@ def test_partial_row_blocks_scale_their_own_rows(tmp_path):
     ({"quant_method": "compressed-tensors", "config_groups": {
         "a": {"weights": {"type": "float", "num_bits": 8, "strategy": "block", "block_structure": [128, 128]}},
         "b": {"weights": {"type": "float", "num_bits": 8, "strategy": "channel"}}}}, "mix block sizes"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128],
+      "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate", "model.layers.0.self_attn.q_proj"]},
+     r"modules_to_not_convert lists layers other than lm_head and the routers \(\['model.layers.0.self_attn"),
 ])
 def test_malformed_block_configs_are_refused(quantization_config, message):
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
@@ -162,4 +165,19 @@ def test_a_converted_folder_keeps_the_block_scales(tmp_path):
                                                                       skip_precompile=True))
     assert converted.engine.core.runner.params["layers"]["w_down"]["scale"].shape == (2, 2, 64)
     outputs = converted.generate(_prompts(want), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]
+
+
+@pytest.mark.parametrize("tensor_parallel_size, enable_expert_parallel", [(1, False), (2, False), (2, True)])
+def test_a_mixture_of_experts_checkpoint_matches_hugging_face(tensor_parallel_size, enable_expert_parallel):
+    """Qwen3-30B-A3B-FP8's form: every expert's projections in blocks (of 16 here) with their scales, the router
+    in float; alone, with each expert split over two devices (one block of down_proj's input rows each), and
+    with the experts split whole (expert parallelism)."""
+    want = expected(MOE)
+    llm = LLM(checkpoint(MOE), tensor_parallel_size=tensor_parallel_size,
+              enable_expert_parallel=enable_expert_parallel,
+              **small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_precompile=True))
+    down = llm.engine.core.runner.params["layers"]["w_down"]
+    assert down["weight"].dtype == jnp.float8_e4m3fn and down["scale"].shape == (2, 8, 2, 64)  # (L, E, groups, H)
+    outputs = llm.generate(_prompts(want), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]

@@ -143,9 +143,6 @@ def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: 
             return _load_one(folder, weight.hf_name, layout, sharding, dtype)
         names = [weight.layer_names(i) for i in range(spec.num_layers)]
         if spec.checkpoint_quantization == "fp8" and weight.quantizable:
-            if "{j}" in weight.hf_name:
-                raise ValueError("fp8 checkpoints of mixture-of-experts models are not supported: load the bf16 "
-                                 "checkpoint with quantization: fp8")
             return _load_fp8(folder, names, layout, sharding, spec, current)
         return _load_stacked(folder, names, layout, sharding, dtype, current)
 
@@ -242,17 +239,27 @@ def _load_fp8(folder: TensorSource, names: list[str], layout: _Layout, sharding,
               into: dict | None = None) -> dict:
     """A quantized leaf (model/quantize.py) from an fp8 checkpoint's weights and their scales (one per output
     channel, (out, 1), or per tensor; or grouped, one per block of `spec.checkpoint_weight_block`), KV heads
-    repeated like the weights; the weights written over `into`'s when given."""
+    repeated like the weights, a layer's experts (a list of names) stacked; the weights written over `into`'s
+    when given."""
     weight = _load_stacked(folder, names, layout, sharding, jnp.float8_e4m3fn, (into or {}).get("weight"))
     block = spec.checkpoint_weight_block
     read = _block_scale if block else _channel_scale
-    scales = [read(folder, name, name + spec.checkpoint_scale_suffix, block) for name in names]
+
+    def scale_of(name: str | list[str]) -> np.ndarray:  # ([E,] [groups,] out)
+        if isinstance(name, list):
+            return np.stack([scale_of(expert) for expert in name])
+        return read(folder, name, name + spec.checkpoint_scale_suffix, block)
+
+    scales = [scale_of(name) for name in names]
     if layout.kv_repeat > 1:  # each KV head's output channels repeated, as the weight's columns are
         scales = [np.repeat(scale.reshape(*scale.shape[:-1], -1, layout.head_dim), layout.kv_repeat,
                             axis=-2).reshape(*scale.shape[:-1], -1) for scale in scales]
     spec_of_scale = quantized_spec(sharding.spec, grouped=block is not None)["scale"]
-    if block:
-        _check_groups_split_evenly(names[0], scales[0].shape[0], block, sharding.mesh, spec_of_scale[1])
+    if block:  # the groups axis of (L, [E,] groups, out)
+        group_axis = scales[0].ndim - 1
+        first = names[0][0] if isinstance(names[0], list) else names[0]
+        _check_groups_split_evenly(first, scales[0].shape[-2], block, sharding.mesh,
+                                   spec_of_scale[group_axis] if group_axis < len(spec_of_scale) else None)
     return {"weight": weight, "scale": put_global(np.stack(scales), NamedSharding(sharding.mesh, spec_of_scale))}
 
 

@@ -8,7 +8,8 @@ Weights (leading E = experts; a model stacks them per layer as (L, E, ...) and s
     w_gate, w_up (E, H, I)               HF `mlp.experts.gate_up_proj` (E, 2I, H) split and transposed
     w_down  (E, I, H)                    HF `mlp.experts.down_proj` (E, H, I) transposed
 Each expert weight may instead be quantized like the dense layers (model/quantize.py): {"weight": the same
-shape in int8 or float8_e4m3fn, "scale": (E, out) float32}, as `quantize_weight` makes from (E, in, out).
+shape in int8 or float8_e4m3fn, "scale": (E, out) float32}, as `quantize_weight` makes from (E, in, out), or
+with an fp8 checkpoint's block-wise scales grouped, (E, in // block columns, out), sharded like the weight.
 
 Only the routed (token, expert) pairs are computed: the T*k assignments are sorted by expert, gathered into
 one row each (rows grouped by expert, `group_sizes` per expert), and a grouped matmul multiplies each group of
@@ -51,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxserve.model.quantize import linear
+from jaxserve.model.quantize import dequantize, is_grouped, linear
 from jaxserve.model.sharding import MODEL_AXIS
 
 IMPLS = ("blocked", "ragged")
@@ -195,7 +196,12 @@ def moe_mlp_tensor_parallel(x: jax.Array, router, w_gate, w_up, w_down, *, mesh:
 
     columns = {"weight": P(None, None, axis_name), "scale": P(None, axis_name)}  # scale (E, I) split too
     rows = {"weight": P(None, axis_name, None), "scale": P()}  # scale (E, H) per output channel: whole
-    spec = lambda w, specs: specs if isinstance(w, dict) else specs["weight"]
+
+    def spec(w, specs):  # a grouped scale (E, groups, out) is split like its weight
+        if not isinstance(w, dict):
+            return specs["weight"]
+        return {**specs, "scale": specs["weight"]} if is_grouped(w) else specs
+
     specs = (P(), P(), spec(w_gate, columns), spec(w_up, columns), spec(w_down, rows))
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(
         x, router, w_gate, w_up, w_down)
@@ -222,10 +228,12 @@ def _check_impl(impl: str | None) -> str:
 
 def _ragged_linear(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
     """`grouped_matmul` by `jax.lax.ragged_dot`; a quantized rhs is cast to lhs's dtype and each row scaled by
-    its group's output-channel scales."""
+    its group's output-channel scales (grouped scales: the weights dequantized first)."""
     # lhs: (M, K); rhs: (G, K, N) or quantized; group_sizes: (G,) int32 -> (M, N)
     rows = jnp.arange(lhs.shape[0])  # (M,)
     ends = jnp.cumsum(group_sizes)  # (G,)
+    if isinstance(rhs, dict) and is_grouped(rhs):
+        rhs = dequantize(rhs, lhs.dtype)  # (G, K, N)
     if isinstance(rhs, dict):
         product = jax.lax.ragged_dot(lhs, rhs["weight"].astype(lhs.dtype), group_sizes,
                                      preferred_element_type=jnp.float32)  # (M, N)
@@ -238,8 +246,13 @@ def _ragged_linear(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
 
 def _dequantize_operand(weights, dtype):
     """Quantized weights (dicts, alone or in a tuple) with their "weight" cast to `dtype`, which `linear` then
-    uses as is (the scale is still applied after the matmul); float weights unchanged."""
-    cast = lambda w: {**w, "weight": w["weight"].astype(dtype)} if isinstance(w, dict) else w
+    uses as is (the scale is still applied after the matmul), or dequantized whole when their scales are
+    grouped; float weights unchanged."""
+    def cast(w):
+        if not isinstance(w, dict):
+            return w
+        return dequantize(w, dtype) if is_grouped(w) else {**w, "weight": w["weight"].astype(dtype)}
+
     return tuple(map(cast, weights)) if isinstance(weights, tuple) else cast(weights)
 
 

@@ -210,6 +210,11 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
     supported = ("jaxserve reads fp8 checkpoints whose linear weights are 8-bit floats with a scale per output "
                  "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8)")
     if method == "fp8":
+        kept = [name for name in quantization_config.get("modules_to_not_convert") or []
+                if name != "lm_head" and not name.endswith("mlp.gate")]  # the LM head and MoE routers stay float
+        if kept:
+            raise ValueError(f"quant_method fp8 modules_to_not_convert lists layers other than lm_head and the "
+                             f"routers ({sorted(kept)[:4]}): {supported}")
         block = quantization_config.get("weight_block_size")
         if not block:
             return {"checkpoint_quantization": "fp8"}
