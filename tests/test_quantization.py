@@ -134,26 +134,27 @@ def test_an_unknown_quantization_is_refused():
         EngineConfig(quantization="awq")
 
 
-def _write_fp8_checkpoint(folder, strategy: str) -> None:
-    """The llama test checkpoint in compressed-tensors fp8 form: every linear weight float8_e4m3fn (out, in) with a
-    float32 `weight_scale`, (out, 1) per channel (the recipe quantize_weight uses) or one per tensor."""
+def _write_fp8_checkpoint(folder, strategy: str, name: str = "llama") -> None:
+    """A test checkpoint in compressed-tensors fp8 form: every linear weight (each expert's too) float8_e4m3fn
+    (out, in) with a float32 `weight_scale`, (out, 1) per channel (the recipe quantize_weight uses) or one per
+    tensor."""
     import json
     import os
 
     import ml_dtypes
     from safetensors.numpy import save_file
 
-    weights = checkpoint_tensors("llama", folder)
+    weights = checkpoint_tensors(name, folder)
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    for name in [n for n in weights if n.split(".")[-2] in projections]:
-        weight = weights[name].astype(np.float32)  # (out, in)
+    for tensor in [n for n in weights if n.split(".")[-2] in projections]:
+        weight = weights[tensor].astype(np.float32)  # (out, in)
         absmax = np.abs(weight).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(weight).max()
         scale = np.where(absmax > 0, absmax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
-        weights[name] = np.clip(weight / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
-        weights[name + "_scale"] = np.asarray(scale, np.float32).reshape(-1, 1) if strategy == "channel" else (
+        weights[tensor] = np.clip(weight / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        weights[tensor + "_scale"] = np.asarray(scale, np.float32).reshape(-1, 1) if strategy == "channel" else (
             np.asarray([scale], np.float32))
     save_file(weights, os.path.join(folder, "model.safetensors"))
-    with open(os.path.join(checkpoint("llama"), "config.json")) as f:
+    with open(os.path.join(checkpoint(name), "config.json")) as f:
         config = json.load(f)
     config["quantization_config"] = {
         "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
@@ -186,6 +187,21 @@ def test_an_fp8_checkpoint_is_served_as_it_is(engines, tmp_path):
     from jaxserve.model.checkpoint import convert
 
     assert convert(str(channel), str(tmp_path / "converted"))["quantization"] == "fp8"  # kept fp8 as loaded
+
+
+def test_an_fp8_mixture_of_experts_checkpoint_is_served_as_it_is(tmp_path):
+    """Every expert's projections in compressed-tensors fp8 (one scale per channel) give the tokens of the float
+    checkpoint quantized to fp8 at load time, the experts split over two devices too."""
+    _write_fp8_checkpoint(str(tmp_path), "channel", "qwen3-moe")
+    prompts = [{"prompt_token_ids": p} for p in expected("qwen3-moe")["prompts"]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    options = small_engine_args(max_num_seqs=16, max_num_batched_tokens=32, num_pages=40, skip_precompile=True)
+    loaded = LLM(checkpoint("qwen3-moe"), quantization="fp8", **options)
+    want = [o.outputs[0].token_ids for o in loaded.generate(prompts, params, use_tqdm=False)]
+    for tensor_parallel_size in (1, 2):
+        llm = LLM(str(tmp_path), tensor_parallel_size=tensor_parallel_size, **options)
+        assert llm.engine.core.runner.params["layers"]["w_up"]["scale"].shape == (2, 8, 32)  # (L, E, I)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
 
 
 @pytest.mark.parametrize("quantization_config, message", [
