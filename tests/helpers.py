@@ -172,3 +172,33 @@ def check_seeded_runs_give_plain_tokens(plain, spec, prompts: list[list[int]], p
     second, _ = spec_generate(spec, prompts, params)
     assert first == want and second == want
     return moved
+
+
+# ---- a chat reply as the chat route streams it (tests/test_responses_api.py, tests/test_messages_api.py) ---------
+
+CHAT_REPLY = [("reasoning", "let me think about it"), ("content", "The answer: "), ("call", '{"answer": 42}'),
+              ("call", '{"answer": 7}')]
+
+
+def chat_reply_deltas(cuts: list[int]) -> list[dict]:
+    """CHAT_REPLY as chat deltas, each part cut at the character positions `cuts`; tool calls as the chat route
+    streams them (the first delta of a call names it, the next ones add arguments)."""
+    deltas = []
+    for index, (kind, text) in enumerate(CHAT_REPLY):
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if a < b] if cuts else [text]
+        for n, piece in enumerate(pieces):
+            if kind != "call":
+                deltas.append({kind: piece})
+            elif n == 0:
+                deltas.append({"tool_calls": [{"index": index - 2, "id": f"call_{index}", "type": "function",
+                                               "function": {"name": "answer", "arguments": piece}}]})
+            else:
+                deltas.append({"tool_calls": [{"index": index - 2, "function": {"arguments": piece}}]})
+    return deltas
+
+
+def whole_chat_reply() -> dict:
+    """CHAT_REPLY as one chat delta."""
+    deltas = chat_reply_deltas([])
+    return {"reasoning": CHAT_REPLY[0][1], "content": CHAT_REPLY[1][1],
+            "tool_calls": deltas[2]["tool_calls"] + deltas[3]["tool_calls"]}

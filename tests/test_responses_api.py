@@ -18,7 +18,7 @@ import openai
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers import running_server, small_engine_args
+from helpers import chat_reply_deltas, running_server, small_engine_args, whole_chat_reply
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
@@ -127,34 +127,13 @@ def test_requests_that_mean_no_chat_request_are_refused(fields, param):
 
 # ---- the output items -----------------------------------------------------------------------------------------
 
-REPLY = [("reasoning", "let me think about it"), ("content", "The answer: "), ("call", '{"answer": 42}'),
-         ("call", '{"answer": 7}')]
-
-
-def _deltas(cuts: list[int]) -> list[dict]:
-    """REPLY as chat deltas, each part cut at the given fractions; tool calls as the chat route streams them."""
-    deltas = []
-    for index, (kind, text) in enumerate(REPLY):
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)]) if a < b] if cuts else [text]
-        for n, piece in enumerate(pieces):
-            if kind != "call":
-                deltas.append({kind: piece})
-            elif n == 0:
-                deltas.append({"tool_calls": [{"index": index - 2, "id": f"call_{index}", "type": "function",
-                                               "function": {"name": "answer", "arguments": piece}}]})
-            else:
-                deltas.append({"tool_calls": [{"index": index - 2, "function": {"arguments": piece}}]})
-    return deltas
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 20), max_size=5).map(lambda cuts: sorted(set(cuts))))
 def test_output_items_do_not_depend_on_how_the_reply_was_cut(cuts):
     whole, cut = OutputItems(False), OutputItems(False)
-    whole.add({"reasoning": REPLY[0][1], "content": REPLY[1][1], "tool_calls": _deltas([])[2]["tool_calls"]
-               + _deltas([])[3]["tool_calls"]})
+    whole.add(whole_chat_reply())
     whole.finish()
-    events = [event for delta in _deltas(cuts) for event in cut.add(delta)] + cut.finish()
+    events = [event for delta in chat_reply_deltas(cuts) for event in cut.add(delta)] + cut.finish()
     strip = [{k: v for k, v in item.items() if k != "id"} for item in cut.items]
     assert strip == [{k: v for k, v in item.items() if k != "id"} for item in whole.items]
     assert [item["type"] for item in cut.items] == ["reasoning", "message", "function_call", "function_call"]

@@ -20,6 +20,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.embeddings import EmbeddingsServing
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
+from jaxserve.server.messages_api import MessagesServing
 from jaxserve.server.metrics import ServerMetrics, cache_config_info
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
@@ -50,6 +51,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     serving = OpenAIServing(async_engine, config)
     responses = ResponsesServing(serving, config.max_stored_responses)
     embeddings = EmbeddingsServing(serving)
+    messages = MessagesServing(serving)
     engine.core.on_peer_lost(lambda reason: async_engine.fail(EngineDeadError(f"the multi-host launch broke: {reason}")))
 
     @asynccontextmanager
@@ -76,6 +78,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     v1.add_api_route("/responses", responses.create, methods=["POST"], response_model=None)
     v1.add_api_route("/responses/{response_id}", responses.get, methods=["GET"])
     v1.add_api_route("/responses/{response_id}", responses.delete, methods=["DELETE"])
+    v1.add_api_route("/messages", messages.create, methods=["POST"], response_model=None)
+    v1.add_api_route("/messages/count_tokens", messages.count_tokens, methods=["POST"])
     v1.add_api_route("/embeddings", embeddings.create, methods=["POST"], response_model=None)
     v1.add_api_route("/score", embeddings.score, methods=["POST"], response_model=None)
     v1.add_api_route("/rerank", embeddings.rerank, methods=["POST"], response_model=None)
@@ -216,14 +220,19 @@ def _parse(model: type[BaseModel], body: dict) -> BaseModel:
 
 
 def _api_key_guard(api_key: str | None):
-    """A dependency that requires `Authorization: Bearer <api_key>` (nothing when no key is set)."""
+    """A dependency that requires `Authorization: Bearer <api_key>` or, as Anthropic's clients send it,
+    `x-api-key: <api_key>` (nothing when no key is set)."""
     expected = f"Bearer {api_key}".encode()
 
-    async def check(authorization: str | None = Header(default=None)) -> None:
+    async def check(authorization: str | None = Header(default=None),
+                    x_api_key: str | None = Header(default=None)) -> None:
         if api_key is None:
             return
-        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", None, "invalid_api_key")
+        bearer = authorization is not None and secrets.compare_digest(authorization.encode(), expected)
+        keyed = x_api_key is not None and secrets.compare_digest(x_api_key.encode(), api_key.encode())
+        if not (bearer or keyed):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
+                                "<key>')", None, "invalid_api_key")
 
     return check
 

@@ -1,4 +1,5 @@
-"""OpenAI-shaped error responses: `{"error": {"message", "type", "param", "code"}}`."""
+"""Error responses: OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, and on Anthropic's
+Messages routes (/v1/messages...) Anthropic's, `{"type": "error", "error": {"type", "message"}}`."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ ERROR_TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_ROUTES = "/v1/messages"  # the path prefix whose errors take Anthropic's shape
 
 logger = logging.getLogger("jaxserve")
 
@@ -47,19 +58,33 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-async def _api_error(_: Request, error: APIError) -> JSONResponse:
-    return error_response(error.status, error.message, error.param, error.code, error.headers)
+def anthropic_error_body(status: int, message: str) -> dict:
+    """The JSON body Anthropic's API sends with an error (and in a stream's `error` event)."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+def _respond(request: Request, status: int, message: str, param: str | None = None, code: str | int | None = None,
+             headers: dict[str, str] | None = None) -> JSONResponse:
+    """An error in the shape of the route's API: Anthropic's on its Messages routes, else OpenAI's."""
+    if request.url.path.startswith(ANTHROPIC_ROUTES):
+        return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+    return error_response(status, message, param, code, headers)
+
+
+async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    return _respond(request, error.status, error.message, error.param, error.code, error.headers)
+
+
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
     """Pydantic's errors as one 400 that names the first offending field."""
     first = error.errors()[0]
     location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
-        return error_response(400, f"the request body is not valid JSON: {first.get('msg')}", None)
+        return _respond(request, 400, f"the request body is not valid JSON: {first.get('msg')}", None)
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return error_response(400, message, param)
+    return _respond(request, 400, message, param)
 
 
 def _is_union_tag(part) -> bool:
@@ -68,14 +93,14 @@ def _is_union_tag(part) -> bool:
                                        or "-" in part)
 
 
-async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
-    return error_response(error.status_code, str(error.detail), headers=getattr(error, "headers", None))
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    return _respond(request, error.status_code, str(error.detail), headers=getattr(error, "headers", None))
 
 
-async def _internal_error(_: Request, error: Exception) -> JSONResponse:
-    """A bug, not bad input: 500, still in OpenAI's shape."""
+async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+    """A bug, not bad input: 500, still in the route's API's shape."""
     logger.exception("internal error while serving a request", exc_info=error)
-    return error_response(500, f"internal error: {type(error).__name__}: {error}")
+    return _respond(request, 500, f"internal error: {type(error).__name__}: {error}")
 
 
 EXCEPTION_HANDLERS = {

@@ -251,14 +251,19 @@ class OpenAIServing:
         anything the request gets wrong, 503 for an engine that is full or down."""
         params = self._sampling_params(body)
         tools = self._tool_calls(body)
-        try:
-            prompt = render_chat(self.tokenizer, body.conversation(), body.add_generation_prompt,
-                                 body.continue_final_message, body.chat_template_kwargs, body.template_tools(),
-                                 self.config.chat_template)
-        except (ValueError, TypeError) as error:
-            raise APIError(400, str(error), "messages") from error
+        prompt = self.chat_prompt(body)
         await self._compile_constraint(body, params)
         return params, tools, self._submit(request_id, [prompt], body, params)
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        """The token ids of a chat request's conversation (and tools) under the chat template; 400 when the
+        template cannot render it."""
+        try:
+            return render_chat(self.tokenizer, body.conversation(), body.add_generation_prompt,
+                               body.continue_final_message, body.chat_template_kwargs, body.template_tools(),
+                               self.config.chat_template)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), "messages") from error
 
     def chat_message(self, c: CompletionOutput, output: RequestOutput, body: ChatCompletionRequest,
                       tools: ToolCallExtractor | None) -> tuple[dict, str | None]:
