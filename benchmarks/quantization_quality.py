@@ -3,8 +3,9 @@
     PYTHONPATH=. python benchmarks/quantization_quality.py             # the bundled model and two test checkpoints
 
 For each model and mode (int8 or fp8 weights, an fp8 KV cache with scale 1.0 or calibrated scales, fp8 weights
-and KV together, and the model written as a block-wise fp8 checkpoint, Qwen3-FP8's form, served as stored:
-blocks of 128, or of the largest power of two dividing a smaller model's shapes), the next-token distribution at
+and KV together, and the model written as a block-wise fp8 checkpoint, Qwen3-FP8's form, or as an int4 W4A16
+checkpoint, compressed-tensors' form, each served as stored: blocks or groups of 128, or of the largest power of
+two dividing a smaller model's shapes), the next-token distribution at
 every position of a fixed prompt set (`bench/quality.py`: the bundled model gets six 100-token pieces of
 jaxserve's scheduler source, a test checkpoint its expected.json prompts) against the unquantized float32
 model's: top-1 agreement and the mean and largest KL divergence, and the bytes of the linear layers and of a KV
@@ -27,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 from jaxserve.bench.quality import (  # noqa: E402
     compare_distributions, next_token_logprobs, scoring_runner, source_prompts,
 )
-from jaxserve.bench.fp8_checkpoint import write_fp8_block_checkpoint  # noqa: E402
+from jaxserve.bench.quantized_checkpoint import write_fp8_block_checkpoint, write_int4_checkpoint  # noqa: E402
 from jaxserve.engine.llm_engine import default_model_path  # noqa: E402
 from jaxserve.model.quantize import weight_bytes  # noqa: E402
 from jaxserve.model.registry import quantizable_leaves  # noqa: E402
@@ -51,12 +52,16 @@ def prompts_for(model: str) -> list[list[int]]:
     return source_prompts(model, 6, 100)
 
 
-def block_checkpoint_runner(model: str, spec, folder: str) -> tuple:
-    """(the mode's name, its options, a scoring runner of `model` written as a block-wise fp8 checkpoint into
-    `folder`)."""
+def checkpoint_runners(model: str, spec, folder: str) -> list[tuple]:
+    """(each mode's name, its options, a scoring runner of `model` written into a folder under `folder` as a
+    block-wise fp8 checkpoint, and as an int4 one)."""
     size = math.gcd(128, spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim)
-    write_fp8_block_checkpoint(model, folder, (size, size))
-    return f"fp8 checkpoint, {size}x{size} blocks", {"quantization": "fp8"}, scoring_runner(folder)
+    write_fp8_block_checkpoint(model, os.path.join(folder, "fp8"), (size, size))
+    write_int4_checkpoint(model, os.path.join(folder, "int4"), size)
+    return [(f"fp8 checkpoint, {size}x{size} blocks", {"quantization": "fp8"},
+             scoring_runner(os.path.join(folder, "fp8"))),
+            (f"int4 checkpoint (W4A16), groups of {size}", {"quantization": "int4"},
+             scoring_runner(os.path.join(folder, "int4")))]
 
 
 def main() -> None:
@@ -86,7 +91,8 @@ def main() -> None:
         for mode, options in MODES.items():
             report(mode, options, scoring_runner(model, **options))
         with tempfile.TemporaryDirectory() as folder:
-            report(*block_checkpoint_runner(model, reference_runner.spec, folder))
+            for mode, options, runner in checkpoint_runners(model, reference_runner.spec, folder):
+                report(mode, options, runner)
 
 if __name__ == "__main__":
     main()

@@ -229,7 +229,7 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
     have (traced, never made), quantized as configured, with the fp8 KV cache's scales under `kv_cache_dtype`
     fp8, the shardings the engine gives them."""
     from jaxserve.model.loader import dummy_params
-    from jaxserve.model.quantize import quantize_weight, quantized_partition_specs
+    from jaxserve.model.quantize import quantized_partition_specs, quantized_shapes
     from jaxserve.model.registry import param_partition_specs, quantizable_leaves
     from jaxserve.model.sharding import named
 
@@ -237,16 +237,9 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
     specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
     if quantization != "none":
         leaves = quantizable_leaves(spec)
-        block = spec.checkpoint_weight_block  # an fp8 checkpoint's block-wise scales are served grouped
-
-        def quantized(leaf: jax.ShapeDtypeStruct) -> dict:
-            parts = jax.eval_shape(lambda w: quantize_weight(w, quantization), leaf)
-            if not block:
-                return parts
-            *lead, rows, out = leaf.shape
-            return {**parts, "scale": jax.ShapeDtypeStruct((*lead, rows // block[1], out), jnp.float32)}
-
-        layers = {name: quantized(leaf) if name in leaves else leaf for name, leaf in shapes["layers"].items()}
+        block = spec.checkpoint_weight_block  # a checkpoint's block or group scales are served grouped
+        layers = {name: quantized_shapes(leaf, quantization, block and block[1]) if name in leaves else leaf
+                  for name, leaf in shapes["layers"].items()}
         shapes, specs = {**shapes, "layers": layers}, quantized_partition_specs(specs, leaves, block is not None)
     if kv_cache_dtype == "fp8":
         scale = jax.ShapeDtypeStruct((spec.num_layers, num_cache_kv_heads), jnp.float32)  # (L, Hkv)
@@ -260,7 +253,7 @@ def shard_bytes(tree) -> int:
     """Bytes of one device's shard of every ShapeDtypeStruct in `tree` (the largest shard, when uneven)."""
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
-        total += leaf.dtype.itemsize * math.prod(leaf.sharding.shard_shape(leaf.shape))
+        total += jax.dtypes.itemsize_bits(leaf.dtype) * math.prod(leaf.sharding.shard_shape(leaf.shape)) // 8
     return total
 
 

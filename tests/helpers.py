@@ -202,3 +202,24 @@ def whole_chat_reply() -> dict:
     deltas = chat_reply_deltas([])
     return {"reasoning": CHAT_REPLY[0][1], "content": CHAT_REPLY[1][1],
             "tool_calls": deltas[2]["tool_calls"] + deltas[3]["tool_calls"]}
+
+
+# ---- a checkpoint served against Hugging Face's reference (tests/test_*_checkpoint.py) ---------------------------
+
+
+def assert_serves_hf_outputs(llm, name: str) -> None:
+    """`llm` serving fixture checkpoint `name` gives HF's 20 greedy tokens for every prompt and HF's log-probabilities
+    of its first token's top 5 (1e-4), and every page comes back."""
+    from jaxserve import SamplingParams
+
+    want = expected(name)
+    prompts = [{"prompt_token_ids": p} for p in want["prompts"]]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want["outputs"]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    for result, logits in zip(llm.generate(prompts, params, use_tqdm=False), want["logits"]):
+        hf_logprobs = logits - np.logaddexp.reduce(logits.astype(np.float64))  # (V,)
+        for token_id, logprob in result.outputs[0].logprobs[0].items():
+            assert abs(logprob.logprob - hf_logprobs[token_id]) <= 1e-4, (token_id, logprob, hf_logprobs[token_id])
+    stats = llm.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]

@@ -1,6 +1,6 @@
 """An fp8 checkpoint with block-wise scales (Qwen3-FP8's and DeepSeek's form: `weight_block_size`, a float32
 `weight_scale_inv` per block of each float8_e4m3fn weight) is served as it is stored, and gives what Hugging Face
-transformers gives from the same folder (scripts/make_fp8_block_fixtures.py: it dequantizes the blocks at load).
+transformers gives from the same folder (scripts/make_quantized_fixtures.py: it dequantizes the blocks at load).
 compressed-tensors' block strategy reads the same; tensor parallelism splits the scales with the weights.
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from helpers import checkpoint, checkpoint_tensors, expected, small_engine_args
+from helpers import assert_serves_hf_outputs, checkpoint, checkpoint_tensors, expected, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.loader import load_params
 from jaxserve.model.quantize import dequantize, linear
@@ -36,19 +36,10 @@ def llm():
 
 
 def test_greedy_tokens_and_first_logprobs_match_hugging_face(llm):
-    want = expected(NAME)
     layers = llm.engine.core.runner.params["layers"]
     assert layers["wq"]["weight"].dtype == jnp.float8_e4m3fn
     assert layers["wo"]["scale"].shape == (2, 2, 64)  # (L, in / 64 columns, out): grouped, not one per channel
-    outputs = llm.generate(_prompts(want), GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    for result, logits in zip(llm.generate(_prompts(want), params, use_tqdm=False), want["logits"]):
-        hf_logprobs = logits - np.logaddexp.reduce(logits.astype(np.float64))  # (V,)
-        for token_id, logprob in result.outputs[0].logprobs[0].items():
-            assert logprob.logprob == pytest.approx(hf_logprobs[token_id], abs=1e-4)
-    stats = llm.stats()
-    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert_serves_hf_outputs(llm, NAME)
 
 
 def test_a_weight_update_reads_the_blocks_again(llm):

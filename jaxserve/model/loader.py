@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
-from jaxserve.model.quantize import quantized_spec
+from jaxserve.model.quantize import INT4_PER_BYTE, quantized_spec
 from jaxserve.model.registry import Weight, map_weights, map_weights_with, model_for
 from jaxserve.model.sharding import put_global
 from jaxserve.model.spec import ModelSpec
@@ -121,7 +121,54 @@ class TensorMapping:
         return tuple(self._tensors[name].shape)
 
 
-TensorSource = SafetensorsFolder | TensorMapping
+class PackedInt4:
+    """A view of a compressed-tensors pack-quantized checkpoint (or of its arrays) in which a linear weight's name,
+    `X.weight`, reads `X.weight_packed` as bytes: int32 (out, in / 8), eight 4-bit values to a word from the lowest
+    bits up, each stored plus 8, is read as uint8 (out, in / 2), input columns 2j and 2j + 1 in byte j's low and
+    high nibble (model/quantize.py keeps int4 weights so). Every other name reads as stored."""
+
+    def __init__(self, source: "SafetensorsFolder | TensorMapping"):
+        self.source = source
+
+    def _packed(self, name: str) -> str | None:
+        """The packed tensor `name` reads, or None for a name read as stored."""
+        if name in self.source or not name.endswith(".weight"):
+            return None
+        return name + "_packed" if name + "_packed" in self.source else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.source or self._packed(name) is not None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape; a packed weight's (out, in / 2) bytes."""
+        if self._packed(name) is None:
+            return self.source.shape(name)
+        out, columns = (int(size) for size in self.source.get(name + "_shape").reshape(-1))
+        if columns % 8:
+            raise ValueError(f"{name} has {columns} input columns, not a multiple of 8 (whole int32 words)")
+        return out, columns // 2
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """One tensor, or only its `index` part; a packed weight's bytes, reading only the words that hold them."""
+        packed = self._packed(name)
+        if packed is None:
+            return self.source.get(name, index)
+        rows, columns = index or (slice(None), slice(None))
+        start, stop = columns.indices(self.shape(name)[1])[:2]
+        first, last = start // 4, -(-stop // 4)  # the words holding bytes start..stop
+        words = np.ascontiguousarray(self.source.get(packed, (rows, slice(first, last))), dtype="<i4")  # (r, w)
+        return words.view(np.uint8)[:, start - 4 * first: stop - 4 * first]  # (r, stop - start) little-endian
+
+
+TensorSource = SafetensorsFolder | TensorMapping | PackedInt4
+QUANTIZED_DTYPES = {"fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}  # a quantized checkpoint's weights on the device
+
+
+def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
+    """The tensors of a checkpoint folder or of arrays by name, as the served model reads them (an int4
+    checkpoint's packed weights unpacked)."""
+    source = SafetensorsFolder(source) if isinstance(source, str) else source
+    return PackedInt4(source) if spec.checkpoint_quantization == "int4" else source
 
 
 def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int,
@@ -132,7 +179,7 @@ def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: 
 
     With `into` (params of the same model being served), each stacked leaf it holds is written over in place (it
     is donated: the devices hold the weights once plus one layer); the leaves it lacks are made anew."""
-    folder = SafetensorsFolder(source) if isinstance(source, str) else source
+    folder = tensor_source(source, spec)
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
     declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
 
@@ -142,16 +189,17 @@ def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: 
         if not weight.per_layer:
             return _load_one(folder, weight.hf_name, layout, sharding, dtype)
         names = [weight.layer_names(i) for i in range(spec.num_layers)]
-        if spec.checkpoint_quantization == "fp8" and weight.quantizable:
-            return _load_fp8(folder, names, layout, sharding, spec, current)
+        if spec.checkpoint_quantization != "none" and weight.quantizable:
+            return _load_quantized(folder, names, layout, sharding, spec, current)
         return _load_stacked(folder, names, layout, sharding, dtype, current)
 
     return map_weights_with(load, declared, into or {})
 
 
 def check_source(source: TensorSource, spec: ModelSpec, num_cache_kv_heads: int, num_devices: int) -> None:
-    """ValueError naming the first tensor the model declares that `source` lacks or holds in another shape (an fp8
-    checkpoint's scales too), before anything is read."""
+    """ValueError naming the first tensor the model declares that `source` lacks or holds in another shape (a
+    quantized checkpoint's scales too), before anything is read."""
+    source = tensor_source(source, spec)
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
     declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, num_devices)
 
@@ -164,6 +212,8 @@ def check_source(source: TensorSource, spec: ModelSpec, num_cache_kv_heads: int,
             expert = "{j}" in weight.hf_name
             named = [(name, weight.shape[2 if expert else 1:]) for names in per_layer
                      for name in (names if expert else [names])]
+        if spec.checkpoint_quantization == "int4" and weight.quantizable:  # two to a byte along the inputs
+            named = [(name, (*shape[:-2], shape[-2] // INT4_PER_BYTE, shape[-1])) for name, shape in named]
         for name, shape in named:
             if name not in source:
                 raise ValueError(f"weight {name!r} is missing")
@@ -171,8 +221,9 @@ def check_source(source: TensorSource, spec: ModelSpec, num_cache_kv_heads: int,
                 raise ValueError(f"weight {name!r} has shape {source.shape(name)}, which does not fit the served "
                                  f"model (it needs {tuple(shape)}{' transposed' if layout.transpose else ''})")
             scale_name = name + spec.checkpoint_scale_suffix
-            if spec.checkpoint_quantization == "fp8" and weight.quantizable and scale_name not in source:
-                raise ValueError(f"weight {scale_name!r} (the fp8 checkpoint's scale) is missing")
+            if spec.checkpoint_quantization != "none" and weight.quantizable and scale_name not in source:
+                raise ValueError(f"weight {scale_name!r} (the {spec.checkpoint_quantization} checkpoint's scale) is "
+                                 "missing")
 
     map_weights(check, declared)
 
@@ -235,20 +286,23 @@ def _load_one(folder: TensorSource, name: str, layout: _Layout, sharding, dtype,
         shape, sharding, lambda index: layout.read(folder, name, index, shape).astype(dtype, copy=False))
 
 
-def _load_fp8(folder: TensorSource, names: list[str], layout: _Layout, sharding, spec: ModelSpec,
-              into: dict | None = None) -> dict:
-    """A quantized leaf (model/quantize.py) from an fp8 checkpoint's weights and their scales (one per output
-    channel, (out, 1), or per tensor; or grouped, one per block of `spec.checkpoint_weight_block`), KV heads
+def _load_quantized(folder: TensorSource, names: list[str], layout: _Layout, sharding, spec: ModelSpec,
+                    into: dict | None = None) -> dict:
+    """A quantized leaf (model/quantize.py) from an fp8 or int4 checkpoint's weights and their scales (one per
+    output channel, (out, 1), or per tensor; or grouped, one per block of `spec.checkpoint_weight_block`), KV heads
     repeated like the weights, a layer's experts (a list of names) stacked; the weights written over `into`'s
     when given."""
-    weight = _load_stacked(folder, names, layout, sharding, jnp.float8_e4m3fn, (into or {}).get("weight"))
+    dtype = QUANTIZED_DTYPES[spec.checkpoint_quantization]
+    weight = _load_stacked(folder, names, layout, sharding, dtype, (into or {}).get("weight"))
     block = spec.checkpoint_weight_block
     read = _block_scale if block else _channel_scale
 
     def scale_of(name: str | list[str]) -> np.ndarray:  # ([E,] [groups,] out)
         if isinstance(name, list):
             return np.stack([scale_of(expert) for expert in name])
-        return read(folder, name, name + spec.checkpoint_scale_suffix, block)
+        num_out, stored_in = folder.shape(name)  # a Linear weight (out, in), int4's two inputs to a byte
+        num_in = stored_in * (INT4_PER_BYTE if spec.checkpoint_quantization == "int4" else 1)
+        return read(folder, (name, num_out, num_in), name + spec.checkpoint_scale_suffix, block)
 
     scales = [scale_of(name) for name in names]
     if layout.kv_repeat > 1:  # each KV head's output channels repeated, as the weight's columns are
@@ -263,23 +317,26 @@ def _load_fp8(folder: TensorSource, names: list[str], layout: _Layout, sharding,
     return {"weight": weight, "scale": put_global(np.stack(scales), NamedSharding(sharding.mesh, spec_of_scale))}
 
 
-def _channel_scale(folder: TensorSource, name: str, scale_name: str, _) -> np.ndarray:
-    """(out,) float32: a weight's `weight_scale`, one per output channel or one for the tensor."""
-    num_out = folder.shape(name)[0]  # a Linear weight (out, in)
+def _channel_scale(folder: TensorSource, weight: tuple[str, int, int], scale_name: str, _) -> np.ndarray:
+    """(out,) float32: a weight's `weight_scale`, one per output channel or one for the tensor (`weight`: its name
+    and (out, in) size)."""
+    _, num_out, _ = weight
     stored = folder.get(scale_name).astype(np.float32).reshape(-1)  # (out,) or (1,)
     if stored.size not in (1, num_out):
         raise ValueError(f"{scale_name} has {stored.size} values for {num_out} output channels")
     return np.array(np.broadcast_to(stored, (num_out,)))
 
 
-def _block_scale(folder: TensorSource, name: str, scale_name: str, block: tuple[int, int]) -> np.ndarray:
+def _block_scale(folder: TensorSource, weight: tuple[str, int, int], scale_name: str,
+                 block: tuple[int, int]) -> np.ndarray:
     """(in // block columns, out) float32: a weight's (out, in) block scales, (ceil(out / rows), ceil(in / columns)),
-    as grouped scales (model/quantize.py): each block's scale repeated over its output channels."""
-    num_out, num_in = folder.shape(name)
+    as grouped scales (model/quantize.py): each block's scale repeated over its output channels (an int4 group is a
+    block of one row; `weight`: its name and (out, in) size)."""
+    name, num_out, num_in = weight
     rows, columns = block
     if num_in % columns:
         raise ValueError(f"{name} has {num_in} input columns, not a multiple of the checkpoint's block of {columns} "
-                         "(weight_block_size): jaxserve needs whole blocks along the input dimension")
+                         "(weight_block_size, group_size): jaxserve needs whole blocks along the input dimension")
     stored = folder.get(scale_name).astype(np.float32)
     if stored.shape != (-(-num_out // rows), num_in // columns):
         raise ValueError(f"{scale_name} has shape {stored.shape}; blocks of {block} over {name}'s "

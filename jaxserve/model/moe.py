@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxserve.model.quantize import dequantize, is_grouped, linear
+from jaxserve.model.quantize import dequantize, is_grouped, linear, weight_values
 from jaxserve.model.sharding import MODEL_AXIS
 
 IMPLS = ("blocked", "ragged")
@@ -235,7 +235,7 @@ def _ragged_linear(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
     if isinstance(rhs, dict) and is_grouped(rhs):
         rhs = dequantize(rhs, lhs.dtype)  # (G, K, N)
     if isinstance(rhs, dict):
-        product = jax.lax.ragged_dot(lhs, rhs["weight"].astype(lhs.dtype), group_sizes,
+        product = jax.lax.ragged_dot(lhs, weight_values(rhs, lhs.dtype), group_sizes,
                                      preferred_element_type=jnp.float32)  # (M, N)
         row_group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), group_sizes.shape[0] - 1)  # (M,)
         out = (product * rhs["scale"][row_group]).astype(lhs.dtype)
@@ -251,7 +251,7 @@ def _dequantize_operand(weights, dtype):
     def cast(w):
         if not isinstance(w, dict):
             return w
-        return dequantize(w, dtype) if is_grouped(w) else {**w, "weight": w["weight"].astype(dtype)}
+        return dequantize(w, dtype) if is_grouped(w) else {**w, "weight": weight_values(w, dtype)}
 
     return tuple(map(cast, weights)) if isinstance(weights, tuple) else cast(weights)
 

@@ -8,11 +8,17 @@ format's rounding. A matmul dequantizes in its operand: `(x @ weight) * scale` w
 activations' dtype (exact: int8 and e4m3 values are bf16 values), the scale factored out of the sum. The
 embeddings, the LM head and the norms stay as loaded.
 
-An fp8 checkpoint with block-wise scales (model/spec.py's `checkpoint_weight_block`, DeepSeek's and Qwen3-FP8's
-form) is served as it is stored: its scale is "grouped", (..., in // block columns, out), one per output channel
-and group of input rows (each block's scale repeated over its output channels), so it is sharded exactly like the
-weight. Its matmul dequantizes the weight operand group by group (`dequantize`) before the product: the
-activations stay in their dtype (weight-only, unlike vLLM's block kernels, which quantize them per token group).
+A quantized checkpoint is served as it is stored (model/loader.py): fp8 weights with a scale per channel or per
+tensor like the above, or with block-wise scales (model/spec.py's `checkpoint_weight_block`, DeepSeek's and
+Qwen3-FP8's form), and int4 weights (compressed-tensors W4A16) with a scale per channel or per group of input
+columns. int4 weights are kept two to a byte, uint8 (..., in / 2, out): input rows 2i and 2i + 1 in the low and
+high nibble of row i, each stored plus 8 (the checkpoint's own packing, read as bytes), and unpacked where a
+matmul reads them (`unpack_int4`: shifts and masks, no sub-byte dtype, whose layouts XLA's CPU executables
+compiled ahead of time do not accept). Block and group scales are "grouped", (..., in // block
+columns, out), one per output channel and group of input rows (a block's scale repeated over its output
+channels), so they are sharded exactly like the weight. Such a matmul dequantizes the weight operand group by
+group (`dequantize`) before the product: the activations stay in their dtype (weight-only, unlike vLLM's block
+fp8 kernels, which quantize them per token group).
 
 Quantizing happens on the device after loading, one leaf at a time in the leaf's sharding (the output
 channels split as the weight's; a row-parallel weight's channel maxima are reduced across devices), so the
@@ -26,6 +32,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # mode -> (dtype, largest value)
+WEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}  # served mode -> weight dtype
+INT4_PER_BYTE = 2
 
 
 def quantize_weight(weight: jax.Array, mode: str) -> dict:
@@ -39,6 +47,30 @@ def quantize_weight(weight: jax.Array, mode: str) -> dict:
     return {"weight": quantized, "scale": scale}
 
 
+def quantized_shapes(weight: jax.ShapeDtypeStruct, mode: str, block_columns: int | None) -> dict:
+    """The shapes of a quantized weight standing for a float one (..., in, out): its scale (..., out), or grouped
+    (..., in // block_columns, out) under a block."""
+    *lead, rows, out = weight.shape
+    scale = (*lead, rows // block_columns, out) if block_columns else (*lead, out)
+    stored = (*lead, rows // INT4_PER_BYTE, out) if mode == "int4" else weight.shape
+    return {"weight": jax.ShapeDtypeStruct(stored, WEIGHT_DTYPES[mode]),
+            "scale": jax.ShapeDtypeStruct(scale, jnp.float32)}
+
+
+def unpack_int4(packed: jax.Array, dtype) -> jax.Array:
+    """int4 weights kept two to a byte, uint8 (..., in / 2, out), as values in [-8, 7] of (..., in, out)."""
+    low = (packed & 0xF).astype(jnp.int8) - 8  # input rows 0, 2, 4, ...
+    high = (packed >> 4).astype(jnp.int8) - 8  # input rows 1, 3, 5, ...
+    *lead, half, out = packed.shape
+    return jnp.stack([low, high], axis=-2).reshape(*lead, half * INT4_PER_BYTE, out).astype(dtype)
+
+
+def weight_values(weight: dict, dtype) -> jax.Array:
+    """A quantized weight's integers or floats (..., in, out) in `dtype`, before any scale."""
+    values = weight["weight"]
+    return unpack_int4(values, dtype) if values.dtype == jnp.uint8 else values.astype(dtype)
+
+
 def is_grouped(weight: dict) -> bool:
     """Whether a quantized weight has grouped (block-wise) scales (..., groups, out) rather than (..., out)."""
     return weight["scale"].ndim == weight["weight"].ndim
@@ -46,7 +78,7 @@ def is_grouped(weight: dict) -> bool:
 
 def dequantize(weight: dict, dtype) -> jax.Array:
     """The float weight (..., in, out) a quantized one stands for."""
-    values = weight["weight"].astype(jnp.float32)  # (..., in, out)
+    values = weight_values(weight, jnp.float32)  # (..., in, out)
     scale = weight["scale"]  # (..., out) or grouped (..., G, out)
     if not is_grouped(weight):
         return (values * scale[..., None, :]).astype(dtype)
@@ -63,7 +95,7 @@ def linear(x: jax.Array, weight) -> jax.Array:
         return x @ weight
     if is_grouped(weight):
         return jnp.dot(x, dequantize(weight, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
-    product = jnp.dot(x, weight["weight"].astype(x.dtype), preferred_element_type=jnp.float32)  # (T, out)
+    product = jnp.dot(x, weight_values(weight, x.dtype), preferred_element_type=jnp.float32)  # (T, out)
     return (product * weight["scale"]).astype(x.dtype)
 
 
@@ -93,5 +125,6 @@ def quantize_params(params: dict, mode: str, leaves: tuple[str, ...]) -> dict:
 
 
 def weight_bytes(params: dict) -> int:
-    """Bytes of every params leaf (all devices' shards together, replicas counted once)."""
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
+    """Bytes of every params leaf (all devices' shards together, replicas counted once; int4 half a byte, as
+    accelerators store it)."""
+    return sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) // 8 for leaf in jax.tree_util.tree_leaves(params))

@@ -79,8 +79,10 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     # "fp8": the checkpoint's linear layers are float8_e4m3fn, each with its float32 scales in the tensor named
     # weight + `checkpoint_scale_suffix` (its quantization_config: compressed-tensors float-quantized, or quant_method
-    # "fp8"); else "none". The scales are one per output channel or per tensor, or with `checkpoint_weight_block`
-    # (rows, columns) one per block of the stored (out, in) weight (DeepSeek's and Qwen3-FP8's `weight_block_size`).
+    # "fp8"); "int4": symmetric 4-bit integers packed eight to an int32 (compressed-tensors pack-quantized, W4A16),
+    # `weight_packed` with its `weight_scale`; else "none". The scales are one per output channel or per tensor, or
+    # with `checkpoint_weight_block` (rows, columns) one per block of the stored (out, in) weight (DeepSeek's and
+    # Qwen3-FP8's `weight_block_size`; an int4 group of `group_size` input columns is a block of (1, group_size)).
     checkpoint_quantization: str = "none"
     checkpoint_weight_block: tuple[int, int] | None = None
     checkpoint_scale_suffix: str = "_scale"
@@ -201,17 +203,20 @@ def parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
 
 
 def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
-    """The ModelSpec fields (checkpoint_quantization, checkpoint_weight_block, checkpoint_scale_suffix) of the fp8
-    checkpoint forms jaxserve reads, 8-bit float linear weights with a scale per output channel, per tensor or per
-    block, lm_head left alone; "none" without a quantization_config; a ValueError naming any other form."""
+    """The ModelSpec fields (checkpoint_quantization, checkpoint_weight_block, checkpoint_scale_suffix) of the
+    quantized checkpoint forms jaxserve reads, lm_head left alone: 8-bit float linear weights with a scale per output
+    channel, per tensor or per block; symmetric 4-bit integer weights (compressed-tensors pack-quantized) with a
+    scale per output channel or per group. "none" without a quantization_config; a ValueError naming any other
+    form."""
     if not quantization_config:
         return {"checkpoint_quantization": "none"}
     method = quantization_config.get("quant_method")
     supported = ("jaxserve reads fp8 checkpoints whose linear weights are 8-bit floats with a scale per output "
-                 "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8)")
+                 "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8), and int4 "
+                 "ones (compressed-tensors pack-quantized, symmetric, a scale per channel or group, 16-bit "
+                 "activations: W4A16)")
     if method == "fp8":
-        kept = [name for name in quantization_config.get("modules_to_not_convert") or []
-                if name != "lm_head" and not name.endswith("mlp.gate")]  # the LM head and MoE routers stay float
+        kept = [name for name in quantization_config.get("modules_to_not_convert") or [] if not _stays_float(name)]
         if kept:
             raise ValueError(f"quant_method fp8 modules_to_not_convert lists layers other than lm_head and the "
                              f"routers ({sorted(kept)[:4]}): {supported}")
@@ -222,20 +227,52 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
                 "checkpoint_scale_suffix": "_scale_inv"}  # DeepSeek's name; it multiplies the weight all the same
     if method != "compressed-tensors":
         raise ValueError(f"quantization_config quant_method {method!r} is not supported: {supported}")
-    blocks = set()
+    forms = set()  # (quantization, block) of each group
     for name, group in (quantization_config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         form = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
         if form == ("float", 8, "block"):
-            blocks.add(_block(weights.get("block_structure"), f"compressed-tensors group {name!r} block_structure"))
-        elif form not in (("float", 8, "channel"), ("float", 8, "tensor")):
+            where = f"compressed-tensors group {name!r} block_structure"
+            forms.add(("fp8", _block(weights.get("block_structure"), where)))
+        elif form in (("float", 8, "channel"), ("float", 8, "tensor")):
+            forms.add(("fp8", None))
+        elif form in (("int", 4, "group"), ("int", 4, "channel")):
+            forms.add(("int4", _int4_group(quantization_config, name, group, supported)))
+        else:
             raise ValueError(f"compressed-tensors group {name!r} has weights {weights}: {supported}")
-    ignored = set(quantization_config.get("ignore") or []) - {"lm_head"}
+    ignored = [name for name in quantization_config.get("ignore") or [] if not _stays_float(name)]
     if ignored:
-        raise ValueError(f"compressed-tensors ignore lists layers other than lm_head ({sorted(ignored)}): {supported}")
-    if len(blocks) > 1 or (blocks and len(quantization_config["config_groups"]) > 1):
+        raise ValueError(f"compressed-tensors ignore lists layers other than lm_head and the routers "
+                         f"({sorted(ignored)[:4]}): {supported}")
+    if len(forms) > 1:
         raise ValueError(f"compressed-tensors groups mix block sizes or strategies: {supported} with one form")
-    return {"checkpoint_quantization": "fp8", "checkpoint_weight_block": blocks.pop() if blocks else None}
+    quantization, block = forms.pop() if forms else ("fp8", None)
+    return {"checkpoint_quantization": quantization, "checkpoint_weight_block": block}
+
+
+def _int4_group(quantization_config: dict, name: str, group: dict, supported: str) -> tuple[int, int] | None:
+    """The block (1, group_size) of a compressed-tensors int4 group (None: one scale per output channel); a
+    ValueError for the int4 forms jaxserve does not read."""
+    weights = group.get("weights") or {}
+    if quantization_config.get("format") != "pack-quantized":
+        raise ValueError(f"compressed-tensors int4 weights in format {quantization_config.get('format')!r}: "
+                         f"{supported}")
+    if not weights.get("symmetric", True):
+        raise ValueError(f"compressed-tensors group {name!r} is asymmetric (zero points): {supported}")
+    if group.get("input_activations"):
+        raise ValueError(f"compressed-tensors group {name!r} quantizes the activations too: {supported}")
+    if weights.get("strategy") == "channel":
+        return None
+    size = weights.get("group_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"compressed-tensors group {name!r} group_size must be a positive integer, got {size!r}")
+    return 1, size
+
+
+def _stays_float(module: str) -> bool:
+    """Whether a module a quantized checkpoint leaves unquantized is one jaxserve serves in float anyway: the LM
+    head, a mixture of experts' router (by name, or a `re:` pattern ending in `mlp.gate$`)."""
+    return module == "lm_head" or module.endswith(("mlp.gate", "mlp.gate$"))
 
 
 def _block(value, where: str) -> tuple[int, int]:

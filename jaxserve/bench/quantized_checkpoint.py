@@ -1,0 +1,129 @@
+"""Write a float Hugging Face checkpoint again as a quantized one, for the quantization quality benchmark and the
+test fixtures (scripts/make_quantized_fixtures.py); the other tensors, the tokenizer and the generation config
+are copied as they are, the LM head and MoE routers left in float.
+
+- Block-wise fp8 (`write_fp8_block_checkpoint`, Qwen3-FP8's and DeepSeek's form): each decoder linear weight
+  (out, in) float8_e4m3fn with a float32 `weight_scale_inv` per block of (rows, columns), the block's largest
+  magnitude over 448 (e4m3's largest value; an all-zero block keeps 1), the last blocks of a dimension partial
+  where the block does not divide it.
+- int4 (`write_int4_checkpoint`, compressed-tensors' pack-quantized W4A16, llm-compressor's form): each weight
+  rounded to integers in [-8, 7] under a float32 `weight_scale` per group of `group_size` input columns (the
+  group's largest magnitude over 7.5, compressed-tensors' symmetric range), packed eight to an int32
+  (`weight_packed`, (out, in / 8): the first value in the lowest 4 bits, each stored plus 8), with its
+  `weight_shape`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxserve.model.loader import SafetensorsFolder
+
+FP8_MAX = 448.0
+INT4_RANGE = (-8, 7)
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # experts' too
+COPIED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
+          "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+def quantize_blocks(weight: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(float8_e4m3fn weight (out, in), float32 scales (ceil(out / rows), ceil(in / columns))) of a float one."""
+    rows, columns = block
+    out, inputs = weight.shape
+    grid = (-(-out // rows), -(-inputs // columns))
+    padded = np.zeros((grid[0] * rows, grid[1] * columns), np.float32)  # zeros leave each block's max alone
+    padded[:out, :inputs] = weight
+    blocks = padded.reshape(grid[0], rows, grid[1], columns)
+    absmax = np.abs(blocks).max(axis=(1, 3))  # (out blocks, in blocks)
+    scale = np.where(absmax > 0, absmax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+    scaled = np.clip(blocks / scale[:, None, :, None], -FP8_MAX, FP8_MAX).reshape(padded.shape)[:out, :inputs]
+    return scaled.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def quantize_int4(weight: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
+    """{"weight_packed": int32 (out, in / 8), "weight_scale": float32 (out, in / group_size), "weight_shape":
+    int64 (2,)} of a float weight (out, in); `in` a multiple of the group size and of 8."""
+    out, inputs = weight.shape
+    if inputs % group_size or inputs % 8:
+        raise ValueError(f"{inputs} input columns are not a multiple of the group size {group_size} and of 8")
+    groups = weight.astype(np.float32).reshape(out, inputs // group_size, group_size)
+    absmax = np.abs(groups).max(axis=2)  # (out, groups)
+    scale = np.where(absmax > 0, absmax / np.float32(7.5), np.float32(1.0)).astype(np.float32)
+    values = np.clip(np.round(groups / scale[:, :, None]), *INT4_RANGE).astype(np.int64).reshape(out, inputs)
+    nibbles = (values + 8).reshape(out, inputs // 8, 8)  # (out, words, 8) in 0..15
+    words = (nibbles << (4 * np.arange(8))).sum(axis=2).astype(np.uint32).view(np.int32)  # (out, in / 8)
+    return {"weight_packed": words, "weight_scale": scale, "weight_shape": np.array([out, inputs], np.int64)}
+
+
+def write_fp8_block_checkpoint(source: str, destination: str, block: tuple[int, int]) -> None:
+    """`source`'s checkpoint in `destination` with its decoder linear weights quantized in blocks of `block` and
+    config.json's quantization_config saying so."""
+    def quantize(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+        quantized, scale = quantize_blocks(weight, block)
+        return {name: quantized, name + "_scale_inv": scale}
+
+    def describe(config: dict) -> dict:
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block),
+                "modules_to_not_convert": ["lm_head", *_routers(config)]}
+
+    _write(source, destination, quantize, describe)
+
+
+def write_int4_checkpoint(source: str, destination: str, group_size: int) -> None:
+    """`source`'s checkpoint in `destination` with its decoder linear weights in compressed-tensors' int4
+    pack-quantized form, a scale per `group_size` input columns, and config.json's quantization_config saying
+    so."""
+    def quantize(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+        module = name[: -len("weight")]  # "model.layers.0.mlp.up_proj."
+        return {module + part: array for part, array in quantize_int4(weight, group_size).items()}
+
+    def describe(config: dict) -> dict:
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
+                   "dynamic": False, "observer": "minmax"}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                              "output_activations": None}},
+                "ignore": ["lm_head", *_routers(config)]}
+
+    _write(source, destination, quantize, describe)
+
+
+def _routers(config: dict) -> list[str]:
+    """A mixture of experts' router modules, which the quantized checkpoints leave in float."""
+    return [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])] if "num_experts" in config \
+        else []
+
+
+def _write(source: str, destination: str, quantize: Callable[[str, np.ndarray], dict[str, np.ndarray]],
+           describe: Callable[[dict], dict]) -> None:
+    """`source` in `destination` with each decoder linear weight replaced by `quantize(name, float32 weight)`'s
+    tensors and config.json's quantization_config `describe(config)`."""
+    os.makedirs(destination, exist_ok=True)
+    reader, tensors = SafetensorsFolder(source), {}
+    for file in sorted(f for f in os.listdir(source) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(source, file), framework="numpy") as f:
+            names = list(f.keys())
+        for name in names:
+            tensor = reader.get(name)
+            if name.endswith(".weight") and name.split(".")[-2] in LINEAR:
+                tensors.update(quantize(name, tensor.astype(np.float32)))
+            else:
+                tensors[name] = tensor
+    save_file(tensors, os.path.join(destination, "model.safetensors"), metadata={"format": "pt"})
+    for name in COPIED:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), destination)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = describe(config)
+    with open(os.path.join(destination, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")

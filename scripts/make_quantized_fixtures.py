@@ -1,0 +1,87 @@
+"""Make the quantized test checkpoints and record what Hugging Face transformers generates from them, the
+reference for serving quantized checkpoints as they are stored.
+
+Needs torch, transformers, accelerate and compressed-tensors (transformers reads an fp8 checkpoint only with
+accelerate and an int4 one only with compressed-tensors; none of them is needed by CI). From the repository root:
+    python scripts/make_quantized_fixtures.py
+Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test checkpoint:
+- tests/fixtures/checkpoints/qwen3-fp8-block/ and qwen3-moe-fp8-block/: every decoder linear weight (q, k, v, o,
+  and gate, up, down, each expert's in the MoE) float8_e4m3fn with a float32 `weight_scale_inv` per block, and
+  config.json's quantization_config {"quant_method": "fp8", "weight_block_size": [rows, columns], ...} as
+  Qwen3-FP8 ships it. Transformers dequantizes each weight block by block at load on the CPU.
+- tests/fixtures/checkpoints/llama-int4/: the same weights of `llama` in compressed-tensors' pack-quantized
+  W4A16 form (int4 packed eight to an int32, a scale per group of input columns), as llm-compressor writes it.
+  Transformers reads it through compressed-tensors, which unpacks and dequantizes it.
+The embeddings, norms, routers and LM head stay as they were. Each folder gets expected.json (the source's
+prompts, greedy tokens, the smallest top-1 margin) and expected_logits.npy (each prompt's last-position logits)
+as the other checkpoints have. The block or group is the first of the candidates whose greedy tokens keep every
+top-1 margin above make_test_checkpoints.py's MIN_MARGIN (so float rounding cannot flip a token).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINTS = ROOT / "tests" / "fixtures" / "checkpoints"
+# fixture -> (source, writer, candidate blocks or groups), each dividing every weight's shape: the MoE's experts
+# are (32, 64) and (64, 32); blocks of 16 columns leave whole blocks to each of two tensor-parallel devices.
+FIXTURES = {"qwen3-fp8-block": ("qwen3", "fp8", ((32, 32), (32, 64), (64, 32), (64, 64))),
+            "qwen3-moe-fp8-block": ("qwen3-moe", "fp8", ((16, 16), (32, 16), (16, 32), (32, 32))),
+            "llama-int4": ("llama", "int4", (16, 32, 8, 64))}
+
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+from make_test_checkpoints import MIN_MARGIN, reference_outputs  # noqa: E402
+
+from jaxserve.bench.quantized_checkpoint import write_fp8_block_checkpoint, write_int4_checkpoint  # noqa: E402
+
+WRITERS = {"fp8": write_fp8_block_checkpoint, "int4": write_int4_checkpoint}
+
+
+def make(name: str) -> None:
+    """Write fixture `name` with the first candidate block or group that keeps the margins, and its expected
+    outputs."""
+    source_name, form, candidates = FIXTURES[name]
+    source, destination = CHECKPOINTS / source_name, CHECKPOINTS / name
+    prompts = json.loads((source / "expected.json").read_text())["prompts"]
+    for block in candidates:
+        WRITERS[form](str(source), str(destination), block)
+        model = AutoModelForCausalLM.from_pretrained(destination, local_files_only=True,
+                                                     attn_implementation="eager", dtype=torch.float32).eval()
+        kinds = {type(module).__name__ for module in model.modules()}
+        assert "FP8Linear" not in kinds, f"transformers kept fp8 layers ({kinds}): the reference must be dequantized"
+        outputs, min_margin, logits = reference_outputs(model, prompts)
+        print(f"{name} block {block}: min margin {min_margin:.4f}")
+        if min_margin >= MIN_MARGIN:
+            break
+    else:
+        raise SystemExit(f"no block of {candidates} keeps every margin of {name} above {MIN_MARGIN}")
+    expected = {"prompts": prompts, "outputs": outputs, "min_margin": min_margin, "block": block,
+                "torch_version": torch.__version__, "transformers_version": transformers.__version__,
+                "python_version": platform.python_version()}
+    (destination / "expected.json").write_text(json.dumps(expected) + "\n")
+    np.save(destination / "expected_logits.npy", logits)
+    size = (destination / "model.safetensors").stat().st_size
+    print(f"wrote {destination} ({size / 1e3:.0f} KB), block {block}, min margin {min_margin:.4f}")
+
+
+def main() -> None:
+    for name in sys.argv[1:] or FIXTURES:
+        make(name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""An int4 checkpoint in compressed-tensors' pack-quantized W4A16 form (llm-compressor's: 4-bit weights packed
+eight to an int32, a scale per group of input columns) is served as it is stored, two weights to a byte on the
+device, and gives
+what Hugging Face transformers gives from the same folder (scripts/make_quantized_fixtures.py: compressed-tensors
+unpacks and dequantizes it); tensor parallelism splits the packed columns and the group scales together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from helpers import assert_serves_hf_outputs, checkpoint, checkpoint_tensors, expected, small_engine_args
+from jaxserve import LLM, SamplingParams
+from jaxserve.bench.quantized_checkpoint import quantize_int4
+from jaxserve.model.loader import PackedInt4, SafetensorsFolder, TensorMapping
+from jaxserve.model.quantize import unpack_int4, weight_bytes
+from jaxserve.model.spec import ModelSpec
+
+NAME = "llama-int4"
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+OPTIONS = small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_precompile=True)
+
+
+def _prompts(want: dict) -> list[dict]:
+    return [{"prompt_token_ids": p} for p in want["prompts"]]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(checkpoint(NAME), **OPTIONS)
+
+
+def test_greedy_tokens_and_first_logprobs_match_hugging_face(llm):
+    layers = llm.engine.core.runner.params["layers"]
+    assert layers["w_down"]["weight"].dtype == jnp.uint8 and layers["w_down"]["weight"].shape == (2, 64, 64)
+    assert layers["w_down"]["scale"].shape == (2, 8, 64)  # (L, 128 inputs / groups of 16, out)
+    assert_serves_hf_outputs(llm, NAME)
+
+
+def test_the_linear_layers_take_a_quarter_of_bfloat16_plus_their_scales(llm):
+    spec = ModelSpec.from_pretrained(checkpoint(NAME))
+    leaves = {name: llm.engine.core.runner.params["layers"][name] for name in ("wq", "wk", "wv", "wo", "w_gate",
+                                                                                "w_up", "w_down")}
+    weights = sum(2 * leaf["weight"].size for leaf in leaves.values())  # two to a byte
+    share = weight_bytes(leaves) / (2 * weights)  # over bfloat16
+    assert share == pytest.approx((0.5 + 4 / 16) / 2)  # half a byte each, and a float32 scale per 16 weights
+    assert spec.checkpoint_quantization == "int4" and spec.checkpoint_weight_block == (1, 16)
+
+
+def test_tensor_parallelism_splits_packed_columns_with_their_groups():
+    """Four devices: each reads a quarter of o_proj's and down_proj's packed input columns and their groups' scales;
+    the 2 KV heads are repeated to 4, packed columns and scales alike."""
+    want = expected(NAME)
+    other = LLM(checkpoint(NAME), tensor_parallel_size=4, **OPTIONS)
+    outputs = other.generate(_prompts(want), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]
+
+
+def test_the_packed_view_reads_any_slice_and_weight_updates_read_it_too(llm):
+    """Columns that start and end inside a word unpack to the same values as the whole tensor; update_weights takes
+    the checkpoint's packed arrays by name."""
+    view = PackedInt4(SafetensorsFolder(checkpoint(NAME)))
+    name = "model.layers.0.mlp.down_proj.weight"
+    whole = view.get(name)  # (64, 128 / 2) bytes
+    assert view.shape(name) == (64, 64) and whole.dtype == np.uint8
+    assert np.array_equal(view.get(name, (slice(3, 9), slice(5, 30))), whole[3:9, 5:30])
+    weight = np.random.default_rng(0).standard_normal((8, 32)).astype(np.float32)
+    packed = quantize_int4(weight, 16)
+    mapping = PackedInt4(TensorMapping({"w.weight_packed": packed["weight_packed"],
+                                        "w.weight_shape": packed["weight_shape"]}))
+    values = np.asarray(unpack_int4(jnp.asarray(mapping.get("w.weight").T), jnp.float32)).T  # (8, 32)
+    assert values.min() >= -8 and values.max() <= 7
+    scales = np.repeat(packed["weight_scale"], 16, axis=1)  # (8, 32)
+    assert np.abs(values * scales - weight).max() <= scales.max() / 2 + 1e-6  # within half a step of the original
+    want = expected(NAME)
+    llm.update_weights(checkpoint_tensors(NAME, None))
+    outputs = llm.generate(_prompts(want), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]
+
+
+def _int4_config(**weights) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128,
+                **weights}}}}
+
+
+@pytest.mark.parametrize("quantization_config, message", [
+    (_int4_config(symmetric=False), "asymmetric"),
+    ({**_int4_config(), "format": "naive-quantized"}, "format 'naive-quantized'"),
+    (_int4_config(group_size=0), "group_size must be a positive integer"),
+    ({**_int4_config(), "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                                  "group_size": 128},
+                                                      "input_activations": {"num_bits": 8, "type": "int"}}}},
+     "quantizes the activations too"),
+    ({**_int4_config(), "ignore": ["lm_head", "model.layers.0.self_attn.q_proj"]}, "ignore lists layers"),
+])
+def test_int4_forms_jaxserve_does_not_read_are_refused(quantization_config, message):
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "intermediate_size": 32, "quantization_config": quantization_config}
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config(config)
+
+
+def test_a_missing_scale_is_named(tmp_path):
+    tensors = checkpoint_tensors(NAME, str(tmp_path))
+    del tensors["model.layers.1.mlp.up_proj.weight_scale"]
+    save_file(tensors, os.path.join(str(tmp_path), "model.safetensors"))
+    with pytest.raises(ValueError, match="up_proj.weight_scale"):
+        LLM(str(tmp_path), **OPTIONS)
+    with open(os.path.join(checkpoint(NAME), "config.json")) as f:
+        assert json.load(f)["quantization_config"]["ignore"] == ["lm_head"]
+
+
+def test_a_converted_folder_keeps_the_packed_weights(tmp_path):
+    """`jaxserve convert` saves the packed bytes and group scales as loaded; the folder serves the same tokens."""
+    from jaxserve.model.checkpoint import convert
+
+    want = expected(NAME)
+    assert convert(checkpoint(NAME), str(tmp_path / "converted"))["quantization"] == "int4"
+    converted = LLM(str(tmp_path / "converted"), **OPTIONS)
+    assert converted.engine.core.runner.params["layers"]["wq"]["weight"].dtype == jnp.uint8
+    outputs = converted.generate(_prompts(want), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]
