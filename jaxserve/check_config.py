@@ -253,7 +253,7 @@ def shard_bytes(tree) -> int:
     """Bytes of one device's shard of every ShapeDtypeStruct in `tree` (the largest shard, when uneven)."""
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
-        total += jax.dtypes.itemsize_bits(leaf.dtype) * math.prod(leaf.sharding.shard_shape(leaf.shape)) // 8
+        total += leaf.dtype.itemsize * math.prod(leaf.sharding.shard_shape(leaf.shape))
     return total
 
 

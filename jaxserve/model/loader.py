@@ -166,7 +166,7 @@ QUANTIZED_DTYPES = {"fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}  # a quantized 
 
 def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
     """The tensors of a checkpoint folder or of arrays by name, as the served model reads them (an int4
-    checkpoint's packed weights unpacked)."""
+    checkpoint's packed weights as bytes, `PackedInt4`)."""
     source = SafetensorsFolder(source) if isinstance(source, str) else source
     return PackedInt4(source) if spec.checkpoint_quantization == "int4" else source
 

@@ -14,11 +14,11 @@ Qwen3-FP8's form), and int4 weights (compressed-tensors W4A16) with a scale per 
 columns. int4 weights are kept two to a byte, uint8 (..., in / 2, out): input rows 2i and 2i + 1 in the low and
 high nibble of row i, each stored plus 8 (the checkpoint's own packing, read as bytes), and unpacked where a
 matmul reads them (`unpack_int4`: shifts and masks, no sub-byte dtype, whose layouts XLA's CPU executables
-compiled ahead of time do not accept). Block and group scales are "grouped", (..., in // block
-columns, out), one per output channel and group of input rows (a block's scale repeated over its output
-channels), so they are sharded exactly like the weight. Such a matmul dequantizes the weight operand group by
-group (`dequantize`) before the product: the activations stay in their dtype (weight-only, unlike vLLM's block
-fp8 kernels, which quantize them per token group).
+compiled ahead of time do not accept). Block and group scales are "grouped", (..., in // block columns, out),
+one per output channel and group of input rows (a block's scale repeated over its output channels), so they are
+sharded exactly like the weight. Such a matmul dequantizes the weight operand group by group (`dequantize`)
+before the product: the activations stay in their dtype (weight-only, unlike vLLM's block fp8 kernels, which
+quantize them per token group).
 
 Quantizing happens on the device after loading, one leaf at a time in the leaf's sharding (the output
 channels split as the weight's; a row-parallel weight's channel maxima are reduced across devices), so the
@@ -125,6 +125,5 @@ def quantize_params(params: dict, mode: str, leaves: tuple[str, ...]) -> dict:
 
 
 def weight_bytes(params: dict) -> int:
-    """Bytes of every params leaf (all devices' shards together, replicas counted once; int4 half a byte, as
-    accelerators store it)."""
-    return sum(leaf.size * jax.dtypes.itemsize_bits(leaf.dtype) // 8 for leaf in jax.tree_util.tree_leaves(params))
+    """Bytes of every params leaf (all devices' shards together, replicas counted once)."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(params))
