@@ -9,9 +9,10 @@ Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test
   and gate, up, down, each expert's in the MoE) float8_e4m3fn with a float32 `weight_scale_inv` per block, and
   config.json's quantization_config {"quant_method": "fp8", "weight_block_size": [rows, columns], ...} as
   Qwen3-FP8 ships it. Transformers dequantizes each weight block by block at load on the CPU.
-- tests/fixtures/checkpoints/llama-int4/: the same weights of `llama` in compressed-tensors' pack-quantized
-  W4A16 form (int4 packed eight to an int32, a scale per group of input columns), as llm-compressor writes it.
-  Transformers reads it through compressed-tensors, which unpacks and dequantizes it.
+- tests/fixtures/checkpoints/llama-int4/ and qwen3-moe-int4/: the weights of `llama` (`qwen3-moe`, each expert's
+  too) in compressed-tensors' pack-quantized W4A16 form (int4 packed eight to an int32, a scale per group of
+  input columns), as llm-compressor writes it. Transformers reads it through compressed-tensors, which unpacks
+  and dequantizes it (into transformers' fused experts too).
 The embeddings, norms, routers and LM head stay as they were. Each folder gets expected.json (the source's
 prompts, greedy tokens, the smallest top-1 margin) and expected_logits.npy (each prompt's last-position logits)
 as the other checkpoints have. The block or group is the first of the candidates whose greedy tokens keep every
@@ -40,7 +41,8 @@ CHECKPOINTS = ROOT / "tests" / "fixtures" / "checkpoints"
 # are (32, 64) and (64, 32); blocks of 16 columns leave whole blocks to each of two tensor-parallel devices.
 FIXTURES = {"qwen3-fp8-block": ("qwen3", "fp8", ((32, 32), (32, 64), (64, 32), (64, 64))),
             "qwen3-moe-fp8-block": ("qwen3-moe", "fp8", ((16, 16), (32, 16), (16, 32), (32, 32))),
-            "llama-int4": ("llama", "int4", (16, 32, 8, 64))}
+            "llama-int4": ("llama", "int4", (16, 32, 8, 64)),
+            "qwen3-moe-int4": ("qwen3-moe", "int4", (16, 8, 32))}
 
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))

@@ -22,7 +22,7 @@ from jaxserve.model.loader import PackedInt4, SafetensorsFolder, TensorMapping
 from jaxserve.model.quantize import unpack_int4, weight_bytes
 from jaxserve.model.spec import ModelSpec
 
-NAME = "llama-int4"
+NAME, MOE = "llama-int4", "qwen3-moe-int4"
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 OPTIONS = small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_precompile=True)
 
@@ -60,6 +60,17 @@ def test_tensor_parallelism_splits_packed_columns_with_their_groups():
     other = LLM(checkpoint(NAME), tensor_parallel_size=4, **OPTIONS)
     outputs = other.generate(_prompts(want), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]
+
+
+@pytest.mark.parametrize("tensor_parallel_size, enable_expert_parallel", [(1, False), (2, False), (2, True)])
+def test_a_mixture_of_experts_checkpoint_matches_hugging_face(tensor_parallel_size, enable_expert_parallel):
+    """Every expert's projections in int4 groups of 16 (the routers in float), alone, with each expert split over
+    two devices (one group of down_proj's 32 inputs each), and with the experts split whole."""
+    llm = LLM(checkpoint(MOE), tensor_parallel_size=tensor_parallel_size,
+              enable_expert_parallel=enable_expert_parallel, **OPTIONS)
+    down = llm.engine.core.runner.params["layers"]["w_down"]
+    assert down["weight"].shape == (2, 8, 16, 64) and down["scale"].shape == (2, 8, 2, 64)  # (L, E, 32 / 2, H)
+    assert_serves_hf_outputs(llm, MOE)
 
 
 def test_the_packed_view_reads_any_slice_and_weight_updates_read_it_too(llm):
