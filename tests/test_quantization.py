@@ -206,9 +206,12 @@ def test_an_fp8_mixture_of_experts_checkpoint_is_served_as_it_is(tmp_path):
 
 @pytest.mark.parametrize("quantization_config, message", [
     ({"quant_method": "awq"}, "quant_method 'awq' is not supported"),
+    ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8,
+                                                                                "strategy": "channel"}}}},
+     "has weights"),  # int8 weights (W8A16); int4 ones are read (tests/test_int4_checkpoint.py)
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4,
                                                                                 "strategy": "group"}}}},
-     "has weights"),
+     "int4 weights in format None"),  # packed is the form read
 ])
 def test_unsupported_checkpoint_quantization_is_refused(quantization_config, message):
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
