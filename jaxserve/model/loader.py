@@ -18,9 +18,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
-from jaxserve.model.quantize import INT4_PER_BYTE, quantized_spec
+from jaxserve.model.quantize import INT4_PER_BYTE, WEIGHT_DTYPES, quantized_spec
 from jaxserve.model.registry import Weight, map_weights, map_weights_with, model_for
-from jaxserve.model.sharding import put_global
 from jaxserve.model.spec import ModelSpec
 
 # The fp8 KV cache's scales (kv/fp8.py): params leaf -> HF name template (vLLM's names; a scalar or one per KV head)
@@ -161,7 +160,6 @@ class PackedInt4:
 
 
 TensorSource = SafetensorsFolder | TensorMapping | PackedInt4
-QUANTIZED_DTYPES = {"fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}  # a quantized checkpoint's weights on the device
 
 
 def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
@@ -290,31 +288,50 @@ def _load_quantized(folder: TensorSource, names: list[str], layout: _Layout, sha
                     into: dict | None = None) -> dict:
     """A quantized leaf (model/quantize.py) from an fp8 or int4 checkpoint's weights and their scales (one per
     output channel, (out, 1), or per tensor; or grouped, one per block of `spec.checkpoint_weight_block`), KV heads
-    repeated like the weights, a layer's experts (a list of names) stacked; the weights written over `into`'s
-    when given."""
-    dtype = QUANTIZED_DTYPES[spec.checkpoint_quantization]
+    repeated like the weights, a layer's experts (a list of names) stacked, each stack filled one layer at a time;
+    written over `into`'s when given."""
+    dtype = WEIGHT_DTYPES[spec.checkpoint_quantization]
     weight = _load_stacked(folder, names, layout, sharding, dtype, (into or {}).get("weight"))
     block = spec.checkpoint_weight_block
-    read = _block_scale if block else _channel_scale
-
-    def scale_of(name: str | list[str]) -> np.ndarray:  # ([E,] [groups,] out)
-        if isinstance(name, list):
-            return np.stack([scale_of(expert) for expert in name])
-        num_out, stored_in = folder.shape(name)  # a Linear weight (out, in), int4's two inputs to a byte
-        num_in = stored_in * (INT4_PER_BYTE if spec.checkpoint_quantization == "int4" else 1)
-        return read(folder, (name, num_out, num_in), name + spec.checkpoint_scale_suffix, block)
-
-    scales = [scale_of(name) for name in names]
-    if layout.kv_repeat > 1:  # each KV head's output channels repeated, as the weight's columns are
-        scales = [np.repeat(scale.reshape(*scale.shape[:-1], -1, layout.head_dim), layout.kv_repeat,
-                            axis=-2).reshape(*scale.shape[:-1], -1) for scale in scales]
     spec_of_scale = quantized_spec(sharding.spec, grouped=block is not None)["scale"]
+    scales = _Scales(folder, spec)
     if block:  # the groups axis of (L, [E,] groups, out)
-        group_axis = scales[0].ndim - 1
         first = names[0][0] if isinstance(names[0], list) else names[0]
-        _check_groups_split_evenly(first, scales[0].shape[-2], block, sharding.mesh,
+        group_axis = weight.ndim - 2
+        _check_groups_split_evenly(first, scales.shape(first)[0], block, sharding.mesh,
                                    spec_of_scale[group_axis] if group_axis < len(spec_of_scale) else None)
-    return {"weight": weight, "scale": put_global(np.stack(scales), NamedSharding(sharding.mesh, spec_of_scale))}
+    scale_layout = _Layout(False, layout.kv_repeat, layout.head_dim)  # KV heads' channels repeated as the weight's
+    scale = _load_stacked(scales, names, scale_layout, NamedSharding(sharding.mesh, spec_of_scale), jnp.float32,
+                          (into or {}).get("scale"))
+    return {"weight": weight, "scale": scale}
+
+
+class _Scales:
+    """A quantized checkpoint's scales as a TensorSource by their weights' names (so they load one layer at a time,
+    as the weights do): a weight's scale tensor as (out,) per channel, or under a block as grouped scales
+    (groups, out); the last one read is kept for the shape and shard reads that follow it."""
+
+    def __init__(self, folder: TensorSource, spec: ModelSpec):
+        self.folder, self.spec = folder, spec
+        self._last: tuple[str, np.ndarray] | None = None
+
+    def _read(self, name: str) -> np.ndarray:
+        if self._last is None or self._last[0] != name:
+            num_out, stored_in = self.folder.shape(name)  # a Linear weight (out, in), int4's two inputs to a byte
+            num_in = stored_in * (INT4_PER_BYTE if self.spec.checkpoint_quantization == "int4" else 1)
+            read = _block_scale if self.spec.checkpoint_weight_block else _channel_scale
+            scale_name = name + self.spec.checkpoint_scale_suffix
+            self._last = name, read(self.folder, (name, num_out, num_in), scale_name, self.spec.checkpoint_weight_block)
+        return self._last[1]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A weight's scale shape."""
+        return self._read(name).shape
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """A weight's scales, or only their `index` part."""
+        scale = self._read(name)
+        return scale if index is None else scale[index]
 
 
 def _channel_scale(folder: TensorSource, weight: tuple[str, int, int], scale_name: str, _) -> np.ndarray:

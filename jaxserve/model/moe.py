@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxserve.model.quantize import dequantize, is_grouped, linear, weight_values
+from jaxserve.model.quantize import dequantize, is_grouped, linear, quantized_spec, weight_values
 from jaxserve.model.sharding import MODEL_AXIS
 
 IMPLS = ("blocked", "ragged")
@@ -194,13 +194,10 @@ def moe_mlp_tensor_parallel(x: jax.Array, router, w_gate, w_up, w_down, *, mesh:
                                impl, block_rows)  # (T, H) float32
         return jax.lax.psum(partial_sum, axis_name).astype(x.dtype)
 
-    columns = {"weight": P(None, None, axis_name), "scale": P(None, axis_name)}  # scale (E, I) split too
-    rows = {"weight": P(None, axis_name, None), "scale": P()}  # scale (E, H) per output channel: whole
+    columns, rows = P(None, None, axis_name), P(None, axis_name, None)  # w_gate, w_up split on I; w_down on I
 
-    def spec(w, specs):  # a grouped scale (E, groups, out) is split like its weight
-        if not isinstance(w, dict):
-            return specs["weight"]
-        return {**specs, "scale": specs["weight"]} if is_grouped(w) else specs
+    def spec(w, weight_spec):  # a quantized weight's scale split as model/quantize.py splits it
+        return quantized_spec(weight_spec, is_grouped(w)) if isinstance(w, dict) else weight_spec
 
     specs = (P(), P(), spec(w_gate, columns), spec(w_up, columns), spec(w_down, rows))
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(
@@ -228,14 +225,13 @@ def _check_impl(impl: str | None) -> str:
 
 def _ragged_linear(lhs: jax.Array, rhs, group_sizes: jax.Array) -> jax.Array:
     """`grouped_matmul` by `jax.lax.ragged_dot`; a quantized rhs is cast to lhs's dtype and each row scaled by
-    its group's output-channel scales (grouped scales: the weights dequantized first)."""
+    its group's output-channel scales (grouped scales: the weights dequantized first, `_dequantize_operand`)."""
     # lhs: (M, K); rhs: (G, K, N) or quantized; group_sizes: (G,) int32 -> (M, N)
     rows = jnp.arange(lhs.shape[0])  # (M,)
     ends = jnp.cumsum(group_sizes)  # (G,)
-    if isinstance(rhs, dict) and is_grouped(rhs):
-        rhs = dequantize(rhs, lhs.dtype)  # (G, K, N)
+    rhs = _dequantize_operand(rhs, lhs.dtype)
     if isinstance(rhs, dict):
-        product = jax.lax.ragged_dot(lhs, weight_values(rhs, lhs.dtype), group_sizes,
+        product = jax.lax.ragged_dot(lhs, rhs["weight"], group_sizes,
                                      preferred_element_type=jnp.float32)  # (M, N)
         row_group = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), group_sizes.shape[0] - 1)  # (M,)
         out = (product * rhs["scale"][row_group]).astype(lhs.dtype)

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 FORMATS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # mode -> (dtype, largest value)
-WEIGHT_DTYPES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "int4": jnp.uint8}  # served mode -> weight dtype
+# served mode -> the weight's dtype on the device (int4: two to a uint8 byte, `unpack_int4`)
+WEIGHT_DTYPES = {**{mode: dtype for mode, (dtype, _) in FORMATS.items()}, "int4": jnp.uint8}
 INT4_PER_BYTE = 2
 
 
