@@ -22,10 +22,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from jaxserve.server.errors import APIError
-from jaxserve.server.protocol import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
+from jaxserve.server.protocol import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat, chat_request
 
 # chat request field -> the Messages field an error about it names
 MESSAGES_PARAM = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "user": "metadata",
@@ -133,13 +133,8 @@ class _Conversation(BaseModel):
     def to_chat(self, **fields) -> ChatCompletionRequest:
         """The chat completion request this conversation means, with the chat request's `fields`; APIError (400
         naming the Messages field) for what cannot be translated."""
-        try:
-            return ChatCompletionRequest(**self.chat_fields(), model=self.model, **fields)
-        except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first.get("loc", ()))
-            field = where.split(".")[0]
-            raise APIError(400, f"{where}: {first.get('msg')}", MESSAGES_PARAM.get(field, field)) from error
+        return chat_request({**self.chat_fields(), "model": self.model, **fields},
+                            lambda field: MESSAGES_PARAM.get(field, field))
 
 
 class CountTokensRequest(_Conversation):

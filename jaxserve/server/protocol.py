@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -488,3 +488,15 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+def chat_request(fields: dict[str, Any], param_of: Callable[[str], str | None]) -> ChatCompletionRequest:
+    """The chat completion request another API's request means (`fields` by the chat request's names: the
+    Responses and Messages APIs); APIError (400) for a value it refuses, naming that API's field, `param_of` the
+    chat request's."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        raise APIError(400, f"{where}: {first.get('msg')}", param_of(where.split(".")[0])) from error

@@ -26,6 +26,7 @@ from jaxserve.server.protocol import (
     _one_of,
     _SamplingFields,
     _unset,
+    chat_request,
 )
 from jaxserve.server.tools import FunctionDefinition, NamedFunction, NamedToolChoice, Tool
 
@@ -148,12 +149,7 @@ class ResponsesRequest(_SamplingFields):
                 name=text_format.name, description=text_format.description, schema=text_format.json_schema,
                 strict=text_format.strict)
             fields["response_format"] = ResponseFormat(type=text_format.type, json_schema=schema)
-        try:
-            return ChatCompletionRequest(**fields)
-        except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first.get("loc", ()))
-            raise APIError(400, f"{where}: {first.get('msg')}", RESPONSES_PARAM.get(where.split(".")[0])) from error
+        return chat_request(fields, RESPONSES_PARAM.get)
 
     def _chat_tools(self) -> list[Tool] | None:
         """The function tools in the chat API's shape; 400 for any other kind of tool."""
