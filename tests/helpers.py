@@ -223,3 +223,9 @@ def assert_serves_hf_outputs(llm, name: str) -> None:
             assert abs(logprob.logprob - hf_logprobs[token_id]) <= 1e-4, (token_id, logprob, hf_logprobs[token_id])
     stats = llm.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def tiny_llama_config(**fields) -> dict:
+    """A tiny LlamaForCausalLM config.json (as a dict, with `fields` added), for checks made while parsing it."""
+    return {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 32, **fields}

@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from helpers import assert_serves_hf_outputs, checkpoint, checkpoint_tensors, expected, small_engine_args
+from helpers import (
+    assert_serves_hf_outputs,
+    checkpoint,
+    checkpoint_tensors,
+    expected,
+    small_engine_args,
+    tiny_llama_config,
+)
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.loader import load_params
 from jaxserve.model.quantize import dequantize, linear
@@ -131,10 +138,8 @@ def test_partial_row_blocks_scale_their_own_rows(tmp_path):
      r"modules_to_not_convert lists layers other than lm_head and the routers \(\['model.layers.0.self_attn"),
 ])
 def test_malformed_block_configs_are_refused(quantization_config, message):
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 32, "quantization_config": quantization_config}
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(config)
+        ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))
 
 
 def test_scales_of_the_wrong_shape_are_refused(tmp_path):

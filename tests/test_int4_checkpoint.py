@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from helpers import assert_serves_hf_outputs, checkpoint, checkpoint_tensors, expected, small_engine_args
+from helpers import (
+    assert_serves_hf_outputs,
+    checkpoint,
+    checkpoint_tensors,
+    expected,
+    small_engine_args,
+    tiny_llama_config,
+)
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.quantized_checkpoint import quantize_int4
 from jaxserve.model.loader import PackedInt4, SafetensorsFolder, TensorMapping
@@ -113,10 +120,8 @@ def _int4_config(**weights) -> dict:
     ({**_int4_config(), "ignore": ["lm_head", "model.layers.0.self_attn.q_proj"]}, "ignore lists layers"),
 ])
 def test_int4_forms_jaxserve_does_not_read_are_refused(quantization_config, message):
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 32, "quantization_config": quantization_config}
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(config)
+        ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))
 
 
 def test_a_missing_scale_is_named(tmp_path):

@@ -23,7 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import checkpoint, checkpoint_tensors, expected, greedy_outputs_compiling_nothing, small_engine_args
+from helpers import (
+    checkpoint,
+    checkpoint_tensors,
+    expected,
+    greedy_outputs_compiling_nothing,
+    small_engine_args,
+    tiny_llama_config,
+)
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.quality import compare_distributions, next_token_logprobs, scoring_runner, source_prompts
 from jaxserve.engine.llm_engine import default_model_path
@@ -214,7 +221,5 @@ def test_an_fp8_mixture_of_experts_checkpoint_is_served_as_it_is(tmp_path):
      "int4 weights in format None"),  # packed is the form read
 ])
 def test_unsupported_checkpoint_quantization_is_refused(quantization_config, message):
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "intermediate_size": 32, "quantization_config": quantization_config}
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(config)
+        ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))

@@ -264,7 +264,7 @@ def _int4_group(quantization_config: dict, name: str, group: dict, supported: st
     if weights.get("strategy") == "channel":
         return None
     size = weights.get("group_size")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+    if not _positive_int(size):
         raise ValueError(f"compressed-tensors group {name!r} group_size must be a positive integer, got {size!r}")
     return 1, size
 
@@ -277,9 +277,13 @@ def _stays_float(module: str) -> bool:
 
 def _block(value, where: str) -> tuple[int, int]:
     """A (rows, columns) block size from a checkpoint's config; a ValueError unless two positive ints."""
-    if not (isinstance(value, (list, tuple)) and len(value) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+    if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(map(_positive_int, value))):
         raise ValueError(f"quantization_config {where} must be two positive integers [rows, columns], got {value!r}")
     return int(value[0]), int(value[1])
+
+
+def _positive_int(value) -> bool:
+    """Whether a config value is an int >= 1 (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 

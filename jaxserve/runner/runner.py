@@ -532,9 +532,9 @@ class Runner:
     ) -> "PendingStep":
         """Start the model and the sampler (and the scoring of prompt tokens when `prompt` is given, the pooling
         of the rows' states when `pooling` is) on the device and return at once; `PendingStep.fetch()` waits for
-        the samples. A token whose id the host does not have yet is read from the previous dispatch's samples (`batch.device_token_index`). With
-        `decode_steps`, a decode-only batch runs several iterations in one call (runner/decode_steps.py); with
-        `proposals`, the rows that propose tokens verify them (`dispatch_sampler`)."""
+        the samples. A token whose id the host does not have yet is read from the previous dispatch's samples
+        (`batch.device_token_index`). With `decode_steps`, a decode-only batch runs several iterations in one call
+        (runner/decode_steps.py); with `proposals`, the rows that propose tokens verify them (`dispatch_sampler`)."""
         if decode_steps is not None:
             return self._dispatch_decode_steps(batch, sampling, decode_steps)
         return self.dispatch_sampler(self.dispatch_forward(batch, prompt, pooling), sampling, proposals)
