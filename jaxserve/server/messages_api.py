@@ -28,7 +28,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError, anthropic_error_body
 from jaxserve.server.messages_protocol import MESSAGES_PARAM, CountTokensRequest, MessagesRequest
-from jaxserve.server.responses import ChoiceStream
+from jaxserve.server.responses import ChoiceStream, named_sse
 from jaxserve.server.serving import (
     EngineStreamingResponse,
     OpenAIServing,
@@ -116,11 +116,6 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def event(data: dict[str, Any]) -> bytes:
-    """One server-sent event, named by its type."""
-    return f"event: {data['type']}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
 class MessagesServing:
     """Handlers of /v1/messages on an OpenAIServing's chat machinery."""
 
@@ -167,31 +162,31 @@ class MessagesServing:
             async for final in read_outputs(stream):
                 failure = request_failure(final)
                 if failure is not None:
-                    yield event(anthropic_error_body(400, failure))
+                    yield named_sse(anthropic_error_body(400, failure))
                     return
                 if not started:  # the first output tells whether the reply starts in the thinking
-                    yield event({"type": "message_start", "message": {**head, "usage": _usage(final, None)}})
+                    yield named_sse({"type": "message_start", "message": {**head, "usage": _usage(final, None)}})
                     reasoning, started = self.serving.reasoning_stream(final), True
                 delta = reply_delta(state, calls, reasoning, final.outputs[0])
                 if delta is None:
                     continue
                 message, _, finish_reason = delta
                 for data in blocks.add(message):
-                    yield event(data)
+                    yield named_sse(data)
         except EngineDeadError as error:
-            yield event(anthropic_error_body(503, str(error)))
+            yield named_sse(anthropic_error_body(503, str(error)))
             return
         except RequestFailedError as error:
-            yield event(anthropic_error_body(400, str(error)))
+            yield named_sse(anthropic_error_body(400, str(error)))
             return
         if final is None:
             return
         for data in blocks.finish():
-            yield event(data)
+            yield named_sse(data)
         c = final.outputs[0]
-        yield event({"type": "message_delta", "delta": _stop(c, finish_reason, bool(blocks.calls)),
+        yield named_sse({"type": "message_delta", "delta": _stop(c, finish_reason, bool(blocks.calls)),
                      "usage": {"output_tokens": len(c.token_ids)}})
-        yield event({"type": "message_stop"})
+        yield named_sse({"type": "message_stop"})
 
 
 def _stop(c: CompletionOutput, finish_reason: str | None, called: bool) -> dict[str, Any]:

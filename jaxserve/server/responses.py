@@ -24,6 +24,11 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
+def named_sse(data: dict) -> bytes:
+    """One server-sent event named by its data's `type` (the Responses and Messages APIs' events)."""
+    return f"event: {data['type']}\n".encode() + sse(data)
+
+
 class ChunkEncoder:
     """The SSE events of one streamed response: the fields every chunk repeats (id, object, created,
     model) are encoded once, and each chunk adds only its choice."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,7 +31,7 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest
-from jaxserve.server.responses import ChoiceStream, chat_logprobs
+from jaxserve.server.responses import ChoiceStream, chat_logprobs, named_sse
 from jaxserve.server.responses_protocol import RESPONSES_PARAM, ResponsesRequest
 from jaxserve.server.serving import (
     EngineStreamingResponse,
@@ -166,9 +165,8 @@ class EventEncoder:
         self.sequence_number = 0
 
     def __call__(self, event: dict[str, Any]) -> bytes:
-        data = json.dumps({**event, "sequence_number": self.sequence_number}, separators=(",", ":"))
         self.sequence_number += 1
-        return f"event: {event['type']}\ndata: {data}\n\n".encode()
+        return named_sse({**event, "sequence_number": self.sequence_number - 1})
 
 
 class ResponsesServing:
