@@ -5,6 +5,7 @@ from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.engine.llm import LLM
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import (
+    ClassificationOutput,
     CompletionOutput,
     PoolingOutput,
     PoolingRequestOutput,
@@ -17,5 +18,5 @@ from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
            "LoRARequest", "PoolingParams", "PoolingRequestOutput", "PoolingOutput", "ScoringRequestOutput",
-           "ScoringOutput"]
+           "ScoringOutput", "ClassificationOutput"]
 __version__ = "0.1.0"

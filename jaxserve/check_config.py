@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.export import DisabledSafetyCheck
 
-from jaxserve.config import VALID_ATTENTION_BACKENDS, EngineConfig
+from jaxserve.config import VALID_ATTENTION_BACKENDS, EngineConfig, runs_pooling
 from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES, GIB, MemoryPlan, plan_kv_pages
@@ -439,7 +439,8 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
                       cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype),
                       ladders=ladders, attention_backend=backend, platform=platform,
                       num_scheduler_steps=config.num_scheduler_steps,
-                      num_speculative_tokens=config.num_speculative_tokens, pooling=config.runner == "pooling")
+                      num_speculative_tokens=config.num_speculative_tokens,
+                      pooling=runs_pooling(config, spec))
 
     def draft_runner(backend: str, platform: str) -> DraftRunner | None:
         if draft is None:

@@ -120,7 +120,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "server's POST /sleep, /wake_up and GET /is_sleeping)")
     parser.add_argument("--runner", choices=list(VALID_RUNNERS),
                         help="pooling: also serve embeddings (the prompt's final hidden states pooled into one "
-                             "vector; /v1/embeddings, LLM.embed) (default generate)")
+                             "vector; /v1/embeddings, LLM.embed), or a sequence classifier's classes (/classify, "
+                             "LLM.classify); auto (the default): pooling for a sequence classifier, else generate")
     parser.add_argument("--pooler-config",
                         help='with --runner pooling, how to pool as JSON, e.g. \'{"pooling_type": "MEAN", '
                              '"normalize": false}\' (default: the model folder\'s sentence-transformers pooling, '

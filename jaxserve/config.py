@@ -29,8 +29,9 @@ VALID_BATCHING = ("continuous", "static")
 # thinking, and the server splits chat replies into reasoning and content.
 VALID_REASONING_PARSERS = ("deepseek_r1", "qwen3")
 # generate: the engine samples tokens; pooling: it also compiles the pooling buckets, and serves embeddings (a
-# prompt's final hidden states pooled into one vector, pooling/) beside generation (vLLM's `runner`).
-VALID_RUNNERS = ("generate", "pooling")
+# prompt's final hidden states pooled into one vector, pooling/) beside generation, or a sequence classifier's
+# classes; auto: pooling for a sequence classifier, else generate (vLLM's `runner`).
+VALID_RUNNERS = ("auto", "generate", "pooling")
 VALID_LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights made on the device (vLLM's name), for benchmarks
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -135,7 +136,7 @@ class EngineConfig:
     lora_modules: dict | None = None
     # What the engine runs for (VALID_RUNNERS) and, with pooling, how it pools (vLLM's names): {pooling_type: LAST |
     # MEAN | CLS, normalize}; None: what the model folder's sentence-transformers files say, else LAST, normalized.
-    runner: str = "generate"
+    runner: str = "auto"
     pooler_config: dict | None = None
     # Sleep mode (vLLM's name): `sleep` frees the KV pool and the weights' device memory between uses (a trainer
     # sharing the devices), `wake_up` takes them back.
@@ -152,7 +153,7 @@ class EngineConfig:
         _check_choice("runner", self.runner, VALID_RUNNERS)
         if self.pooler_config is not None:
             object.__setattr__(self, "pooler_config", _checked_pooler_config(self.pooler_config))
-            if self.runner != "pooling":
+            if self.runner == "generate":  # (runner auto: checked against the model, runs_pooling)
                 raise ValueError("pooler_config is for runner pooling: set runner pooling too")
         if self.quantization is None:
             object.__setattr__(self, "quantization", "none")
@@ -279,6 +280,19 @@ def _mapping_option(name: str, value, valid: tuple[str, ...]) -> dict:
     if unknown:
         raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; valid keys: {', '.join(valid)}")
     return value
+
+
+def runs_pooling(config: EngineConfig, spec) -> bool:
+    """Whether an engine of `config` over the model of `spec` (a ModelSpec) pools: runner pooling, or auto over a
+    sequence classifier; a ValueError for runner generate over a classifier, which has no LM head, and for a
+    pooler_config given to an engine that does not pool."""
+    if spec.classifier is not None and config.runner == "generate":
+        raise ValueError(f"the model is a sequence classifier ({spec.classifier.counted}, no LM head): it "
+                         f"classifies and cannot generate; start it with runner pooling (or auto)")
+    pooling = config.runner == "pooling" or spec.classifier is not None
+    if config.pooler_config is not None and not pooling:
+        raise ValueError("pooler_config is for runner pooling: set runner pooling too")
+    return pooling
 
 
 def _checked_pooler_config(value) -> dict:

@@ -61,13 +61,26 @@ class PoolingOutput:
 
 
 @dataclasses.dataclass
+class ClassificationOutput:
+    """A sequence classifier's result for one prompt (vLLM's ClassificationOutput)."""
+
+    probs: list[float]  # (labels,): each class's probability (the model's activation of its logits, or the logits)
+
+    @property
+    def num_classes(self) -> int:
+        """How many classes the model scores."""
+        return len(self.probs)
+
+
+@dataclasses.dataclass
 class PoolingRequestOutput:
-    """One embedding request (vLLM's EmbeddingRequestOutput): `outputs` once its whole prompt is pooled."""
+    """One embedding or classification request (vLLM's EmbeddingRequestOutput, ClassificationRequestOutput):
+    `outputs` once its whole prompt is pooled."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: PoolingOutput | None  # None until finished, and for a request aborted or failed
+    outputs: PoolingOutput | ClassificationOutput | None  # None until finished, and for a request aborted or failed
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # why the engine failed this request alone
@@ -78,7 +91,7 @@ class PoolingRequestOutput:
 class ScoringOutput:
     """A pair's score (vLLM's ScoringOutput)."""
 
-    score: float  # the cosine similarity of the two texts' embeddings, in [-1, 1]
+    score: float  # the cosine similarity of the two texts' embeddings, in [-1, 1]; a cross-encoder's pair score
 
 
 @dataclasses.dataclass

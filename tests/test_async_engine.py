@@ -31,7 +31,7 @@ class FakeEngine:
                                       enable_sleep_mode=False)
         self.model_path = default_model_path()
         self.max_model_len = 128
-        self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096), num_pages=11,
+        self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096, classifier=None), num_pages=11,
                                     runner=SimpleNamespace(cache_dtype=np.dtype("float32")),
                                     kv=SimpleNamespace(host_pool=None), on_peer_lost=lambda callback: None)
         self.generation_defaults = {}

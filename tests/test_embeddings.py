@@ -174,10 +174,12 @@ def test_a_generate_engine_refuses_embeddings_and_bad_options_are_clear_errors()
     llm = LLM(**small_engine_args(skip_precompile=True))
     with pytest.raises(ValueError, match="runner pooling"):
         llm.embed("import os", use_tqdm=False)
-    with pytest.raises(ValueError, match="runner must be one of generate, pooling"):
+    with pytest.raises(ValueError, match="runner must be one of auto, generate, pooling"):
         EngineConfig(runner="embed")
     with pytest.raises(ValueError, match="pooler_config is for runner pooling"):
-        EngineConfig(pooler_config={"pooling_type": "MEAN"})
+        EngineConfig(runner="generate", pooler_config={"pooling_type": "MEAN"})
+    with pytest.raises(ValueError, match="pooler_config is for runner pooling"):  # runner auto over a language model
+        LLM(pooler_config={"pooling_type": "MEAN"}, **small_engine_args(skip_precompile=True))
     with pytest.raises(ValueError, match="unknown key"):
         EngineConfig(runner="pooling", pooler_config={"pooling": "MEAN"})
     with pytest.raises(ValueError, match="pooling_type must be one of LAST, MEAN, CLS"):

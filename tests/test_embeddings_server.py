@@ -133,8 +133,23 @@ def test_score_and_rerank_are_the_embeddings_cosine_similarities(server):
     assert httpx.post(f"{url}/rerank", json=body).status_code == 401
 
 
+def test_pooling_gives_an_embedding_models_embeddings_and_classify_is_refused(server):
+    url, _ = server
+    embedded = _embed(url, input=TEXTS[:2]).json()["data"]
+    pooled = httpx.post(f"{url}/pooling", headers=AUTH, json={"model": MODEL, "input": TEXTS[:2]}).json()
+    assert [item["object"] for item in pooled["data"]] == ["pooling", "pooling"]
+    for item, embedding in zip(pooled["data"], embedded):
+        np.testing.assert_allclose(item["data"], embedding["embedding"], rtol=1e-6)
+    refused = httpx.post(f"{url}/classify", headers=AUTH, json={"input": TEXTS[0]})
+    assert "classification needs a sequence classifier" in _error(refused, "model")
+    activation = httpx.post(f"{url}/pooling", headers=AUTH, json={"input": TEXTS[0], "use_activation": True})
+    _error(activation, "use_activation")
+
+
 def test_a_generate_server_says_how_to_serve_embeddings(openai_server):
     url, _ = openai_server
     assert "--runner pooling" in _error(_embed(url, input="import os"), "model")
     score = httpx.post(f"{url}/v1/score", headers=AUTH, json={"text_1": "a", "text_2": "b"})
     assert "--runner pooling" in _error(score, "model")
+    classify = httpx.post(f"{url}/classify", headers=AUTH, json={"input": "a"})
+    assert "--runner pooling" in _error(classify, "model")

@@ -135,9 +135,10 @@ class DataParallelEngine:
         return self.replicas[0].make_requests(request_id, prompt, params, priority, cache_salt, lora_name)
 
     def make_pooling_requests(self, request_id: str, prompt, params, priority: int = 0, cache_salt: str | None = None,
-                              lora_name: str | None = None):
-        """Validate one embedding request (ValueError when invalid) without queueing it."""
-        return self.replicas[0].make_pooling_requests(request_id, prompt, params, priority, cache_salt, lora_name)
+                              lora_name: str | None = None, task: str = "embed"):
+        """Validate one pooling request of `task` (ValueError when invalid) without queueing it."""
+        return self.replicas[0].make_pooling_requests(request_id, prompt, params, priority, cache_salt, lora_name,
+                                                      task)
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """EngineDeadError when a replica is down, EngineOverloadedError past the replicas' waiting requests."""

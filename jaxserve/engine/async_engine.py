@@ -188,12 +188,12 @@ class AsyncLLMEngine:
 
     def make_pooling_requests(
         self, request_id: str, prompt: Prompt, params: PoolingParams, priority: int = 0,
-        cache_salt: str | None = None, lora_name: str | None = None,
+        cache_salt: str | None = None, lora_name: str | None = None, task: str = "embed",
     ) -> tuple[str | None, list[Request]]:
-        """Validate one embedding request (ValueError when invalid) without queueing it, with this thread's own
-        tokenizer (LLMEngine.make_pooling_requests)."""
+        """Validate one pooling request of `task` (ValueError when invalid) without queueing it, with this thread's
+        own tokenizer (LLMEngine.make_pooling_requests)."""
         return self.engine.make_pooling_requests(request_id, prompt, params, priority, tokenizer=self.tokenizer,
-                                                 cache_salt=cache_salt, lora_name=lora_name)
+                                                 cache_salt=cache_salt, lora_name=lora_name, task=task)
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached page (on the engine thread, between steps); returns how many were forgotten."""

@@ -24,7 +24,7 @@ from jaxserve.batch.builder import (
     build_sampling_batch,
     fill_token_bitmasks,
 )
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, runs_pooling
 from jaxserve.distributed import runtime
 from jaxserve.distributed.channel import FollowerChannel, LeaderChannel
 from jaxserve.distributed.mirror import Mirrored, exit_soon, serve_leader
@@ -70,6 +70,10 @@ class EngineCore:
         enable_compilation_cache(config.compilation_cache_dir)
         self.spec = with_expert_parallel(ModelSpec.from_pretrained(model_path), config.enable_expert_parallel)
         self.max_model_len = resolve_max_model_len(config, self.spec)
+        pooling = runs_pooling(config, self.spec)
+        if self.spec.classifier is not None and config.speculative_config:
+            raise ValueError("speculative_config: a sequence classifier generates nothing to speculate on; leave it "
+                             "unset")
         tp = config.tensor_parallel_size
         if self.group is not None:
             runtime.check_mesh_spans_processes(tp, self.group)
@@ -88,12 +92,13 @@ class EngineCore:
             cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=self.ladders,
             attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
-            structured_outputs=config.enable_structured_outputs, pooling=config.runner == "pooling",
+            structured_outputs=config.enable_structured_outputs, pooling=pooling,
         )
-        # runner pooling: how prompts are pooled into embeddings, and the sizes a Matryoshka model may cut them to
+        # runner pooling: how prompts are pooled into embeddings or classes, and the sizes a Matryoshka model may cut
+        # embeddings to
         self.pooler: PoolerConfig | None = None
         self.matryoshka_dimensions: tuple[int, ...] | None = None
-        if config.runner == "pooling":
+        if pooling:
             self.pooler = resolve_pooler_config(model_path, config.pooler_config)
             self.matryoshka_dimensions = matryoshka_dimensions(model_path, self.spec.hidden_size)
         self.draft = None  # speculative decoding's draft model (method draft_model)

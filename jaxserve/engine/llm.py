@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 
@@ -10,7 +11,7 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
-from jaxserve.engine.tokenizer import load_chat_template, render_chat
+from jaxserve.engine.tokenizer import encode_text_pair, load_chat_template, render_chat
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxserve.pooling.params import PoolingParams
@@ -75,6 +76,20 @@ class LLM:
         return self._run_all(self.engine.make_pooling_requests, prompts, pooling_params or PoolingParams(),
                              PoolingParams, lora_request, use_tqdm)
 
+    def classify(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.classify` for a sequence classifier: each prompt's class probabilities
+        (`output.outputs.probs`), the model's activation (softmax, or sigmoid for one label or multi-label models)
+        of its score head over the last prompt token's final state; `PoolingParams(use_activation=False)` gives
+        the raw logits (a reward model's score). Prompts and adapters as for `generate`."""
+        make = functools.partial(self.engine.make_pooling_requests, task="classify")
+        return self._run_all(make, prompts, pooling_params or PoolingParams(), PoolingParams, lora_request, use_tqdm)
+
     def score(
         self,
         data_1: PromptInput | Sequence[PromptInput],
@@ -82,11 +97,19 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's `LLM.score` for an embedding model: each pair's cosine similarity (`output.outputs.score`) of the
-        two texts' embeddings; `data_1` is one text (scored against every text of `data_2`) or as many texts as
-        `data_2`, paired in order. Texts take the forms `generate` takes; the engine needs runner pooling."""
+        """vLLM's `LLM.score`: each pair's score (`output.outputs.score`). For an embedding model, the cosine
+        similarity of the two texts' embeddings; for a cross-encoder (a sequence classifier of one label), its
+        score of the pair tokenized together (the tokenizer's text pair), through its activation. `data_1` is one
+        text (scored against every text of `data_2`) or as many texts as `data_2`, paired in order. Texts take the
+        forms `generate` takes (a cross-encoder's: strings); the engine needs runner pooling."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(first), len(second))
+        if self.engine.core.spec.classifier is not None:
+            token_ids = [encode_text_pair(self.engine.tokenizer, first[i], second[j]) for i, j in pairs]
+            make = functools.partial(self.engine.make_pooling_requests, task="score")
+            outputs = self._run_all(make, token_ids, PoolingParams(), PoolingParams, lora_request, use_tqdm)
+            return [ScoringRequestOutput(str(index), ScoringOutput(output.outputs.probs[0]), output.prompt_token_ids)
+                    for index, output in enumerate(outputs)]
         outputs = self.embed(first + second, PoolingParams(normalize=True), use_tqdm, lora_request)
         embeddings = [output.outputs.embedding for output in outputs]
         scores = cosine_scores(embeddings[: len(first)], embeddings[len(first):], pairs)

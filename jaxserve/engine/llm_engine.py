@@ -154,6 +154,10 @@ class LLMEngine:
         prefix pages only when their `cache_salt`s are equal (vLLM's field) and they run with the same LoRA
         adapter (`lora_name`, one the engine has loaded; None: the base model).
         """
+        classifier = self.core.spec.classifier
+        if classifier is not None:
+            raise ValueError(f"the model is a sequence classifier ({classifier.counted}, no LM head): it "
+                             f"cannot generate text; classify with LLM.classify or POST /classify")
         tokenizer = tokenizer or self.tokenizer
         text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens, tokenizer)
         if len(token_ids) >= self.max_model_len:
@@ -194,16 +198,30 @@ class LLMEngine:
 
     def make_pooling_requests(
         self, request_id: str, prompt: Prompt, params: PoolingParams | None = None, priority: int = 0,
-        tokenizer=None, cache_salt: str | None = None, lora_name: str | None = None,
+        tokenizer=None, cache_salt: str | None = None, lora_name: str | None = None, task: str = "embed",
     ) -> tuple[str | None, list[Request]]:
-        """Validate an embedding request and build its engine request without queueing it; returns (text, [it]).
+        """Validate a pooling request and build its engine request without queueing it; returns (text, [it]).
         It computes its prompt (up to max_model_len tokens), pools the final hidden states as the engine's pooler
-        says (pooling/) and samples nothing. ValueError on an engine not started with runner pooling."""
+        says (pooling/) and samples nothing: into an embedding (`task` embed) or, on a sequence classifier, into
+        class probabilities (classify). ValueError on an engine not started with runner pooling, or for a task
+        the model does not do."""
         pooler = self.core.pooler
         if pooler is None:
             raise ValueError("embeddings need an engine started with runner pooling (--runner pooling); this one "
                              "runs generate")
+        classifier = self.core.spec.classifier
+        if task != "embed" and classifier is None:
+            raise ValueError(f"{'classification' if task == 'classify' else 'scoring a pair'} needs a sequence "
+                             f"classifier (an XForSequenceClassification checkpoint); this model gives embeddings: "
+                             f"use embed")
+        if task == "embed" and classifier is not None:
+            raise ValueError(f"the model is a sequence classifier ({classifier.counted}): it pools into "
+                             f"class probabilities, not embeddings; use classify")
+        if task == "score" and classifier.num_labels != 1:
+            raise ValueError(f"scoring a pair needs a cross-encoder (a classifier of one label); this model has "
+                             f"{classifier.num_labels} labels: use classify")
         params = params or PoolingParams()
+        params.check_task(task)
         check_dimensions(params.dimensions, self.core.matryoshka_dimensions)
         text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens, tokenizer or self.tokenizer)
         if len(token_ids) > self.max_model_len:
@@ -211,11 +229,16 @@ class LLMEngine:
                              f"shorten it, or set truncate_prompt_tokens")
         salt, lora = self._placement(priority, cache_salt, lora_name)
         normalize = pooler.normalize if params.normalize is None else params.normalize
+        activation = None  # an embedding
+        if classifier is not None:
+            activation = classifier.score_activation if task == "score" else classifier.activation
+            if params.use_activation is False:
+                activation = "identity"
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=POOLING_SAMPLING_PARAMS,
             eos_token_ids=(), seed=0, max_tokens=0, priority=priority, cache_salt=salt,
             lora_slot=-1 if lora is None else lora.slot,
-            pooled=PooledPrompt(pooler.pooling_type, normalize, params.dimensions),
+            pooled=PooledPrompt(pooler.pooling_type, normalize, params.dimensions, activation),
         )
         return text, [request]
 

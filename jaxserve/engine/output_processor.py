@@ -13,7 +13,14 @@ import time
 
 from jaxserve.engine.stop_checker import StopStringChecker
 from jaxserve.engine.tokenizer import IncrementalDetokenizer
-from jaxserve.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from jaxserve.outputs import (
+    ClassificationOutput,
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
 from jaxserve.pooling.pooled import PooledPrompt
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
@@ -81,11 +88,16 @@ class _RequestState:
                              prompt_logprobs, self.error, self.num_cached_tokens)
 
     def _pooling_output(self) -> PoolingRequestOutput:
-        """An embedding request's output: its embedding once it has finished with its whole prompt pooled."""
+        """A pooling request's output: its embedding (or class probabilities) once it has finished with its whole
+        prompt pooled."""
         (sample,) = self.samples.values()
         finished = sample.finish_reason is not None
         complete = sample.finish_reason == "stop" and not self.pooled.positions(len(self.prompt_token_ids))
-        outputs = PoolingOutput(self.pooled.embedding()) if complete else None
+        outputs = None
+        if complete:
+            pooled = self.pooled
+            outputs = PoolingOutput(pooled.embedding()) if pooled.activation is None else ClassificationOutput(
+                pooled.probs())
         return PoolingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
                                     self.metrics, self.error, self.num_cached_tokens)
 

@@ -95,6 +95,14 @@ def render_chat(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def encode_text_pair(tokenizer, first: str, second: str) -> list[int]:
+    """A cross-encoder's prompt: two texts encoded together as the tokenizer encodes a text pair (with its special
+    tokens), as sentence-transformers' CrossEncoder does; a ValueError unless both are non-empty texts."""
+    if not (isinstance(first, str) and isinstance(second, str) and first and second):
+        raise ValueError("a cross-encoder scores pairs of non-empty texts; give texts, not token ids")
+    return list(tokenizer(first, second)["input_ids"])
+
+
 def _check_token_ids(token_ids: Sequence[int]) -> list[int]:
     """Return `token_ids` as a list of Python ints, rejecting anything but ids >= 0."""
     checked = []

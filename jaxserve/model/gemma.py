@@ -170,9 +170,11 @@ class GemmaForCausalLM(llama.LlamaForCausalLM):
         return jnp.stack([cos for cos, _ in tables]), jnp.stack([sin for _, sin in tables])
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Final norm, the tied LM head and the final soft cap."""
+        """Final norm, the tied LM head and the final soft cap (a classifier's score head: no cap, as in
+        transformers)."""
         # hidden: (N, H) -> (N, V) float32
-        return soft_cap(super().logits(hidden), self.spec.final_soft_cap)
+        logits = super().logits(hidden)
+        return logits if self.spec.classifier is not None else soft_cap(logits, self.spec.final_soft_cap)
 
 
 def weights(spec: GemmaSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:

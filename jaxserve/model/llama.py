@@ -3,7 +3,7 @@ registered for spec.LLAMA_FAMILY (model/registry.py) with its weights declared i
 
 Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`):
     embed        (V, H)
-    lm_head      (H, V)            absent when embeddings are tied
+    lm_head      (H, V)            absent when embeddings are tied; a sequence classifier's score head (H, labels)
     final_norm   (H,)
     layers/input_norm (L, H)       layers/post_norm (L, H)
     layers/wq (L, H, Hq*D)         layers/wk, wv (L, H, Hkv*D)       layers/wo (L, Hq*D, H)
@@ -105,7 +105,7 @@ class LlamaLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     """The Llama-family decoder: embedding -> a scan over the stacked `LlamaLayer` -> final norm -> LM head (the
-    embedding's transpose when tied)."""
+    embedding's transpose when tied; a sequence classifier's score head, whose logits are its classes')."""
 
     layer_module = LlamaLayer
 
@@ -188,7 +188,9 @@ def weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int)
     })
     tree = {"embed": Weight("model.embed_tokens.weight", (vocab, hidden), replicated),
             "final_norm": Weight("model.norm.weight", (hidden,), P(None), ones=True), "layers": layers}
-    if not spec.tie_word_embeddings:
+    if spec.classifier is not None:  # Hugging Face's XForSequenceClassification: `score` instead of an LM head
+        tree["lm_head"] = Weight("score.weight", (hidden, spec.classifier.num_labels), replicated, transpose=True)
+    elif not spec.tie_word_embeddings:
         vocab_split = MODEL_AXIS if vocab % tensor_parallel_size == 0 else None
         tree["lm_head"] = Weight("lm_head.weight", (hidden, vocab), P(None, vocab_split), transpose=True)
     return tree

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxserve.attention.base import AttentionFn, WriteKVFn
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.model.layers import StepContext
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.spec import CLASSIFIER_SUFFIX, ModelSpec, causal_architecture, classifier_architecture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,18 +107,22 @@ def register(architectures: tuple[str, ...], model: Model) -> None:
 
 
 def registered_architectures() -> tuple[str, ...]:
-    """Every architecture name a model is registered for, sorted."""
+    """Every architecture name a model is registered for, sorted: each XForCausalLM's sequence classifier
+    (XForSequenceClassification: its body under a score head, ModelSpec.classifier) among them."""
     _import_builtins()
-    return tuple(sorted(_MODELS))
+    classifiers = [classifier_architecture(name) for name in _MODELS if name.endswith("ForCausalLM")]
+    return tuple(sorted([*_MODELS, *classifiers]))
 
 
 def model_for(architecture: str) -> Model:
-    """The model registered for `architecture`; a ValueError listing the registered ones."""
+    """The model registered for `architecture` (a sequence classifier's: its language model's); a ValueError
+    listing the registered ones."""
     _import_builtins()
-    if architecture not in _MODELS:
+    body = causal_architecture(architecture) if architecture.endswith(CLASSIFIER_SUFFIX) else architecture
+    if body not in _MODELS:
         raise ValueError(f"unsupported architecture {architecture!r}; registered: "
                          f"{', '.join(registered_architectures())}")
-    return _MODELS[architecture]
+    return _MODELS[body]
 
 
 def _import_builtins() -> None:

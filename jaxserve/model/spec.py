@@ -17,6 +17,14 @@ LLAMA_FAMILY = (  # the architectures model/llama.py serves
     "Qwen3ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+CLASSIFIER_SUFFIX = "ForSequenceClassification"  # XForSequenceClassification: XForCausalLM's body under a score head
+# What a classifier's pooled logits become (vLLM's rule, after transformers' loss for the config's problem_type):
+CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "identity")
+# a sentence-transformers cross-encoder's activation (config.json `sentence_transformers.activation_fn` or
+# `sbert_ce_default_activation_function`) -> ours
+_CROSS_ENCODER_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
+                              "torch.nn.modules.linear.Identity": "identity",
+                              "torch.nn.modules.activation.Softmax": "softmax"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +64,63 @@ def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeSpec) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClassifierHead:
+    """A sequence classifier's head (Hugging Face's `XForSequenceClassification`): `score.weight` (labels, H) over
+    the final hidden state of the last prompt token, in place of the LM head."""
+
+    labels: tuple[str, ...]  # each class's name (config.json's id2label, in id order)
+    activation: str  # CLASSIFIER_ACTIVATIONS: what classification applies to the logits
+    score_activation: str  # what scoring a text pair (a cross-encoder) applies to its one logit
+
+    @property
+    def num_labels(self) -> int:
+        """How many classes the head scores."""
+        return len(self.labels)
+
+    @property
+    def counted(self) -> str:
+        """'1 label', '3 labels': for messages."""
+        return f"{self.num_labels} label{'' if self.num_labels == 1 else 's'}"
+
+
+def classifier_head(config: dict) -> ClassifierHead:
+    """A classifier config's head: its labels from `id2label` (or `num_labels`, named LABEL_i, transformers'
+    default of 2), the classification activation of its `problem_type` (regression: none, multi-label: sigmoid,
+    else sigmoid for one label and softmax for more) and the cross-encoder activation its sentence-transformers
+    settings name (else the classification one); a ValueError for what is malformed."""
+    id2label = config.get("id2label")
+    if id2label:
+        try:
+            named = sorted((int(index), str(label)) for index, label in id2label.items())
+        except (AttributeError, TypeError, ValueError):
+            raise ValueError(f"config.json id2label must map label ids 0..N-1 to names, got {id2label!r}") from None
+        if [index for index, _ in named] != list(range(len(named))):
+            raise ValueError(f"config.json id2label must map label ids 0..N-1 to names, got {id2label!r}")
+        labels = tuple(label for _, label in named)
+    else:
+        num_labels = config.get("num_labels", 2)
+        if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
+            raise ValueError(f"config.json num_labels must be a positive int, got {num_labels!r}")
+        labels = tuple(f"LABEL_{index}" for index in range(num_labels))
+    problem_type = config.get("problem_type")
+    if problem_type == "regression":
+        activation = "identity"
+    elif problem_type == "multi_label_classification":
+        activation = "sigmoid"
+    elif problem_type in (None, "single_label_classification"):
+        activation = "sigmoid" if len(labels) == 1 else "softmax"
+    else:
+        raise ValueError(f"config.json problem_type must be regression, single_label_classification or "
+                         f"multi_label_classification, got {problem_type!r}")
+    function = (config.get("sentence_transformers") or {}).get("activation_fn") or config.get(
+        "sbert_ce_default_activation_function")
+    if function is not None and function not in _CROSS_ENCODER_ACTIVATIONS:
+        raise ValueError(f"unsupported cross-encoder activation {function!r}; supported: "
+                         f"{', '.join(_CROSS_ENCODER_ACTIVATIONS)}")
+    return ClassifierHead(labels, activation, _CROSS_ENCODER_ACTIVATIONS.get(function, activation))
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Everything the forward pass needs to know about an architecture instance."""
 
@@ -89,6 +154,9 @@ class ModelSpec:
     # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
     # expert split like a dense MLP: EngineConfig.enable_expert_parallel, vLLM's flag (model/moe_llama.py).
     expert_parallel: bool = False
+    # A sequence classifier (`XForSequenceClassification`, served under `architecture` XForCausalLM's module): its
+    # score head replaces the LM head, so the model pools and classifies and never generates. None: a language model.
+    classifier: ClassifierHead | None = None
 
     @property
     def group_size(self) -> int:
@@ -122,7 +190,29 @@ class ModelSpec:
         arch = next((a for a in architectures if a in registered), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {architectures!r}; registered: {', '.join(registered)}")
-        return model_for(arch).spec_from_config(arch, config, generation_config or {})
+        if not arch.endswith(CLASSIFIER_SUFFIX):
+            return model_for(arch).spec_from_config(arch, config, generation_config or {})
+        causal = causal_architecture(arch)  # the classifier's body is this language model's
+        spec = model_for(causal).spec_from_config(causal, config, generation_config or {})
+        return dataclasses.replace(spec, classifier=classifier_head(config))
+
+
+# Sequence classifiers whose name is not their language model's with the suffix swapped (transformers' Gemma 3 text
+# classifier: its Gemma3ForSequenceClassification is the image-text model's)
+_CLASSIFIER_NAMES = {"Gemma3ForCausalLM": "Gemma3TextForSequenceClassification"}
+
+
+def classifier_architecture(causal: str) -> str:
+    """The sequence classifier architecture over a language model architecture XForCausalLM's body:
+    XForSequenceClassification."""
+    return _CLASSIFIER_NAMES.get(causal, causal.removesuffix("ForCausalLM") + CLASSIFIER_SUFFIX)
+
+
+def causal_architecture(classifier: str) -> str:
+    """The language model architecture whose body a sequence classifier architecture has (classifier_architecture's
+    inverse)."""
+    named = {name: causal for causal, name in _CLASSIFIER_NAMES.items()}
+    return named.get(classifier, classifier.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM")
 
 
 def llama_family_spec(arch: str, config: dict, generation_config: dict) -> ModelSpec:

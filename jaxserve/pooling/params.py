@@ -1,4 +1,4 @@
-"""What an embedding asks for: the engine's pooler (how a prompt's token states become one vector) and each
+"""What a pooling request asks for: the engine's pooler (how a prompt's token states become one vector) and each
 request's PoolingParams, with vLLM's names."""
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ import os
 
 from jaxserve.sampling_params import INT32_MAX, check_int
 
+# an embedding model's vector; a sequence classifier's class probabilities; a cross-encoder's (a one-label
+# classifier's) score of a text pair
+POOLING_TASKS = ("embed", "classify", "score")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # the last prompt token's state, the mean over the prompt, the first token's
 DEFAULT_POOLING_TYPE = "LAST"  # a decoder's last token has seen the whole prompt (vLLM's default for decoders)
 # sentence-transformers' Pooling module options (its 1_Pooling/config.json) -> our pooling type
@@ -59,20 +62,34 @@ def _sentence_transformers_pooler(model_path: str) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class PoolingParams:
-    """One embedding request's options (vLLM's PoolingParams): `dimensions` keeps the first that many values (a
+    """One pooling request's options (vLLM's PoolingParams): `dimensions` keeps the first that many values (a
     Matryoshka model's shorter embedding; None: all), `normalize` L2-normalizes after that (None: the engine's
-    pooler decides), `truncate_prompt_tokens` keeps only the prompt's last that many tokens."""
+    pooler decides), `truncate_prompt_tokens` keeps only the prompt's last that many tokens, and `use_activation`
+    (a classifier's: None or true apply its activation, false gives the raw class logits, e.g. a reward model's
+    score)."""
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
 
     def __post_init__(self):
         for name in ("dimensions", "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1, INT32_MAX)
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be true, false or None, got {self.normalize!r}")
+        for name in ("normalize", "use_activation"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true, false or None, got {getattr(self, name)!r}")
+
+    def check_task(self, task: str) -> None:
+        """ValueError naming the field this request sets that `task` (POOLING_TASKS) has no use for."""
+        if task in ("classify", "score"):
+            for name in ("dimensions", "normalize"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} is for embeddings; a classification leaves it unset")
+        elif self.use_activation is not None:
+            raise ValueError("use_activation is for a sequence classifier's classes; an embedding leaves it unset "
+                             "(normalize is its counterpart)")
 
 
 def matryoshka_dimensions(model_path: str, hidden_size: int) -> tuple[int, ...] | None:

@@ -1,6 +1,6 @@
-"""A pooling request's running pool: the sum of its pooled prompt tokens' final hidden states, added step by
-step as its prompt is computed (chunk by chunk, again after a preemption by recompute), and the embedding made
-from it at the end."""
+"""A pooling request's running pool: the sum of its pooled prompt tokens' final hidden states (a sequence
+classifier's: of their class logits), added step by step as its prompt is computed (chunk by chunk, again after a
+preemption by recompute), and the embedding (or the class probabilities) made from it at the end."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ class PooledPrompt:
     pooling_type: str  # params.POOLING_TYPES
     normalize: bool
     dimensions: int | None  # keep the first that many values (None: all)
-    total: np.ndarray | None = None  # (H,) float32 sum of the pooled tokens' final hidden states
+    # a classifier's: what turns its pooled class logits into probabilities (spec.CLASSIFIER_ACTIVATIONS); None:
+    # an embedding
+    activation: str | None = None
+    total: np.ndarray | None = None  # (H,) float32 sum of the pooled tokens' final hidden states ((labels,) logits)
     num_pooled: int = 0  # prompt positions added to `total`
 
     def positions(self, prompt_len: int) -> range:
@@ -37,6 +40,16 @@ class PooledPrompt:
         """Add one step's sum (H,) of the states of the next `count` positions to pool."""
         self.total = total.copy() if self.total is None else self.total + total
         self.num_pooled += count
+
+    def probs(self) -> list[float]:
+        """A classifier's class probabilities: the activation of its pooled class logits (their mean for MEAN)."""
+        logits = (self.total / max(self.num_pooled, 1)).astype(np.float64)  # (labels,)
+        if self.activation == "softmax":
+            exp = np.exp(logits - logits.max())
+            logits = exp / exp.sum()
+        elif self.activation == "sigmoid":
+            logits = 1.0 / (1.0 + np.exp(-logits))
+        return logits.astype(np.float32).tolist()
 
     def embedding(self) -> list[float]:
         """The embedding: the pooled states' mean (MEAN) or the one state, cut to `dimensions`, then L2-normalized

@@ -89,7 +89,8 @@ class ForwardStep:
     prompt_scored: tuple | None  # the prompt-logprob executable's outputs, when the step scored prompt tokens
     num_seqs: int  # real rows
     num_prompt_targets: int  # real prompt-logprob entries
-    pooled: jax.Array | None = None  # (R, H) float32 each row's sum of pooled states, when a row pooled
+    pooled: jax.Array | None = None  # (R, H) float32 each row's sum of pooled states ((R, labels) of a classifier's
+    # class logits), when a row pooled
 
 
 @dataclasses.dataclass
@@ -104,7 +105,8 @@ class PendingStep:
     num_seqs: int  # real rows
     num_prompt_targets: int  # real prompt-logprob entries
     logprobs_per_row: int = 1  # logprobs entries of each row: S in a verification, else 1
-    pooled: jax.Array | None = None  # (R, H) float32 each row's sum of pooled states, when a row pooled
+    pooled: jax.Array | None = None  # (R, H) float32 each row's sum of pooled states ((R, labels) of a classifier's
+    # class logits), when a row pooled
     ready: concurrent.futures.Future | None = None  # resolves to time.perf_counter() when the device is done
 
     def fetch(self) -> StepOutput:
@@ -179,6 +181,8 @@ class Runner:
         self.num_scheduler_steps = num_scheduler_steps
         self.num_speculative_tokens = num_speculative_tokens
         self.pooling = pooling  # the pooling buckets (embeddings) are built too
+        # a sequence classifier's head scores classes, not tokens: it only pools (no sampler, no verification)
+        self.generates = spec.classifier is None
         # the sampler buckets with a structured-output token bitmask are built too (else only those without)
         self.mask_widths = (0, bitmask_width(spec.vocab_size)) if structured_outputs else (0,)
         self._replicated = NamedSharding(mesh, P())
@@ -249,10 +253,13 @@ class Runner:
             logits = token_logits(params, hidden[prompt.token_index], spec)  # (Q, V) float32
             return raw_logprobs(logits, prompt.target_ids)
 
+        pooled_states = final_states if self.generates else token_logits  # a classifier pools its class logits
+
         def pool_packed(params, hidden, buffer, layout: Layout, num_rows: int):
-            """Each of the step's R rows' sum (R, H) float32 of the final states of the tokens it pools."""
+            """Each of the step's R rows' sum (R, H) float32 of the final states of the tokens it pools (a
+            classifier's: (R, labels) of their class logits, the score head being linear)."""
             token_rows = unpack(buffer, layout, PoolingBatch).token_rows  # (T,) row, or R: none
-            states = final_states(params, hidden, spec).astype(jnp.float32)  # (T, H)
+            states = pooled_states(params, hidden, spec).astype(jnp.float32)  # (T, H) or (T, labels)
             return jax.ops.segment_sum(states, token_rows, num_segments=num_rows + 1)[:num_rows]
 
         # Step functions of (params, caches, last tokens, packed inputs, layouts) -> (outputs, last tokens or
@@ -380,9 +387,11 @@ class Runner:
     def peak_activation_bytes(self, num_pages: int) -> int:
         """Per-device bytes the largest step needs beyond its inputs, from XLA's memory analysis of the
         largest forward bucket and then the larger of the largest sampler and verification buckets
-        (temporaries plus outputs that do not alias a donated input); compiled against an abstract pool of
-        `num_pages` pages, which they do not depend on."""
+        (temporaries plus outputs that do not alias a donated input; a classifier's: the largest pooling bucket);
+        compiled against an abstract pool of `num_pages` pages, which they do not depend on."""
         largest_forward = self.forward_call(self.ladders.tokens[-1], self.ladders.page_widths[-1], num_pages)
+        if not self.generates:
+            return activation_bytes(*largest_forward) + activation_bytes(*self.pooling_call(self.ladders.tokens[-1]))
         largest_samplers = [self.sampler_call(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
                                               self.mask_widths[-1])]
         if self.num_speculative_tokens:
@@ -397,11 +406,14 @@ class Runner:
         (T,) prompt-logprob shape, the (T, W) shapes of multi-step decodes (T up to the token rung holding
         max_num_seqs decodes), with speculative decoding the (T,) shapes that take the verified positions'
         hidden states out of a forward and the (R, P, M) shapes of the verification, and with pooling the (T,)
-        shapes that pool the rows' states, that the ladders allow."""
+        shapes that pool the rows' states, that the ladders allow (a classifier's: forward and pooling shapes
+        only)."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
         sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths, self.mask_widths))
         prompt = [(num_tokens,) for num_tokens in self.ladders.tokens]
         steps = verify_rows = verify = pool = []
+        if not self.generates:  # a classifier: the forward and the pooling alone
+            return forward, [], [], [], [], [], prompt
         if self.num_scheduler_steps > 1:
             steps = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1)]
         if self.num_speculative_tokens:
@@ -565,6 +577,9 @@ class Runner:
         speculative verification instead: the target's logits at each row's last token and proposals decide
         the row's accepted proposals and the token after them, (S, R) with -1 after a row's last token; a row
         without proposals samples its one token as the plain sampler would."""
+        if not self.generates:  # a classifier's rows pool and sample nothing: their placeholder samples are 0
+            return self._pending(np.zeros((step.num_seqs,), np.int32), None, step.prompt_scored, step.num_seqs,
+                                 step.num_prompt_targets, 1, step.pooled)
         words = put_global(pack(sampling)[0], self._replicated)
         key = (sampling.temperature.shape[0], *sampling.aux_token_ids.shape[1:], *sampling.token_bitmask.shape[1:])
         if proposals is None:

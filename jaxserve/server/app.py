@@ -92,6 +92,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     app.add_api_route("/score", embeddings.score, methods=["POST"], response_model=None, dependencies=guard)
     app.add_api_route("/rerank", embeddings.rerank, methods=["POST"], response_model=None, dependencies=guard)
     app.add_api_route("/v2/rerank", embeddings.rerank, methods=["POST"], response_model=None, dependencies=guard)
+    app.add_api_route("/classify", embeddings.classify, methods=["POST"], response_model=None, dependencies=guard)
+    app.add_api_route("/pooling", embeddings.pooling, methods=["POST"], response_model=None, dependencies=guard)
 
     @app.get("/health")
     async def health() -> Response:
@@ -249,7 +251,7 @@ class LoadTracking:
     streamed or not, has ended, however it ends."""
 
     PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/score", "/score",
-             "/v1/rerank", "/rerank", "/v2/rerank", "/invocations")
+             "/v1/rerank", "/rerank", "/v2/rerank", "/classify", "/pooling", "/invocations")
 
     def __init__(self, app, load: ServerLoad):
         self.app = app

@@ -1,6 +1,7 @@
 """The pooling routes of an engine started with runner pooling (jaxserve/pooling/): POST /v1/embeddings (OpenAI's
-Embeddings API, with vLLM's extras), and vLLM's score and rerank routes for an embedding model (cosine similarity
-of the texts' embeddings)."""
+Embeddings API, with vLLM's extras), vLLM's /classify (a sequence classifier's classes) and /pooling (either), and
+vLLM's score and rerank routes: for an embedding model the cosine similarity of the texts' embeddings, for a
+cross-encoder (a classifier of one label) its score of the two texts encoded together."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from jaxserve.engine.async_engine import RequestStream
+from jaxserve.engine.tokenizer import encode_text_pair
 from jaxserve.outputs import PoolingRequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.pooling.score import cosine_scores, score_pairs
@@ -34,15 +36,12 @@ class _PoolingFields(BaseModel):
     priority: int = 0
 
 
-class EmbeddingRequest(_PoolingFields):
-    """POST /v1/embeddings: OpenAI's fields and vLLM's extras (`add_special_tokens`, `normalize`)."""
+class _InputFields(_PoolingFields):
+    """What the routes that pool each of their inputs have: OpenAI's `input` and vLLM's `add_special_tokens`."""
 
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     add_special_tokens: bool = True  # text inputs are tokenized with the tokenizer's special tokens (BOS, ...)
-    normalize: bool | None = None  # None: the server's pooler decides
-    messages: Any = None  # vLLM's chat-shaped embedding request: refused
+    messages: Any = None  # vLLM's chat-shaped pooling request: refused
 
     def inputs(self) -> list[str | list[int]]:
         """Each input: a text or token ids."""
@@ -50,6 +49,27 @@ class EmbeddingRequest(_PoolingFields):
         if isinstance(value, str) or (value and isinstance(value[0], int)):
             return [value]
         return list(value)
+
+
+class EmbeddingRequest(_InputFields):
+    """POST /v1/embeddings: OpenAI's fields and vLLM's extras (`add_special_tokens`, `normalize`)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None  # None: the server's pooler decides
+
+
+class ClassificationRequest(_InputFields):
+    """POST /classify (vLLM's): each input's classes; `use_activation` false gives the raw logits."""
+
+    use_activation: bool | None = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    """POST /pooling (vLLM's): each input's pooled output, an embedding or a classifier's classes, as the model
+    gives."""
+
+    use_activation: bool | None = None
 
 
 class ScoreRequest(_PoolingFields):
@@ -74,16 +94,14 @@ class EmbeddingsServing:
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
         self.engine = serving.engine
+        self.classifier = serving.engine.engine.core.spec.classifier  # a sequence classifier's head, or None
 
     async def create(self, body: EmbeddingRequest, raw: Request) -> Response | dict:
         """POST /v1/embeddings: every input's embedding, in input order (OpenAI's `list` of `embedding`s), with the
         prompt tokens they took; a 400 naming the field for what the engine cannot serve."""
-        if body.messages is not None:
-            raise APIError(400, "messages: chat-shaped embedding requests are not supported; render the chat to "
-                                "text (POST /tokenize with messages) and send it as input", "messages")
         request_id = f"embd-{uuid.uuid4().hex}"
-        prompts = [self._prompt(text_or_ids, body) for text_or_ids in self._counted(body.inputs(), "input")]
-        outputs = await self._pool(request_id, prompts, body, raw, body.dimensions, body.normalize)
+        outputs = await self._pool(request_id, self._input_prompts(body), body, raw, "embed",
+                                   dimensions=body.dimensions, normalize=body.normalize)
         if outputs is None:
             return Response(status_code=499)
         data = [{"object": "embedding", "index": index, "embedding": _encoded(output.outputs.embedding,
@@ -92,9 +110,38 @@ class EmbeddingsServing:
         return {"id": request_id, "object": "list", "created": int(time.time()),
                 "model": self.serving.model_name(body), "data": data, "usage": _usage(outputs)}
 
+    async def classify(self, body: ClassificationRequest, raw: Request) -> Response | dict:
+        """POST /classify: every input's class probabilities (a sequence classifier's), in input order, with the
+        most probable class's label (vLLM's response)."""
+        request_id = f"classify-{uuid.uuid4().hex}"
+        outputs = await self._pool(request_id, self._input_prompts(body), body, raw, "classify",
+                                   use_activation=body.use_activation)
+        if outputs is None:
+            return Response(status_code=499)
+        labels = self.classifier.labels
+        data = [{"index": index, "label": labels[int(np.argmax(output.outputs.probs))], "probs": output.outputs.probs,
+                 "num_classes": output.outputs.num_classes} for index, output in enumerate(outputs)]
+        return {"id": request_id, "object": "list", "created": int(time.time()),
+                "model": self.serving.model_name(body), "data": data, "usage": _usage(outputs)}
+
+    async def pooling(self, body: PoolingRequest, raw: Request) -> Response | dict:
+        """POST /pooling: every input's pooled output as the model gives it (an embedding model's embedding, a
+        sequence classifier's class probabilities), in input order."""
+        request_id = f"pool-{uuid.uuid4().hex}"
+        task = "embed" if self.classifier is None else "classify"
+        outputs = await self._pool(request_id, self._input_prompts(body), body, raw, task, dimensions=body.dimensions,
+                                   normalize=body.normalize, use_activation=body.use_activation)
+        if outputs is None:
+            return Response(status_code=499)
+        vectors = [output.outputs.probs if self.classifier else output.outputs.embedding for output in outputs]
+        data = [{"index": index, "object": "pooling", "data": _encoded(vector, body.encoding_format)}
+                for index, vector in enumerate(vectors)]
+        return {"id": request_id, "object": "list", "created": int(time.time()),
+                "model": self.serving.model_name(body), "data": data, "usage": _usage(outputs)}
+
     async def score(self, body: ScoreRequest, raw: Request) -> Response | dict:
-        """POST /score, /v1/score: each pair's cosine similarity of the texts' embeddings (an embedding model's
-        score, as vLLM gives it), in pair order."""
+        """POST /score, /v1/score: each pair's score, in pair order: the cosine similarity of the texts'
+        embeddings (an embedding model), or a cross-encoder's score of the pair (vLLM's two kinds)."""
         first = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         second = self._counted([body.text_2] if isinstance(body.text_2, str) else body.text_2, "text_2")
         try:
@@ -102,13 +149,13 @@ class EmbeddingsServing:
         except ValueError as error:
             raise APIError(400, str(error), "text_1") from error
         request_id = f"score-{uuid.uuid4().hex}"
-        outputs = await self._pool(request_id, first + second, body, raw, normalize=True)
-        if outputs is None:
+        scored = await self._scored(request_id, first, second, pairs, body, raw)
+        if scored is None:
             return Response(status_code=499)
-        scores = self._scores(outputs, len(first), pairs)
+        scores, usage = scored
         data = [{"index": index, "object": "score", "score": score} for index, score in enumerate(scores)]
         return {"id": request_id, "object": "list", "created": int(time.time()),
-                "model": self.serving.model_name(body), "data": data, "usage": _usage(outputs)}
+                "model": self.serving.model_name(body), "data": data, "usage": usage}
 
     async def rerank(self, body: RerankRequest, raw: Request) -> Response | dict:
         """POST /rerank, /v1/rerank, /v2/rerank: the documents by their score against the query, best first."""
@@ -116,15 +163,15 @@ class EmbeddingsServing:
         if body.top_n < 0:
             raise APIError(400, f"top_n must be >= 0 (0: every document), got {body.top_n}", "top_n")
         request_id = f"rerank-{uuid.uuid4().hex}"
-        outputs = await self._pool(request_id, [body.query, *documents], body, raw, normalize=True)
-        if outputs is None:
+        scored = await self._scored(request_id, [body.query], documents, score_pairs(1, len(documents)), body, raw)
+        if scored is None:
             return Response(status_code=499)
-        scores = self._scores(outputs, 1, score_pairs(1, len(documents)))
+        scores, usage = scored
         ranked = sorted(range(len(documents)), key=lambda index: -scores[index])[: body.top_n or None]
         results = [{"index": index, "document": {"text": documents[index]}, "relevance_score": scores[index]}
                    for index in ranked]
         return {"id": request_id, "model": self.serving.model_name(body),
-                "usage": {"total_tokens": _usage(outputs)["total_tokens"]}, "results": results}
+                "usage": {"total_tokens": usage["total_tokens"]}, "results": results}
 
     def _counted(self, texts: list, field: str) -> list:
         """`texts`, or a 400 naming `field` unless there are 1 to max_prompts of them."""
@@ -133,29 +180,49 @@ class EmbeddingsServing:
             raise APIError(400, f"{field} must hold 1 to {limit} items, got {len(texts)}", field)
         return texts
 
-    @staticmethod
-    def _scores(outputs: list[PoolingRequestOutput], num_first: int, pairs: list[tuple[int, int]]) -> list[float]:
-        """The pairs' cosine similarities, from the first texts' outputs then the second texts'."""
+    async def _scored(self, request_id: str, first: list[str], second: list[str], pairs: list[tuple[int, int]],
+                      body: _PoolingFields, raw: Request) -> tuple[list[float], dict] | None:
+        """(each pair's score, the usage): a cross-encoder's of the pair's texts encoded together, else the cosine
+        similarity of the texts' normalized embeddings; None when the client leaves first."""
+        if self.classifier is not None:
+            try:
+                prompts = [encode_text_pair(self.serving.tokenizer, first[i], second[j]) for i, j in pairs]
+            except ValueError as error:
+                raise APIError(400, str(error), "text_1") from error
+            outputs = await self._pool(request_id, prompts, body, raw, "score")
+            return None if outputs is None else ([output.outputs.probs[0] for output in outputs], _usage(outputs))
+        outputs = await self._pool(request_id, first + second, body, raw, "embed", normalize=True)
+        if outputs is None:
+            return None
         vectors = [output.outputs.embedding for output in outputs]
-        return cosine_scores(vectors[:num_first], vectors[num_first:], pairs)
+        return cosine_scores(vectors[: len(first)], vectors[len(first):], pairs), _usage(outputs)
 
-    async def _pool(self, request_id: str, prompts: list, body: _PoolingFields, raw: Request,
-                    dimensions: int | None = None, normalize: bool | None = None) -> list[PoolingRequestOutput] | None:
-        """Embed every prompt as one request each (all queued, or none) and wait for them: their outputs in order,
-        or None when the client leaves first; a 400 naming the field for what the engine refuses."""
+    def _input_prompts(self, body: _InputFields) -> list[str | list[int]]:
+        """The inputs of a route that pools each (1 to max_prompts of them) as the engine takes them; a 400 for a
+        chat-shaped request."""
+        if body.messages is not None:
+            raise APIError(400, "messages: chat-shaped pooling requests are not supported; render the chat to text "
+                                "(POST /tokenize with messages) and send it as input", "messages")
+        return [self._prompt(text_or_ids, body) for text_or_ids in self._counted(body.inputs(), "input")]
+
+    async def _pool(self, request_id: str, prompts: list, body: _PoolingFields, raw: Request, task: str,
+                    **options) -> list[PoolingRequestOutput] | None:
+        """Pool every prompt for `task` (pooling/params.POOLING_TASKS) as one request each, with the PoolingParams
+        `options` (all queued, or none), and wait for them: their outputs in order, or None when the client leaves
+        first; a 400 naming the field for what the engine refuses."""
         serving = self.serving
         lora_name = serving.check_model(body.model)
         if body.priority != 0 and serving.scheduling_policy != "priority":
             raise APIError(400, "priority needs the server to run with --scheduling-policy priority", "priority")
         truncate = serving.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
         try:
-            params = PoolingParams(dimensions, normalize, truncate)
+            params = PoolingParams(truncate_prompt_tokens=truncate, **options)
         except ValueError as error:  # PoolingParams' messages start with the field they are about
             raise APIError(400, str(error), str(error).split()[0]) from error
-        streams = self._submit(request_id, prompts, params, body.priority, lora_name)
+        streams = self._submit(request_id, prompts, params, body.priority, lora_name, task)
         return await self._final_outputs(streams, raw)
 
-    def _prompt(self, text_or_ids: str | list[int], body: EmbeddingRequest) -> str | list[int]:
+    def _prompt(self, text_or_ids: str | list[int], body: _InputFields) -> str | list[int]:
         """An input as the engine takes it: token ids as they are; text as it is, or tokenized here without the
         special tokens when `add_special_tokens` is false."""
         if isinstance(text_or_ids, str) and not body.add_special_tokens and text_or_ids:
@@ -163,14 +230,17 @@ class EmbeddingsServing:
         return text_or_ids
 
     def _submit(self, request_id: str, prompts: list, params: PoolingParams, priority: int,
-                lora_name: str | None) -> list[RequestStream]:
+                lora_name: str | None, task: str) -> list[RequestStream]:
         """Validate every input, then queue them all (or none)."""
         try:
             made = [self.engine.make_pooling_requests(f"{request_id}-{i}", prompt, params, priority,
-                                                      lora_name=lora_name) for i, prompt in enumerate(prompts)]
-        except ValueError as error:  # the engine's runner, the input, or the dimensions
+                                                      lora_name=lora_name, task=task)
+                    for i, prompt in enumerate(prompts)]
+        except ValueError as error:  # the engine's runner or model, the input, or a field PoolingParams names
             message = str(error)
-            param = "dimensions" if message.startswith("dimensions") else ("model" if "runner" in message else "input")
+            field = message.split()[0].rstrip(":")
+            param = (field if field in ("dimensions", "normalize", "use_activation")
+                     else "model" if "runner" in message or "classifier" in message else "input")
             raise APIError(400, message, param) from error
         return self.serving.queue(request_id, made)
 
