@@ -152,4 +152,4 @@ def test_a_generate_server_says_how_to_serve_embeddings(openai_server):
     score = httpx.post(f"{url}/v1/score", headers=AUTH, json={"text_1": "a", "text_2": "b"})
     assert "--runner pooling" in _error(score, "model")
     classify = httpx.post(f"{url}/classify", headers=AUTH, json={"input": "a"})
-    assert "--runner pooling" in _error(classify, "model")
+    assert "classification needs a sequence classifier" in _error(classify, "model")

@@ -205,10 +205,6 @@ class LLMEngine:
         says (pooling/) and samples nothing: into an embedding (`task` embed) or, on a sequence classifier, into
         class probabilities (classify). ValueError on an engine not started with runner pooling, or for a task
         the model does not do."""
-        pooler = self.core.pooler
-        if pooler is None:
-            raise ValueError("embeddings need an engine started with runner pooling (--runner pooling); this one "
-                             "runs generate")
         classifier = self.core.spec.classifier
         if task != "embed" and classifier is None:
             raise ValueError(f"{'classification' if task == 'classify' else 'scoring a pair'} needs a sequence "
@@ -220,6 +216,10 @@ class LLMEngine:
         if task == "score" and classifier.num_labels != 1:
             raise ValueError(f"scoring a pair needs a cross-encoder (a classifier of one label); this model has "
                              f"{classifier.num_labels} labels: use classify")
+        pooler = self.core.pooler
+        if pooler is None:
+            raise ValueError("embeddings need an engine started with runner pooling (--runner pooling); this one "
+                             "runs generate")
         params = params or PoolingParams()
         params.check_task(task)
         check_dimensions(params.dimensions, self.core.matryoshka_dimensions)

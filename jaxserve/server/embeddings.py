@@ -107,8 +107,7 @@ class EmbeddingsServing:
         data = [{"object": "embedding", "index": index, "embedding": _encoded(output.outputs.embedding,
                                                                               body.encoding_format)}
                 for index, output in enumerate(outputs)]
-        return {"id": request_id, "object": "list", "created": int(time.time()),
-                "model": self.serving.model_name(body), "data": data, "usage": _usage(outputs)}
+        return self._listed(request_id, body, data, _usage(outputs))
 
     async def classify(self, body: ClassificationRequest, raw: Request) -> Response | dict:
         """POST /classify: every input's class probabilities (a sequence classifier's), in input order, with the
@@ -121,8 +120,7 @@ class EmbeddingsServing:
         labels = self.classifier.labels
         data = [{"index": index, "label": labels[int(np.argmax(output.outputs.probs))], "probs": output.outputs.probs,
                  "num_classes": output.outputs.num_classes} for index, output in enumerate(outputs)]
-        return {"id": request_id, "object": "list", "created": int(time.time()),
-                "model": self.serving.model_name(body), "data": data, "usage": _usage(outputs)}
+        return self._listed(request_id, body, data, _usage(outputs))
 
     async def pooling(self, body: PoolingRequest, raw: Request) -> Response | dict:
         """POST /pooling: every input's pooled output as the model gives it (an embedding model's embedding, a
@@ -136,8 +134,7 @@ class EmbeddingsServing:
         vectors = [output.outputs.probs if self.classifier else output.outputs.embedding for output in outputs]
         data = [{"index": index, "object": "pooling", "data": _encoded(vector, body.encoding_format)}
                 for index, vector in enumerate(vectors)]
-        return {"id": request_id, "object": "list", "created": int(time.time()),
-                "model": self.serving.model_name(body), "data": data, "usage": _usage(outputs)}
+        return self._listed(request_id, body, data, _usage(outputs))
 
     async def score(self, body: ScoreRequest, raw: Request) -> Response | dict:
         """POST /score, /v1/score: each pair's score, in pair order: the cosine similarity of the texts'
@@ -154,8 +151,7 @@ class EmbeddingsServing:
             return Response(status_code=499)
         scores, usage = scored
         data = [{"index": index, "object": "score", "score": score} for index, score in enumerate(scores)]
-        return {"id": request_id, "object": "list", "created": int(time.time()),
-                "model": self.serving.model_name(body), "data": data, "usage": usage}
+        return self._listed(request_id, body, data, usage)
 
     async def rerank(self, body: RerankRequest, raw: Request) -> Response | dict:
         """POST /rerank, /v1/rerank, /v2/rerank: the documents by their score against the query, best first."""
@@ -172,6 +168,11 @@ class EmbeddingsServing:
                    for index in ranked]
         return {"id": request_id, "model": self.serving.model_name(body),
                 "usage": {"total_tokens": usage["total_tokens"]}, "results": results}
+
+    def _listed(self, request_id: str, body: _PoolingFields, data: list[dict], usage: dict) -> dict:
+        """A pooling route's response: vLLM's (and OpenAI's) `list` object of `data`, with the `usage`."""
+        return {"id": request_id, "object": "list", "created": int(time.time()),
+                "model": self.serving.model_name(body), "data": data, "usage": usage}
 
     def _counted(self, texts: list, field: str) -> list:
         """`texts`, or a 400 naming `field` unless there are 1 to max_prompts of them."""
