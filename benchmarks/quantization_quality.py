@@ -4,7 +4,8 @@
 
 For each model and mode (int8 or fp8 weights, an fp8 KV cache with scale 1.0 or calibrated scales, fp8 weights
 and KV together, and the model written as a block-wise fp8 checkpoint, Qwen3-FP8's form, or as an int4 W4A16
-checkpoint, compressed-tensors' form, each served as stored: blocks or groups of 128, or of the largest power of
+checkpoint, compressed-tensors' form, symmetric or asymmetric (a zero point per group, W4A16_ASYM), each served as
+stored: blocks or groups of 128, or of the largest power of
 two dividing a smaller model's shapes), the next-token distribution at
 every position of a fixed prompt set (`bench/quality.py`: the bundled model gets six 100-token pieces of
 jaxserve's scheduler source, a test checkpoint its expected.json prompts) against the unquantized float32
@@ -54,14 +55,17 @@ def prompts_for(model: str) -> list[list[int]]:
 
 def checkpoint_runners(model: str, spec, folder: str) -> list[tuple]:
     """(each mode's name, its options, a scoring runner of `model` written into a folder under `folder` as a
-    block-wise fp8 checkpoint, and as an int4 one)."""
+    block-wise fp8 checkpoint, and as int4 ones, symmetric and asymmetric)."""
     size = math.gcd(128, spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim)
     write_fp8_block_checkpoint(model, os.path.join(folder, "fp8"), (size, size))
     write_int4_checkpoint(model, os.path.join(folder, "int4"), size)
+    write_int4_checkpoint(model, os.path.join(folder, "int4-asym"), size, symmetric=False)
     return [(f"fp8 checkpoint, {size}x{size} blocks", {"quantization": "fp8"},
              scoring_runner(os.path.join(folder, "fp8"))),
             (f"int4 checkpoint (W4A16), groups of {size}", {"quantization": "int4"},
-             scoring_runner(os.path.join(folder, "int4")))]
+             scoring_runner(os.path.join(folder, "int4"))),
+            (f"int4 checkpoint (W4A16_ASYM), groups of {size}", {"quantization": "int4"},
+             scoring_runner(os.path.join(folder, "int4-asym")))]
 
 
 def main() -> None:

@@ -13,6 +13,12 @@ Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test
   too) in compressed-tensors' pack-quantized W4A16 form (int4 packed eight to an int32, a scale per group of
   input columns), as llm-compressor writes it. Transformers reads it through compressed-tensors, which unpacks
   and dequantizes it (into transformers' fused experts too).
+- tests/fixtures/checkpoints/qwen3-int4-asym/ and qwen3-moe-int4-asym/: the same form asymmetric (a zero point per
+  group, `weight_zero_point` packed along the outputs: llm-compressor's W4A16_ASYM, which its AWQ writes).
+  Transformers 5.24 with compressed-tensors 0.20 cannot load this form (it makes the zero-point parameters in
+  their unpacked shape, (out, groups), and refuses the packed (out / 8, groups) that compressed-tensors' own
+  compressor writes), so the reference is the float model with each linear weight replaced by what
+  compressed-tensors' `PackedQuantizationCompressor.decompress` makes of the stored tensors, run by transformers.
 The embeddings, norms, routers and LM head stay as they were. Each folder gets expected.json (the source's
 prompts, greedy tokens, the smallest top-1 margin) and expected_logits.npy (each prompt's last-position logits)
 as the other checkpoints have. The block or group is the first of the candidates whose greedy tokens keep every
@@ -42,7 +48,9 @@ CHECKPOINTS = ROOT / "tests" / "fixtures" / "checkpoints"
 FIXTURES = {"qwen3-fp8-block": ("qwen3", "fp8", ((32, 32), (32, 64), (64, 32), (64, 64))),
             "qwen3-moe-fp8-block": ("qwen3-moe", "fp8", ((16, 16), (32, 16), (16, 32), (32, 32))),
             "llama-int4": ("llama", "int4", (16, 32, 8, 64)),
-            "qwen3-moe-int4": ("qwen3-moe", "int4", (16, 8, 32))}
+            "qwen3-moe-int4": ("qwen3-moe", "int4", (16, 8, 32)),
+            "qwen3-int4-asym": ("qwen3", "int4-asym", (16, 32, 8)),
+            "qwen3-moe-int4-asym": ("qwen3-moe", "int4-asym", (16, 8, 32))}
 
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
@@ -50,7 +58,8 @@ from make_test_checkpoints import MIN_MARGIN, reference_outputs  # noqa: E402
 
 from jaxserve.bench.quantized_checkpoint import write_fp8_block_checkpoint, write_int4_checkpoint  # noqa: E402
 
-WRITERS = {"fp8": write_fp8_block_checkpoint, "int4": write_int4_checkpoint}
+WRITERS = {"fp8": write_fp8_block_checkpoint, "int4": write_int4_checkpoint,
+           "int4-asym": lambda source, destination, group: write_int4_checkpoint(source, destination, group, False)}
 
 
 def make(name: str) -> None:
@@ -61,8 +70,11 @@ def make(name: str) -> None:
     prompts = json.loads((source / "expected.json").read_text())["prompts"]
     for block in candidates:
         WRITERS[form](str(source), str(destination), block)
-        model = AutoModelForCausalLM.from_pretrained(destination, local_files_only=True,
+        folder = source if form == "int4-asym" else destination
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
                                                      attn_implementation="eager", dtype=torch.float32).eval()
+        if form == "int4-asym":
+            decompress_into(model, destination, block)
         kinds = {type(module).__name__ for module in model.modules()}
         assert "FP8Linear" not in kinds, f"transformers kept fp8 layers ({kinds}): the reference must be dequantized"
         outputs, min_margin, logits = reference_outputs(model, prompts)
@@ -78,6 +90,38 @@ def make(name: str) -> None:
     np.save(destination / "expected_logits.npy", logits)
     size = (destination / "model.safetensors").stat().st_size
     print(f"wrote {destination} ({size / 1e3:.0f} KB), block {block}, min margin {min_margin:.4f}")
+
+
+def decompress_into(model: torch.nn.Module, folder: Path, group_size: int) -> None:
+    """Overwrite each quantized linear weight of `model` (the float source's, in transformers' layout) with
+    compressed-tensors' decompression of `folder`'s asymmetric int4 tensors."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+        num_bits=4, type="int", symmetric=False, strategy="group", group_size=group_size))
+    tensors = load_file(folder / "model.safetensors")
+    weights = {}
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        module = name[: -len("weight_packed")]
+        stored = {part: tensors[module + part] for part in ("weight_packed", "weight_scale", "weight_zero_point",
+                                                            "weight_shape")}
+        weights[module + "weight"] = PackedQuantizationCompressor.decompress(stored, scheme)["weight"]
+    fused = {}  # transformers' fused MoE experts: (E, 2 * I, H) gate_up_proj, (E, H, I) down_proj
+    for name, weight in weights.items():
+        if ".experts." not in name:
+            model.get_parameter(name).data.copy_(weight)
+            continue
+        prefix, rest = name.split(".experts.")
+        expert, projection = rest.split(".")[:2]
+        fused.setdefault(prefix, {}).setdefault(projection, {})[int(expert)] = weight
+    for prefix, projections in fused.items():
+        stacked = {p: torch.stack([e[i] for i in sorted(e)]) for p, e in projections.items()}
+        experts = model.get_submodule(prefix + ".experts")
+        experts.gate_up_proj.data.copy_(torch.cat([stacked["gate_proj"], stacked["up_proj"]], dim=1))
+        experts.down_proj.data.copy_(stacked["down_proj"])
+    model.config.quantization_config = None
 
 
 def main() -> None:

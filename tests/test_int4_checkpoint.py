@@ -3,6 +3,8 @@ eight to an int32, a scale per group of input columns) is served as it is stored
 device, and gives
 what Hugging Face transformers gives from the same folder (scripts/make_quantized_fixtures.py: compressed-tensors
 unpacks and dequantizes it); tensor parallelism splits the packed columns and the group scales together.
+The asymmetric form (llm-compressor's W4A16_ASYM: a zero point per group, packed along the outputs) gives what
+transformers gives from compressed-tensors' own decompression of the stored tensors.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from helpers import (
 )
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.quantized_checkpoint import quantize_int4
-from jaxserve.model.loader import PackedInt4, SafetensorsFolder, TensorMapping
+from jaxserve.model.loader import PackedInt4, SafetensorsFolder, TensorMapping, _group_zero_points
 from jaxserve.model.quantize import unpack_int4, weight_bytes
 from jaxserve.model.spec import ModelSpec
 
 NAME, MOE = "llama-int4", "qwen3-moe-int4"
+ASYMMETRIC, ASYMMETRIC_MOE = "qwen3-int4-asym", "qwen3-moe-int4-asym"
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 OPTIONS = small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_precompile=True)
 
@@ -110,7 +113,7 @@ def _int4_config(**weights) -> dict:
 
 
 @pytest.mark.parametrize("quantization_config, message", [
-    (_int4_config(symmetric=False), "asymmetric"),
+    (_int4_config(symmetric=False, strategy="channel"), "asymmetric \\(zero points\\) per channel"),
     ({**_int4_config(), "format": "naive-quantized"}, "format 'naive-quantized'"),
     (_int4_config(group_size=0), "group_size must be a positive integer"),
     ({**_int4_config(), "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group",
@@ -122,6 +125,62 @@ def _int4_config(**weights) -> dict:
 def test_int4_forms_jaxserve_does_not_read_are_refused(quantization_config, message):
     with pytest.raises(ValueError, match=message):
         ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_an_asymmetric_checkpoint_matches_hugging_face(tensor_parallel_size):
+    """qwen3 with a zero point per group of 16 (int8 (L, groups, out), split like the scales): alone, and over two
+    devices (the packed zero points read whole and split along the outputs, o_proj's and down_proj's groups)."""
+    llm = LLM(checkpoint(ASYMMETRIC), tensor_parallel_size=tensor_parallel_size, **OPTIONS)
+    spec = llm.engine.core.spec
+    assert spec.checkpoint_zero_points and spec.checkpoint_weight_block == (1, 16)
+    up = llm.engine.core.runner.params["layers"]["w_up"]
+    assert up["zero"].dtype == jnp.int8 and up["zero"].shape == up["scale"].shape == (2, 4, 128)
+    assert int(np.abs(np.asarray(up["zero"])).max()) > 0  # the zero points are not all 0: they are read
+    assert_serves_hf_outputs(llm, ASYMMETRIC)
+
+
+@pytest.mark.parametrize("tensor_parallel_size, enable_expert_parallel", [(1, False), (2, False), (2, True)])
+def test_an_asymmetric_mixture_of_experts_matches_hugging_face(tensor_parallel_size, enable_expert_parallel):
+    llm = LLM(checkpoint(ASYMMETRIC_MOE), tensor_parallel_size=tensor_parallel_size,
+              enable_expert_parallel=enable_expert_parallel, **OPTIONS)
+    down = llm.engine.core.runner.params["layers"]["w_down"]
+    assert down["zero"].shape == down["scale"].shape == (2, 8, 2, 64)  # (L, E, 32 inputs / 16, H)
+    assert_serves_hf_outputs(llm, ASYMMETRIC_MOE)
+
+
+def test_asymmetric_zero_points_unpack_as_written_and_updates_and_conversions_keep_them(tmp_path):
+    """The writer's zero points (packed eight output channels to a word) read back as written, and (q - zero) *
+    scale is the original within half a step; update_weights reads them anew, a converted folder keeps them."""
+    from jaxserve.model.checkpoint import convert
+
+    weight = np.random.default_rng(1).standard_normal((16, 32)).astype(np.float32) + 0.5  # skewed: zeros matter
+    packed = quantize_int4(weight, 16, symmetric=False)
+    assert packed["weight_zero_point"].shape == (2, 2)  # (16 outputs / 8, 2 groups)
+    source = PackedInt4(TensorMapping({"w." + key: value for key, value in packed.items()}))
+    zero = _group_zero_points(source, ("w.weight", 16, 32), "w.weight_zero_point", (1, 16))  # (groups, out)
+    assert zero.dtype == np.int8 and np.abs(zero).max() > 0
+    values = np.asarray(unpack_int4(jnp.asarray(source.get("w.weight").T), jnp.float32)).T  # (16, 32)
+    steps = np.repeat(packed["weight_scale"], 16, axis=1)  # (16, 32)
+    restored = (values - np.repeat(zero.T, 16, axis=1)) * steps
+    assert np.abs(restored - weight).max() <= steps.max() / 2 + 1e-6
+    with pytest.raises(ValueError, match="has shape \\(2, 2\\); .* need \\(1, 2\\)"):
+        _group_zero_points(source, ("w.weight", 8, 32), "w.weight_zero_point", (1, 16))
+    want = expected(ASYMMETRIC)
+    llm = LLM(checkpoint(ASYMMETRIC), **OPTIONS)
+    llm.update_weights(checkpoint_tensors(ASYMMETRIC, None))
+    assert [o.outputs[0].token_ids for o in llm.generate(_prompts(want), GREEDY, use_tqdm=False)] == want["outputs"]
+    convert(checkpoint(ASYMMETRIC), str(tmp_path / "converted"))
+    converted = LLM(str(tmp_path / "converted"), **OPTIONS)
+    assert converted.engine.core.runner.params["layers"]["wq"]["zero"].dtype == jnp.int8
+    outputs = converted.generate(_prompts(want), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]
+    os.makedirs(tmp_path / "missing")
+    tensors = checkpoint_tensors(ASYMMETRIC, str(tmp_path / "missing"))
+    del tensors["model.layers.1.mlp.up_proj.weight_zero_point"]
+    save_file(tensors, os.path.join(str(tmp_path / "missing"), "model.safetensors"))
+    with pytest.raises(ValueError, match="asymmetric int4 but the checkpoint has no .*up_proj.weight_zero_point"):
+        LLM(str(tmp_path / "missing"), **OPTIONS)
 
 
 def test_a_missing_scale_is_named(tmp_path):

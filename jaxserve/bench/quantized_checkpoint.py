@@ -10,7 +10,10 @@ are copied as they are, the LM head and MoE routers left in float.
   rounded to integers in [-8, 7] under a float32 `weight_scale` per group of `group_size` input columns (the
   group's largest magnitude over 7.5, compressed-tensors' symmetric range), packed eight to an int32
   (`weight_packed`, (out, in / 8): the first value in the lowest 4 bits, each stored plus 8), with its
-  `weight_shape`.
+  `weight_shape`. Asymmetric (`symmetric=False`, llm-compressor's W4A16_ASYM): each group's range from its
+  minimum to its maximum (widened to hold 0) over 15 levels, `weight = (q - zero) * scale` with the zero point
+  `round(-minimum / scale) - 8` clamped to [-8, 7], the zero points packed eight output channels to an int32
+  (`weight_zero_point`, (out / 8, groups), along the outputs as compressed-tensors packs them).
 """
 
 from __future__ import annotations
@@ -48,19 +51,34 @@ def quantize_blocks(weight: np.ndarray, block: tuple[int, int]) -> tuple[np.ndar
     return scaled.astype(ml_dtypes.float8_e4m3fn), scale
 
 
-def quantize_int4(weight: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
+def quantize_int4(weight: np.ndarray, group_size: int, symmetric: bool = True) -> dict[str, np.ndarray]:
     """{"weight_packed": int32 (out, in / 8), "weight_scale": float32 (out, in / group_size), "weight_shape":
-    int64 (2,)} of a float weight (out, in); `in` a multiple of the group size and of 8."""
+    int64 (2,)} of a float weight (out, in), and "weight_zero_point": int32 (out / 8, groups) unless `symmetric`;
+    `in` a multiple of the group size and of 8 (and `out` of 8 when asymmetric)."""
     out, inputs = weight.shape
-    if inputs % group_size or inputs % 8:
-        raise ValueError(f"{inputs} input columns are not a multiple of the group size {group_size} and of 8")
+    if inputs % group_size or inputs % 8 or (not symmetric and out % 8):
+        raise ValueError(f"a weight of {(out, inputs)} does not pack in groups of {group_size}")
     groups = weight.astype(np.float32).reshape(out, inputs // group_size, group_size)
-    absmax = np.abs(groups).max(axis=2)  # (out, groups)
-    scale = np.where(absmax > 0, absmax / np.float32(7.5), np.float32(1.0)).astype(np.float32)
-    values = np.clip(np.round(groups / scale[:, :, None]), *INT4_RANGE).astype(np.int64).reshape(out, inputs)
-    nibbles = (values + 8).reshape(out, inputs // 8, 8)  # (out, words, 8) in 0..15
-    words = (nibbles << (4 * np.arange(8))).sum(axis=2).astype(np.uint32).view(np.int32)  # (out, in / 8)
-    return {"weight_packed": words, "weight_scale": scale, "weight_shape": np.array([out, inputs], np.int64)}
+    zero = np.zeros(groups.shape[:2], np.int64)  # (out, groups)
+    if symmetric:
+        absmax = np.abs(groups).max(axis=2)  # (out, groups)
+        scale = np.where(absmax > 0, absmax / np.float32(7.5), np.float32(1.0)).astype(np.float32)
+    else:
+        low, high = np.minimum(groups.min(axis=2), 0), np.maximum(groups.max(axis=2), 0)  # (out, groups)
+        scale = np.where(high > low, (high - low) / np.float32(15), np.float32(1.0)).astype(np.float32)
+        zero = np.clip(np.round(-low / scale) - 8, *INT4_RANGE).astype(np.int64)
+    values = np.clip(np.round(groups / scale[:, :, None]) + zero[:, :, None], *INT4_RANGE).astype(np.int64)
+    tensors = {"weight_packed": _packed_rows(values.reshape(out, inputs)), "weight_scale": scale,
+               "weight_shape": np.array([out, inputs], np.int64)}
+    return tensors if symmetric else {**tensors, "weight_zero_point": _packed_rows(zero.T).T}  # packed along out
+
+
+def _packed_rows(values: np.ndarray) -> np.ndarray:
+    """int4 values (rows, columns) in [-8, 7] packed eight columns to an int32 (rows, columns / 8): the first value
+    in the lowest 4 bits, each stored plus 8."""
+    rows, columns = values.shape
+    nibbles = (values + 8).reshape(rows, columns // 8, 8)  # (rows, words, 8) in 0..15
+    return (nibbles << (4 * np.arange(8))).sum(axis=2).astype(np.uint32).view(np.int32)
 
 
 def write_fp8_block_checkpoint(source: str, destination: str, block: tuple[int, int]) -> None:
@@ -77,17 +95,17 @@ def write_fp8_block_checkpoint(source: str, destination: str, block: tuple[int, 
     _write(source, destination, quantize, describe)
 
 
-def write_int4_checkpoint(source: str, destination: str, group_size: int) -> None:
+def write_int4_checkpoint(source: str, destination: str, group_size: int, symmetric: bool = True) -> None:
     """`source`'s checkpoint in `destination` with its decoder linear weights in compressed-tensors' int4
-    pack-quantized form, a scale per `group_size` input columns, and config.json's quantization_config saying
-    so."""
+    pack-quantized form, a scale (and unless `symmetric`, a zero point) per `group_size` input columns, and
+    config.json's quantization_config saying so."""
     def quantize(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
         module = name[: -len("weight")]  # "model.layers.0.mlp.up_proj."
-        return {module + part: array for part, array in quantize_int4(weight, group_size).items()}
+        return {module + part: array for part, array in quantize_int4(weight, group_size, symmetric).items()}
 
     def describe(config: dict) -> dict:
-        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group_size,
-                   "dynamic": False, "observer": "minmax"}
+        weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group",
+                   "group_size": group_size, "dynamic": False, "observer": "minmax"}
         return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
                                               "output_activations": None}},

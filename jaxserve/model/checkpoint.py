@@ -166,9 +166,11 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
                          f"over {mesh.devices.size} devices needs {num_cache_kv_heads}: convert with "
                          f"--tensor-parallel-size {mesh.devices.size}")
     specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
-    if metadata["quantization"] != "none":  # an fp8 checkpoint's block-wise scales were converted grouped
-        grouped = metadata["quantization"] == spec.checkpoint_quantization and spec.checkpoint_weight_block is not None
-        specs = quantized_partition_specs(specs, quantizable_leaves(spec), grouped)
+    if metadata["quantization"] != "none":  # a checkpoint's block-wise scales (and zero points) were converted grouped
+        as_stored = metadata["quantization"] == spec.checkpoint_quantization
+        grouped = as_stored and spec.checkpoint_weight_block is not None
+        specs = quantized_partition_specs(specs, quantizable_leaves(spec), grouped,
+                                          as_stored and spec.checkpoint_zero_points)
     if metadata.get("kv_cache_dtype") == "fp8":
         specs = fp8.with_scale_leaves(specs, fp8.SCALE_SPEC)
     checkpointer = ocp.StandardCheckpointer()

@@ -24,18 +24,19 @@ from jaxserve.model.quantize import linear
 
 
 class QuantizedWeight(nnx.Module):
-    """A quantized projection (model/quantize.py): int8 or float8_e4m3fn `weight` (..., in, out) and its float32
-    `scale` (..., out)."""
+    """A quantized projection (model/quantize.py): int8, float8_e4m3fn or packed int4 `weight` (..., in, out), its
+    float32 `scale` (..., out) or grouped (..., groups, out), and an asymmetric int4 checkpoint's `zero` points."""
 
-    def __init__(self, weight: jax.Array, scale: jax.Array):
+    def __init__(self, weight: jax.Array, scale: jax.Array, zero: jax.Array | None = None):
         self.weight = nnx.Param(weight)
         self.scale = nnx.Param(scale)
+        self.zero = None if zero is None else nnx.Param(zero)
 
 
 def projection(value: jax.Array | dict) -> nnx.Param | QuantizedWeight:
-    """A projection's params leaf as NNX state: a Param, or a QuantizedWeight for {weight, scale}."""
+    """A projection's params leaf as NNX state: a Param, or a QuantizedWeight for {weight, scale[, zero]}."""
     if isinstance(value, dict):
-        return QuantizedWeight(value["weight"], value["scale"])
+        return QuantizedWeight(value["weight"], value["scale"], value.get("zero"))
     return nnx.Param(value)
 
 
@@ -47,7 +48,8 @@ def optional_param(params: dict, name: str) -> nnx.Param | None:
 def weight_value(weight: nnx.Param | QuantizedWeight) -> jax.Array | dict:
     """A projection's array, or a quantized one's {weight, scale} arrays (what model/quantize.py's `linear` takes)."""
     if isinstance(weight, QuantizedWeight):
-        return {"weight": weight.weight[...], "scale": weight.scale[...]}
+        arrays = {"weight": weight.weight[...], "scale": weight.scale[...]}
+        return arrays if weight.zero is None else {**arrays, "zero": weight.zero[...]}
     return weight[...]
 
 

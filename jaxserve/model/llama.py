@@ -11,7 +11,8 @@ Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`
     layers/q_norm, k_norm (L, D)   Qwen3 only
     layers/w_gate, w_up (L, H, I)  layers/w_down (L, I, H)
 Under weight quantization (model/quantize.py) each of wq, wk, wv, wo, w_gate, w_up, w_down is
-{"weight": the same shape in int8 or float8_e4m3fn, "scale": (L, out) float32}.
+{"weight": the same shape in int8 or float8_e4m3fn, "scale": (L, out) float32} (model/quantize.py: a checkpoint's
+block or group scales, int4 weights, zero points).
 Under an fp8 KV cache (kv/fp8.py): layers/k_scale, v_scale (L, Hkv) float32.
 Serving LoRA adapters (model/lora.py): layers/lora/{wq, ..., w_down}/{a (L, S, in, R), b (L, S, R, out)}.
 """

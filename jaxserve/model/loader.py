@@ -9,7 +9,7 @@ import glob
 import json
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -287,51 +287,57 @@ def _load_one(folder: TensorSource, name: str, layout: _Layout, sharding, dtype,
 def _load_quantized(folder: TensorSource, names: list[str], layout: _Layout, sharding, spec: ModelSpec,
                     into: dict | None = None) -> dict:
     """A quantized leaf (model/quantize.py) from an fp8 or int4 checkpoint's weights and their scales (one per
-    output channel, (out, 1), or per tensor; or grouped, one per block of `spec.checkpoint_weight_block`), KV heads
-    repeated like the weights, a layer's experts (a list of names) stacked, each stack filled one layer at a time;
-    written over `into`'s when given."""
+    output channel, (out, 1), or per tensor; or grouped, one per block of `spec.checkpoint_weight_block`) and zero
+    points (asymmetric int4 groups), KV heads repeated like the weights, a layer's experts (a list of names)
+    stacked, each stack filled one layer at a time; written over `into`'s when given."""
+    into = into or {}
     dtype = WEIGHT_DTYPES[spec.checkpoint_quantization]
-    weight = _load_stacked(folder, names, layout, sharding, dtype, (into or {}).get("weight"))
+    weight = _load_stacked(folder, names, layout, sharding, dtype, into.get("weight"))
     block = spec.checkpoint_weight_block
     spec_of_scale = quantized_spec(sharding.spec, grouped=block is not None)["scale"]
-    scales = _Scales(folder, spec)
+    scales = _PerWeight(folder, spec, _block_scale if block else _channel_scale, spec.checkpoint_scale_suffix)
     if block:  # the groups axis of (L, [E,] groups, out)
         first = names[0][0] if isinstance(names[0], list) else names[0]
         group_axis = weight.ndim - 2
         _check_groups_split_evenly(first, scales.shape(first)[0], block, sharding.mesh,
                                    spec_of_scale[group_axis] if group_axis < len(spec_of_scale) else None)
     scale_layout = _Layout(False, layout.kv_repeat, layout.head_dim)  # KV heads' channels repeated as the weight's
-    scale = _load_stacked(scales, names, scale_layout, NamedSharding(sharding.mesh, spec_of_scale), jnp.float32,
-                          (into or {}).get("scale"))
-    return {"weight": weight, "scale": scale}
+    scale_sharding = NamedSharding(sharding.mesh, spec_of_scale)
+    leaf = {"weight": weight, "scale": _load_stacked(scales, names, scale_layout, scale_sharding, jnp.float32,
+                                                     into.get("scale"))}
+    if spec.checkpoint_zero_points:  # shaped and split like the grouped scales
+        zeros = _PerWeight(folder, spec, _group_zero_points, "_zero_point")
+        leaf["zero"] = _load_stacked(zeros, names, scale_layout, scale_sharding, jnp.int8, into.get("zero"))
+    return leaf
 
 
-class _Scales:
-    """A quantized checkpoint's scales as a TensorSource by their weights' names (so they load one layer at a time,
-    as the weights do): a weight's scale tensor as (out,) per channel, or under a block as grouped scales
-    (groups, out); the last one read is kept for the shape and shard reads that follow it."""
+class _PerWeight:
+    """What a quantized checkpoint stores beside each weight (its scales, or its zero points: the tensor named the
+    weight's name + `suffix`, made per-output-channel or grouped by `read`) as a TensorSource by the weights' names,
+    so they load one layer at a time, as the weights do; the last one read is kept for the shape and shard reads
+    that follow it."""
 
-    def __init__(self, folder: TensorSource, spec: ModelSpec):
-        self.folder, self.spec = folder, spec
+    def __init__(self, folder: TensorSource, spec: ModelSpec, read: Callable, suffix: str):
+        self.folder, self.spec, self.read, self.suffix = folder, spec, read, suffix
         self._last: tuple[str, np.ndarray] | None = None
 
     def _read(self, name: str) -> np.ndarray:
         if self._last is None or self._last[0] != name:
             num_out, stored_in = self.folder.shape(name)  # a Linear weight (out, in), int4's two inputs to a byte
             num_in = stored_in * (INT4_PER_BYTE if self.spec.checkpoint_quantization == "int4" else 1)
-            read = _block_scale if self.spec.checkpoint_weight_block else _channel_scale
-            scale_name = name + self.spec.checkpoint_scale_suffix
-            self._last = name, read(self.folder, (name, num_out, num_in), scale_name, self.spec.checkpoint_weight_block)
+            values = self.read(self.folder, (name, num_out, num_in), name + self.suffix,
+                               self.spec.checkpoint_weight_block)
+            self._last = name, values
         return self._last[1]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """A weight's scale shape."""
+        """The shape of what a weight has."""
         return self._read(name).shape
 
     def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """A weight's scales, or only their `index` part."""
-        scale = self._read(name)
-        return scale if index is None else scale[index]
+        """What a weight has, or only its `index` part."""
+        values = self._read(name)
+        return values if index is None else values[index]
 
 
 def _channel_scale(folder: TensorSource, weight: tuple[str, int, int], scale_name: str, _) -> np.ndarray:
@@ -359,6 +365,23 @@ def _block_scale(folder: TensorSource, weight: tuple[str, int, int], scale_name:
         raise ValueError(f"{scale_name} has shape {stored.shape}; blocks of {block} over {name}'s "
                          f"{(num_out, num_in)} need {(-(-num_out // rows), num_in // columns)}")
     return np.repeat(stored, rows, axis=0)[:num_out].T  # (groups, out)
+
+
+def _group_zero_points(folder: TensorSource, weight: tuple[str, int, int], zero_name: str,
+                       block: tuple[int, int]) -> np.ndarray:
+    """(in // group size, out) int8 in [-8, 7]: an asymmetric int4 weight's zero points, stored int32 (out / 8,
+    groups), eight output channels' values to a word from the lowest bits up, each plus 8 (compressed-tensors packs
+    them along the outputs)."""
+    name, num_out, num_in = weight
+    if zero_name not in folder:
+        raise ValueError(f"{name} is asymmetric int4 but the checkpoint has no {zero_name}")
+    groups = num_in // block[1]
+    words = np.ascontiguousarray(folder.get(zero_name), dtype="<i4")  # (ceil(out / 8), groups)
+    if words.shape != (-(-num_out // 8), groups):
+        raise ValueError(f"{zero_name} has shape {words.shape}; {name}'s {num_out} output channels in {groups} "
+                         f"groups need {(-(-num_out // 8), groups)}")
+    nibbles = (words[:, None, :] >> (4 * np.arange(8))[None, :, None]) & 0xF  # (out / 8, 8, groups)
+    return (nibbles.reshape(-1, groups)[:num_out] - 8).astype(np.int8).T  # (groups, out)
 
 
 def _check_groups_split_evenly(name: str, groups: int, block: tuple[int, int], mesh: Mesh, axes) -> None:

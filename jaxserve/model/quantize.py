@@ -11,10 +11,12 @@ embeddings, the LM head and the norms stay as loaded.
 A quantized checkpoint is served as it is stored (model/loader.py): fp8 weights with a scale per channel or per
 tensor like the above, or with block-wise scales (model/spec.py's `checkpoint_weight_block`, DeepSeek's and
 Qwen3-FP8's form), and int4 weights (compressed-tensors W4A16) with a scale per channel or per group of input
-columns. int4 weights are kept two to a byte, uint8 (..., in / 2, out): input rows 2i and 2i + 1 in the low and
-high nibble of row i, each stored plus 8 (the checkpoint's own packing, read as bytes), and unpacked where a
-matmul reads them (`unpack_int4`: shifts and masks, no sub-byte dtype, whose layouts XLA's CPU executables
-compiled ahead of time do not accept). Block and group scales are "grouped", (..., in // block columns, out),
+columns, and for asymmetric groups (llm-compressor's W4A16_ASYM, its AWQ's form) a zero point per group:
+`{"weight", "scale", "zero": (..., groups, out) int8}`, the weight standing for (q - zero) * scale. int4 weights
+are kept two to a byte, uint8 (..., in / 2, out): input rows 2i and 2i + 1 in the low and high nibble of row i,
+each stored plus 8 (the checkpoint's own packing, read as bytes), and unpacked where a matmul reads them
+(`unpack_int4`: shifts and masks, no sub-byte dtype, whose layouts XLA's CPU executables compiled ahead of time
+do not accept). Block and group scales are "grouped", (..., in // block columns, out),
 one per output channel and group of input rows (a block's scale repeated over its output channels), so they are
 sharded exactly like the weight. Such a matmul dequantizes the weight operand group by group (`dequantize`)
 before the product: the activations stay in their dtype (weight-only, unlike vLLM's block fp8 kernels, which
@@ -48,14 +50,16 @@ def quantize_weight(weight: jax.Array, mode: str) -> dict:
     return {"weight": quantized, "scale": scale}
 
 
-def quantized_shapes(weight: jax.ShapeDtypeStruct, mode: str, block_columns: int | None) -> dict:
+def quantized_shapes(weight: jax.ShapeDtypeStruct, mode: str, block_columns: int | None,
+                     zero_points: bool = False) -> dict:
     """The shapes of a quantized weight standing for a float one (..., in, out): its scale (..., out), or grouped
-    (..., in // block_columns, out) under a block."""
+    (..., in // block_columns, out) under a block, and its zero points shaped like grouped scales."""
     *lead, rows, out = weight.shape
     scale = (*lead, rows // block_columns, out) if block_columns else (*lead, out)
     stored = (*lead, rows // INT4_PER_BYTE, out) if mode == "int4" else weight.shape
-    return {"weight": jax.ShapeDtypeStruct(stored, WEIGHT_DTYPES[mode]),
-            "scale": jax.ShapeDtypeStruct(scale, jnp.float32)}
+    shapes = {"weight": jax.ShapeDtypeStruct(stored, WEIGHT_DTYPES[mode]),
+              "scale": jax.ShapeDtypeStruct(scale, jnp.float32)}
+    return {**shapes, "zero": jax.ShapeDtypeStruct(scale, jnp.int8)} if zero_points else shapes
 
 
 def unpack_int4(packed: jax.Array, dtype) -> jax.Array:
@@ -78,15 +82,18 @@ def is_grouped(weight: dict) -> bool:
 
 
 def dequantize(weight: dict, dtype) -> jax.Array:
-    """The float weight (..., in, out) a quantized one stands for."""
+    """The float weight (..., in, out) a quantized one stands for: values times scale, less the zero point first
+    when it has them."""
     values = weight_values(weight, jnp.float32)  # (..., in, out)
     scale = weight["scale"]  # (..., out) or grouped (..., G, out)
     if not is_grouped(weight):
         return (values * scale[..., None, :]).astype(dtype)
     *lead, rows, out = values.shape
     groups = scale.shape[-2]
-    grouped = values.reshape(*lead, groups, rows // groups, out) * scale[..., :, None, :]  # (..., G, in / G, out)
-    return grouped.reshape(values.shape).astype(dtype)
+    grouped = values.reshape(*lead, groups, rows // groups, out)  # (..., G, in / G, out)
+    if "zero" in weight:  # (..., G, out) int8
+        grouped = grouped - weight["zero"][..., :, None, :].astype(jnp.float32)
+    return (grouped * scale[..., :, None, :]).reshape(values.shape).astype(dtype)
 
 
 def linear(x: jax.Array, weight) -> jax.Array:
@@ -100,16 +107,19 @@ def linear(x: jax.Array, weight) -> jax.Array:
     return (product * weight["scale"]).astype(x.dtype)
 
 
-def quantized_spec(spec: P, grouped: bool = False) -> dict:
+def quantized_spec(spec: P, grouped: bool = False, zero_points: bool = False) -> dict:
     """The PartitionSpecs of a quantized weight whose float form has `spec` (..., in, out): the weight keeps it; a
-    scale (..., out) drops the input axis, a grouped one (..., groups, out) keeps it too."""
-    return {"weight": spec, "scale": spec if grouped else P(*spec[: len(spec) - 2], *spec[len(spec) - 1 :])}
+    scale (..., out) drops the input axis, a grouped one (..., groups, out) keeps it too, as zero points do."""
+    specs = {"weight": spec, "scale": spec if grouped else P(*spec[: len(spec) - 2], *spec[len(spec) - 1 :])}
+    return {**specs, "zero": specs["scale"]} if zero_points else specs
 
 
-def quantized_partition_specs(specs: dict, leaves: tuple[str, ...], grouped: bool = False) -> dict:
+def quantized_partition_specs(specs: dict, leaves: tuple[str, ...], grouped: bool = False,
+                              zero_points: bool = False) -> dict:
     """A params PartitionSpec tree (model/registry.py) for the params with the layer `leaves` quantized (with
-    grouped scales when `grouped`)."""
-    layers = {name: quantized_spec(spec, grouped) if name in leaves else spec for name, spec in specs["layers"].items()}
+    grouped scales when `grouped`, and zero points)."""
+    layers = {name: quantized_spec(spec, grouped, zero_points) if name in leaves else spec
+              for name, spec in specs["layers"].items()}
     return {**specs, "layers": layers}
 
 

@@ -151,6 +151,8 @@ class ModelSpec:
     checkpoint_quantization: str = "none"
     checkpoint_weight_block: tuple[int, int] | None = None
     checkpoint_scale_suffix: str = "_scale"
+    # int4 groups that are asymmetric: each group's zero point too, `weight_zero_point` (llm-compressor's W4A16_ASYM)
+    checkpoint_zero_points: bool = False
     # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
     # expert split like a dense MLP: EngineConfig.enable_expert_parallel, vLLM's flag (model/moe_llama.py).
     expert_parallel: bool = False
@@ -293,18 +295,18 @@ def parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
 
 
 def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
-    """The ModelSpec fields (checkpoint_quantization, checkpoint_weight_block, checkpoint_scale_suffix) of the
-    quantized checkpoint forms jaxserve reads, lm_head left alone: 8-bit float linear weights with a scale per output
-    channel, per tensor or per block; symmetric 4-bit integer weights (compressed-tensors pack-quantized) with a
-    scale per output channel or per group. "none" without a quantization_config; a ValueError naming any other
-    form."""
+    """The ModelSpec fields (checkpoint_quantization, checkpoint_weight_block, checkpoint_scale_suffix,
+    checkpoint_zero_points) of the quantized checkpoint forms jaxserve reads, lm_head left alone: 8-bit float linear
+    weights with a scale per output channel, per tensor or per block; 4-bit integer weights (compressed-tensors
+    pack-quantized) with a scale per output channel or per group, or asymmetric with a scale and a zero point per
+    group. "none" without a quantization_config; a ValueError naming any other form."""
     if not quantization_config:
         return {"checkpoint_quantization": "none"}
     method = quantization_config.get("quant_method")
     supported = ("jaxserve reads fp8 checkpoints whose linear weights are 8-bit floats with a scale per output "
                  "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8), and int4 "
-                 "ones (compressed-tensors pack-quantized, symmetric, a scale per channel or group, 16-bit "
-                 "activations: W4A16)")
+                 "ones (compressed-tensors pack-quantized, a scale per channel or group, or asymmetric with a zero "
+                 "point per group; 16-bit activations: W4A16)")
     if method == "fp8":
         kept = [name for name in quantization_config.get("modules_to_not_convert") or [] if not _stays_float(name)]
         if kept:
@@ -317,17 +319,18 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
                 "checkpoint_scale_suffix": "_scale_inv"}  # DeepSeek's name; it multiplies the weight all the same
     if method != "compressed-tensors":
         raise ValueError(f"quantization_config quant_method {method!r} is not supported: {supported}")
-    forms = set()  # (quantization, block) of each group
+    forms = set()  # (quantization, block, zero points) of each group
     for name, group in (quantization_config.get("config_groups") or {}).items():
         weights = group.get("weights") or {}
         form = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
         if form == ("float", 8, "block"):
             where = f"compressed-tensors group {name!r} block_structure"
-            forms.add(("fp8", _block(weights.get("block_structure"), where)))
+            forms.add(("fp8", _block(weights.get("block_structure"), where), False))
         elif form in (("float", 8, "channel"), ("float", 8, "tensor")):
-            forms.add(("fp8", None))
+            forms.add(("fp8", None, False))
         elif form in (("int", 4, "group"), ("int", 4, "channel")):
-            forms.add(("int4", _int4_group(quantization_config, name, group, supported)))
+            block = _int4_group(quantization_config, name, group, supported)
+            forms.add(("int4", block, not weights.get("symmetric", True)))
         else:
             raise ValueError(f"compressed-tensors group {name!r} has weights {weights}: {supported}")
     ignored = [name for name in quantization_config.get("ignore") or [] if not _stays_float(name)]
@@ -336,8 +339,9 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
                          f"({sorted(ignored)[:4]}): {supported}")
     if len(forms) > 1:
         raise ValueError(f"compressed-tensors groups mix block sizes or strategies: {supported} with one form")
-    quantization, block = forms.pop() if forms else ("fp8", None)
-    return {"checkpoint_quantization": quantization, "checkpoint_weight_block": block}
+    quantization, block, zero_points = forms.pop() if forms else ("fp8", None, False)
+    return {"checkpoint_quantization": quantization, "checkpoint_weight_block": block,
+            "checkpoint_zero_points": zero_points}
 
 
 def _int4_group(quantization_config: dict, name: str, group: dict, supported: str) -> tuple[int, int] | None:
@@ -347,8 +351,8 @@ def _int4_group(quantization_config: dict, name: str, group: dict, supported: st
     if quantization_config.get("format") != "pack-quantized":
         raise ValueError(f"compressed-tensors int4 weights in format {quantization_config.get('format')!r}: "
                          f"{supported}")
-    if not weights.get("symmetric", True):
-        raise ValueError(f"compressed-tensors group {name!r} is asymmetric (zero points): {supported}")
+    if not weights.get("symmetric", True) and weights.get("strategy") != "group":
+        raise ValueError(f"compressed-tensors group {name!r} is asymmetric (zero points) per channel: {supported}")
     if group.get("input_activations"):
         raise ValueError(f"compressed-tensors group {name!r} quantizes the activations too: {supported}")
     if weights.get("strategy") == "channel":
