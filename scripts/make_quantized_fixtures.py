@@ -19,6 +19,10 @@ Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test
   their unpacked shape, (out, groups), and refuses the packed (out / 8, groups) that compressed-tensors' own
   compressor writes), so the reference is the float model with each linear weight replaced by what
   compressed-tensors' `PackedQuantizationCompressor.decompress` makes of the stored tensors, run by transformers.
+- tests/fixtures/checkpoints/qwen2-awq/: `qwen2` (Qwen2.5's architecture) in AutoAWQ's GEMM form (`qweight`,
+  `qzeros`, `scales`; quant_method awq), as the published -AWQ checkpoints are. Transformers reads AWQ only through
+  gptqmodel (a CUDA build), so the reference is compressed-tensors' own AutoAWQ converter
+  (`AutoAWQConverter.process`) followed by the decompression above.
 The embeddings, norms, routers and LM head stay as they were. Each folder gets expected.json (the source's
 prompts, greedy tokens, the smallest top-1 margin) and expected_logits.npy (each prompt's last-position logits)
 as the other checkpoints have. The block or group is the first of the candidates whose greedy tokens keep every
@@ -50,16 +54,20 @@ FIXTURES = {"qwen3-fp8-block": ("qwen3", "fp8", ((32, 32), (32, 64), (64, 32), (
             "llama-int4": ("llama", "int4", (16, 32, 8, 64)),
             "qwen3-moe-int4": ("qwen3-moe", "int4", (16, 8, 32)),
             "qwen3-int4-asym": ("qwen3", "int4-asym", (16, 32, 8)),
-            "qwen3-moe-int4-asym": ("qwen3-moe", "int4-asym", (16, 8, 32))}
+            "qwen3-moe-int4-asym": ("qwen3-moe", "int4-asym", (16, 8, 32)),
+            "qwen2-awq": ("qwen2", "awq", (16, 32, 8))}
 
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 from make_test_checkpoints import MIN_MARGIN, reference_outputs  # noqa: E402
 
-from jaxserve.bench.quantized_checkpoint import write_fp8_block_checkpoint, write_int4_checkpoint  # noqa: E402
+from jaxserve.bench.quantized_checkpoint import (  # noqa: E402
+    write_awq_checkpoint, write_fp8_block_checkpoint, write_int4_checkpoint,
+)
 
 WRITERS = {"fp8": write_fp8_block_checkpoint, "int4": write_int4_checkpoint,
-           "int4-asym": lambda source, destination, group: write_int4_checkpoint(source, destination, group, False)}
+           "int4-asym": lambda source, destination, group: write_int4_checkpoint(source, destination, group, False),
+           "awq": write_awq_checkpoint}
 
 
 def make(name: str) -> None:
@@ -70,11 +78,11 @@ def make(name: str) -> None:
     prompts = json.loads((source / "expected.json").read_text())["prompts"]
     for block in candidates:
         WRITERS[form](str(source), str(destination), block)
-        folder = source if form == "int4-asym" else destination
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
+        decompressed = form in ("int4-asym", "awq")
+        model = AutoModelForCausalLM.from_pretrained(source if decompressed else destination, local_files_only=True,
                                                      attn_implementation="eager", dtype=torch.float32).eval()
-        if form == "int4-asym":
-            decompress_into(model, destination, block)
+        if decompressed:
+            decompress_into(model, stored_tensors(destination, form, block), block)
         kinds = {type(module).__name__ for module in model.modules()}
         assert "FP8Linear" not in kinds, f"transformers kept fp8 layers ({kinds}): the reference must be dequantized"
         outputs, min_margin, logits = reference_outputs(model, prompts)
@@ -92,21 +100,33 @@ def make(name: str) -> None:
     print(f"wrote {destination} ({size / 1e3:.0f} KB), block {block}, min margin {min_margin:.4f}")
 
 
-def decompress_into(model: torch.nn.Module, folder: Path, group_size: int) -> None:
+def stored_tensors(folder: Path, form: str, group_size: int) -> dict[str, torch.Tensor]:
+    """`folder`'s tensors in compressed-tensors' asymmetric int4 form: as stored, or an AWQ checkpoint's through
+    compressed-tensors' AutoAWQ converter."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(folder / "model.safetensors")
+    if form != "awq":
+        return tensors
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    return AutoAWQConverter(group_size=group_size).process(tensors)
+
+
+def decompress_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], group_size: int) -> None:
     """Overwrite each quantized linear weight of `model` (the float source's, in transformers' layout) with
-    compressed-tensors' decompression of `folder`'s asymmetric int4 tensors."""
+    compressed-tensors' decompression of asymmetric int4 `tensors`."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from safetensors.torch import load_file
 
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
         num_bits=4, type="int", symmetric=False, strategy="group", group_size=group_size))
-    tensors = load_file(folder / "model.safetensors")
     weights = {}
     for name in [n for n in tensors if n.endswith(".weight_packed")]:
         module = name[: -len("weight_packed")]
         stored = {part: tensors[module + part] for part in ("weight_packed", "weight_scale", "weight_zero_point",
                                                             "weight_shape")}
+        stored["weight_scale"] = stored["weight_scale"].float()  # AWQ's float16 scales: dequantize in float32
         weights[module + "weight"] = PackedQuantizationCompressor.decompress(stored, scheme)["weight"]
     fused = {}  # transformers' fused MoE experts: (E, 2 * I, H) gate_up_proj, (E, H, I) down_proj
     for name, weight in weights.items():

@@ -4,7 +4,9 @@ device, and gives
 what Hugging Face transformers gives from the same folder (scripts/make_quantized_fixtures.py: compressed-tensors
 unpacks and dequantizes it); tensor parallelism splits the packed columns and the group scales together.
 The asymmetric form (llm-compressor's W4A16_ASYM: a zero point per group, packed along the outputs) gives what
-transformers gives from compressed-tensors' own decompression of the stored tensors.
+transformers gives from compressed-tensors' own decompression of the stored tensors, and so does AutoAWQ's GEMM
+form (read through the AwqGemm view as the asymmetric form; the reference converts it with compressed-tensors'
+own AutoAWQ converter first).
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ from helpers import (
     tiny_llama_config,
 )
 from jaxserve import LLM, SamplingParams
-from jaxserve.bench.quantized_checkpoint import quantize_int4
-from jaxserve.model.loader import PackedInt4, SafetensorsFolder, TensorMapping, _group_zero_points
+from jaxserve.bench.quantized_checkpoint import quantize_awq, quantize_int4
+from jaxserve.model.loader import AwqGemm, PackedInt4, SafetensorsFolder, TensorMapping, _group_zero_points
 from jaxserve.model.quantize import unpack_int4, weight_bytes
 from jaxserve.model.spec import ModelSpec
 
 NAME, MOE = "llama-int4", "qwen3-moe-int4"
-ASYMMETRIC, ASYMMETRIC_MOE = "qwen3-int4-asym", "qwen3-moe-int4-asym"
+ASYMMETRIC, ASYMMETRIC_MOE, AWQ = "qwen3-int4-asym", "qwen3-moe-int4-asym", "qwen2-awq"
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 OPTIONS = small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_precompile=True)
 
@@ -181,6 +183,48 @@ def test_asymmetric_zero_points_unpack_as_written_and_updates_and_conversions_ke
     save_file(tensors, os.path.join(str(tmp_path / "missing"), "model.safetensors"))
     with pytest.raises(ValueError, match="asymmetric int4 but the checkpoint has no .*up_proj.weight_zero_point"):
         LLM(str(tmp_path / "missing"), **OPTIONS)
+
+
+@pytest.mark.parametrize("tensor_parallel_size", [1, 4])
+def test_an_awq_checkpoint_matches_hugging_face(tensor_parallel_size):
+    """qwen2 (Qwen2.5's architecture, q/k/v biases in float) in AutoAWQ's GEMM form, groups of 16: alone, and over
+    four devices (the 2 KV heads repeated to 4 with their scales and zero points)."""
+    llm = LLM(checkpoint(AWQ), tensor_parallel_size=tensor_parallel_size, **OPTIONS)
+    spec = llm.engine.core.spec
+    assert (spec.checkpoint_int4_format, spec.checkpoint_zero_points, spec.checkpoint_weight_block) == ("awq", True,
+                                                                                                      (1, 16))
+    wk = llm.engine.core.runner.params["layers"]["wk"]  # KV heads' columns: their zero points repeated as theirs
+    assert wk["zero"].shape == wk["scale"].shape == (2, 4, wk["weight"].shape[-1])
+    assert_serves_hf_outputs(llm, AWQ)
+
+
+def test_the_awq_view_reads_awq_tensors_as_the_asymmetric_form():
+    """AWQ's words (packed along the outputs in AWQ's order, unsigned) read as compressed-tensors' asymmetric form of
+    the same weight: the same packed bytes (any slice) and zero points, the float16 scales as float32."""
+    weight = np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32) + 0.3
+    awq, asymmetric = quantize_awq(weight, 16), quantize_int4(weight, 16, symmetric=False)
+    assert awq["qweight"].shape == (64, 4) and awq["qzeros"].shape == (4, 4) and awq["scales"].dtype == np.float16
+    view = AwqGemm(TensorMapping({"x." + key: value for key, value in awq.items()}))
+    assert np.array_equal(view.get("x.weight_packed"), asymmetric["weight_packed"])
+    assert np.array_equal(view.get("x.weight_packed", (slice(3, 19), slice(1, 5))),
+                          asymmetric["weight_packed"][3:19, 1:5])
+    assert np.array_equal(view.get("x.weight_zero_point"), asymmetric["weight_zero_point"])
+    assert np.array_equal(view.get("x.weight_scale"), asymmetric["weight_scale"].astype(np.float16).astype(np.float32))
+    assert list(view.get("x.weight_shape")) == [32, 64] and "x.weight_zero_point" in view and "x.bias" not in view
+    assert PackedInt4(view).shape("x.weight") == (32, 32)
+
+
+@pytest.mark.parametrize("quantization_config, message", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv'"),
+    ({"quant_method": "awq", "bits": 8, "group_size": 128}, "AWQ bits 8"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False}, "zero_point false"),
+    ({"quant_method": "awq", "bits": 4, "group_size": -1}, "group_size must be a positive integer"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "modules_to_not_convert": ["visual"]},
+     "modules_to_not_convert lists layers"),
+])
+def test_awq_settings_jaxserve_does_not_read_are_refused(quantization_config, message):
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))
 
 
 def test_a_missing_scale_is_named(tmp_path):

@@ -14,6 +14,8 @@ are copied as they are, the LM head and MoE routers left in float.
   minimum to its maximum (widened to hold 0) over 15 levels, `weight = (q - zero) * scale` with the zero point
   `round(-minimum / scale) - 8` clamped to [-8, 7], the zero points packed eight output channels to an int32
   (`weight_zero_point`, (out / 8, groups), along the outputs as compressed-tensors packs them).
+- AWQ (`write_awq_checkpoint`, AutoAWQ's GEMM form): the asymmetric groups above as unsigned values, `qweight`
+  (in, out / 8) and `qzeros` (groups, out / 8) packed along the outputs in AWQ's order, float16 `scales`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxserve.model.loader import SafetensorsFolder
+from jaxserve.model.loader import AWQ_ORDER, SafetensorsFolder, pack_int4_rows
 
 FP8_MAX = 448.0
 INT4_RANGE = (-8, 7)
@@ -55,6 +57,30 @@ def quantize_int4(weight: np.ndarray, group_size: int, symmetric: bool = True) -
     """{"weight_packed": int32 (out, in / 8), "weight_scale": float32 (out, in / group_size), "weight_shape":
     int64 (2,)} of a float weight (out, in), and "weight_zero_point": int32 (out / 8, groups) unless `symmetric`;
     `in` a multiple of the group size and of 8 (and `out` of 8 when asymmetric)."""
+    values, scale, zero = _int4_groups(weight, group_size, symmetric)
+    tensors = {"weight_packed": pack_int4_rows(values + 8), "weight_scale": scale,
+               "weight_shape": np.array(weight.shape, np.int64)}
+    return tensors if symmetric else {**tensors, "weight_zero_point": pack_int4_rows(zero.T + 8).T}  # along out
+
+
+def quantize_awq(weight: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
+    """AutoAWQ's GEMM tensors of a float weight (out, in), asymmetric in groups of `group_size` inputs:
+    {"qweight": int32 (in, out / 8), "qzeros": int32 (groups, out / 8), "scales": float16 (groups, out)}, unsigned
+    values packed along the outputs in AWQ's order (model/loader.py's AWQ_ORDER); the values rounded under the
+    float32 scales, which are then stored in float16 as AWQ keeps them."""
+    values, scale, zero = _int4_groups(weight, group_size, symmetric=False)
+
+    def packed(unsigned: np.ndarray) -> np.ndarray:  # (rows, columns) -> (rows, columns / 8) in AWQ's order
+        rows, columns = unsigned.shape
+        return pack_int4_rows(unsigned.reshape(rows, columns // 8, 8)[:, :, list(AWQ_ORDER)].reshape(rows, columns))
+
+    return {"qweight": packed(values.T + 8), "qzeros": packed(zero.T + 8), "scales": scale.T.astype(np.float16)}
+
+
+def _int4_groups(weight: np.ndarray, group_size: int, symmetric: bool) -> tuple[np.ndarray, ...]:
+    """(values int64 (out, in) in [-8, 7], scales float32 (out, groups), zero points int64 (out, groups), all 0
+    when `symmetric`) of a float weight (out, in) rounded to nearest per group of `group_size` inputs: a
+    symmetric group's largest magnitude over 7.5, an asymmetric one's range (widened to hold 0) over 15 levels."""
     out, inputs = weight.shape
     if inputs % group_size or inputs % 8 or (not symmetric and out % 8):
         raise ValueError(f"a weight of {(out, inputs)} does not pack in groups of {group_size}")
@@ -68,17 +94,7 @@ def quantize_int4(weight: np.ndarray, group_size: int, symmetric: bool = True) -
         scale = np.where(high > low, (high - low) / np.float32(15), np.float32(1.0)).astype(np.float32)
         zero = np.clip(np.round(-low / scale) - 8, *INT4_RANGE).astype(np.int64)
     values = np.clip(np.round(groups / scale[:, :, None]) + zero[:, :, None], *INT4_RANGE).astype(np.int64)
-    tensors = {"weight_packed": _packed_rows(values.reshape(out, inputs)), "weight_scale": scale,
-               "weight_shape": np.array([out, inputs], np.int64)}
-    return tensors if symmetric else {**tensors, "weight_zero_point": _packed_rows(zero.T).T}  # packed along out
-
-
-def _packed_rows(values: np.ndarray) -> np.ndarray:
-    """int4 values (rows, columns) in [-8, 7] packed eight columns to an int32 (rows, columns / 8): the first value
-    in the lowest 4 bits, each stored plus 8."""
-    rows, columns = values.shape
-    nibbles = (values + 8).reshape(rows, columns // 8, 8)  # (rows, words, 8) in 0..15
-    return (nibbles << (4 * np.arange(8))).sum(axis=2).astype(np.uint32).view(np.int32)
+    return values.reshape(out, inputs), scale, zero
 
 
 def write_fp8_block_checkpoint(source: str, destination: str, block: tuple[int, int]) -> None:
@@ -91,6 +107,20 @@ def write_fp8_block_checkpoint(source: str, destination: str, block: tuple[int, 
     def describe(config: dict) -> dict:
         return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block),
                 "modules_to_not_convert": ["lm_head", *_routers(config)]}
+
+    _write(source, destination, quantize, describe)
+
+
+def write_awq_checkpoint(source: str, destination: str, group_size: int) -> None:
+    """`source`'s checkpoint in `destination` with its decoder linear weights in AutoAWQ's GEMM form (4 bits, a
+    scale and a zero point per `group_size` input rows) and config.json's quantization_config saying so."""
+    def quantize(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+        module = name[: -len("weight")]  # "model.layers.0.mlp.up_proj."
+        return {module + part: array for part, array in quantize_awq(weight, group_size).items()}
+
+    def describe(config: dict) -> dict:
+        return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+                "modules_to_not_convert": _routers(config) or None}
 
     _write(source, destination, quantize, describe)
 

@@ -159,14 +159,85 @@ class PackedInt4:
         return words.view(np.uint8)[:, start - 4 * first: stop - 4 * first]  # (r, stop - start) little-endian
 
 
-TensorSource = SafetensorsFolder | TensorMapping | PackedInt4
+class AwqGemm:
+    """A view of an AutoAWQ GEMM checkpoint (or of its arrays) as a compressed-tensors asymmetric one, which
+    `PackedInt4` then reads: a linear layer X's `X.qweight` int32 (in, out / 8), `X.qzeros` int32 (groups, out / 8)
+    (eight 4-bit unsigned values to a word along the outputs, in AWQ's order: output column AWQ_ORDER[k] of each
+    eight in bits 4k..4k + 3) and `X.scales` (groups, out) read as `X.weight_packed` bytes, `X.weight_scale`
+    (out, groups) and `X.weight_zero_point` words (out / 8, groups) packed along the outputs in order. An unsigned
+    value u is the signed q = u - 8 stored plus 8, so (u - zero) * scale is (q - (zero - 8)) * scale: the same
+    nibbles serve. Every other name reads as stored."""
+
+    def __init__(self, source: "SafetensorsFolder | TensorMapping"):
+        self.source = source
+
+    def _module(self, name: str, part: str) -> str | None:
+        """The module whose AWQ tensor `name` reads when it is the module's `part` and the checkpoint has that
+        tensor, else None."""
+        module = name.removesuffix(part)
+        return module if module != name and module + _AWQ_PARTS[part] in self.source else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.source or any(self._module(name, part) for part in _AWQ_PARTS)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape: a weight's packed words (out, in / 8), as compressed-tensors stores them."""
+        module = self._module(name, ".weight_packed")
+        if module is None:
+            return self.get(name).shape if any(self._module(name, part) for part in _AWQ_PARTS) \
+                else self.source.shape(name)
+        rows, words = self.source.shape(module + ".qweight")
+        return words * 8, rows // 8
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """One tensor, or only its `index` part (of a weight's packed words: only the AWQ words that hold it)."""
+        if (module := self._module(name, ".weight_packed")) is not None:
+            out, words = self.shape(name)
+            rows, columns = index or (slice(None), slice(None))
+            (first, last), (start, stop) = rows.indices(out)[:2], columns.indices(words)[:2]
+            stored = self.source.get(module + ".qweight", (slice(8 * start, 8 * stop), slice(first // 8,
+                                                                                           -(-last // 8))))
+            values = _awq_columns(stored)[:, first - 8 * (first // 8): last - 8 * (first // 8)]  # (in, out)
+            return pack_int4_rows(values.T)  # (out, in / 8) words
+        if (module := self._module(name, ".weight_scale")) is not None:
+            return self.source.get(module + ".scales").astype(np.float32).T  # (out, groups)
+        if (module := self._module(name, ".weight_zero_point")) is not None:
+            return pack_int4_rows(_awq_columns(self.source.get(module + ".qzeros"))).T  # (out / 8, groups)
+        if (module := self._module(name, ".weight_shape")) is not None:
+            return np.array(self.shape(module + ".weight_packed"), np.int64) * (1, 8)
+        return self.source.get(name, index)
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's word: bits 4k..4k + 3 hold output column AWQ_ORDER[k] of its eight
+# what the view reads -> the AWQ tensor it reads it from
+_AWQ_PARTS = {".weight_packed": ".qweight", ".weight_scale": ".scales", ".weight_zero_point": ".qzeros",
+              ".weight_shape": ".qweight"}
+
+
+def _awq_columns(words: np.ndarray) -> np.ndarray:
+    """Unsigned 4-bit values (rows, 8 * words) of AWQ words (rows, words), in column order."""
+    nibbles = (np.asarray(words, "<i4")[:, :, None] >> (4 * np.arange(8))) & 0xF  # (rows, words, 8) in bit order
+    return nibbles[:, :, np.argsort(AWQ_ORDER)].reshape(words.shape[0], -1)
+
+
+def pack_int4_rows(values: np.ndarray) -> np.ndarray:
+    """Unsigned 4-bit values (rows, columns) packed eight columns to an int32 (rows, columns / 8), the first in the
+    lowest bits (compressed-tensors' packing of signed values stored plus 8)."""
+    rows, columns = values.shape
+    nibbles = values.astype(np.uint32).reshape(rows, columns // 8, 8) << (4 * np.arange(8, dtype=np.uint32))
+    return np.bitwise_or.reduce(nibbles, axis=2).view(np.int32)
+
+
+TensorSource = SafetensorsFolder | TensorMapping | PackedInt4 | AwqGemm
 
 
 def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
     """The tensors of a checkpoint folder or of arrays by name, as the served model reads them (an int4
-    checkpoint's packed weights as bytes, `PackedInt4`)."""
+    checkpoint's packed weights as bytes, `PackedInt4`, over an AWQ one's as compressed-tensors', `AwqGemm`)."""
     source = SafetensorsFolder(source) if isinstance(source, str) else source
-    return PackedInt4(source) if spec.checkpoint_quantization == "int4" else source
+    if spec.checkpoint_quantization != "int4":
+        return source
+    return PackedInt4(AwqGemm(source) if spec.checkpoint_int4_format == "awq" else source)
 
 
 def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int,

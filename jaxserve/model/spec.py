@@ -153,6 +153,9 @@ class ModelSpec:
     checkpoint_scale_suffix: str = "_scale"
     # int4 groups that are asymmetric: each group's zero point too, `weight_zero_point` (llm-compressor's W4A16_ASYM)
     checkpoint_zero_points: bool = False
+    # how int4 weights are stored: "pack-quantized" (compressed-tensors') or "awq" (AutoAWQ's GEMM tensors
+    # `qweight`, `qzeros`, `scales`, read through model/loader.py's AwqGemm view as the former)
+    checkpoint_int4_format: str = "pack-quantized"
     # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
     # expert split like a dense MLP: EngineConfig.enable_expert_parallel, vLLM's flag (model/moe_llama.py).
     expert_parallel: bool = False
@@ -296,17 +299,18 @@ def parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
 
 def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
     """The ModelSpec fields (checkpoint_quantization, checkpoint_weight_block, checkpoint_scale_suffix,
-    checkpoint_zero_points) of the quantized checkpoint forms jaxserve reads, lm_head left alone: 8-bit float linear
-    weights with a scale per output channel, per tensor or per block; 4-bit integer weights (compressed-tensors
-    pack-quantized) with a scale per output channel or per group, or asymmetric with a scale and a zero point per
-    group. "none" without a quantization_config; a ValueError naming any other form."""
+    checkpoint_zero_points, checkpoint_int4_format) of the quantized checkpoint forms jaxserve reads, lm_head left
+    alone: 8-bit float linear weights with a scale per output channel, per tensor or per block; 4-bit integer
+    weights (compressed-tensors pack-quantized) with a scale per output channel or per group, or asymmetric with a
+    scale and a zero point per group, as AutoAWQ's GEMM checkpoints also store them. "none" without a
+    quantization_config; a ValueError naming any other form."""
     if not quantization_config:
         return {"checkpoint_quantization": "none"}
     method = quantization_config.get("quant_method")
     supported = ("jaxserve reads fp8 checkpoints whose linear weights are 8-bit floats with a scale per output "
                  "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8), and int4 "
                  "ones (compressed-tensors pack-quantized, a scale per channel or group, or asymmetric with a zero "
-                 "point per group; 16-bit activations: W4A16)")
+                 "point per group; 16-bit activations: W4A16; or AutoAWQ's GEMM form)")
     if method == "fp8":
         kept = [name for name in quantization_config.get("modules_to_not_convert") or [] if not _stays_float(name)]
         if kept:
@@ -317,6 +321,8 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
             return {"checkpoint_quantization": "fp8"}
         return {"checkpoint_quantization": "fp8", "checkpoint_weight_block": _block(block, "weight_block_size"),
                 "checkpoint_scale_suffix": "_scale_inv"}  # DeepSeek's name; it multiplies the weight all the same
+    if method == "awq":
+        return _awq_fields(quantization_config, supported)
     if method != "compressed-tensors":
         raise ValueError(f"quantization_config quant_method {method!r} is not supported: {supported}")
     forms = set()  # (quantization, block, zero points) of each group
@@ -342,6 +348,27 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
     quantization, block, zero_points = forms.pop() if forms else ("fp8", None, False)
     return {"checkpoint_quantization": quantization, "checkpoint_weight_block": block,
             "checkpoint_zero_points": zero_points}
+
+
+def _awq_fields(quantization_config: dict, supported: str) -> dict:
+    """The fields of an AutoAWQ checkpoint: 4-bit weights with a scale and a zero point per group of `group_size`
+    input rows, in the GEMM layout; a ValueError for its other versions and settings."""
+    version = str(quantization_config.get("version", "gemm")).lower()
+    size = quantization_config.get("group_size")
+    if version != "gemm":
+        raise ValueError(f"AWQ version {version!r}: jaxserve reads AutoAWQ's GEMM checkpoints ({supported})")
+    if quantization_config.get("bits", quantization_config.get("w_bit", 4)) != 4:
+        raise ValueError(f"AWQ bits {quantization_config.get('bits')!r}: jaxserve reads 4-bit AWQ weights")
+    if not quantization_config.get("zero_point", True):
+        raise ValueError("AWQ zero_point false (symmetric AWQ) is not read: jaxserve reads AWQ with zero points")
+    if not _positive_int(size):
+        raise ValueError(f"AWQ group_size must be a positive integer, got {size!r}")
+    kept = [name for name in quantization_config.get("modules_to_not_convert") or [] if not _stays_float(name)]
+    if kept:
+        raise ValueError(f"AWQ modules_to_not_convert lists layers other than lm_head and the routers "
+                         f"({sorted(kept)[:4]}): {supported}")
+    return {"checkpoint_quantization": "int4", "checkpoint_weight_block": (1, size), "checkpoint_zero_points": True,
+            "checkpoint_int4_format": "awq"}
 
 
 def _int4_group(quantization_config: dict, name: str, group: dict, supported: str) -> tuple[int, int] | None:
