@@ -19,7 +19,8 @@ Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test
   their unpacked shape, (out, groups), and refuses the packed (out / 8, groups) that compressed-tensors' own
   compressor writes), so the reference is the float model with each linear weight replaced by what
   compressed-tensors' `PackedQuantizationCompressor.decompress` makes of the stored tensors, run by transformers.
-- tests/fixtures/checkpoints/qwen2-awq/: `qwen2` (Qwen2.5's architecture) in AutoAWQ's GEMM form (`qweight`,
+- tests/fixtures/checkpoints/qwen2-awq/ and qwen3-moe-awq/: `qwen2` (Qwen2.5's architecture) and `qwen3-moe`
+  (each expert's projections) in AutoAWQ's GEMM form (`qweight`,
   `qzeros`, `scales`; quant_method awq), as the published -AWQ checkpoints are. Transformers reads AWQ only through
   gptqmodel (a CUDA build), so the reference is compressed-tensors' own AutoAWQ converter
   (`AutoAWQConverter.process`) followed by the decompression above.
@@ -55,7 +56,8 @@ FIXTURES = {"qwen3-fp8-block": ("qwen3", "fp8", ((32, 32), (32, 64), (64, 32), (
             "qwen3-moe-int4": ("qwen3-moe", "int4", (16, 8, 32)),
             "qwen3-int4-asym": ("qwen3", "int4-asym", (16, 32, 8)),
             "qwen3-moe-int4-asym": ("qwen3-moe", "int4-asym", (16, 8, 32)),
-            "qwen2-awq": ("qwen2", "awq", (16, 32, 8))}
+            "qwen2-awq": ("qwen2", "awq", (16, 32, 8)),
+            "qwen3-moe-awq": ("qwen3-moe", "awq", (16, 8, 32))}
 
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))

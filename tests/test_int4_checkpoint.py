@@ -34,7 +34,7 @@ from jaxserve.model.quantize import unpack_int4, weight_bytes
 from jaxserve.model.spec import ModelSpec
 
 NAME, MOE = "llama-int4", "qwen3-moe-int4"
-ASYMMETRIC, ASYMMETRIC_MOE, AWQ = "qwen3-int4-asym", "qwen3-moe-int4-asym", "qwen2-awq"
+ASYMMETRIC, ASYMMETRIC_MOE, AWQ, AWQ_MOE = "qwen3-int4-asym", "qwen3-moe-int4-asym", "qwen2-awq", "qwen3-moe-awq"
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 OPTIONS = small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_precompile=True)
 
@@ -196,6 +196,13 @@ def test_an_awq_checkpoint_matches_hugging_face(tensor_parallel_size):
     wk = llm.engine.core.runner.params["layers"]["wk"]  # KV heads' columns: their zero points repeated as theirs
     assert wk["zero"].shape == wk["scale"].shape == (2, 4, wk["weight"].shape[-1])
     assert_serves_hf_outputs(llm, AWQ)
+
+
+def test_an_awq_mixture_of_experts_matches_hugging_face():
+    """Every expert's projections in AWQ's form, the experts split over two devices by their inner size."""
+    llm = LLM(checkpoint(AWQ_MOE), tensor_parallel_size=2, **OPTIONS)
+    assert llm.engine.core.runner.params["layers"]["w_up"]["zero"].shape == (2, 8, 4, 32)  # (L, E, 64 / 16, I)
+    assert_serves_hf_outputs(llm, AWQ_MOE)
 
 
 def test_the_awq_view_reads_awq_tensors_as_the_asymmetric_form():

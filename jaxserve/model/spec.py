@@ -18,8 +18,6 @@ LLAMA_FAMILY = (  # the architectures model/llama.py serves
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 CLASSIFIER_SUFFIX = "ForSequenceClassification"  # XForSequenceClassification: XForCausalLM's body under a score head
-# What a classifier's pooled logits become (vLLM's rule, after transformers' loss for the config's problem_type):
-CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "identity")
 # a sentence-transformers cross-encoder's activation (config.json `sentence_transformers.activation_fn` or
 # `sbert_ce_default_activation_function`) -> ours
 _CROSS_ENCODER_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
@@ -69,7 +67,7 @@ class ClassifierHead:
     the final hidden state of the last prompt token, in place of the LM head."""
 
     labels: tuple[str, ...]  # each class's name (config.json's id2label, in id order)
-    activation: str  # CLASSIFIER_ACTIVATIONS: what classification applies to the logits
+    activation: str  # softmax, sigmoid or identity: what classification applies to the logits
     score_activation: str  # what scoring a text pair (a cross-encoder) applies to its one logit
 
     @property

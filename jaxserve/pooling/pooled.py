@@ -16,7 +16,7 @@ class PooledPrompt:
     pooling_type: str  # params.POOLING_TYPES
     normalize: bool
     dimensions: int | None  # keep the first that many values (None: all)
-    # a classifier's: what turns its pooled class logits into probabilities (spec.CLASSIFIER_ACTIVATIONS); None:
+    # a classifier's: what turns its pooled class logits into probabilities (softmax, sigmoid or identity); None:
     # an embedding
     activation: str | None = None
     total: np.ndarray | None = None  # (H,) float32 sum of the pooled tokens' final hidden states ((labels,) logits)
