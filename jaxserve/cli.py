@@ -25,6 +25,7 @@ from jaxserve.config import (
     VALID_QUANTIZATIONS,
     VALID_REASONING_PARSERS,
     VALID_RUNNERS,
+    VALID_TOOL_CALL_PARSERS,
     EngineConfig,
 )
 from jaxserve.engine.llm_engine import DEFAULT_MODEL_NAME, LLMEngine
@@ -199,7 +200,7 @@ def _json_strings(value: str) -> list[str]:
 def _tool_call_parser(args: argparse.Namespace) -> str | None:
     """The tool call parser of `serve`'s flags; ValueError for --enable-auto-tool-choice without one."""
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(VALID_TOOL_CALL_PARSERS)})")
     return args.tool_call_parser
 
 
@@ -288,9 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="stream every N tokens (vLLM's option): larger values cost less host work per token")
     srv.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                      help="serve GET /tokenizer_info (the tokenizer's configuration and chat template)")
-    srv.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"],
+    srv.add_argument("--tool-call-parser", choices=list(VALID_TOOL_CALL_PARSERS),
                      help="how tool calls are found in the model's text for tool_choice \"auto\": hermes (Hermes, "
-                          "Qwen 2.5 / 3) or llama3_json (Llama 3.1 / 3.2); without it \"auto\" is refused")
+                          "Qwen 2.5 / 3), llama3_json (Llama 3.1 / 3.2), qwen3_coder (Qwen3-Coder), mistral "
+                          "(Mistral's [TOOL_CALLS]) or pythonic (Llama 3.2 / 4: a Python list of calls); without it "
+                          "\"auto\" is refused")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="vLLM's switch for tool_choice \"auto\", accepted for its launch commands: "
                           "--tool-call-parser alone turns it on, and this needs it")

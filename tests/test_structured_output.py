@@ -338,7 +338,33 @@ def test_a_bad_constraint_is_a_400_naming_its_field_and_queues_nothing(client, s
 
 
 def test_nothing_compiles_after_warm_up_with_constraints_in_the_batch(server, client):
-    """Run last in this file: every constrained request above ran on executables built at start-up."""
+    """Run after every request to `server` (the Qwen3-Coder server below comes after it: making an engine compiles
+    its pool): every constrained request above ran on executables built at start-up."""
     stats = server[1].stats()
     assert stats["lazy_bucket_compilations"] == 0
     assert stats["compilations_after_warmup"] == 0
+
+
+@pytest.fixture(scope="module")
+def coder_client(llm):
+    """A client of a server with the Qwen3-Coder tool call parser (an engine built like `llm`'s: its executables;
+    after the check that nothing compiled, since making an engine compiles its pool)."""
+    options = dict(ENGINE)
+    options.pop("show_progress")
+    engine = LLMEngine(EngineConfig.for_model(None, **options), show_progress=False)
+    with running_server(build_app(engine, ServerConfig(api_key=KEY, tool_call_parser="qwen3_coder"))) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_auto_reads_qwen3_coder_tool_calls_typed_by_the_tools_schema(coder_client, stream):
+    """The model is made to write a Qwen3-Coder block: its parameter texts become the schema's types (add's a and b
+    integers) in the call's JSON arguments."""
+    block = (r"<tool_call>\n<function=add>\n<parameter=a>\n[1-9][0-9]?\n</parameter>\n"
+             r"<parameter=b>\n-?[0-9]\n</parameter>\n</function>\n</tool_call>")
+    content, calls, finish = _chat(coder_client, stream, messages=MESSAGES, tools=TOOLS, max_tokens=120,
+                                   temperature=1.0, seed=3, extra_body={"guided_regex": "Adding[.]\n" + block})
+    assert content == "Adding.\n" and finish == "tool_calls" and [call["name"] for call in calls] == ["add"]
+    arguments = json.loads(calls[0]["arguments"])
+    assert sorted(arguments) == ["a", "b"] and all(isinstance(value, int) for value in arguments.values())
+    jsonschema.validate(arguments, TOOLS[1]["function"]["parameters"])

@@ -8,10 +8,15 @@ import json
 import jsonschema
 import pytest
 
+from jaxserve.config import VALID_TOOL_CALL_PARSERS
 from jaxserve.server.tools import (
+    TOOL_PARSERS,
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     NamedCall,
+    PythonicParser,
+    Qwen3CoderParser,
     RequiredCalls,
     Tool,
     ToolCall,
@@ -21,6 +26,12 @@ from jaxserve.server.tools import (
 )
 
 WEATHER = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}
+WEATHER_TOOL = Tool.model_validate({"function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "hours": {"type": "array"}, "note": {"type": ["string", "null"]}}}}})
+QWEN3_CODER = Qwen3CoderParser([WEATHER_TOOL])
+WEATHER_XML = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+               "</parameter>\n</function>\n</tool_call>")
 CASES = [
     # (extractor, reply, content, calls)
     (HermesParser(), "no tools here", "no tools here", []),
@@ -43,6 +54,39 @@ CASES = [
     (RequiredCalls(), '[{"name": "a", "parameters": {}}, {"name": "b", "para', ', {"name": "b", "para',
      [ToolCall("a", "{}")]),
     (NamedCall("f"), '{"city": "Oslo"}', "", [ToolCall("f", '{"city": "Oslo"}')]),
+    # Qwen3-Coder: values typed by the tool's schema (a string stays text, "3" is an integer)
+    (QWEN3_CODER, f"Checking.\n{WEATHER_XML}", "Checking.\n",
+     [ToolCall("get_weather", '{"city": "Paris", "days": 3}')]),
+    (QWEN3_CODER, "<tool_call>\n<function=get_weather>\n<parameter=city>\n007\n</parameter>\n<parameter=metric>\ntrue\n"
+                  "</parameter>\n<parameter=hours>\n[1, 2]\n</parameter>\n<parameter=note>\nnull\n</parameter>\n"
+                  "<parameter=days>\nsoon\n</parameter>\n</function>\n</tool_call>", "",
+     [ToolCall("get_weather", '{"city": "007", "metric": true, "hours": [1, 2], "note": "null", "days": "soon"}')]),
+    (QWEN3_CODER, "<tool_call>\n<function=other_tool>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>", "",
+     [ToolCall("other_tool", '{"x": "1"}')]),  # an unknown tool's values stay text
+    (QWEN3_CODER, "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>",
+     "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>", []),
+    (QWEN3_CODER, "<tool_call>\n<function=get_weather>\n<parameter=city>\nPa", "<tool_call>\n<function=get_weather>"
+                  "\n<parameter=city>\nPa", []),  # cut short: text once final
+    # Mistral: a JSON array after [TOOL_CALLS] (tokenizers before v11), or NAME[ARGS]{...} per call (v11+)
+    (MistralParser(), "Sure. [TOOL_CALLS][" + json.dumps(WEATHER) + ', {"name": "now", "arguments": {}}]', "Sure. ",
+     [ToolCall("get_weather", '{"city": "Paris", "days": 3}'), ToolCall("now", "{}")]),
+    (MistralParser(), '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]now[ARGS]{}', "",
+     [ToolCall("get_weather", '{"city": "Paris", "days": 3}'), ToolCall("now", "{}")]),
+    (MistralParser(), '[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{"tz": "UTC"}', "", [ToolCall("now", '{"tz": "UTC"}')]),
+    (MistralParser(), "plain [TOOL_", "plain [TOOL_", []),
+    (MistralParser(), '[TOOL_CALLS]now[ARGS]{"tz": ', '[TOOL_CALLS]now[ARGS]{"tz": ', []),
+    (MistralParser(), '[TOOL_CALLS][{"not": "a call"}]', '[TOOL_CALLS][{"not": "a call"}]', []),
+    # pythonic: a Python list of calls with literal keyword arguments
+    (PythonicParser(), '[get_weather(city="Paris", days=3), now()]', "",
+     [ToolCall("get_weather", '{"city": "Paris", "days": 3}'), ToolCall("now", "{}")]),
+    (PythonicParser(), "[f(x=[1, (2, 3)], y={'k': None}, z=-1.5)]", "",
+     [ToolCall("f", '{"x": [1, [2, 3]], "y": {"k": null}, "z": -1.5}')]),
+    (PythonicParser(), "The weather is fine.", "The weather is fine.", []),
+    (PythonicParser(), "[1, 2, 3]", "[1, 2, 3]", []),
+    (PythonicParser(), "[f(x=open('a'))]", "[f(x=open('a'))]", []),  # not a literal
+    (PythonicParser(), "[f(1)]", "[f(1)]", []),  # positional
+    (PythonicParser(), "[f(**kw)]", "[f(**kw)]", []),
+    (PythonicParser(), "[f(x=1)] and more", "[f(x=1)] and more", []),
 ]
 
 
@@ -68,6 +112,11 @@ def test_streamed_deltas_add_up_to_the_whole_replys_split(extractor, reply, cont
     assert sent_content == content
     assert [ToolCall(name, arguments) for name, arguments in sent_calls] == calls
     assert stream.called == bool(calls)
+
+
+def test_the_cli_names_every_parser_the_server_has():
+    assert tuple(TOOL_PARSERS) == VALID_TOOL_CALL_PARSERS
+    assert [name for name, parser in TOOL_PARSERS.items() if parser.keeps_special_tokens] == ["mistral"]
 
 
 def test_required_schema_takes_one_call_of_each_tool_and_no_other():

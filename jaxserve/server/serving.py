@@ -10,6 +10,7 @@ the stream without `[DONE]`; a dead engine answers 503.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -251,6 +252,8 @@ class OpenAIServing:
         anything the request gets wrong, 503 for an engine that is full or down."""
         params = self._sampling_params(body)
         tools = self._tool_calls(body)
+        if tools is not None and tools.keeps_special_tokens:  # its markers are special tokens: keep them in the text
+            params = dataclasses.replace(params, skip_special_tokens=False)
         prompt = self.chat_prompt(body)
         await self._compile_constraint(body, params)
         return params, tools, self._submit(request_id, [prompt], body, params)
@@ -365,9 +368,9 @@ class OpenAIServing:
             return NamedCall(body.tool_choice.function.name)
         if self.config.tool_call_parser is None:
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
-                                "--tool-call-parser (hermes or llama3_json); give tool_choice \"required\", a named "
-                                'function or "none"', "tool_choice")
-        return TOOL_PARSERS[self.config.tool_call_parser]()
+                                f"--tool-call-parser ({', '.join(TOOL_PARSERS)}); give tool_choice \"required\", a "
+                                'named function or "none"', "tool_choice")
+        return TOOL_PARSERS[self.config.tool_call_parser](body.tools)
 
     async def _compile_constraint(self, body: _SamplingFields, params: SamplingParams) -> None:
         """Compile the request's output constraint before anything is queued (on the grammar engine's threads; the

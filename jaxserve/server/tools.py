@@ -10,15 +10,24 @@ successive splits are the streamed deltas (`ToolCallStream`).
   schema per tool (vLLM's format); each complete element is a call.
 - a named function: the output is constrained to the function's parameters schema; the whole output is the
   call's arguments, streamed as it grows.
-- `auto`: the model decides; `--tool-call-parser` names the format its chat template taught it: `hermes`
-  (Hermes, Qwen 2.5 / 3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among the text) or
-  `llama3_json` (Llama 3.1 / 3.2: the reply is `{"name": ..., "parameters": {...}}` objects separated by `;`).
+- `auto`: the model decides; `--tool-call-parser` names the format its chat template taught it (vLLM's names):
+  - `hermes` (Hermes, Qwen 2.5 / 3: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks among the
+    text);
+  - `llama3_json` (Llama 3.1 / 3.2: the reply is `{"name": ..., "parameters": {...}}` objects separated by `;`);
+  - `qwen3_coder` (Qwen3-Coder: `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
+    </tool_call>` blocks, each value typed by the tool's parameter schema);
+  - `mistral` (Mistral's `[TOOL_CALLS]` then a JSON array of calls, or `NAME[ARGS]{...}` per call in later
+    tokenizers; special tokens, so the reply is decoded with them);
+  - `pythonic` (Llama 3.2 / 4 and others: the reply is a Python list of calls, `[f(a=1), g(b="x")]`, literal
+    arguments only; the calls come with the final split, since text after the list would make it content).
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import re
 import uuid
 from typing import Any, Literal
 
@@ -71,7 +80,12 @@ class ToolCall:
 
 
 class ToolCallExtractor:
-    """Splits a model's output into (content, tool calls); see the module docstring."""
+    """Splits a model's output into (content, tool calls); see the module docstring. `tools`: the request's."""
+
+    keeps_special_tokens = False  # the format's markers are special tokens: decode the reply with them
+
+    def __init__(self, tools: list[Tool] | None = None):
+        self.tools = tools or []
 
     def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
@@ -124,6 +138,7 @@ class NamedCall(ToolCallExtractor):
     """A named function: the constrained output is its arguments."""
 
     def __init__(self, name: str):
+        super().__init__()
         self.name = name
 
     def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
@@ -156,12 +171,124 @@ class HermesParser(ToolCallExtractor):
             position = end + len(self.CLOSE)
         return "".join(content), calls
 
-    @staticmethod
-    def _block_call(block: str) -> ToolCall | None:
+    def _block_call(self, block: str) -> ToolCall | None:
         try:
             return _call(json.loads(block))
         except json.JSONDecodeError:
             return None
+
+
+class Qwen3CoderParser(HermesParser):
+    """Qwen3-Coder's blocks: `<tool_call>` `<function=NAME>` then `<parameter=KEY>` value `</parameter>` for each
+    argument, `</function>` `</tool_call>` (newlines between them); a value is text, typed by the tool's parameter
+    schema (a string stays text; integer, number, boolean, null, object and array values are read as JSON, and as
+    text when they do not parse)."""
+
+    FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.DOTALL)
+    PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    def _block_call(self, block: str) -> ToolCall | None:
+        function = self.FUNCTION.fullmatch(block)
+        if function is None:
+            return None
+        name, body = function.group(1).strip(), function.group(2)
+        tool = find_tool(self.tools, name)
+        schema = tool.function.parameters_schema().get("properties", {}) if tool else {}
+        arguments = {key.strip(): _typed(value, (schema.get(key.strip()) or {}).get("type"))
+                     for key, value in self.PARAMETER.findall(body)}
+        if self.PARAMETER.sub("", body).strip():  # anything but parameters between the function's tags
+            return None
+        return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _typed(value: str, kind: str | list | None) -> Any:
+    """A Qwen3-Coder parameter's text as its schema's JSON type says: text for a string (or no type), else the JSON
+    value it spells, or the text when it spells none."""
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "string" in kinds or kinds == [None]:
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+class MistralParser(ToolCallExtractor):
+    """Mistral's calls after `[TOOL_CALLS]`: a JSON array of `{"name": ..., "arguments": {...}}` (tokenizers before
+    v11), or `NAME[ARGS]{...}` (optionally `NAME[CALL_ID]ID[ARGS]{...}`) with `[TOOL_CALLS]` before each call
+    (v11 and later: Mistral Small 3.2, Magistral, Devstral). The text before the first marker is content; calls
+    that do not decode (once the reply is final) are content too."""
+
+    keeps_special_tokens = True
+    MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        start = text.find(self.MARKER)
+        if start < 0:
+            return (text if final else text[:len(text) - partial_suffix(text, self.MARKER)]), []
+        rest = text[start + len(self.MARKER):].lstrip()
+        calls, done = self._array_calls(rest) if rest.startswith("[") else self._named_calls(rest)
+        if final and not done:
+            return text, []
+        return text[:start], calls
+
+    def _array_calls(self, rest: str) -> tuple[list[ToolCall], bool]:
+        """The calls of a JSON array, once it is whole; (calls, whether the array decoded into calls alone)."""
+        try:
+            value, _ = _DECODER.raw_decode(rest)
+        except json.JSONDecodeError:
+            return [], False
+        calls = [_call(item) for item in value] if isinstance(value, list) else [None]
+        return ([], False) if None in calls else (calls, True)
+
+    def _named_calls(self, rest: str) -> tuple[list[ToolCall], bool]:
+        """The whole `NAME[ARGS]{...}` calls of the segments between markers; (calls, whether every segment is one)."""
+        calls = []
+        for segment in rest.split(self.MARKER):
+            name, args, arguments = segment.partition(self.ARGS)
+            name = name.partition(self.CALL_ID)[0].strip()
+            try:
+                value, end = _DECODER.raw_decode(arguments.lstrip())
+            except json.JSONDecodeError:
+                return calls, False
+            if not args or not name or not isinstance(value, dict) or arguments.lstrip()[end:].strip():
+                return calls, False
+            calls.append(ToolCall(name, json.dumps(value, ensure_ascii=False)))
+        return calls, True
+
+
+class PythonicParser(ToolCallExtractor):
+    """A reply that is a Python list of calls with keyword arguments of literal values, `[f(a=1), g(b="x")]`
+    (vLLM's `pythonic`; Llama 4's `<|python_start|>` and `<|python_end|>` are special tokens, decoded away). A reply
+    that starts with `[` is held back until it is final, then it is calls if it parses as such, else content."""
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        stripped = text.strip()
+        if not final:
+            return ("" if not stripped or stripped.startswith("[") else text), []
+        calls = _python_calls(stripped) if stripped.startswith("[") else None
+        return ("", calls) if calls else (text, [])
+
+
+def _python_calls(text: str) -> list[ToolCall] | None:
+    """The calls of a Python list of `name(key=literal, ...)`, or None when `text` is not one."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args or any(
+                keyword.arg is None for keyword in node.keywords):  # positional arguments, **kwargs
+            return None
+        try:
+            arguments = {keyword.arg: ast.literal_eval(keyword.value) for keyword in node.keywords}
+            calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        except (ValueError, TypeError, SyntaxError):  # not a literal, or not JSON (a set, bytes)
+            return None
+    return calls
 
 
 class Llama3JsonParser(ToolCallExtractor):
@@ -183,7 +310,10 @@ class Llama3JsonParser(ToolCallExtractor):
         return (rest if final and rest.strip() else ""), calls
 
 
-TOOL_PARSERS: dict[str, type[ToolCallExtractor]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+TOOL_PARSERS: dict[str, type[ToolCallExtractor]] = {
+    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
+    "mistral": MistralParser, "pythonic": PythonicParser,
+}
 
 
 def required_schema(tools: list[Tool], parallel: bool) -> dict[str, Any]:
