@@ -93,6 +93,23 @@ def test_classify_gives_each_inputs_probabilities_and_label(classifier):
     _all_pages_back(engine)
 
 
+def test_a_conversation_is_classified_as_the_chat_template_renders_it(classifier):
+    """vLLM's chat-shaped /classify (a reward model's scored exchange): `messages` under the chat template, without
+    a generation prompt unless asked, classify as the token ids /tokenize renders."""
+    url, engine = classifier
+    conversation = [{"role": "user", "content": "Is this code fine?"}, {"role": "assistant", "content": "def f(): pass"}]
+    for add_generation_prompt in (False, True):
+        ids = httpx.post(f"{url}/tokenize", json={"messages": conversation,
+                                                  "add_generation_prompt": add_generation_prompt}).json()["tokens"]
+        chat = _post(url, "/classify", messages=conversation, add_generation_prompt=add_generation_prompt).json()
+        plain = _post(url, "/classify", input=ids).json()
+        assert chat["usage"]["prompt_tokens"] == len(ids)
+        np.testing.assert_allclose(chat["data"][0]["probs"], plain["data"][0]["probs"], atol=1e-6)
+    assert "not both" in _error(_post(url, "/classify", input="x", messages=conversation), "messages")
+    assert "give input" in _error(_post(url, "/classify"), "input")
+    _all_pages_back(engine)
+
+
 def test_pooling_gives_a_classifiers_probabilities_in_either_encoding(classifier):
     url, engine = classifier
     case = _expected("llama-classifier")["cases"][5]

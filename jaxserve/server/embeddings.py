@@ -16,11 +16,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from jaxserve.engine.async_engine import RequestStream
-from jaxserve.engine.tokenizer import encode_text_pair
+from jaxserve.engine.tokenizer import encode_text_pair, render_chat
 from jaxserve.outputs import PoolingRequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.pooling.score import cosine_scores, score_pairs
 from jaxserve.server.errors import APIError
+from jaxserve.server.protocol import ChatMessage
 from jaxserve.server.serving import OpenAIServing, RequestFailedError, last_outputs
 
 
@@ -37,11 +38,16 @@ class _PoolingFields(BaseModel):
 
 
 class _InputFields(_PoolingFields):
-    """What the routes that pool each of their inputs have: OpenAI's `input` and vLLM's `add_special_tokens`."""
+    """What the routes that pool each of their inputs have: OpenAI's `input` and vLLM's `add_special_tokens`, or
+    vLLM's chat-shaped request: `messages` (one input, the conversation under the chat template: a reward model's
+    scored exchange) with the template's options."""
 
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
     add_special_tokens: bool = True  # text inputs are tokenized with the tokenizer's special tokens (BOS, ...)
-    messages: Any = None  # vLLM's chat-shaped pooling request: refused
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False  # vLLM's default for pooling: the conversation as it is
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def inputs(self) -> list[str | list[int]]:
         """Each input: a text or token ids."""
@@ -199,12 +205,21 @@ class EmbeddingsServing:
         return cosine_scores(vectors[: len(first)], vectors[len(first):], pairs), _usage(outputs)
 
     def _input_prompts(self, body: _InputFields) -> list[str | list[int]]:
-        """The inputs of a route that pools each (1 to max_prompts of them) as the engine takes them; a 400 for a
-        chat-shaped request."""
-        if body.messages is not None:
-            raise APIError(400, "messages: chat-shaped pooling requests are not supported; render the chat to text "
-                                "(POST /tokenize with messages) and send it as input", "messages")
-        return [self._prompt(text_or_ids, body) for text_or_ids in self._counted(body.inputs(), "input")]
+        """The inputs of a route that pools each (1 to max_prompts of them) as the engine takes them: its `input`s,
+        or its `messages` rendered by the chat template; a 400 naming the field for neither or both."""
+        if body.messages is None:
+            if body.input is None:
+                raise APIError(400, "give input (texts or token ids), or messages (a conversation)", "input")
+            return [self._prompt(text_or_ids, body) for text_or_ids in self._counted(body.inputs(), "input")]
+        if body.input is not None:
+            raise APIError(400, "give input or messages, not both", "messages")
+        serving = self.serving
+        try:
+            return [render_chat(serving.tokenizer, [message.for_template() for message in body.messages],
+                                body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                                None, serving.config.chat_template)]
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), "messages") from error
 
     async def _pool(self, request_id: str, prompts: list, body: _PoolingFields, raw: Request, task: str,
                     **options) -> list[PoolingRequestOutput] | None:
