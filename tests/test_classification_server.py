@@ -97,7 +97,8 @@ def test_a_conversation_is_classified_as_the_chat_template_renders_it(classifier
     """vLLM's chat-shaped /classify (a reward model's scored exchange): `messages` under the chat template, without
     a generation prompt unless asked, classify as the token ids /tokenize renders."""
     url, engine = classifier
-    conversation = [{"role": "user", "content": "Is this code fine?"}, {"role": "assistant", "content": "def f(): pass"}]
+    conversation = [{"role": "user", "content": "Is this code fine?"},
+                    {"role": "assistant", "content": "def f(): pass"}]
     for add_generation_prompt in (False, True):
         ids = httpx.post(f"{url}/tokenize", json={"messages": conversation,
                                                   "add_generation_prompt": add_generation_prompt}).json()["tokens"]
