@@ -76,6 +76,8 @@ CASES = [
     (MistralParser(), "plain [TOOL_", "plain [TOOL_", []),
     (MistralParser(), '[TOOL_CALLS]now[ARGS]{"tz": ', '[TOOL_CALLS]now[ARGS]{"tz": ', []),
     (MistralParser(), '[TOOL_CALLS][{"not": "a call"}]', '[TOOL_CALLS][{"not": "a call"}]', []),
+    (MistralParser(), '[TOOL_CALLS]now[ARGS]{}[TOOL_CALLS]bad[ARGS]{"x": 1} trailing', '[TOOL_CALLS]bad[ARGS]{"x": 1} '
+     'trailing', [ToolCall("now", "{}")]),  # the call before stays a call; the rest is content
     # pythonic: a Python list of calls with literal keyword arguments
     (PythonicParser(), '[get_weather(city="Paris", days=3), now()]', "",
      [ToolCall("get_weather", '{"city": "Paris", "days": 3}'), ToolCall("now", "{}")]),

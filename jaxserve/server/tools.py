@@ -216,8 +216,9 @@ def _typed(value: str, kind: str | list | None) -> Any:
 class MistralParser(ToolCallExtractor):
     """Mistral's calls after `[TOOL_CALLS]`: a JSON array of `{"name": ..., "arguments": {...}}` (tokenizers before
     v11), or `NAME[ARGS]{...}` (optionally `NAME[CALL_ID]ID[ARGS]{...}`) with `[TOOL_CALLS]` before each call
-    (v11 and later: Mistral Small 3.2, Magistral, Devstral). The text before the first marker is content; calls
-    that do not decode (once the reply is final) are content too."""
+    (v11 and later: Mistral Small 3.2, Magistral, Devstral; a call is taken once the next marker follows it, or the
+    reply ends). The text before the first marker is content; what does not decode into calls (once the reply is
+    final) is content too, after the calls before it."""
 
     keeps_special_tokens = True
     MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -227,34 +228,40 @@ class MistralParser(ToolCallExtractor):
         if start < 0:
             return (text if final else text[:len(text) - partial_suffix(text, self.MARKER)]), []
         rest = text[start + len(self.MARKER):].lstrip()
-        calls, done = self._array_calls(rest) if rest.startswith("[") else self._named_calls(rest)
-        if final and not done:
-            return text, []
+        if rest.startswith("["):
+            calls = self._array_calls(rest)
+            return (text, []) if final and calls is None else (text[:start], calls or [])
+        segments = rest.split(self.MARKER)
+        calls = self._named_calls(segments if final else segments[:-1])  # the last one may still grow
+        if final and len(calls) < len(segments):  # the segments from the first that is no call are content
+            return text[:start] + self.MARKER + self.MARKER.join(segments[len(calls):]), calls
         return text[:start], calls
 
-    def _array_calls(self, rest: str) -> tuple[list[ToolCall], bool]:
-        """The calls of a JSON array, once it is whole; (calls, whether the array decoded into calls alone)."""
+    @staticmethod
+    def _array_calls(rest: str) -> list[ToolCall] | None:
+        """The calls of a JSON array of calls, once it is whole; None while it is not, or when it is not one."""
         try:
             value, _ = _DECODER.raw_decode(rest)
         except json.JSONDecodeError:
-            return [], False
+            return None
         calls = [_call(item) for item in value] if isinstance(value, list) else [None]
-        return ([], False) if None in calls else (calls, True)
+        return None if None in calls else calls
 
-    def _named_calls(self, rest: str) -> tuple[list[ToolCall], bool]:
-        """The whole `NAME[ARGS]{...}` calls of the segments between markers; (calls, whether every segment is one)."""
+    def _named_calls(self, segments: list[str]) -> list[ToolCall]:
+        """The calls of the leading segments that are each one whole `NAME[ARGS]{...}` (or
+        `NAME[CALL_ID]ID[ARGS]{...}`)."""
         calls = []
-        for segment in rest.split(self.MARKER):
+        for segment in segments:
             name, args, arguments = segment.partition(self.ARGS)
             name = name.partition(self.CALL_ID)[0].strip()
             try:
                 value, end = _DECODER.raw_decode(arguments.lstrip())
             except json.JSONDecodeError:
-                return calls, False
+                return calls
             if not args or not name or not isinstance(value, dict) or arguments.lstrip()[end:].strip():
-                return calls, False
+                return calls
             calls.append(ToolCall(name, json.dumps(value, ensure_ascii=False)))
-        return calls, True
+        return calls
 
 
 class PythonicParser(ToolCallExtractor):
