@@ -216,8 +216,9 @@ _AWQ_PARTS = {".weight_packed": ".qweight", ".weight_scale": ".scales", ".weight
 
 def _awq_columns(words: np.ndarray) -> np.ndarray:
     """Unsigned 4-bit values (rows, 8 * words) of AWQ words (rows, words), in column order."""
-    nibbles = (np.asarray(words, "<i4")[:, :, None] >> (4 * np.arange(8))) & 0xF  # (rows, words, 8) in bit order
-    return nibbles[:, :, np.argsort(AWQ_ORDER)].reshape(words.shape[0], -1)
+    rows, count = words.shape
+    in_bit_order = unpack_int4_rows(words).reshape(rows, count, 8)  # (rows, words, 8)
+    return in_bit_order[:, :, np.argsort(AWQ_ORDER)].reshape(rows, -1)
 
 
 def pack_int4_rows(values: np.ndarray) -> np.ndarray:
@@ -226,6 +227,12 @@ def pack_int4_rows(values: np.ndarray) -> np.ndarray:
     rows, columns = values.shape
     nibbles = values.astype(np.uint32).reshape(rows, columns // 8, 8) << (4 * np.arange(8, dtype=np.uint32))
     return np.bitwise_or.reduce(nibbles, axis=2).view(np.int32)
+
+
+def unpack_int4_rows(words: np.ndarray) -> np.ndarray:
+    """`pack_int4_rows`'s inverse: unsigned 4-bit values (rows, 8 * words) of int32 words (rows, words)."""
+    nibbles = (np.asarray(words, "<i4")[:, :, None] >> (4 * np.arange(8))) & 0xF  # (rows, words, 8)
+    return nibbles.reshape(words.shape[0], -1)
 
 
 TensorSource = SafetensorsFolder | TensorMapping | PackedInt4 | AwqGemm
@@ -451,8 +458,7 @@ def _group_zero_points(folder: TensorSource, weight: tuple[str, int, int], zero_
     if words.shape != (-(-num_out // 8), groups):
         raise ValueError(f"{zero_name} has shape {words.shape}; {name}'s {num_out} output channels in {groups} "
                          f"groups need {(-(-num_out // 8), groups)}")
-    nibbles = (words[:, None, :] >> (4 * np.arange(8))[None, :, None]) & 0xF  # (out / 8, 8, groups)
-    return (nibbles.reshape(-1, groups)[:num_out] - 8).astype(np.int8).T  # (groups, out)
+    return (unpack_int4_rows(words.T)[:, :num_out] - 8).astype(np.int8)  # (groups, out)
 
 
 def _check_groups_split_evenly(name: str, groups: int, block: tuple[int, int], mesh: Mesh, axes) -> None:
