@@ -73,8 +73,7 @@ class LLM:
         """vLLM's `LLM.embed`: each prompt's embedding (`output.outputs.embedding`), its final hidden states pooled
         as the engine's pooler says (LAST, MEAN or CLS; pooling/params.py) and L2-normalized unless
         `pooling_params` say otherwise. Prompts and adapters as for `generate`; the engine needs runner pooling."""
-        return self._run_all(self.engine.make_pooling_requests, prompts, pooling_params or PoolingParams(),
-                             PoolingParams, lora_request, use_tqdm)
+        return self._pool("embed", prompts, pooling_params, use_tqdm, lora_request)
 
     def classify(
         self,
@@ -87,8 +86,7 @@ class LLM:
         (`output.outputs.probs`), the model's activation (softmax, or sigmoid for one label or multi-label models)
         of its score head over the last prompt token's final state; `PoolingParams(use_activation=False)` gives
         the raw logits (a reward model's score). Prompts and adapters as for `generate`."""
-        make = functools.partial(self.engine.make_pooling_requests, task="classify")
-        return self._run_all(make, prompts, pooling_params or PoolingParams(), PoolingParams, lora_request, use_tqdm)
+        return self._pool("classify", prompts, pooling_params, use_tqdm, lora_request)
 
     def score(
         self,
@@ -106,8 +104,7 @@ class LLM:
         pairs = score_pairs(len(first), len(second))
         if self.engine.core.spec.classifier is not None:
             token_ids = [encode_text_pair(self.engine.tokenizer, first[i], second[j]) for i, j in pairs]
-            make = functools.partial(self.engine.make_pooling_requests, task="score")
-            outputs = self._run_all(make, token_ids, PoolingParams(), PoolingParams, lora_request, use_tqdm)
+            outputs = self._pool("score", token_ids, None, use_tqdm, lora_request)
             return [ScoringRequestOutput(str(index), ScoringOutput(output.outputs.probs[0]), output.prompt_token_ids)
                     for index, output in enumerate(outputs)]
         outputs = self.embed(first + second, PoolingParams(normalize=True), use_tqdm, lora_request)
@@ -116,6 +113,12 @@ class LLM:
         return [ScoringRequestOutput(str(index), ScoringOutput(score),
                                      outputs[i].prompt_token_ids + outputs[len(first) + j].prompt_token_ids)
                 for index, ((i, j), score) in enumerate(zip(pairs, scores))]
+
+    def _pool(self, task: str, prompts, pooling_params, use_tqdm: bool, lora_request) -> list[PoolingRequestOutput]:
+        """Run every prompt as a pooling request of `task` (pooling/params.POOLING_TASKS) with its params (one for
+        all, one per prompt, or None: the defaults)."""
+        make = functools.partial(self.engine.make_pooling_requests, task=task)
+        return self._run_all(make, prompts, pooling_params or PoolingParams(), PoolingParams, lora_request, use_tqdm)
 
     def _run_all(self, make: Callable, prompts, params, params_type: type, lora_request, use_tqdm: bool) -> list:
         """Build every prompt's request with `make` (LLMEngine.make_requests or make_pooling_requests) and its
