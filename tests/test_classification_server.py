@@ -131,6 +131,7 @@ def test_what_a_classifier_cannot_do_is_a_400_that_says_so(classifier):
     assert "not embeddings; use classify" in _error(_post(url, "/v1/embeddings", input="x"), "model")
     assert "needs a cross-encoder" in _error(_post(url, "/v1/score", text_1="a", text_2="b"), "model")
     assert "is for embeddings" in _error(_post(url, "/pooling", input="x", dimensions=2), "dimensions")
+    assert "is for embeddings" in _error(_post(url, "/classify", input="x", normalize=True), "normalize")
     _error(_post(url, "/classify", input="x", messages=[{"role": "user", "content": "hi"}]), "messages")
     _error(_post(url, "/classify", input=[]), "input")
     _error(_post(url, "/classify", input=["a"] * 5), "input")  # max_prompts 4

@@ -66,9 +66,12 @@ class EmbeddingRequest(_InputFields):
 
 
 class ClassificationRequest(_InputFields):
-    """POST /classify (vLLM's): each input's classes; `use_activation` false gives the raw logits."""
+    """POST /classify (vLLM's): each input's classes; `use_activation` false gives the raw logits. An embedding's
+    `dimensions` and `normalize` are read only to be refused by name."""
 
     use_activation: bool | None = None
+    dimensions: int | None = None
+    normalize: bool | None = None
 
 
 class PoolingRequest(EmbeddingRequest):
@@ -120,7 +123,8 @@ class EmbeddingsServing:
         most probable class's label (vLLM's response)."""
         request_id = f"classify-{uuid.uuid4().hex}"
         outputs = await self._pool(request_id, self._input_prompts(body), body, raw, "classify",
-                                   use_activation=body.use_activation)
+                                   use_activation=body.use_activation, dimensions=body.dimensions,
+                                   normalize=body.normalize)
         if outputs is None:
             return Response(status_code=499)
         labels = self.classifier.labels
