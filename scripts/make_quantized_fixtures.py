@@ -24,6 +24,13 @@ Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test
   `qzeros`, `scales`; quant_method awq), as the published -AWQ checkpoints are. Transformers reads AWQ only through
   gptqmodel (a CUDA build), so the reference is compressed-tensors' own AutoAWQ converter
   (`AutoAWQConverter.process`) followed by the decompression above.
+- tests/fixtures/checkpoints/qwen2-gptq-asym/, qwen3-moe-gptq/ and qwen3-gptq-channel/: GPTQ's "gptq" format
+  (`qweight`, `qzeros` stored less one, `scales`, `g_idx`; quant_method gptq) as AutoGPTQ and GPTQModel save it:
+  qwen2 asymmetric in groups, the MoE symmetric in groups (Qwen's GPTQ-Int4 form), qwen3 symmetric per output
+  channel (group_size -1). Transformers reads GPTQ only through gptqmodel (a CUDA build), so the reference is the
+  float model with each linear weight replaced by what AutoGPTQ's own QuantLinear (auto_gptq 0.7.1's
+  nn_modules/qlinear/qlinear_cuda.py, its torch path: `pip install --no-deps auto-gptq==0.7.1`; only that file is
+  loaded, not the package) computes from the stored tensors, its scales in float32.
 The embeddings, norms, routers and LM head stay as they were. Each folder gets expected.json (the source's
 prompts, greedy tokens, the smallest top-1 margin) and expected_logits.npy (each prompt's last-position logits)
 as the other checkpoints have. The block or group is the first of the candidates whose greedy tokens keep every
@@ -57,19 +64,23 @@ FIXTURES = {"qwen3-fp8-block": ("qwen3", "fp8", ((32, 32), (32, 64), (64, 32), (
             "qwen3-int4-asym": ("qwen3", "int4-asym", (16, 32, 8)),
             "qwen3-moe-int4-asym": ("qwen3-moe", "int4-asym", (16, 8, 32)),
             "qwen2-awq": ("qwen2", "awq", (16, 32, 8)),
-            "qwen3-moe-awq": ("qwen3-moe", "awq", (16, 8, 32))}
+            "qwen3-moe-awq": ("qwen3-moe", "awq", (16, 8, 32)),
+            "qwen2-gptq-asym": ("qwen2", "gptq-asym", (16, 32, 8)),
+            "qwen3-moe-gptq": ("qwen3-moe", "gptq", (16, 8, 32)),
+            "qwen3-gptq-channel": ("qwen3", "gptq", (None,))}
 
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 from make_test_checkpoints import MIN_MARGIN, reference_outputs  # noqa: E402
 
 from jaxserve.bench.quantized_checkpoint import (  # noqa: E402
-    write_awq_checkpoint, write_fp8_block_checkpoint, write_int4_checkpoint,
+    write_awq_checkpoint, write_fp8_block_checkpoint, write_gptq_checkpoint, write_int4_checkpoint,
 )
 
 WRITERS = {"fp8": write_fp8_block_checkpoint, "int4": write_int4_checkpoint,
            "int4-asym": lambda source, destination, group: write_int4_checkpoint(source, destination, group, False),
-           "awq": write_awq_checkpoint}
+           "awq": write_awq_checkpoint, "gptq": write_gptq_checkpoint,
+           "gptq-asym": lambda source, destination, group: write_gptq_checkpoint(source, destination, group, False)}
 
 
 def make(name: str) -> None:
@@ -80,11 +91,12 @@ def make(name: str) -> None:
     prompts = json.loads((source / "expected.json").read_text())["prompts"]
     for block in candidates:
         WRITERS[form](str(source), str(destination), block)
-        decompressed = form in ("int4-asym", "awq")
+        decompressed = form in ("int4-asym", "awq", "gptq", "gptq-asym")
         model = AutoModelForCausalLM.from_pretrained(source if decompressed else destination, local_files_only=True,
                                                      attn_implementation="eager", dtype=torch.float32).eval()
         if decompressed:
-            decompress_into(model, stored_tensors(destination, form, block), block)
+            tensors = stored_tensors(destination, form, block)
+            copy_into(model, gptq_weights(tensors) if form.startswith("gptq") else decompressed_weights(tensors, block))
         kinds = {type(module).__name__ for module in model.modules()}
         assert "FP8Linear" not in kinds, f"transformers kept fp8 layers ({kinds}): the reference must be dequantized"
         outputs, min_margin, logits = reference_outputs(model, prompts)
@@ -103,8 +115,8 @@ def make(name: str) -> None:
 
 
 def stored_tensors(folder: Path, form: str, group_size: int) -> dict[str, torch.Tensor]:
-    """`folder`'s tensors in compressed-tensors' asymmetric int4 form: as stored, or an AWQ checkpoint's through
-    compressed-tensors' AutoAWQ converter."""
+    """`folder`'s tensors as stored, or an AWQ checkpoint's in compressed-tensors' asymmetric int4 form (through
+    compressed-tensors' AutoAWQ converter)."""
     from safetensors.torch import load_file
 
     tensors = load_file(folder / "model.safetensors")
@@ -115,9 +127,8 @@ def stored_tensors(folder: Path, form: str, group_size: int) -> dict[str, torch.
     return AutoAWQConverter(group_size=group_size).process(tensors)
 
 
-def decompress_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], group_size: int) -> None:
-    """Overwrite each quantized linear weight of `model` (the float source's, in transformers' layout) with
-    compressed-tensors' decompression of asymmetric int4 `tensors`."""
+def decompressed_weights(tensors: dict[str, torch.Tensor], group_size: int) -> dict[str, torch.Tensor]:
+    """Each quantized linear weight (out, in) of asymmetric int4 `tensors` as compressed-tensors decompresses it."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
@@ -130,6 +141,34 @@ def decompress_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], gr
                                                             "weight_shape")}
         stored["weight_scale"] = stored["weight_scale"].float()  # AWQ's float16 scales: dequantize in float32
         weights[module + "weight"] = PackedQuantizationCompressor.decompress(stored, scheme)["weight"]
+    return weights
+
+
+def gptq_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each linear weight (out, in) of GPTQ `tensors` as AutoGPTQ's QuantLinear computes it (its torch path, the
+    product of the identity), its float16 scales in float32."""
+    import importlib.util
+
+    package = importlib.util.find_spec("auto_gptq").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location("qlinear_cuda", f"{package}/nn_modules/qlinear/qlinear_cuda.py")
+    qlinear = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qlinear)
+    weights = {}
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        module = name[: -len("qweight")]
+        words, out = tensors[name].shape
+        groups = tensors[module + "scales"].shape[0]
+        layer = qlinear.QuantLinear(4, 8 * words // groups, 8 * words, out, bias=False, weight_dtype=torch.float32)
+        layer.qweight, layer.qzeros = tensors[name], tensors[module + "qzeros"]
+        layer.scales, layer.g_idx = tensors[module + "scales"].float(), tensors[module + "g_idx"]
+        with torch.no_grad():
+            weights[module + "weight"] = layer(torch.eye(8 * words)).T.contiguous()
+    return weights
+
+
+def copy_into(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Overwrite each quantized linear weight of `model` (the float source's, in transformers' layout) with its
+    dequantized `weights` (out, in) by name."""
     fused = {}  # transformers' fused MoE experts: (E, 2 * I, H) gate_up_proj, (E, H, I) down_proj
     for name, weight in weights.items():
         if ".experts." not in name:

@@ -16,6 +16,10 @@ are copied as they are, the LM head and MoE routers left in float.
   (`weight_zero_point`, (out / 8, groups), along the outputs as compressed-tensors packs them).
 - AWQ (`write_awq_checkpoint`, AutoAWQ's GEMM form): the asymmetric groups above as unsigned values, `qweight`
   (in, out / 8) and `qzeros` (groups, out / 8) packed along the outputs in AWQ's order, float16 `scales`.
+- GPTQ (`write_gptq_checkpoint`, AutoGPTQ's and GPTQModel's "gptq" format): the groups above (symmetric, zero
+  point 8, or not), rounded to nearest rather than by GPTQ's error-compensating algorithm (the format is what
+  the tests read), as unsigned values: `qweight` (in / 8, out) packed along the inputs, `qzeros` (groups, out / 8)
+  packed along the outputs and stored less one, float16 `scales`, `g_idx` (in,) = row // group size.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxserve.model.loader import AWQ_ORDER, SafetensorsFolder, pack_int4_rows
+from jaxserve.model.loader import AWQ_ORDER, GPTQ_ZERO_STORED_LESS, SafetensorsFolder, pack_int4_rows
 
 FP8_MAX = 448.0
 INT4_RANGE = (-8, 7)
@@ -77,6 +81,18 @@ def quantize_awq(weight: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
     return {"qweight": packed(values.T + 8), "qzeros": packed(zero.T + 8), "scales": scale.T.astype(np.float16)}
 
 
+def quantize_gptq(weight: np.ndarray, group_size: int | None, symmetric: bool = True) -> dict[str, np.ndarray]:
+    """GPTQ's tensors of a float weight (out, in) in groups of `group_size` inputs (None: one group, per output
+    channel): {"qweight": int32 (in / 8, out), "qzeros": int32 (groups, out / 8), "scales": float16 (groups, out),
+    "g_idx": int32 (in,)}, unsigned values packed from the lowest bits up, each zero point stored less one (0 wraps
+    to 15); the values rounded under the float32 scales, then stored in float16 as GPTQ keeps them."""
+    group_size = group_size or weight.shape[1]
+    values, scale, zero = _int4_groups(weight, group_size, symmetric)
+    stored_zeros = (zero.T + 8 - GPTQ_ZERO_STORED_LESS) & 0xF  # (groups, out)
+    return {"qweight": pack_int4_rows(values + 8).T.copy(), "qzeros": pack_int4_rows(stored_zeros),
+            "scales": scale.T.astype(np.float16), "g_idx": np.arange(weight.shape[1], dtype=np.int32) // group_size}
+
+
 def _int4_groups(weight: np.ndarray, group_size: int, symmetric: bool) -> tuple[np.ndarray, ...]:
     """(values int64 (out, in) in [-8, 7], scales float32 (out, groups), zero points int64 (out, groups), all 0
     when `symmetric`) of a float weight (out, in) rounded to nearest per group of `group_size` inputs: a
@@ -121,6 +137,22 @@ def write_awq_checkpoint(source: str, destination: str, group_size: int) -> None
     def describe(config: dict) -> dict:
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": _routers(config) or None}
+
+    _write(source, destination, quantize, describe)
+
+
+def write_gptq_checkpoint(source: str, destination: str, group_size: int | None, symmetric: bool = True) -> None:
+    """`source`'s checkpoint in `destination` with its decoder linear weights in GPTQ's form (4 bits, a scale and
+    unless `symmetric` a zero point per `group_size` input rows; None: per output channel) and config.json's
+    quantization_config saying so."""
+    def quantize(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+        module = name[: -len("weight")]  # "model.layers.0.mlp.up_proj."
+        return {module + part: array for part, array in quantize_gptq(weight, group_size, symmetric).items()}
+
+    def describe(config: dict) -> dict:
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size or -1, "sym": symmetric,
+                "desc_act": False, "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
+                "lm_head": False, "checkpoint_format": "gptq"}
 
     _write(source, destination, quantize, describe)
 

@@ -159,7 +159,40 @@ class PackedInt4:
         return words.view(np.uint8)[:, start - 4 * first: stop - 4 * first]  # (r, stop - start) little-endian
 
 
-class AwqGemm:
+class _Int4View:
+    """A view of a checkpoint whose linear layers are 4-bit in another library's tensors (`PARTS`: the
+    compressed-tensors tensor of a module X, `X.weight_packed`, `X.weight_scale`, `X.weight_zero_point`,
+    `X.weight_shape`, -> the module's own tensor it is read from) as compressed-tensors' form, which `PackedInt4`
+    then reads. Every other name reads as stored."""
+
+    PARTS: dict[str, str] = {}
+
+    def __init__(self, source: "SafetensorsFolder | TensorMapping"):
+        self.source = source
+
+    def _module(self, name: str, part: str) -> str | None:
+        """The module whose tensor `name` reads when it is the module's `part` and the checkpoint has that
+        tensor, else None."""
+        module = name.removesuffix(part)
+        return module if module != name and module + self.PARTS[part] in self.source else None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.source or any(self._module(name, part) for part in self.PARTS)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape: a weight's packed words (out, in / 8), as compressed-tensors stores them."""
+        module = self._module(name, ".weight_packed")
+        if module is not None:
+            return self._packed_shape(module)
+        return self.get(name).shape if any(self._module(name, part) for part in self.PARTS) \
+            else self.source.shape(name)
+
+    def _packed_shape(self, module: str) -> tuple[int, int]:
+        """(out, in / 8): a module's weight as compressed-tensors' packed words."""
+        raise NotImplementedError
+
+
+class AwqGemm(_Int4View):
     """A view of an AutoAWQ GEMM checkpoint (or of its arrays) as a compressed-tensors asymmetric one, which
     `PackedInt4` then reads: a linear layer X's `X.qweight` int32 (in, out / 8), `X.qzeros` int32 (groups, out / 8)
     (eight 4-bit unsigned values to a word along the outputs, in AWQ's order: output column AWQ_ORDER[k] of each
@@ -168,24 +201,10 @@ class AwqGemm:
     value u is the signed q = u - 8 stored plus 8, so (u - zero) * scale is (q - (zero - 8)) * scale: the same
     nibbles serve. Every other name reads as stored."""
 
-    def __init__(self, source: "SafetensorsFolder | TensorMapping"):
-        self.source = source
+    PARTS = {".weight_packed": ".qweight", ".weight_scale": ".scales", ".weight_zero_point": ".qzeros",
+             ".weight_shape": ".qweight"}
 
-    def _module(self, name: str, part: str) -> str | None:
-        """The module whose AWQ tensor `name` reads when it is the module's `part` and the checkpoint has that
-        tensor, else None."""
-        module = name.removesuffix(part)
-        return module if module != name and module + _AWQ_PARTS[part] in self.source else None
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.source or any(self._module(name, part) for part in _AWQ_PARTS)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape: a weight's packed words (out, in / 8), as compressed-tensors stores them."""
-        module = self._module(name, ".weight_packed")
-        if module is None:
-            return self.get(name).shape if any(self._module(name, part) for part in _AWQ_PARTS) \
-                else self.source.shape(name)
+    def _packed_shape(self, module: str) -> tuple[int, int]:
         rows, words = self.source.shape(module + ".qweight")
         return words * 8, rows // 8
 
@@ -209,9 +228,66 @@ class AwqGemm:
 
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's word: bits 4k..4k + 3 hold output column AWQ_ORDER[k] of its eight
-# what the view reads -> the AWQ tensor it reads it from
-_AWQ_PARTS = {".weight_packed": ".qweight", ".weight_scale": ".scales", ".weight_zero_point": ".qzeros",
-              ".weight_shape": ".qweight"}
+
+
+class GptqPacked(_Int4View):
+    """A view of a GPTQ checkpoint (AutoGPTQ's and GPTQModel's "gptq" format, 4 bits) as a compressed-tensors one:
+    a linear layer X's `X.qweight` int32 (in / 8, out), eight unsigned 4-bit values to a word along the inputs from
+    the lowest bits up, is read as `X.weight_packed` (out, in / 8) (its transpose: an unsigned value u is the signed
+    q = u - 8 stored plus 8, so the words carry over), `X.scales` (groups, out) as `X.weight_scale` (out, groups)
+    and `X.qzeros` int32 (groups, out / 8) (packed along the outputs) as `X.weight_zero_point` words (out / 8,
+    groups). GPTQ stores each zero point less one (a zero point 0 wraps to 15, which GPTQ's kernels read as 16):
+    the loader adds it back (`GPTQ_ZERO_STORED_LESS`). A weight is read only when its `X.g_idx` (if stored) puts
+    input row i in group i // group size (no act-order), and, for a `symmetric` checkpoint, when every zero point is
+    8, which the served weight leaves out."""
+
+    PARTS = {".weight_packed": ".qweight", ".weight_scale": ".scales", ".weight_zero_point": ".qzeros",
+             ".weight_shape": ".qweight"}
+
+    def __init__(self, source: "SafetensorsFolder | TensorMapping", symmetric: bool):
+        super().__init__(source)
+        self.symmetric = symmetric
+        self._checked: set[str] = set()  # modules whose g_idx and zero points were checked
+
+    def _packed_shape(self, module: str) -> tuple[int, int]:
+        words, out = self.source.shape(module + ".qweight")
+        return out, words
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """One tensor, or only its `index` part (of a weight's packed words: only those words)."""
+        if (module := self._module(name, ".weight_packed")) is not None:
+            self._check(module)
+            rows, columns = index or (slice(None), slice(None))
+            return np.ascontiguousarray(self.source.get(module + ".qweight", (columns, rows)).T)  # (out, in / 8)
+        if (module := self._module(name, ".weight_scale")) is not None:
+            return self.source.get(module + ".scales").astype(np.float32).T  # (out, groups)
+        if (module := self._module(name, ".weight_zero_point")) is not None:
+            return np.ascontiguousarray(self.source.get(module + ".qzeros").T)  # (out / 8, groups)
+        if (module := self._module(name, ".weight_shape")) is not None:
+            return np.array(self._packed_shape(module), np.int64) * (1, 8)
+        return self.source.get(name, index)
+
+    def _check(self, module: str) -> None:
+        """ValueError unless the module's groups are consecutive input rows and, when symmetric, its zero points
+        are all 8."""
+        if module in self._checked:
+            return
+        words, out = self.source.shape(module + ".qweight")
+        groups = self.source.shape(module + ".scales")[0]
+        if module + ".g_idx" in self.source:
+            order = self.source.get(module + ".g_idx").astype(np.int64)  # (in,)
+            if not np.array_equal(order, np.arange(8 * words) * groups // (8 * words)):
+                raise ValueError(f"{module}.g_idx does not put input row i in group i // group_size (act-order, "
+                                 "desc_act true): jaxserve reads GPTQ groups of consecutive input rows (desc_act "
+                                 "false, or static_groups)")
+        if self.symmetric:
+            stored = unpack_int4_rows(self.source.get(module + ".qzeros"))  # (groups, out)
+            if not np.all(stored == 8 - GPTQ_ZERO_STORED_LESS):
+                raise ValueError(f"{module}.qzeros holds zero points other than 8 but the checkpoint says sym true")
+        self._checked.add(module)
+
+
+GPTQ_ZERO_STORED_LESS = 1  # the "gptq" format stores zero point z as z - 1 (in 4 bits: 0 as 15, read as 16)
 
 
 def _awq_columns(words: np.ndarray) -> np.ndarray:
@@ -235,16 +311,21 @@ def unpack_int4_rows(words: np.ndarray) -> np.ndarray:
     return nibbles.reshape(words.shape[0], -1)
 
 
-TensorSource = SafetensorsFolder | TensorMapping | PackedInt4 | AwqGemm
+TensorSource = SafetensorsFolder | TensorMapping | PackedInt4 | AwqGemm | GptqPacked
 
 
 def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
     """The tensors of a checkpoint folder or of arrays by name, as the served model reads them (an int4
-    checkpoint's packed weights as bytes, `PackedInt4`, over an AWQ one's as compressed-tensors', `AwqGemm`)."""
+    checkpoint's packed weights as bytes, `PackedInt4`, over an AWQ or GPTQ one's as compressed-tensors', `AwqGemm`,
+    `GptqPacked`)."""
     source = SafetensorsFolder(source) if isinstance(source, str) else source
     if spec.checkpoint_quantization != "int4":
         return source
-    return PackedInt4(AwqGemm(source) if spec.checkpoint_int4_format == "awq" else source)
+    if spec.checkpoint_int4_format == "awq":
+        source = AwqGemm(source)
+    elif spec.checkpoint_int4_format == "gptq":
+        source = GptqPacked(source, symmetric=not spec.checkpoint_zero_points)
+    return PackedInt4(source)
 
 
 def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int,
@@ -384,7 +465,8 @@ def _load_quantized(folder: TensorSource, names: list[str], layout: _Layout, sha
     leaf = {"weight": weight, "scale": _load_stacked(scales, names, scale_layout, scale_sharding, jnp.float32,
                                                      into.get("scale"))}
     if spec.checkpoint_zero_points:  # shaped and split like the grouped scales
-        zeros = _PerWeight(folder, spec, _group_zero_points, "_zero_point")
+        stored_less = GPTQ_ZERO_STORED_LESS if spec.checkpoint_int4_format == "gptq" else 0
+        zeros = _PerWeight(folder, spec, functools.partial(_group_zero_points, stored_less=stored_less), "_zero_point")
         leaf["zero"] = _load_stacked(zeros, names, scale_layout, scale_sharding, jnp.int8, into.get("zero"))
     return leaf
 
@@ -446,10 +528,10 @@ def _block_scale(folder: TensorSource, weight: tuple[str, int, int], scale_name:
 
 
 def _group_zero_points(folder: TensorSource, weight: tuple[str, int, int], zero_name: str,
-                       block: tuple[int, int]) -> np.ndarray:
-    """(in // group size, out) int8 in [-8, 7]: an asymmetric int4 weight's zero points, stored int32 (out / 8,
-    groups), eight output channels' values to a word from the lowest bits up, each plus 8 (compressed-tensors packs
-    them along the outputs)."""
+                       block: tuple[int, int], stored_less: int = 0) -> np.ndarray:
+    """(in // group size, out) int8 in [-8, 7] (to 8 when `stored_less`): an asymmetric int4 weight's zero points,
+    stored int32 (out / 8, groups), eight output channels' values to a word from the lowest bits up, each plus 8
+    (compressed-tensors packs them along the outputs), less `stored_less` (GPTQ's)."""
     name, num_out, num_in = weight
     if zero_name not in folder:
         raise ValueError(f"{name} is asymmetric int4 but the checkpoint has no {zero_name}")
@@ -458,7 +540,7 @@ def _group_zero_points(folder: TensorSource, weight: tuple[str, int, int], zero_
     if words.shape != (-(-num_out // 8), groups):
         raise ValueError(f"{zero_name} has shape {words.shape}; {name}'s {num_out} output channels in {groups} "
                          f"groups need {(-(-num_out // 8), groups)}")
-    return (unpack_int4_rows(words.T)[:, :num_out] - 8).astype(np.int8)  # (groups, out)
+    return (unpack_int4_rows(words.T)[:, :num_out] + stored_less - 8).astype(np.int8)  # (groups, out)
 
 
 def _check_groups_split_evenly(name: str, groups: int, block: tuple[int, int], mesh: Mesh, axes) -> None:

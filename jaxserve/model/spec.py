@@ -151,8 +151,9 @@ class ModelSpec:
     checkpoint_scale_suffix: str = "_scale"
     # int4 groups that are asymmetric: each group's zero point too, `weight_zero_point` (llm-compressor's W4A16_ASYM)
     checkpoint_zero_points: bool = False
-    # how int4 weights are stored: "pack-quantized" (compressed-tensors') or "awq" (AutoAWQ's GEMM tensors
-    # `qweight`, `qzeros`, `scales`, read through model/loader.py's AwqGemm view as the former)
+    # how int4 weights are stored: "pack-quantized" (compressed-tensors'), "awq" (AutoAWQ's GEMM tensors `qweight`,
+    # `qzeros`, `scales`) or "gptq" (GPTQ's `qweight`, `qzeros` stored less one, `scales`, `g_idx`), the last two read
+    # through model/loader.py's AwqGemm and GptqPacked views as the first)
     checkpoint_int4_format: str = "pack-quantized"
     # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
     # expert split like a dense MLP: EngineConfig.enable_expert_parallel, vLLM's flag (model/moe_llama.py).
@@ -300,7 +301,8 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
     checkpoint_zero_points, checkpoint_int4_format) of the quantized checkpoint forms jaxserve reads, lm_head left
     alone: 8-bit float linear weights with a scale per output channel, per tensor or per block; 4-bit integer
     weights (compressed-tensors pack-quantized) with a scale per output channel or per group, or asymmetric with a
-    scale and a zero point per group, as AutoAWQ's GEMM checkpoints also store them. "none" without a
+    scale and a zero point per group, as AutoAWQ's GEMM checkpoints and GPTQ's (AutoGPTQ, GPTQModel: groups of
+    consecutive input rows, symmetric or not) also store them. "none" without a
     quantization_config; a ValueError naming any other form."""
     if not quantization_config:
         return {"checkpoint_quantization": "none"}
@@ -308,7 +310,8 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
     supported = ("jaxserve reads fp8 checkpoints whose linear weights are 8-bit floats with a scale per output "
                  "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8), and int4 "
                  "ones (compressed-tensors pack-quantized, a scale per channel or group, or asymmetric with a zero "
-                 "point per group; 16-bit activations: W4A16; or AutoAWQ's GEMM form)")
+                 "point per group; 16-bit activations: W4A16; or AutoAWQ's GEMM form; or GPTQ's, 4 bits, groups of "
+                 "consecutive input rows)")
     if method == "fp8":
         kept = [name for name in quantization_config.get("modules_to_not_convert") or [] if not _stays_float(name)]
         if kept:
@@ -321,6 +324,8 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
                 "checkpoint_scale_suffix": "_scale_inv"}  # DeepSeek's name; it multiplies the weight all the same
     if method == "awq":
         return _awq_fields(quantization_config, supported)
+    if method == "gptq":
+        return _gptq_fields(quantization_config, supported)
     if method != "compressed-tensors":
         raise ValueError(f"quantization_config quant_method {method!r} is not supported: {supported}")
     forms = set()  # (quantization, block, zero points) of each group
@@ -367,6 +372,34 @@ def _awq_fields(quantization_config: dict, supported: str) -> dict:
                          f"({sorted(kept)[:4]}): {supported}")
     return {"checkpoint_quantization": "int4", "checkpoint_weight_block": (1, size), "checkpoint_zero_points": True,
             "checkpoint_int4_format": "awq"}
+
+
+def _gptq_fields(quantization_config: dict, supported: str) -> dict:
+    """The fields of a GPTQ checkpoint (AutoGPTQ's and GPTQModel's `checkpoint_format` "gptq"): 4-bit weights with
+    a scale per group of `group_size` input rows (-1: per output channel) and, unless `sym`, a zero point per group;
+    a ValueError for its other settings. Whether the groups are consecutive rows (no act-order `g_idx`) is checked
+    as each weight loads."""
+    size = quantization_config.get("group_size")
+    symmetric = quantization_config.get("sym", True)
+    if quantization_config.get("bits") != 4:
+        raise ValueError(f"GPTQ bits {quantization_config.get('bits')!r}: jaxserve reads 4-bit GPTQ weights")
+    if quantization_config.get("checkpoint_format", "gptq") != "gptq":
+        raise ValueError(f"GPTQ checkpoint_format {quantization_config['checkpoint_format']!r}: jaxserve reads "
+                         "the \"gptq\" format (zero points stored less one), which GPTQModel saves by default")
+    if size != -1 and not _positive_int(size):
+        raise ValueError(f"GPTQ group_size must be a positive integer or -1 (per channel), got {size!r}")
+    if size == -1 and not symmetric:
+        raise ValueError(f"GPTQ sym false with group_size -1 (a zero point per channel): {supported}")
+    if quantization_config.get("lm_head"):
+        raise ValueError("GPTQ lm_head true (a quantized LM head): jaxserve serves the LM head in float")
+    if quantization_config.get("dynamic"):
+        raise ValueError(f"GPTQ dynamic (per-module settings) is not read: {supported} with one form")
+    kept = [name for name in quantization_config.get("modules_to_not_convert") or [] if not _stays_float(name)]
+    if kept:
+        raise ValueError(f"GPTQ modules_to_not_convert lists layers other than lm_head and the routers "
+                         f"({sorted(kept)[:4]}): {supported}")
+    return {"checkpoint_quantization": "int4", "checkpoint_weight_block": None if size == -1 else (1, size),
+            "checkpoint_zero_points": not symmetric, "checkpoint_int4_format": "gptq"}
 
 
 def _int4_group(quantization_config: dict, name: str, group: dict, supported: str) -> tuple[int, int] | None:
