@@ -238,11 +238,11 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
     if quantization != "none":
         leaves = quantizable_leaves(spec)
         block = spec.checkpoint_weight_block  # a checkpoint's block or group scales are served grouped
-        zeros = spec.checkpoint_zero_points
-        layers = {name: quantized_shapes(leaf, quantization, block and block[1], zeros) if name in leaves else leaf
+        extras = spec.checkpoint_zero_points, spec.checkpoint_act_order
+        layers = {name: quantized_shapes(leaf, quantization, block and block[1], *extras) if name in leaves else leaf
                   for name, leaf in shapes["layers"].items()}
         shapes = {**shapes, "layers": layers}
-        specs = quantized_partition_specs(specs, leaves, block is not None, zeros)
+        specs = quantized_partition_specs(specs, leaves, block is not None, *extras)
     if kv_cache_dtype == "fp8":
         scale = jax.ShapeDtypeStruct((spec.num_layers, num_cache_kv_heads), jnp.float32)  # (L, Hkv)
         shapes, specs = fp8.with_scale_leaves(shapes, scale), fp8.with_scale_leaves(specs, fp8.SCALE_SPEC)

@@ -1,8 +1,9 @@
 """Make the quantized test checkpoints and record what Hugging Face transformers generates from them, the
 reference for serving quantized checkpoints as they are stored.
 
-Needs torch, transformers, accelerate and compressed-tensors (transformers reads an fp8 checkpoint only with
-accelerate and an int4 one only with compressed-tensors; none of them is needed by CI). From the repository root:
+Needs torch, transformers, accelerate, compressed-tensors and auto-gptq (transformers reads an fp8 checkpoint only
+with accelerate and an int4 one only with compressed-tensors; auto-gptq's QuantLinear is the GPTQ reference; none of
+them is needed by CI). From the repository root:
     python scripts/make_quantized_fixtures.py
 Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test checkpoint:
 - tests/fixtures/checkpoints/qwen3-fp8-block/ and qwen3-moe-fp8-block/: every decoder linear weight (q, k, v, o,
@@ -27,7 +28,9 @@ Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test
 - tests/fixtures/checkpoints/qwen2-gptq-asym/, qwen3-moe-gptq/ and qwen3-gptq-channel/: GPTQ's "gptq" format
   (`qweight`, `qzeros` stored less one, `scales`, `g_idx`; quant_method gptq) as AutoGPTQ and GPTQModel save it:
   qwen2 asymmetric in groups, the MoE symmetric in groups (Qwen's GPTQ-Int4 form), qwen3 symmetric per output
-  channel (group_size -1). Transformers reads GPTQ only through gptqmodel (a CUDA build), so the reference is the
+  channel (group_size -1); qwen2-gptq-act-order/ and qwen3-moe-gptq-act-order/ (symmetric, and asymmetric)
+  with act-order (`desc_act`: each weight's rows grouped in a permuted order, `g_idx` saying which).
+  Transformers reads GPTQ only through gptqmodel (a CUDA build), so the reference is the
   float model with each linear weight replaced by what AutoGPTQ's own QuantLinear (auto_gptq 0.7.1's
   nn_modules/qlinear/qlinear_cuda.py, its torch path: `pip install --no-deps auto-gptq==0.7.1`; only that file is
   loaded, not the package) computes from the stored tensors, its scales in float32.
@@ -67,7 +70,9 @@ FIXTURES = {"qwen3-fp8-block": ("qwen3", "fp8", ((32, 32), (32, 64), (64, 32), (
             "qwen3-moe-awq": ("qwen3-moe", "awq", (16, 8, 32)),
             "qwen2-gptq-asym": ("qwen2", "gptq-asym", (16, 32, 8)),
             "qwen3-moe-gptq": ("qwen3-moe", "gptq", (16, 8, 32)),
-            "qwen3-gptq-channel": ("qwen3", "gptq", (None,))}
+            "qwen3-gptq-channel": ("qwen3", "gptq", (None,)),
+            "qwen2-gptq-act-order": ("qwen2", "gptq-act-order", (16, 32, 8)),
+            "qwen3-moe-gptq-act-order": ("qwen3-moe", "gptq-asym-act-order", (16, 8, 32))}
 
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
@@ -80,7 +85,11 @@ from jaxserve.bench.quantized_checkpoint import (  # noqa: E402
 WRITERS = {"fp8": write_fp8_block_checkpoint, "int4": write_int4_checkpoint,
            "int4-asym": lambda source, destination, group: write_int4_checkpoint(source, destination, group, False),
            "awq": write_awq_checkpoint, "gptq": write_gptq_checkpoint,
-           "gptq-asym": lambda source, destination, group: write_gptq_checkpoint(source, destination, group, False)}
+           "gptq-asym": lambda source, destination, group: write_gptq_checkpoint(source, destination, group, False),
+           "gptq-act-order": lambda source, destination, group: write_gptq_checkpoint(source, destination, group,
+                                                                                      act_order=True),
+           "gptq-asym-act-order": lambda source, destination, group: write_gptq_checkpoint(source, destination, group,
+                                                                                           False, True)}
 
 
 def make(name: str) -> None:
@@ -91,7 +100,7 @@ def make(name: str) -> None:
     prompts = json.loads((source / "expected.json").read_text())["prompts"]
     for block in candidates:
         WRITERS[form](str(source), str(destination), block)
-        decompressed = form in ("int4-asym", "awq", "gptq", "gptq-asym")
+        decompressed = form in ("int4-asym", "awq") or form.startswith("gptq")
         model = AutoModelForCausalLM.from_pretrained(source if decompressed else destination, local_files_only=True,
                                                      attn_implementation="eager", dtype=torch.float32).eval()
         if decompressed:

@@ -13,6 +13,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 from helpers import assert_serves_hf_outputs, checkpoint, checkpoint_tensors, small_engine_args, tiny_llama_config
@@ -22,25 +23,42 @@ from jaxserve.model.loader import GptqPacked, TensorMapping, _group_zero_points
 from jaxserve.model.spec import ModelSpec
 
 ASYMMETRIC, MOE, CHANNEL = "qwen2-gptq-asym", "qwen3-moe-gptq", "qwen3-gptq-channel"
+ACT_ORDER, ACT_ORDER_MOE = "qwen2-gptq-act-order", "qwen3-moe-gptq-act-order"
 OPTIONS = small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_precompile=True)
 
 
 @pytest.mark.parametrize("name, tensor_parallel_size, fields", [
-    (ASYMMETRIC, 2, (True, (1, 8))),
-    (MOE, 2, (False, (1, 16))),
-    (CHANNEL, 1, (False, None)),
+    (ASYMMETRIC, 2, (True, (1, 8), False)),
+    (MOE, 2, (False, (1, 16), False)),
+    (CHANNEL, 1, (False, None, False)),
+    (ACT_ORDER, 2, (False, (1, 16), True)),
 ])
 def test_a_gptq_checkpoint_matches_hugging_face(name, tensor_parallel_size, fields):
     """qwen2 asymmetric in groups of 8 over two devices (o_proj's and down_proj's groups split with their rows);
-    the MoE's experts symmetric in groups of 16 over two devices; qwen3 symmetric per output channel. A symmetric
+    the MoE's experts symmetric in groups of 16 over two devices; qwen3 symmetric per output channel; qwen2 with
+    act-order over two devices (each row's group split with the rows, every group's scales on both). A symmetric
     checkpoint's zero points (all 8) are checked and left out."""
     llm = LLM(checkpoint(name), tensor_parallel_size=tensor_parallel_size, **OPTIONS)
     spec = llm.engine.core.spec
-    assert (spec.checkpoint_int4_format, spec.checkpoint_zero_points, spec.checkpoint_weight_block) == ("gptq",
-                                                                                                      *fields)
+    assert (spec.checkpoint_int4_format, spec.checkpoint_zero_points, spec.checkpoint_weight_block,
+            spec.checkpoint_act_order) == ("gptq", *fields)
     up = llm.engine.core.runner.params["layers"]["w_up"]
-    assert up["weight"].dtype == jnp.uint8 and ("zero" in up) == fields[0]
+    assert up["weight"].dtype == jnp.uint8 and ("zero" in up) == fields[0] and ("row_groups" in up) == fields[2]
     assert_serves_hf_outputs(llm, name)
+
+
+@pytest.mark.parametrize("enable_expert_parallel", [False, True])
+def test_an_act_order_mixture_of_experts_matches_hugging_face(enable_expert_parallel):
+    """Every expert's projections asymmetric with act-order, each expert split over two devices by its inner size
+    (down_proj's rows and their groups split, its scales and zero points whole), or the experts split whole."""
+    llm = LLM(checkpoint(ACT_ORDER_MOE), tensor_parallel_size=2, enable_expert_parallel=enable_expert_parallel,
+              **OPTIONS)
+    down = llm.engine.core.runner.params["layers"]["w_down"]
+    assert down["row_groups"].shape == (2, 8, 32) and down["zero"].shape == down["scale"].shape == (2, 8, 2, 64)
+    experts, rows = ("model", None) if enable_expert_parallel else (None, "model")
+    assert down["row_groups"].sharding.spec == P(None, experts, rows)
+    assert down["scale"].sharding.spec == down["zero"].sharding.spec == P(None, experts, None, None)
+    assert_serves_hf_outputs(llm, ACT_ORDER_MOE)
 
 
 def test_the_gptq_view_reads_gptq_tensors_as_compressed_tensors_form():
@@ -65,7 +83,9 @@ def test_the_gptq_view_reads_gptq_tensors_as_compressed_tensors_form():
     assert np.array_equal(zero[written != -8], written[written != -8])
 
 
-def test_act_order_and_inconsistent_zero_points_are_named(tmp_path):
+def test_unexpected_act_order_bad_groups_and_inconsistent_zero_points_are_named(tmp_path):
+    """A permuted g_idx under desc_act false, a symmetric checkpoint's zero point other than 8, and an act-order
+    g_idx naming a group the weight does not have."""
     tensors = checkpoint_tensors(MOE, str(tmp_path))
     order = tensors["model.layers.0.self_attn.o_proj.g_idx"]
     tensors["model.layers.0.self_attn.o_proj.g_idx"] = order[np.random.default_rng(0).permutation(order.size)]
@@ -77,6 +97,13 @@ def test_act_order_and_inconsistent_zero_points_are_named(tmp_path):
     save_file(tensors, os.path.join(str(tmp_path), "model.safetensors"))
     with pytest.raises(ValueError, match="q_proj.qzeros holds zero points other than 8 but the checkpoint says sym"):
         LLM(str(tmp_path), **OPTIONS)
+    act_order = tmp_path / "act-order"
+    os.makedirs(act_order)
+    tensors = checkpoint_tensors(ACT_ORDER, str(act_order))
+    tensors["model.layers.1.mlp.down_proj.g_idx"][5] = 8  # 128 rows in 8 groups of 16: no group 8
+    save_file(tensors, os.path.join(str(act_order), "model.safetensors"))
+    with pytest.raises(ValueError, match="down_proj.weight_g_idx must give each of .*'s 128 input rows one of its 8"):
+        LLM(str(act_order), **OPTIONS)
 
 
 def _gptq(**fields) -> dict:

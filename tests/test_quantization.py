@@ -212,7 +212,7 @@ def test_an_fp8_mixture_of_experts_checkpoint_is_served_as_it_is(tmp_path):
 
 
 @pytest.mark.parametrize("quantization_config, message", [
-    ({"quant_method": "gptq"}, "quant_method 'gptq' is not supported"),  # AWQ's is read (test_int4_checkpoint.py)
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),  # AWQ and GPTQ are read
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8,
                                                                                 "strategy": "channel"}}}},
      "has weights"),  # int8 weights (W8A16); int4 ones are read (tests/test_int4_checkpoint.py)

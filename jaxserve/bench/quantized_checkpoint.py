@@ -19,7 +19,8 @@ are copied as they are, the LM head and MoE routers left in float.
 - GPTQ (`write_gptq_checkpoint`, AutoGPTQ's and GPTQModel's "gptq" format): the groups above (symmetric, zero
   point 8, or not), rounded to nearest rather than by GPTQ's error-compensating algorithm (the format is what
   the tests read), as unsigned values: `qweight` (in / 8, out) packed along the inputs, `qzeros` (groups, out / 8)
-  packed along the outputs and stored less one, float16 `scales`, `g_idx` (in,) = row // group size.
+  packed along the outputs and stored less one, float16 `scales`, `g_idx` (in,) = row // group size, or under
+  act-order each row's group after the rows are taken in a permuted order.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from collections.abc import Callable
 
 import ml_dtypes
@@ -81,16 +83,23 @@ def quantize_awq(weight: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
     return {"qweight": packed(values.T + 8), "qzeros": packed(zero.T + 8), "scales": scale.T.astype(np.float16)}
 
 
-def quantize_gptq(weight: np.ndarray, group_size: int | None, symmetric: bool = True) -> dict[str, np.ndarray]:
+def quantize_gptq(weight: np.ndarray, group_size: int | None, symmetric: bool = True,
+                  order: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """GPTQ's tensors of a float weight (out, in) in groups of `group_size` inputs (None: one group, per output
-    channel): {"qweight": int32 (in / 8, out), "qzeros": int32 (groups, out / 8), "scales": float16 (groups, out),
-    "g_idx": int32 (in,)}, unsigned values packed from the lowest bits up, each zero point stored less one (0 wraps
-    to 15); the values rounded under the float32 scales, then stored in float16 as GPTQ keeps them."""
-    group_size = group_size or weight.shape[1]
-    values, scale, zero = _int4_groups(weight, group_size, symmetric)
+    channel), the input rows taken in `order` (act-order: group g holds rows order[g * group_size:][:group_size];
+    default consecutive): {"qweight": int32 (in / 8, out), "qzeros": int32 (groups, out / 8), "scales": float16
+    (groups, out), "g_idx": int32 (in,) each row's group}, unsigned values packed from the lowest bits up, each zero
+    point stored less one (0 wraps to 15); the values rounded under the float32 scales, then stored in float16 as
+    GPTQ keeps them."""
+    inputs = weight.shape[1]
+    group_size = group_size or inputs
+    order = np.arange(inputs) if order is None else order
+    in_order, scale, zero = _int4_groups(weight[:, order], group_size, symmetric)  # (out, in) rows in `order`
+    values, row_groups = np.empty_like(in_order), np.empty(inputs, np.int32)
+    values[:, order], row_groups[order] = in_order, np.arange(inputs) // group_size
     stored_zeros = (zero.T + 8 - GPTQ_ZERO_STORED_LESS) & 0xF  # (groups, out)
     return {"qweight": pack_int4_rows(values + 8).T.copy(), "qzeros": pack_int4_rows(stored_zeros),
-            "scales": scale.T.astype(np.float16), "g_idx": np.arange(weight.shape[1], dtype=np.int32) // group_size}
+            "scales": scale.T.astype(np.float16), "g_idx": row_groups}
 
 
 def _int4_groups(weight: np.ndarray, group_size: int, symmetric: bool) -> tuple[np.ndarray, ...]:
@@ -141,17 +150,20 @@ def write_awq_checkpoint(source: str, destination: str, group_size: int) -> None
     _write(source, destination, quantize, describe)
 
 
-def write_gptq_checkpoint(source: str, destination: str, group_size: int | None, symmetric: bool = True) -> None:
+def write_gptq_checkpoint(source: str, destination: str, group_size: int | None, symmetric: bool = True,
+                          act_order: bool = False) -> None:
     """`source`'s checkpoint in `destination` with its decoder linear weights in GPTQ's form (4 bits, a scale and
-    unless `symmetric` a zero point per `group_size` input rows; None: per output channel) and config.json's
-    quantization_config saying so."""
+    unless `symmetric` a zero point per `group_size` input rows; None: per output channel; with `act_order` each
+    weight's rows grouped in an order of their own, a permutation seeded by the weight's name, where GPTQ sorts them
+    by their activations' size) and config.json's quantization_config saying so."""
     def quantize(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
         module = name[: -len("weight")]  # "model.layers.0.mlp.up_proj."
-        return {module + part: array for part, array in quantize_gptq(weight, group_size, symmetric).items()}
+        order = np.random.default_rng(zlib.crc32(name.encode())).permutation(weight.shape[1]) if act_order else None
+        return {module + part: array for part, array in quantize_gptq(weight, group_size, symmetric, order).items()}
 
     def describe(config: dict) -> dict:
         return {"quant_method": "gptq", "bits": 4, "group_size": group_size or -1, "sym": symmetric,
-                "desc_act": False, "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
+                "desc_act": act_order, "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
                 "lm_head": False, "checkpoint_format": "gptq"}
 
     _write(source, destination, quantize, describe)

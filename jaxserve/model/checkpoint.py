@@ -170,7 +170,8 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
         as_stored = metadata["quantization"] == spec.checkpoint_quantization
         grouped = as_stored and spec.checkpoint_weight_block is not None
         specs = quantized_partition_specs(specs, quantizable_leaves(spec), grouped,
-                                          as_stored and spec.checkpoint_zero_points)
+                                          as_stored and spec.checkpoint_zero_points,
+                                          as_stored and spec.checkpoint_act_order)
     if metadata.get("kv_cache_dtype") == "fp8":
         specs = fp8.with_scale_leaves(specs, fp8.SCALE_SPEC)
     checkpointer = ocp.StandardCheckpointer()

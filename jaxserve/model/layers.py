@@ -25,18 +25,22 @@ from jaxserve.model.quantize import linear
 
 class QuantizedWeight(nnx.Module):
     """A quantized projection (model/quantize.py): int8, float8_e4m3fn or packed int4 `weight` (..., in, out), its
-    float32 `scale` (..., out) or grouped (..., groups, out), and an asymmetric int4 checkpoint's `zero` points."""
+    float32 `scale` (..., out) or grouped (..., groups, out), an asymmetric int4 checkpoint's `zero` points, and
+    act-order GPTQ's `row_groups` (..., in)."""
 
-    def __init__(self, weight: jax.Array, scale: jax.Array, zero: jax.Array | None = None):
+    def __init__(self, weight: jax.Array, scale: jax.Array, zero: jax.Array | None = None,
+                 row_groups: jax.Array | None = None):
         self.weight = nnx.Param(weight)
         self.scale = nnx.Param(scale)
         self.zero = None if zero is None else nnx.Param(zero)
+        self.row_groups = None if row_groups is None else nnx.Param(row_groups)
 
 
 def projection(value: jax.Array | dict) -> nnx.Param | QuantizedWeight:
-    """A projection's params leaf as NNX state: a Param, or a QuantizedWeight for {weight, scale[, zero]}."""
+    """A projection's params leaf as NNX state: a Param, or a QuantizedWeight for {weight, scale[, zero][,
+    row_groups]}."""
     if isinstance(value, dict):
-        return QuantizedWeight(value["weight"], value["scale"], value.get("zero"))
+        return QuantizedWeight(value["weight"], value["scale"], value.get("zero"), value.get("row_groups"))
     return nnx.Param(value)
 
 
@@ -48,8 +52,8 @@ def optional_param(params: dict, name: str) -> nnx.Param | None:
 def weight_value(weight: nnx.Param | QuantizedWeight) -> jax.Array | dict:
     """A projection's array, or a quantized one's {weight, scale} arrays (what model/quantize.py's `linear` takes)."""
     if isinstance(weight, QuantizedWeight):
-        arrays = {"weight": weight.weight[...], "scale": weight.scale[...]}
-        return arrays if weight.zero is None else {**arrays, "zero": weight.zero[...]}
+        parts = {"weight": weight.weight, "scale": weight.scale, "zero": weight.zero, "row_groups": weight.row_groups}
+        return {name: part[...] for name, part in parts.items() if part is not None}
     return weight[...]
 
 

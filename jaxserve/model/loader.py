@@ -237,16 +237,17 @@ class GptqPacked(_Int4View):
     q = u - 8 stored plus 8, so the words carry over), `X.scales` (groups, out) as `X.weight_scale` (out, groups)
     and `X.qzeros` int32 (groups, out / 8) (packed along the outputs) as `X.weight_zero_point` words (out / 8,
     groups). GPTQ stores each zero point less one (a zero point 0 wraps to 15, which GPTQ's kernels read as 16):
-    the loader adds it back (`GPTQ_ZERO_STORED_LESS`). A weight is read only when its `X.g_idx` (if stored) puts
-    input row i in group i // group size (no act-order), and, for a `symmetric` checkpoint, when every zero point is
-    8, which the served weight leaves out."""
+    the loader adds it back (`GPTQ_ZERO_STORED_LESS`). Under act-order `X.g_idx` (in,), each input row's group, reads
+    as `X.weight_g_idx`; without it a weight is read only when its `g_idx` (if stored) puts input row i in group
+    i // group size. A `symmetric` checkpoint's weight is read only when every zero point is 8, which the served
+    weight leaves out."""
 
     PARTS = {".weight_packed": ".qweight", ".weight_scale": ".scales", ".weight_zero_point": ".qzeros",
-             ".weight_shape": ".qweight"}
+             ".weight_shape": ".qweight", ".weight_g_idx": ".g_idx"}
 
-    def __init__(self, source: "SafetensorsFolder | TensorMapping", symmetric: bool):
+    def __init__(self, source: "SafetensorsFolder | TensorMapping", symmetric: bool, act_order: bool = False):
         super().__init__(source)
-        self.symmetric = symmetric
+        self.symmetric, self.act_order = symmetric, act_order
         self._checked: set[str] = set()  # modules whose g_idx and zero points were checked
 
     def _packed_shape(self, module: str) -> tuple[int, int]:
@@ -265,21 +266,23 @@ class GptqPacked(_Int4View):
             return np.ascontiguousarray(self.source.get(module + ".qzeros").T)  # (out / 8, groups)
         if (module := self._module(name, ".weight_shape")) is not None:
             return np.array(self._packed_shape(module), np.int64) * (1, 8)
+        if (module := self._module(name, ".weight_g_idx")) is not None:
+            return self.source.get(module + ".g_idx", index)
         return self.source.get(name, index)
 
     def _check(self, module: str) -> None:
-        """ValueError unless the module's groups are consecutive input rows and, when symmetric, its zero points
-        are all 8."""
+        """ValueError unless the module's groups are consecutive input rows (or the checkpoint is act-order) and,
+        when symmetric, its zero points are all 8."""
         if module in self._checked:
             return
         words, out = self.source.shape(module + ".qweight")
         groups = self.source.shape(module + ".scales")[0]
-        if module + ".g_idx" in self.source:
+        if module + ".g_idx" in self.source and not self.act_order:
             order = self.source.get(module + ".g_idx").astype(np.int64)  # (in,)
             if not np.array_equal(order, np.arange(8 * words) * groups // (8 * words)):
-                raise ValueError(f"{module}.g_idx does not put input row i in group i // group_size (act-order, "
-                                 "desc_act true): jaxserve reads GPTQ groups of consecutive input rows (desc_act "
-                                 "false, or static_groups)")
+                raise ValueError(f"{module}.g_idx does not put input row i in group i // group_size, as a checkpoint "
+                                 "whose quantization_config has desc_act false (or static_groups) must: say "
+                                 "desc_act true if it was quantized with act-order")
         if self.symmetric:
             stored = unpack_int4_rows(self.source.get(module + ".qzeros"))  # (groups, out)
             if not np.all(stored == 8 - GPTQ_ZERO_STORED_LESS):
@@ -324,7 +327,7 @@ def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
     if spec.checkpoint_int4_format == "awq":
         source = AwqGemm(source)
     elif spec.checkpoint_int4_format == "gptq":
-        source = GptqPacked(source, symmetric=not spec.checkpoint_zero_points)
+        source = GptqPacked(source, symmetric=not spec.checkpoint_zero_points, act_order=spec.checkpoint_act_order)
     return PackedInt4(source)
 
 
@@ -453,9 +456,10 @@ def _load_quantized(folder: TensorSource, names: list[str], layout: _Layout, sha
     dtype = WEIGHT_DTYPES[spec.checkpoint_quantization]
     weight = _load_stacked(folder, names, layout, sharding, dtype, into.get("weight"))
     block = spec.checkpoint_weight_block
-    spec_of_scale = quantized_spec(sharding.spec, grouped=block is not None)["scale"]
+    specs = quantized_spec(sharding.spec, grouped=block is not None, row_groups=spec.checkpoint_act_order)
+    spec_of_scale = specs["scale"]
     scales = _PerWeight(folder, spec, _block_scale if block else _channel_scale, spec.checkpoint_scale_suffix)
-    if block:  # the groups axis of (L, [E,] groups, out)
+    if block and not spec.checkpoint_act_order:  # the groups axis of (L, [E,] groups, out)
         first = names[0][0] if isinstance(names[0], list) else names[0]
         group_axis = weight.ndim - 2
         _check_groups_split_evenly(first, scales.shape(first)[0], block, sharding.mesh,
@@ -468,6 +472,11 @@ def _load_quantized(folder: TensorSource, names: list[str], layout: _Layout, sha
         stored_less = GPTQ_ZERO_STORED_LESS if spec.checkpoint_int4_format == "gptq" else 0
         zeros = _PerWeight(folder, spec, functools.partial(_group_zero_points, stored_less=stored_less), "_zero_point")
         leaf["zero"] = _load_stacked(zeros, names, scale_layout, scale_sharding, jnp.int8, into.get("zero"))
+    if spec.checkpoint_act_order:  # each input row's group, split like the rows
+        groups = _PerWeight(folder, spec, _row_groups, "_g_idx")
+        leaf["row_groups"] = _load_stacked(groups, names, _Layout(False, 1, layout.head_dim),
+                                           NamedSharding(sharding.mesh, specs["row_groups"]), jnp.int32,
+                                           into.get("row_groups"))
     return leaf
 
 
@@ -541,6 +550,18 @@ def _group_zero_points(folder: TensorSource, weight: tuple[str, int, int], zero_
         raise ValueError(f"{zero_name} has shape {words.shape}; {name}'s {num_out} output channels in {groups} "
                          f"groups need {(-(-num_out // 8), groups)}")
     return (unpack_int4_rows(words.T)[:, :num_out] + stored_less - 8).astype(np.int8)  # (groups, out)
+
+
+def _row_groups(folder: TensorSource, weight: tuple[str, int, int], groups_name: str,
+                block: tuple[int, int]) -> np.ndarray:
+    """(in,) int32: each input row's group (GPTQ's act-order `g_idx`), checked to name one of the weight's groups."""
+    name, _, num_in = weight
+    stored = np.asarray(folder.get(groups_name)).astype(np.int64)  # (in,)
+    groups = num_in // block[1]
+    if stored.shape != (num_in,) or stored.min() < 0 or stored.max() >= groups:
+        raise ValueError(f"{groups_name} must give each of {name}'s {num_in} input rows one of its {groups} groups, "
+                         f"got shape {stored.shape} and values {stored.min()}..{stored.max()}")
+    return stored.astype(np.int32)
 
 
 def _check_groups_split_evenly(name: str, groups: int, block: tuple[int, int], mesh: Mesh, axes) -> None:

@@ -197,7 +197,8 @@ def moe_mlp_tensor_parallel(x: jax.Array, router, w_gate, w_up, w_down, *, mesh:
     columns, rows = P(None, None, axis_name), P(None, axis_name, None)  # w_gate, w_up split on I; w_down on I
 
     def spec(w, weight_spec):  # a quantized weight's scale split as model/quantize.py splits it
-        return quantized_spec(weight_spec, is_grouped(w), "zero" in w) if isinstance(w, dict) else weight_spec
+        return quantized_spec(weight_spec, is_grouped(w), "zero" in w, "row_groups" in w) if isinstance(w, dict) \
+            else weight_spec
 
     specs = (P(), P(), spec(w_gate, columns), spec(w_up, columns), spec(w_down, rows))
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(

@@ -12,7 +12,9 @@ A quantized checkpoint is served as it is stored (model/loader.py): fp8 weights 
 tensor like the above, or with block-wise scales (model/spec.py's `checkpoint_weight_block`, DeepSeek's and
 Qwen3-FP8's form), and int4 weights (compressed-tensors W4A16) with a scale per channel or per group of input
 columns, and for asymmetric groups (llm-compressor's W4A16_ASYM, its AWQ's form) a zero point per group:
-`{"weight", "scale", "zero": (..., groups, out) int8}`, the weight standing for (q - zero) * scale. int4 weights
+`{"weight", "scale", "zero": (..., groups, out) int8}`, the weight standing for (q - zero) * scale; and for GPTQ's
+act-order, whose groups are not consecutive rows, `"row_groups": (..., in) int32`, each input row's group (the
+scales then gathered row by row, and whole on every device). int4 weights
 are kept two to a byte, uint8 (..., in / 2, out): input rows 2i and 2i + 1 in the low and high nibble of row i,
 each stored plus 8 (the checkpoint's own packing, read as bytes), and unpacked where a matmul reads them
 (`unpack_int4`: shifts and masks, no sub-byte dtype, whose layouts XLA's CPU executables compiled ahead of time
@@ -51,15 +53,20 @@ def quantize_weight(weight: jax.Array, mode: str) -> dict:
 
 
 def quantized_shapes(weight: jax.ShapeDtypeStruct, mode: str, block_columns: int | None,
-                     zero_points: bool = False) -> dict:
+                     zero_points: bool = False, row_groups: bool = False) -> dict:
     """The shapes of a quantized weight standing for a float one (..., in, out): its scale (..., out), or grouped
-    (..., in // block_columns, out) under a block, and its zero points shaped like grouped scales."""
+    (..., in // block_columns, out) under a block, its zero points shaped like grouped scales, and each input row's
+    group (..., in)."""
     *lead, rows, out = weight.shape
     scale = (*lead, rows // block_columns, out) if block_columns else (*lead, out)
     stored = (*lead, rows // INT4_PER_BYTE, out) if mode == "int4" else weight.shape
     shapes = {"weight": jax.ShapeDtypeStruct(stored, WEIGHT_DTYPES[mode]),
               "scale": jax.ShapeDtypeStruct(scale, jnp.float32)}
-    return {**shapes, "zero": jax.ShapeDtypeStruct(scale, jnp.int8)} if zero_points else shapes
+    if zero_points:
+        shapes["zero"] = jax.ShapeDtypeStruct(scale, jnp.int8)
+    if row_groups:
+        shapes["row_groups"] = jax.ShapeDtypeStruct((*lead, rows), jnp.int32)
+    return shapes
 
 
 def unpack_int4(packed: jax.Array, dtype) -> jax.Array:
@@ -88,12 +95,26 @@ def dequantize(weight: dict, dtype) -> jax.Array:
     scale = weight["scale"]  # (..., out) or grouped (..., G, out)
     if not is_grouped(weight):
         return (values * scale[..., None, :]).astype(dtype)
+    if "row_groups" in weight:  # (..., in) int32: each input row's group, in any order (GPTQ's act-order)
+        of_rows = _rows_of(weight["row_groups"])  # (..., G, out) -> (..., in, out)
+        if "zero" in weight:
+            values = values - of_rows(weight["zero"].astype(jnp.float32))
+        return (values * of_rows(scale)).astype(dtype)
     *lead, rows, out = values.shape
     groups = scale.shape[-2]
     grouped = values.reshape(*lead, groups, rows // groups, out)  # (..., G, in / G, out)
     if "zero" in weight:  # (..., G, out) int8
         grouped = grouped - weight["zero"][..., :, None, :].astype(jnp.float32)
     return (grouped * scale[..., :, None, :]).reshape(values.shape).astype(dtype)
+
+
+def _rows_of(row_groups: jax.Array):
+    """A function taking per-group values (..., G, out) to each input row's (..., in, out), rows in `row_groups`
+    (..., in) groups."""
+    take = lambda per_group, groups: per_group[groups]  # noqa: E731  (G, out), (in,) -> (in, out)
+    for _ in range(row_groups.ndim - 1):  # the stacked leading axes (experts)
+        take = jax.vmap(take)
+    return lambda per_group: take(per_group, row_groups)
 
 
 def linear(x: jax.Array, weight) -> jax.Array:
@@ -107,18 +128,26 @@ def linear(x: jax.Array, weight) -> jax.Array:
     return (product * weight["scale"]).astype(x.dtype)
 
 
-def quantized_spec(spec: P, grouped: bool = False, zero_points: bool = False) -> dict:
+def quantized_spec(spec: P, grouped: bool = False, zero_points: bool = False, row_groups: bool = False) -> dict:
     """The PartitionSpecs of a quantized weight whose float form has `spec` (..., in, out): the weight keeps it; a
-    scale (..., out) drops the input axis, a grouped one (..., groups, out) keeps it too, as zero points do."""
-    specs = {"weight": spec, "scale": spec if grouped else P(*spec[: len(spec) - 2], *spec[len(spec) - 1 :])}
-    return {**specs, "zero": specs["scale"]} if zero_points else specs
+    scale (..., out) drops the input axis, a grouped one (..., groups, out) keeps it too, as zero points do. With
+    `row_groups` (any input row in any group) the groups are whole on every device (a device's rows may belong to
+    any) and the rows' groups (..., in) are split like the rows."""
+    lead, rows, columns = spec[: len(spec) - 2], spec[len(spec) - 2: len(spec) - 1], spec[len(spec) - 1:]
+    specs = {"weight": spec, "scale": (P(*lead, None, *columns) if row_groups else spec) if grouped
+             else P(*lead, *columns)}
+    if zero_points:
+        specs["zero"] = specs["scale"]
+    if row_groups:
+        specs["row_groups"] = P(*lead, *rows)
+    return specs
 
 
 def quantized_partition_specs(specs: dict, leaves: tuple[str, ...], grouped: bool = False,
-                              zero_points: bool = False) -> dict:
+                              zero_points: bool = False, row_groups: bool = False) -> dict:
     """A params PartitionSpec tree (model/registry.py) for the params with the layer `leaves` quantized (with
-    grouped scales when `grouped`, and zero points)."""
-    layers = {name: quantized_spec(spec, grouped, zero_points) if name in leaves else spec
+    grouped scales when `grouped`, zero points, and rows in any group)."""
+    layers = {name: quantized_spec(spec, grouped, zero_points, row_groups) if name in leaves else spec
               for name, spec in specs["layers"].items()}
     return {**specs, "layers": layers}
 

@@ -155,6 +155,8 @@ class ModelSpec:
     # `qzeros`, `scales`) or "gptq" (GPTQ's `qweight`, `qzeros` stored less one, `scales`, `g_idx`), the last two read
     # through model/loader.py's AwqGemm and GptqPacked views as the first)
     checkpoint_int4_format: str = "pack-quantized"
+    # GPTQ's act-order (`desc_act` without `static_groups`): each weight's `g_idx` puts its input rows in any group
+    checkpoint_act_order: bool = False
     # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
     # expert split like a dense MLP: EngineConfig.enable_expert_parallel, vLLM's flag (model/moe_llama.py).
     expert_parallel: bool = False
@@ -298,7 +300,8 @@ def parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
 
 def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
     """The ModelSpec fields (checkpoint_quantization, checkpoint_weight_block, checkpoint_scale_suffix,
-    checkpoint_zero_points, checkpoint_int4_format) of the quantized checkpoint forms jaxserve reads, lm_head left
+    checkpoint_zero_points, checkpoint_int4_format, checkpoint_act_order) of the quantized checkpoint forms jaxserve
+    reads, lm_head left
     alone: 8-bit float linear weights with a scale per output channel, per tensor or per block; 4-bit integer
     weights (compressed-tensors pack-quantized) with a scale per output channel or per group, or asymmetric with a
     scale and a zero point per group, as AutoAWQ's GEMM checkpoints and GPTQ's (AutoGPTQ, GPTQModel: groups of
@@ -310,8 +313,7 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
     supported = ("jaxserve reads fp8 checkpoints whose linear weights are 8-bit floats with a scale per output "
                  "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8), and int4 "
                  "ones (compressed-tensors pack-quantized, a scale per channel or group, or asymmetric with a zero "
-                 "point per group; 16-bit activations: W4A16; or AutoAWQ's GEMM form; or GPTQ's, 4 bits, groups of "
-                 "consecutive input rows)")
+                 "point per group; 16-bit activations: W4A16; or AutoAWQ's GEMM form; or GPTQ's, 4 bits)")
     if method == "fp8":
         kept = [name for name in quantization_config.get("modules_to_not_convert") or [] if not _stays_float(name)]
         if kept:
@@ -376,9 +378,10 @@ def _awq_fields(quantization_config: dict, supported: str) -> dict:
 
 def _gptq_fields(quantization_config: dict, supported: str) -> dict:
     """The fields of a GPTQ checkpoint (AutoGPTQ's and GPTQModel's `checkpoint_format` "gptq"): 4-bit weights with
-    a scale per group of `group_size` input rows (-1: per output channel) and, unless `sym`, a zero point per group;
-    a ValueError for its other settings. Whether the groups are consecutive rows (no act-order `g_idx`) is checked
-    as each weight loads."""
+    a scale per group of `group_size` input rows (-1: per output channel) and, unless `sym`, a zero point per group,
+    the rows in any group under act-order (`desc_act` without `static_groups`: each weight's `g_idx` says which); a
+    ValueError for its other settings. Without act-order the groups must be consecutive rows, which is checked as
+    each weight loads."""
     size = quantization_config.get("group_size")
     symmetric = quantization_config.get("sym", True)
     if quantization_config.get("bits") != 4:
@@ -398,8 +401,11 @@ def _gptq_fields(quantization_config: dict, supported: str) -> dict:
     if kept:
         raise ValueError(f"GPTQ modules_to_not_convert lists layers other than lm_head and the routers "
                          f"({sorted(kept)[:4]}): {supported}")
+    act_order = bool(quantization_config.get("desc_act")) and not quantization_config.get("static_groups") \
+        and size != -1  # (one group per channel: every row in it, whatever the order)
     return {"checkpoint_quantization": "int4", "checkpoint_weight_block": None if size == -1 else (1, size),
-            "checkpoint_zero_points": not symmetric, "checkpoint_int4_format": "gptq"}
+            "checkpoint_zero_points": not symmetric, "checkpoint_int4_format": "gptq",
+            "checkpoint_act_order": act_order}
 
 
 def _int4_group(quantization_config: dict, name: str, group: dict, supported: str) -> tuple[int, int] | None:
