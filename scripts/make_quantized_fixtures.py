@@ -29,7 +29,8 @@ Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test
   (`qweight`, `qzeros` stored less one, `scales`, `g_idx`; quant_method gptq) as AutoGPTQ and GPTQModel save it:
   qwen2 asymmetric in groups, the MoE symmetric in groups (Qwen's GPTQ-Int4 form), qwen3 symmetric per output
   channel (group_size -1); qwen2-gptq-act-order/ and qwen3-moe-gptq-act-order/ (symmetric, and asymmetric)
-  with act-order (`desc_act`: each weight's rows grouped in a permuted order, `g_idx` saying which).
+  with act-order (`desc_act`: each weight's rows grouped in a permuted order, `g_idx` saying which);
+  llama-gptq-int8/ in 8 bits, symmetric in groups (Qwen's GPTQ-Int8 form).
   Transformers reads GPTQ only through gptqmodel (a CUDA build), so the reference is the
   float model with each linear weight replaced by what AutoGPTQ's own QuantLinear (auto_gptq 0.7.1's
   nn_modules/qlinear/qlinear_cuda.py, its torch path: `pip install --no-deps auto-gptq==0.7.1`; only that file is
@@ -72,7 +73,8 @@ FIXTURES = {"qwen3-fp8-block": ("qwen3", "fp8", ((32, 32), (32, 64), (64, 32), (
             "qwen3-moe-gptq": ("qwen3-moe", "gptq", (16, 8, 32)),
             "qwen3-gptq-channel": ("qwen3", "gptq", (None,)),
             "qwen2-gptq-act-order": ("qwen2", "gptq-act-order", (16, 32, 8)),
-            "qwen3-moe-gptq-act-order": ("qwen3-moe", "gptq-asym-act-order", (16, 8, 32))}
+            "qwen3-moe-gptq-act-order": ("qwen3-moe", "gptq-asym-act-order", (16, 8, 32)),
+            "llama-gptq-int8": ("llama", "gptq-int8", (16, 32, 8))}
 
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
@@ -89,7 +91,8 @@ WRITERS = {"fp8": write_fp8_block_checkpoint, "int4": write_int4_checkpoint,
            "gptq-act-order": lambda source, destination, group: write_gptq_checkpoint(source, destination, group,
                                                                                       act_order=True),
            "gptq-asym-act-order": lambda source, destination, group: write_gptq_checkpoint(source, destination, group,
-                                                                                           False, True)}
+                                                                                           False, True),
+           "gptq-int8": lambda source, destination, group: write_gptq_checkpoint(source, destination, group, bits=8)}
 
 
 def make(name: str) -> None:
@@ -166,12 +169,13 @@ def gptq_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name in [n for n in tensors if n.endswith(".qweight")]:
         module = name[: -len("qweight")]
         words, out = tensors[name].shape
-        groups = tensors[module + "scales"].shape[0]
-        layer = qlinear.QuantLinear(4, 8 * words // groups, 8 * words, out, bias=False, weight_dtype=torch.float32)
+        groups, inputs = tensors[module + "scales"].shape[0], tensors[module + "g_idx"].shape[0]
+        bits = 32 * words // inputs
+        layer = qlinear.QuantLinear(bits, inputs // groups, inputs, out, bias=False, weight_dtype=torch.float32)
         layer.qweight, layer.qzeros = tensors[name], tensors[module + "qzeros"]
         layer.scales, layer.g_idx = tensors[module + "scales"].float(), tensors[module + "g_idx"]
         with torch.no_grad():
-            weights[module + "weight"] = layer(torch.eye(8 * words)).T.contiguous()
+            weights[module + "weight"] = layer(torch.eye(inputs)).T.contiguous()
     return weights
 
 

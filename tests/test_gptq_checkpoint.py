@@ -23,7 +23,7 @@ from jaxserve.model.loader import GptqPacked, TensorMapping, _group_zero_points
 from jaxserve.model.spec import ModelSpec
 
 ASYMMETRIC, MOE, CHANNEL = "qwen2-gptq-asym", "qwen3-moe-gptq", "qwen3-gptq-channel"
-ACT_ORDER, ACT_ORDER_MOE = "qwen2-gptq-act-order", "qwen3-moe-gptq-act-order"
+ACT_ORDER, ACT_ORDER_MOE, INT8 = "qwen2-gptq-act-order", "qwen3-moe-gptq-act-order", "llama-gptq-int8"
 OPTIONS = small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_precompile=True)
 
 
@@ -32,18 +32,21 @@ OPTIONS = small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_pre
     (MOE, 2, (False, (1, 16), False)),
     (CHANNEL, 1, (False, None, False)),
     (ACT_ORDER, 2, (False, (1, 16), True)),
+    (INT8, 2, (False, (1, 16), False)),
 ])
 def test_a_gptq_checkpoint_matches_hugging_face(name, tensor_parallel_size, fields):
     """qwen2 asymmetric in groups of 8 over two devices (o_proj's and down_proj's groups split with their rows);
     the MoE's experts symmetric in groups of 16 over two devices; qwen3 symmetric per output channel; qwen2 with
-    act-order over two devices (each row's group split with the rows, every group's scales on both). A symmetric
-    checkpoint's zero points (all 8) are checked and left out."""
+    act-order over two devices (each row's group split with the rows, every group's scales on both); llama in 8
+    bits over two devices (int8 weights, one per byte). A symmetric checkpoint's zero points (all 8, or 128) are
+    checked and left out."""
     llm = LLM(checkpoint(name), tensor_parallel_size=tensor_parallel_size, **OPTIONS)
     spec = llm.engine.core.spec
-    assert (spec.checkpoint_int4_format, spec.checkpoint_zero_points, spec.checkpoint_weight_block,
+    assert (spec.checkpoint_format, spec.checkpoint_zero_points, spec.checkpoint_weight_block,
             spec.checkpoint_act_order) == ("gptq", *fields)
     up = llm.engine.core.runner.params["layers"]["w_up"]
-    assert up["weight"].dtype == jnp.uint8 and ("zero" in up) == fields[0] and ("row_groups" in up) == fields[2]
+    assert ("zero" in up) == fields[0] and ("row_groups" in up) == fields[2]
+    assert (up["weight"].dtype, up["weight"].shape[-2]) == ((jnp.int8, 64) if name == INT8 else (jnp.uint8, 32))
     assert_serves_hf_outputs(llm, name)
 
 
@@ -63,13 +66,14 @@ def test_an_act_order_mixture_of_experts_matches_hugging_face(enable_expert_para
 
 def test_the_gptq_view_reads_gptq_tensors_as_compressed_tensors_form():
     """GPTQ's words (packed along the inputs, unsigned) read as compressed-tensors' packed words of the same weight
-    (any slice), the zero points as written, a zero point 0 (stored 15) as 16: what GPTQ's kernels read."""
+    (any slice), the zero points as written, a zero point 0 (stored 15) as 16: what GPTQ's kernels read; 8-bit
+    words read as int8 weights (any slice), within half a step of the original (and the float16 scale's rounding)."""
     weight = np.random.default_rng(2).standard_normal((32, 64)).astype(np.float32) + 0.3
     weight[:8, :16] = np.abs(weight[:8, :16])  # a group of eight output channels whose zero point is 0
     for symmetric in (True, False):
         gptq, compressed = quantize_gptq(weight, 16, symmetric), quantize_int4(weight, 16, symmetric)
         assert gptq["qweight"].shape == (8, 32) and gptq["qzeros"].shape == (4, 4) and gptq["g_idx"].shape == (64,)
-        view = GptqPacked(TensorMapping({"x." + key: value for key, value in gptq.items()}), symmetric)
+        view = GptqPacked(TensorMapping({"x." + key: value for key, value in gptq.items()}), 4, symmetric)
         assert np.array_equal(view.get("x.weight_packed"), compressed["weight_packed"])
         assert np.array_equal(view.get("x.weight_packed", (slice(3, 19), slice(1, 5))),
                               compressed["weight_packed"][3:19, 1:5])
@@ -81,6 +85,13 @@ def test_the_gptq_view_reads_gptq_tensors_as_compressed_tensors_form():
                                  (1, 16))  # (groups, out)
     assert written[0, 0] == -8 and zero[0, 0] == 8  # written 0, read 16
     assert np.array_equal(zero[written != -8], written[written != -8])
+    eight_bit_tensors = quantize_gptq(weight, 16, bits=8)
+    eight_bits = GptqPacked(TensorMapping({"x." + key: value for key, value in eight_bit_tensors.items()}), 8, True)
+    values = eight_bits.get("x.weight")  # (out, in) int8
+    steps = np.repeat(eight_bits.get("x.weight_scale"), 16, axis=1)  # (out, in)
+    assert values.dtype == np.int8 and eight_bits.shape("x.weight") == (32, 64) and "x.weight_packed" not in eight_bits
+    assert np.all(np.abs(values * steps - weight) <= 0.6 * steps)  # half a step, and 127 float16 roundings of one
+    assert np.array_equal(eight_bits.get("x.weight", (slice(3, 19), slice(5, 30))), values[3:19, 5:30])
 
 
 def test_unexpected_act_order_bad_groups_and_inconsistent_zero_points_are_named(tmp_path):
@@ -111,7 +122,8 @@ def _gptq(**fields) -> dict:
 
 
 @pytest.mark.parametrize("quantization_config, message", [
-    (_gptq(bits=8), "GPTQ bits 8"),
+    (_gptq(bits=3), "GPTQ bits 3"),
+    (_gptq(bits=8, sym=False), "GPTQ bits 8 with sym false"),
     (_gptq(checkpoint_format="gptq_v2"), "checkpoint_format 'gptq_v2'"),
     (_gptq(group_size=0), "group_size must be a positive integer or -1"),
     (_gptq(group_size=-1, sym=False), "sym false with group_size -1"),

@@ -191,7 +191,7 @@ def test_an_awq_checkpoint_matches_hugging_face(tensor_parallel_size):
     four devices (the 2 KV heads repeated to 4 with their scales and zero points)."""
     llm = LLM(checkpoint(AWQ), tensor_parallel_size=tensor_parallel_size, **OPTIONS)
     spec = llm.engine.core.spec
-    assert (spec.checkpoint_int4_format, spec.checkpoint_zero_points, spec.checkpoint_weight_block) == ("awq", True,
+    assert (spec.checkpoint_format, spec.checkpoint_zero_points, spec.checkpoint_weight_block) == ("awq", True,
                                                                                                       (1, 16))
     wk = llm.engine.core.runner.params["layers"]["wk"]  # KV heads' columns: their zero points repeated as theirs
     assert wk["zero"].shape == wk["scale"].shape == (2, 4, wk["weight"].shape[-1])

@@ -18,9 +18,10 @@ are copied as they are, the LM head and MoE routers left in float.
   (in, out / 8) and `qzeros` (groups, out / 8) packed along the outputs in AWQ's order, float16 `scales`.
 - GPTQ (`write_gptq_checkpoint`, AutoGPTQ's and GPTQModel's "gptq" format): the groups above (symmetric, zero
   point 8, or not), rounded to nearest rather than by GPTQ's error-compensating algorithm (the format is what
-  the tests read), as unsigned values: `qweight` (in / 8, out) packed along the inputs, `qzeros` (groups, out / 8)
-  packed along the outputs and stored less one, float16 `scales`, `g_idx` (in,) = row // group size, or under
-  act-order each row's group after the rows are taken in a permuted order.
+  the tests read), in 4 bits or 8 (then [-128, 127], a symmetric group's largest magnitude over 127.5), as unsigned
+  values: `qweight` (in * bits / 32, out) packed along the inputs, `qzeros` (groups, out * bits / 32) packed along
+  the outputs and stored less one, float16 `scales`, `g_idx` (in,) = row // group size, or under act-order each
+  row's group after the rows are taken in a permuted order.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from safetensors.numpy import save_file
 from jaxserve.model.loader import AWQ_ORDER, GPTQ_ZERO_STORED_LESS, SafetensorsFolder, pack_int4_rows
 
 FP8_MAX = 448.0
-INT4_RANGE = (-8, 7)
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # experts' too
 COPIED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
           "merges.txt", "generation_config.json", "chat_template.jinja")
@@ -63,7 +63,7 @@ def quantize_int4(weight: np.ndarray, group_size: int, symmetric: bool = True) -
     """{"weight_packed": int32 (out, in / 8), "weight_scale": float32 (out, in / group_size), "weight_shape":
     int64 (2,)} of a float weight (out, in), and "weight_zero_point": int32 (out / 8, groups) unless `symmetric`;
     `in` a multiple of the group size and of 8 (and `out` of 8 when asymmetric)."""
-    values, scale, zero = _int4_groups(weight, group_size, symmetric)
+    values, scale, zero = _integer_groups(weight, group_size, symmetric)
     tensors = {"weight_packed": pack_int4_rows(values + 8), "weight_scale": scale,
                "weight_shape": np.array(weight.shape, np.int64)}
     return tensors if symmetric else {**tensors, "weight_zero_point": pack_int4_rows(zero.T + 8).T}  # along out
@@ -74,7 +74,7 @@ def quantize_awq(weight: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
     {"qweight": int32 (in, out / 8), "qzeros": int32 (groups, out / 8), "scales": float16 (groups, out)}, unsigned
     values packed along the outputs in AWQ's order (model/loader.py's AWQ_ORDER); the values rounded under the
     float32 scales, which are then stored in float16 as AWQ keeps them."""
-    values, scale, zero = _int4_groups(weight, group_size, symmetric=False)
+    values, scale, zero = _integer_groups(weight, group_size, symmetric=False)
 
     def packed(unsigned: np.ndarray) -> np.ndarray:  # (rows, columns) -> (rows, columns / 8) in AWQ's order
         rows, columns = unsigned.shape
@@ -84,41 +84,51 @@ def quantize_awq(weight: np.ndarray, group_size: int) -> dict[str, np.ndarray]:
 
 
 def quantize_gptq(weight: np.ndarray, group_size: int | None, symmetric: bool = True,
-                  order: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                  order: np.ndarray | None = None, bits: int = 4) -> dict[str, np.ndarray]:
     """GPTQ's tensors of a float weight (out, in) in groups of `group_size` inputs (None: one group, per output
     channel), the input rows taken in `order` (act-order: group g holds rows order[g * group_size:][:group_size];
-    default consecutive): {"qweight": int32 (in / 8, out), "qzeros": int32 (groups, out / 8), "scales": float16
-    (groups, out), "g_idx": int32 (in,) each row's group}, unsigned values packed from the lowest bits up, each zero
-    point stored less one (0 wraps to 15); the values rounded under the float32 scales, then stored in float16 as
-    GPTQ keeps them."""
+    default consecutive), 4 or 8 `bits`: {"qweight": int32 (in * bits / 32, out), "qzeros": int32 (groups, out * bits
+    / 32), "scales": float16 (groups, out), "g_idx": int32 (in,) each row's group}, unsigned values packed from the
+    lowest bits up, each zero point stored less one (0 wraps to the largest value); the values rounded under the
+    float32 scales, then stored in float16 as GPTQ keeps them."""
     inputs = weight.shape[1]
     group_size = group_size or inputs
     order = np.arange(inputs) if order is None else order
-    in_order, scale, zero = _int4_groups(weight[:, order], group_size, symmetric)  # (out, in) rows in `order`
+    in_order, scale, zero = _integer_groups(weight[:, order], group_size, symmetric, bits)  # (out, in) rows in `order`
     values, row_groups = np.empty_like(in_order), np.empty(inputs, np.int32)
     values[:, order], row_groups[order] = in_order, np.arange(inputs) // group_size
-    stored_zeros = (zero.T + 8 - GPTQ_ZERO_STORED_LESS) & 0xF  # (groups, out)
-    return {"qweight": pack_int4_rows(values + 8).T.copy(), "qzeros": pack_int4_rows(stored_zeros),
+    half = 2 ** (bits - 1)
+    stored_zeros = (zero.T + half - GPTQ_ZERO_STORED_LESS) % (2 * half)  # (groups, out)
+    return {"qweight": _pack_rows(values + half, bits).T.copy(), "qzeros": _pack_rows(stored_zeros, bits),
             "scales": scale.T.astype(np.float16), "g_idx": row_groups}
 
 
-def _int4_groups(weight: np.ndarray, group_size: int, symmetric: bool) -> tuple[np.ndarray, ...]:
-    """(values int64 (out, in) in [-8, 7], scales float32 (out, groups), zero points int64 (out, groups), all 0
-    when `symmetric`) of a float weight (out, in) rounded to nearest per group of `group_size` inputs: a
-    symmetric group's largest magnitude over 7.5, an asymmetric one's range (widened to hold 0) over 15 levels."""
+def _pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned `bits`-bit values (rows, columns) packed 32 / bits columns to an int32 (rows, columns * bits / 32),
+    the first in the lowest bits."""
+    return pack_int4_rows(values) if bits == 4 else np.ascontiguousarray(values.astype(np.uint8)).view("<i4")
+
+
+def _integer_groups(weight: np.ndarray, group_size: int, symmetric: bool, bits: int = 4) -> tuple[np.ndarray, ...]:
+    """(values int64 (out, in) in [-8, 7] (with `bits`, [-2 ** (bits - 1), 2 ** (bits - 1) - 1]), scales float32
+    (out, groups), zero points int64 (out, groups), all 0 when `symmetric`) of a float weight (out, in) rounded to
+    nearest per group of `group_size` inputs: a symmetric group's largest magnitude over 7.5 (127.5 for 8 bits), an
+    asymmetric one's range (widened to hold 0) over 15 levels (255)."""
     out, inputs = weight.shape
     if inputs % group_size or inputs % 8 or (not symmetric and out % 8):
         raise ValueError(f"a weight of {(out, inputs)} does not pack in groups of {group_size}")
+    half = 2 ** (bits - 1)
+    limits = (-half, half - 1)
     groups = weight.astype(np.float32).reshape(out, inputs // group_size, group_size)
     zero = np.zeros(groups.shape[:2], np.int64)  # (out, groups)
     if symmetric:
         absmax = np.abs(groups).max(axis=2)  # (out, groups)
-        scale = np.where(absmax > 0, absmax / np.float32(7.5), np.float32(1.0)).astype(np.float32)
+        scale = np.where(absmax > 0, absmax / np.float32(half - 0.5), np.float32(1.0)).astype(np.float32)
     else:
         low, high = np.minimum(groups.min(axis=2), 0), np.maximum(groups.max(axis=2), 0)  # (out, groups)
-        scale = np.where(high > low, (high - low) / np.float32(15), np.float32(1.0)).astype(np.float32)
-        zero = np.clip(np.round(-low / scale) - 8, *INT4_RANGE).astype(np.int64)
-    values = np.clip(np.round(groups / scale[:, :, None]) + zero[:, :, None], *INT4_RANGE).astype(np.int64)
+        scale = np.where(high > low, (high - low) / np.float32(2 * half - 1), np.float32(1.0)).astype(np.float32)
+        zero = np.clip(np.round(-low / scale) - half, *limits).astype(np.int64)
+    values = np.clip(np.round(groups / scale[:, :, None]) + zero[:, :, None], *limits).astype(np.int64)
     return values.reshape(out, inputs), scale, zero
 
 
@@ -151,18 +161,19 @@ def write_awq_checkpoint(source: str, destination: str, group_size: int) -> None
 
 
 def write_gptq_checkpoint(source: str, destination: str, group_size: int | None, symmetric: bool = True,
-                          act_order: bool = False) -> None:
-    """`source`'s checkpoint in `destination` with its decoder linear weights in GPTQ's form (4 bits, a scale and
-    unless `symmetric` a zero point per `group_size` input rows; None: per output channel; with `act_order` each
+                          act_order: bool = False, bits: int = 4) -> None:
+    """`source`'s checkpoint in `destination` with its decoder linear weights in GPTQ's form (4 or 8 `bits`, a scale
+    and unless `symmetric` a zero point per `group_size` input rows; None: per output channel; with `act_order` each
     weight's rows grouped in an order of their own, a permutation seeded by the weight's name, where GPTQ sorts them
     by their activations' size) and config.json's quantization_config saying so."""
     def quantize(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
         module = name[: -len("weight")]  # "model.layers.0.mlp.up_proj."
         order = np.random.default_rng(zlib.crc32(name.encode())).permutation(weight.shape[1]) if act_order else None
-        return {module + part: array for part, array in quantize_gptq(weight, group_size, symmetric, order).items()}
+        return {module + part: array for part, array in quantize_gptq(weight, group_size, symmetric, order,
+                                                                      bits).items()}
 
     def describe(config: dict) -> dict:
-        return {"quant_method": "gptq", "bits": 4, "group_size": group_size or -1, "sym": symmetric,
+        return {"quant_method": "gptq", "bits": bits, "group_size": group_size or -1, "sym": symmetric,
                 "desc_act": act_order, "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
                 "lm_head": False, "checkpoint_format": "gptq"}
 

@@ -159,13 +159,14 @@ class PackedInt4:
         return words.view(np.uint8)[:, start - 4 * first: stop - 4 * first]  # (r, stop - start) little-endian
 
 
-class _Int4View:
-    """A view of a checkpoint whose linear layers are 4-bit in another library's tensors (`PARTS`: the
-    compressed-tensors tensor of a module X, `X.weight_packed`, `X.weight_scale`, `X.weight_zero_point`,
-    `X.weight_shape`, -> the module's own tensor it is read from) as compressed-tensors' form, which `PackedInt4`
-    then reads. Every other name reads as stored."""
+class _PackedView:
+    """A view of a checkpoint whose linear layers are quantized in another library's tensors (`PARTS`: the
+    compressed-tensors tensor of a module X (`X.weight_packed`, or `X.weight` for 8 bits: `weight_part`;
+    `X.weight_scale`, `X.weight_zero_point`, `X.weight_shape`) -> the module's own tensor it is read from) as
+    compressed-tensors' form, which `PackedInt4` then reads for 4 bits. Every other name reads as stored."""
 
     PARTS: dict[str, str] = {}
+    weight_part = ".weight_packed"
 
     def __init__(self, source: "SafetensorsFolder | TensorMapping"):
         self.source = source
@@ -180,19 +181,19 @@ class _Int4View:
         return name in self.source or any(self._module(name, part) for part in self.PARTS)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape: a weight's packed words (out, in / 8), as compressed-tensors stores them."""
-        module = self._module(name, ".weight_packed")
+        """A tensor's shape: a weight's as compressed-tensors stores it (4 bits: packed words (out, in / 8))."""
+        module = self._module(name, self.weight_part)
         if module is not None:
-            return self._packed_shape(module)
+            return self._weight_shape(module)
         return self.get(name).shape if any(self._module(name, part) for part in self.PARTS) \
             else self.source.shape(name)
 
-    def _packed_shape(self, module: str) -> tuple[int, int]:
-        """(out, in / 8): a module's weight as compressed-tensors' packed words."""
+    def _weight_shape(self, module: str) -> tuple[int, int]:
+        """A module's weight as compressed-tensors stores it."""
         raise NotImplementedError
 
 
-class AwqGemm(_Int4View):
+class AwqGemm(_PackedView):
     """A view of an AutoAWQ GEMM checkpoint (or of its arrays) as a compressed-tensors asymmetric one, which
     `PackedInt4` then reads: a linear layer X's `X.qweight` int32 (in, out / 8), `X.qzeros` int32 (groups, out / 8)
     (eight 4-bit unsigned values to a word along the outputs, in AWQ's order: output column AWQ_ORDER[k] of each
@@ -204,7 +205,7 @@ class AwqGemm(_Int4View):
     PARTS = {".weight_packed": ".qweight", ".weight_scale": ".scales", ".weight_zero_point": ".qzeros",
              ".weight_shape": ".qweight"}
 
-    def _packed_shape(self, module: str) -> tuple[int, int]:
+    def _weight_shape(self, module: str) -> tuple[int, int]:
         rows, words = self.source.shape(module + ".qweight")
         return words * 8, rows // 8
 
@@ -223,71 +224,92 @@ class AwqGemm(_Int4View):
         if (module := self._module(name, ".weight_zero_point")) is not None:
             return pack_int4_rows(_awq_columns(self.source.get(module + ".qzeros"))).T  # (out / 8, groups)
         if (module := self._module(name, ".weight_shape")) is not None:
-            return np.array(self.shape(module + ".weight_packed"), np.int64) * (1, 8)
+            return np.array(self._weight_shape(module), np.int64) * (1, 8)
         return self.source.get(name, index)
 
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's word: bits 4k..4k + 3 hold output column AWQ_ORDER[k] of its eight
 
 
-class GptqPacked(_Int4View):
-    """A view of a GPTQ checkpoint (AutoGPTQ's and GPTQModel's "gptq" format, 4 bits) as a compressed-tensors one:
-    a linear layer X's `X.qweight` int32 (in / 8, out), eight unsigned 4-bit values to a word along the inputs from
-    the lowest bits up, is read as `X.weight_packed` (out, in / 8) (its transpose: an unsigned value u is the signed
-    q = u - 8 stored plus 8, so the words carry over), `X.scales` (groups, out) as `X.weight_scale` (out, groups)
-    and `X.qzeros` int32 (groups, out / 8) (packed along the outputs) as `X.weight_zero_point` words (out / 8,
-    groups). GPTQ stores each zero point less one (a zero point 0 wraps to 15, which GPTQ's kernels read as 16):
-    the loader adds it back (`GPTQ_ZERO_STORED_LESS`). Under act-order `X.g_idx` (in,), each input row's group, reads
-    as `X.weight_g_idx`; without it a weight is read only when its `g_idx` (if stored) puts input row i in group
-    i // group size. A `symmetric` checkpoint's weight is read only when every zero point is 8, which the served
-    weight leaves out."""
+class GptqPacked(_PackedView):
+    """A view of a GPTQ checkpoint (AutoGPTQ's and GPTQModel's "gptq" format) as a compressed-tensors one. A linear
+    layer X's `X.qweight` int32 (in * bits / 32, out) holds unsigned values packed along the inputs from the lowest
+    bits up: with 4 bits it is read as `X.weight_packed` (out, in / 8) (its transpose: an unsigned value u is the
+    signed q = u - 8 stored plus 8, so the words carry over), with 8 bits as `X.weight` int8 (out, in), u - 128.
+    `X.scales` (groups, out) reads as `X.weight_scale` (out, groups), `X.qzeros` int32 (groups, out / 8) (4 bits,
+    packed along the outputs) as `X.weight_zero_point` words (out / 8, groups). GPTQ stores each zero point less one
+    (a zero point 0 wraps to 15, which GPTQ's kernels read as 16): the loader adds it back
+    (`GPTQ_ZERO_STORED_LESS`). Under act-order `X.g_idx` (in,), each input row's group, reads as `X.weight_g_idx`;
+    without it a weight is read only when its `g_idx` (if stored) puts input row i in group i // group size. A
+    `symmetric` checkpoint's weight is read only when every zero point is 2 ** (bits - 1), which the served weight
+    leaves out."""
 
-    PARTS = {".weight_packed": ".qweight", ".weight_scale": ".scales", ".weight_zero_point": ".qzeros",
-             ".weight_shape": ".qweight", ".weight_g_idx": ".g_idx"}
-
-    def __init__(self, source: "SafetensorsFolder | TensorMapping", symmetric: bool, act_order: bool = False):
+    def __init__(self, source: "SafetensorsFolder | TensorMapping", bits: int, symmetric: bool,
+                 act_order: bool = False):
         super().__init__(source)
-        self.symmetric, self.act_order = symmetric, act_order
+        self.bits, self.symmetric, self.act_order = bits, symmetric, act_order
+        self.per_word = 32 // bits
+        self.weight_part = ".weight_packed" if bits == 4 else ".weight"
+        self.PARTS = {self.weight_part: ".qweight", ".weight_scale": ".scales", ".weight_zero_point": ".qzeros",
+                      ".weight_shape": ".qweight", ".weight_g_idx": ".g_idx"}
         self._checked: set[str] = set()  # modules whose g_idx and zero points were checked
 
-    def _packed_shape(self, module: str) -> tuple[int, int]:
+    def _weight_shape(self, module: str) -> tuple[int, int]:
         words, out = self.source.shape(module + ".qweight")
-        return out, words
+        return (out, words) if self.bits == 4 else (out, words * self.per_word)
 
     def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """One tensor, or only its `index` part (of a weight's packed words: only those words)."""
-        if (module := self._module(name, ".weight_packed")) is not None:
+        """One tensor, or only its `index` part (of a weight: only the words that hold it)."""
+        if (module := self._module(name, self.weight_part)) is not None:
             self._check(module)
             rows, columns = index or (slice(None), slice(None))
-            return np.ascontiguousarray(self.source.get(module + ".qweight", (columns, rows)).T)  # (out, in / 8)
+            if self.bits == 4:
+                return np.ascontiguousarray(self.source.get(module + ".qweight", (columns, rows)).T)  # (out, in / 8)
+            start, stop = columns.indices(self._weight_shape(module)[1])[:2]
+            first = start // 4
+            words = self.source.get(module + ".qweight", (slice(first, -(-stop // 4)), rows))  # (w, out)
+            values = _unsigned_values(words.T, 8)[:, start - 4 * first: stop - 4 * first]  # (out, stop - start)
+            return (values.astype(np.int16) - 128).astype(np.int8)
         if (module := self._module(name, ".weight_scale")) is not None:
             return self.source.get(module + ".scales").astype(np.float32).T  # (out, groups)
         if (module := self._module(name, ".weight_zero_point")) is not None:
             return np.ascontiguousarray(self.source.get(module + ".qzeros").T)  # (out / 8, groups)
         if (module := self._module(name, ".weight_shape")) is not None:
-            return np.array(self._packed_shape(module), np.int64) * (1, 8)
+            out, stored = self._weight_shape(module)
+            return np.array((out, stored * (8 if self.bits == 4 else 1)), np.int64)
         if (module := self._module(name, ".weight_g_idx")) is not None:
             return self.source.get(module + ".g_idx", index)
         return self.source.get(name, index)
 
     def _check(self, module: str) -> None:
         """ValueError unless the module's groups are consecutive input rows (or the checkpoint is act-order) and,
-        when symmetric, its zero points are all 8."""
+        when symmetric, its zero points are all 2 ** (bits - 1)."""
         if module in self._checked:
             return
         words, out = self.source.shape(module + ".qweight")
         groups = self.source.shape(module + ".scales")[0]
+        rows = words * self.per_word
         if module + ".g_idx" in self.source and not self.act_order:
             order = self.source.get(module + ".g_idx").astype(np.int64)  # (in,)
-            if not np.array_equal(order, np.arange(8 * words) * groups // (8 * words)):
+            if not np.array_equal(order, np.arange(rows) * groups // rows):
                 raise ValueError(f"{module}.g_idx does not put input row i in group i // group_size, as a checkpoint "
                                  "whose quantization_config has desc_act false (or static_groups) must: say "
                                  "desc_act true if it was quantized with act-order")
         if self.symmetric:
-            stored = unpack_int4_rows(self.source.get(module + ".qzeros"))  # (groups, out)
-            if not np.all(stored == 8 - GPTQ_ZERO_STORED_LESS):
-                raise ValueError(f"{module}.qzeros holds zero points other than 8 but the checkpoint says sym true")
+            middle = 2 ** (self.bits - 1)
+            stored = _unsigned_values(self.source.get(module + ".qzeros"), self.bits)  # (groups, out)
+            if not np.all(stored == middle - GPTQ_ZERO_STORED_LESS):
+                raise ValueError(f"{module}.qzeros holds zero points other than {middle} but the checkpoint says "
+                                 "sym true")
         self._checked.add(module)
+
+
+def _unsigned_values(words: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned `bits`-bit values (rows, words * 32 / bits) packed from the lowest bits up in int32 words (rows,
+    words)."""
+    if bits == 4:
+        return unpack_int4_rows(words)
+    return np.ascontiguousarray(words, dtype="<i4").view(np.uint8)  # (rows, 4 * words): byte k of a word is value k
 
 
 GPTQ_ZERO_STORED_LESS = 1  # the "gptq" format stores zero point z as z - 1 (in 4 bits: 0 as 15, read as 16)
@@ -320,15 +342,14 @@ TensorSource = SafetensorsFolder | TensorMapping | PackedInt4 | AwqGemm | GptqPa
 def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
     """The tensors of a checkpoint folder or of arrays by name, as the served model reads them (an int4
     checkpoint's packed weights as bytes, `PackedInt4`, over an AWQ or GPTQ one's as compressed-tensors', `AwqGemm`,
-    `GptqPacked`)."""
+    `GptqPacked`, which also reads 8-bit GPTQ weights as int8)."""
     source = SafetensorsFolder(source) if isinstance(source, str) else source
-    if spec.checkpoint_quantization != "int4":
-        return source
-    if spec.checkpoint_int4_format == "awq":
+    if spec.checkpoint_format == "awq":
         source = AwqGemm(source)
-    elif spec.checkpoint_int4_format == "gptq":
-        source = GptqPacked(source, symmetric=not spec.checkpoint_zero_points, act_order=spec.checkpoint_act_order)
-    return PackedInt4(source)
+    elif spec.checkpoint_format == "gptq":
+        source = GptqPacked(source, 4 if spec.checkpoint_quantization == "int4" else 8,
+                            symmetric=not spec.checkpoint_zero_points, act_order=spec.checkpoint_act_order)
+    return PackedInt4(source) if spec.checkpoint_quantization == "int4" else source
 
 
 def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int,
@@ -469,7 +490,7 @@ def _load_quantized(folder: TensorSource, names: list[str], layout: _Layout, sha
     leaf = {"weight": weight, "scale": _load_stacked(scales, names, scale_layout, scale_sharding, jnp.float32,
                                                      into.get("scale"))}
     if spec.checkpoint_zero_points:  # shaped and split like the grouped scales
-        stored_less = GPTQ_ZERO_STORED_LESS if spec.checkpoint_int4_format == "gptq" else 0
+        stored_less = GPTQ_ZERO_STORED_LESS if spec.checkpoint_format == "gptq" else 0
         zeros = _PerWeight(folder, spec, functools.partial(_group_zero_points, stored_less=stored_less), "_zero_point")
         leaf["zero"] = _load_stacked(zeros, names, scale_layout, scale_sharding, jnp.int8, into.get("zero"))
     if spec.checkpoint_act_order:  # each input row's group, split like the rows

@@ -143,7 +143,8 @@ class ModelSpec:
     # "fp8": the checkpoint's linear layers are float8_e4m3fn, each with its float32 scales in the tensor named
     # weight + `checkpoint_scale_suffix` (its quantization_config: compressed-tensors float-quantized, or quant_method
     # "fp8"); "int4": symmetric 4-bit integers packed eight to an int32 (compressed-tensors pack-quantized, W4A16),
-    # `weight_packed` with its `weight_scale`; else "none". The scales are one per output channel or per tensor, or
+    # `weight_packed` with its `weight_scale`; "int8": 8-bit integers (GPTQ's 8 bits, symmetric); else "none". The
+    # scales are one per output channel or per tensor, or
     # with `checkpoint_weight_block` (rows, columns) one per block of the stored (out, in) weight (DeepSeek's and
     # Qwen3-FP8's `weight_block_size`; an int4 group of `group_size` input columns is a block of (1, group_size)).
     checkpoint_quantization: str = "none"
@@ -151,10 +152,11 @@ class ModelSpec:
     checkpoint_scale_suffix: str = "_scale"
     # int4 groups that are asymmetric: each group's zero point too, `weight_zero_point` (llm-compressor's W4A16_ASYM)
     checkpoint_zero_points: bool = False
-    # how int4 weights are stored: "pack-quantized" (compressed-tensors'), "awq" (AutoAWQ's GEMM tensors `qweight`,
-    # `qzeros`, `scales`) or "gptq" (GPTQ's `qweight`, `qzeros` stored less one, `scales`, `g_idx`), the last two read
-    # through model/loader.py's AwqGemm and GptqPacked views as the first)
-    checkpoint_int4_format: str = "pack-quantized"
+    # how the quantized tensors are named and packed: "compressed-tensors" (and quant_method fp8's weights with their
+    # scales), "awq" (AutoAWQ's GEMM tensors `qweight`, `qzeros`, `scales`) or "gptq" (GPTQ's `qweight`, `qzeros`
+    # stored less one, `scales`, `g_idx`), the last two read through model/loader.py's AwqGemm and GptqPacked views
+    # as the first)
+    checkpoint_format: str = "compressed-tensors"
     # GPTQ's act-order (`desc_act` without `static_groups`): each weight's `g_idx` puts its input rows in any group
     checkpoint_act_order: bool = False
     # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
@@ -300,7 +302,7 @@ def parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
 
 def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
     """The ModelSpec fields (checkpoint_quantization, checkpoint_weight_block, checkpoint_scale_suffix,
-    checkpoint_zero_points, checkpoint_int4_format, checkpoint_act_order) of the quantized checkpoint forms jaxserve
+    checkpoint_zero_points, checkpoint_format, checkpoint_act_order) of the quantized checkpoint forms jaxserve
     reads, lm_head left
     alone: 8-bit float linear weights with a scale per output channel, per tensor or per block; 4-bit integer
     weights (compressed-tensors pack-quantized) with a scale per output channel or per group, or asymmetric with a
@@ -313,7 +315,8 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
     supported = ("jaxserve reads fp8 checkpoints whose linear weights are 8-bit floats with a scale per output "
                  "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8), and int4 "
                  "ones (compressed-tensors pack-quantized, a scale per channel or group, or asymmetric with a zero "
-                 "point per group; 16-bit activations: W4A16; or AutoAWQ's GEMM form; or GPTQ's, 4 bits)")
+                 "point per group; 16-bit activations: W4A16; or AutoAWQ's GEMM form; or GPTQ's, 4 bits, or 8 bits "
+                 "symmetric)")
     if method == "fp8":
         kept = [name for name in quantization_config.get("modules_to_not_convert") or [] if not _stays_float(name)]
         if kept:
@@ -373,19 +376,22 @@ def _awq_fields(quantization_config: dict, supported: str) -> dict:
         raise ValueError(f"AWQ modules_to_not_convert lists layers other than lm_head and the routers "
                          f"({sorted(kept)[:4]}): {supported}")
     return {"checkpoint_quantization": "int4", "checkpoint_weight_block": (1, size), "checkpoint_zero_points": True,
-            "checkpoint_int4_format": "awq"}
+            "checkpoint_format": "awq"}
 
 
 def _gptq_fields(quantization_config: dict, supported: str) -> dict:
     """The fields of a GPTQ checkpoint (AutoGPTQ's and GPTQModel's `checkpoint_format` "gptq"): 4-bit weights with
     a scale per group of `group_size` input rows (-1: per output channel) and, unless `sym`, a zero point per group,
-    the rows in any group under act-order (`desc_act` without `static_groups`: each weight's `g_idx` says which); a
-    ValueError for its other settings. Without act-order the groups must be consecutive rows, which is checked as
-    each weight loads."""
+    or symmetric 8-bit ones, the rows in any group under act-order (`desc_act` without `static_groups`: each
+    weight's `g_idx` says which); a ValueError for its other settings. Without act-order the groups must be
+    consecutive rows, which is checked as each weight loads."""
     size = quantization_config.get("group_size")
     symmetric = quantization_config.get("sym", True)
-    if quantization_config.get("bits") != 4:
-        raise ValueError(f"GPTQ bits {quantization_config.get('bits')!r}: jaxserve reads 4-bit GPTQ weights")
+    bits = quantization_config.get("bits")
+    if bits not in (4, 8):
+        raise ValueError(f"GPTQ bits {bits!r}: jaxserve reads 4-bit and 8-bit GPTQ weights")
+    if bits == 8 and not symmetric:
+        raise ValueError(f"GPTQ bits 8 with sym false (8-bit zero points) is not read: {supported}")
     if quantization_config.get("checkpoint_format", "gptq") != "gptq":
         raise ValueError(f"GPTQ checkpoint_format {quantization_config['checkpoint_format']!r}: jaxserve reads "
                          "the \"gptq\" format (zero points stored less one), which GPTQModel saves by default")
@@ -403,8 +409,8 @@ def _gptq_fields(quantization_config: dict, supported: str) -> dict:
                          f"({sorted(kept)[:4]}): {supported}")
     act_order = bool(quantization_config.get("desc_act")) and not quantization_config.get("static_groups") \
         and size != -1  # (one group per channel: every row in it, whatever the order)
-    return {"checkpoint_quantization": "int4", "checkpoint_weight_block": None if size == -1 else (1, size),
-            "checkpoint_zero_points": not symmetric, "checkpoint_int4_format": "gptq",
+    return {"checkpoint_quantization": f"int{bits}", "checkpoint_weight_block": None if size == -1 else (1, size),
+            "checkpoint_zero_points": not symmetric, "checkpoint_format": "gptq",
             "checkpoint_act_order": act_order}
 
 
