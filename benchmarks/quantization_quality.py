@@ -4,8 +4,9 @@
 
 For each model and mode (int8 or fp8 weights, an fp8 KV cache with scale 1.0 or calibrated scales, fp8 weights
 and KV together, and the model written as a block-wise fp8 checkpoint, Qwen3-FP8's form, or as an int4 W4A16
-checkpoint, compressed-tensors' form, symmetric or asymmetric (a zero point per group, W4A16_ASYM), each served as
-stored: blocks or groups of 128, or of the largest power of
+checkpoint, compressed-tensors' form, symmetric or asymmetric (a zero point per group, W4A16_ASYM), or as an 8-bit
+GPTQ checkpoint (symmetric, Qwen's GPTQ-Int8 form), each served as stored: blocks or groups of 128, or of the
+largest power of
 two dividing a smaller model's shapes), the next-token distribution at
 every position of a fixed prompt set (`bench/quality.py`: the bundled model gets six 100-token pieces of
 jaxserve's scheduler source, a test checkpoint its expected.json prompts) against the unquantized float32
@@ -29,7 +30,9 @@ import jax.numpy as jnp  # noqa: E402
 from jaxserve.bench.quality import (  # noqa: E402
     compare_distributions, next_token_logprobs, scoring_runner, source_prompts,
 )
-from jaxserve.bench.quantized_checkpoint import write_fp8_block_checkpoint, write_int4_checkpoint  # noqa: E402
+from jaxserve.bench.quantized_checkpoint import (  # noqa: E402
+    write_fp8_block_checkpoint, write_gptq_checkpoint, write_int4_checkpoint,
+)
 from jaxserve.engine.llm_engine import default_model_path  # noqa: E402
 from jaxserve.model.quantize import weight_bytes  # noqa: E402
 from jaxserve.model.registry import quantizable_leaves  # noqa: E402
@@ -55,17 +58,20 @@ def prompts_for(model: str) -> list[list[int]]:
 
 def checkpoint_runners(model: str, spec, folder: str) -> list[tuple]:
     """(each mode's name, its options, a scoring runner of `model` written into a folder under `folder` as a
-    block-wise fp8 checkpoint, and as int4 ones, symmetric and asymmetric)."""
+    block-wise fp8 checkpoint, as int4 ones, symmetric and asymmetric, and as an 8-bit GPTQ one)."""
     size = math.gcd(128, spec.hidden_size, spec.intermediate_size, spec.num_heads * spec.head_dim)
     write_fp8_block_checkpoint(model, os.path.join(folder, "fp8"), (size, size))
     write_int4_checkpoint(model, os.path.join(folder, "int4"), size)
     write_int4_checkpoint(model, os.path.join(folder, "int4-asym"), size, symmetric=False)
+    write_gptq_checkpoint(model, os.path.join(folder, "gptq-int8"), size, bits=8)
     return [(f"fp8 checkpoint, {size}x{size} blocks", {"quantization": "fp8"},
              scoring_runner(os.path.join(folder, "fp8"))),
             (f"int4 checkpoint (W4A16), groups of {size}", {"quantization": "int4"},
              scoring_runner(os.path.join(folder, "int4"))),
             (f"int4 checkpoint (W4A16_ASYM), groups of {size}", {"quantization": "int4"},
-             scoring_runner(os.path.join(folder, "int4-asym")))]
+             scoring_runner(os.path.join(folder, "int4-asym"))),
+            (f"GPTQ checkpoint, 8 bits, groups of {size}", {"quantization": "int8"},
+             scoring_runner(os.path.join(folder, "gptq-int8")))]
 
 
 def main() -> None:
