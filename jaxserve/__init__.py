@@ -12,11 +12,12 @@ from jaxserve.outputs import (
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
+    TokenPoolingOutput,
 )
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.sampling_params import SamplingParams
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput",
            "LoRARequest", "PoolingParams", "PoolingRequestOutput", "PoolingOutput", "ScoringRequestOutput",
-           "ScoringOutput", "ClassificationOutput"]
+           "ScoringOutput", "ClassificationOutput", "TokenPoolingOutput"]
 __version__ = "0.1.0"

@@ -73,6 +73,14 @@ class ClassificationOutput:
 
 
 @dataclasses.dataclass
+class TokenPoolingOutput:
+    """A token-wise pooling task's result for one prompt (vLLM's PoolingOutput of token_embed or token_classify):
+    one entry per prompt token."""
+
+    data: list[list[float]]  # (prompt tokens, H or dimensions) embeddings, or (prompt tokens, labels) probabilities
+
+
+@dataclasses.dataclass
 class PoolingRequestOutput:
     """One embedding or classification request (vLLM's EmbeddingRequestOutput, ClassificationRequestOutput):
     `outputs` once its whole prompt is pooled."""
@@ -80,7 +88,8 @@ class PoolingRequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: PoolingOutput | ClassificationOutput | None  # None until finished, and for a request aborted or failed
+    # None until finished, and for a request aborted or failed
+    outputs: PoolingOutput | ClassificationOutput | TokenPoolingOutput | None
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # why the engine failed this request alone

@@ -11,8 +11,9 @@ head, saved by transformers' `XForSequenceClassification.save_pretrained` with t
 The score head is drawn with a larger spread than transformers' initializer (std 3 / sqrt(hidden); 0.2 over
 Gemma's larger final states), so the classes' probabilities differ clearly. expected_classes.json holds, for each
 token-id prompt of the base's expected.json, the logits (float32, eager attention, one full forward; no prompt
-ends with the pad token, so transformers pools its last token as the engine does) and, for the cross-encoder, the
-logit of each text pair of PAIRS tokenized together.
+ends with the pad token, so transformers pools its last token as the engine does), the score head over every
+prompt token's final state (`token_logits`, the token_classify reference) and, for the cross-encoder, the logit
+of each text pair of PAIRS tokenized together.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def make_classifier(name: str, base: str, spread: float, fields: dict) -> None:
     prompts = json.loads((source / "expected.json").read_text())["prompts"]
     pad = model.config.pad_token_id
     assert all(prompt[-1] != pad for prompt in prompts), "a prompt ends with the pad token"
-    cases = [{"prompt_token_ids": list(prompt), "logits": logits(model, prompt)} for prompt in prompts]
+    cases = [{"prompt_token_ids": list(prompt), "logits": logits(model, prompt),
+              "token_logits": token_logits(model, prompt)} for prompt in prompts]
     fixture = {"cases": cases, "torch_version": torch.__version__, "transformers_version": transformers.__version__,
                "python_version": platform.python_version(), "seed": SEED}
     if model.config.num_labels == 1:
@@ -84,6 +86,14 @@ def logits(model: torch.nn.Module, token_ids: list[int]) -> list[float]:
     """The classifier's logits (labels,) for one unpadded prompt."""
     with torch.no_grad():
         return model(input_ids=torch.tensor([token_ids])).logits[0].to(torch.float32).tolist()
+
+
+def token_logits(model: torch.nn.Module, token_ids: list[int]) -> list[list[float]]:
+    """The score head over every prompt token's final state (prompt tokens, labels): what a token-wise task
+    (token_classify) gives."""
+    with torch.no_grad():
+        states = model.model(input_ids=torch.tensor([token_ids])).last_hidden_state[0]  # (T, H)
+        return model.score(states).to(torch.float32).tolist()
 
 
 def main() -> None:

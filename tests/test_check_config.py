@@ -207,12 +207,14 @@ def test_a_lora_config_counts_its_adapter_slots(tmp_path):
 
 
 def test_a_pooling_config_lowers_its_pooling_buckets(tmp_path):
-    """runner pooling (embeddings): one pooling executable per token rung, the largest lowered for cuda and tpu."""
+    """runner pooling (embeddings): a pooling executable per token rung summing its rows, and one more per rung that
+    has more tokens than rows keeping the tokens apart (token-wise tasks); the largest lowered for cuda and tpu."""
     config = tmp_path / "tiny-pooling.yaml"
     config.write_text("max_model_len: 256\nmax_num_seqs: 8\nmax_num_batched_tokens: 32\nrunner: pooling\n")
     check = check_config.check_config(str(config), ["cuda", "tpu"], {"cuda": "h100", "tpu": "tpu-v5e"},
                                       buckets="largest")
     assert check.failures == []
-    assert check.executables["pooling"] == check.executables["prompt_logprobs"] > 0
+    rungs = check.executables["prompt_logprobs"]  # one per token rung
+    assert rungs < check.executables["pooling"] < 2 * rungs  # the rungs of up to max_num_seqs tokens: one each
     for platform in check.platforms:
-        assert [b.shape for b in platform.buckets if b.kind == "pooling"] == [(32,)]
+        assert [b.shape for b in platform.buckets if b.kind == "pooling"] == [(32, 32)]

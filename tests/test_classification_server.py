@@ -158,3 +158,26 @@ def test_score_and_rerank_on_a_cross_encoder_score_the_pairs_together(cross_enco
     one = _post(url, "/classify", input=pairs[0]["prompt_token_ids"], use_activation=False).json()["data"][0]
     np.testing.assert_allclose(one["probs"], pairs[0]["logits"], atol=TOLERANCE, rtol=TOLERANCE)
     _all_pages_back(engine)
+
+
+def test_pooling_with_a_token_task_gives_every_tokens_classes(classifier):
+    """/pooling with task token_classify: a list per input, one entry per token (transformers' score head over each
+    token's state, through the softmax; raw with use_activation false; base64: the rows' float32 bytes in order);
+    task token_embed on a classifier is a 400 naming task."""
+    url, engine = classifier
+    cases = _expected("llama-classifier")["cases"][-2:]
+    inputs = [case["prompt_token_ids"] for case in cases]
+    answer = _post(url, "/pooling", input=inputs, task="token_classify").json()
+    for item, case in zip(answer["data"], cases):
+        np.testing.assert_allclose(item["data"], _softmax_rows(case["token_logits"]), atol=TOLERANCE)
+    raw = _post(url, "/pooling", input=inputs[:1], task="token_classify", use_activation=False,
+                encoding_format="base64").json()["data"][0]["data"]
+    values = np.frombuffer(base64.b64decode(raw), "<f4").reshape(len(inputs[0]), 3)
+    np.testing.assert_allclose(values, cases[0]["token_logits"], atol=TOLERANCE, rtol=TOLERANCE)
+    assert "use classify or token_classify" in _error(_post(url, "/pooling", input=inputs, task="token_embed"), "task")
+    _all_pages_back(engine)
+
+
+def _softmax_rows(logits) -> np.ndarray:
+    exp = np.exp(np.asarray(logits, np.float64) - np.max(logits, axis=-1, keepdims=True))
+    return exp / exp.sum(axis=-1, keepdims=True)

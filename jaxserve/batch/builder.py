@@ -203,33 +203,38 @@ def build_prompt_logprob_batch(output: SchedulerOutput, num_tokens: int) -> tupl
 
 
 def build_pooling_batch(output: SchedulerOutput, num_tokens: int, num_rows: int
-                        ) -> tuple[PoolingBatch | None, list[int]]:
+                        ) -> tuple[PoolingBatch | None, list[slice]]:
     """The step tokens pooling requests pool, padded to the step's `num_tokens` tokens of `num_rows` rows; returns
-    the batch and how many positions each scheduled row pools, in row order, or (None, []) when no row pools any
-    (the step then costs nothing extra). A chunk computes positions [c, c + n); of those, a row pools the ones its
-    pool still needs (pooling/pooled.py), so a position computed again after a preemption is pooled once."""
-    if not any(item.request.pooled is not None for item in output.scheduled):
+    the batch and the step tokens each scheduled row pools (a slice of the step's tokens), in row order, or (None,
+    []) when no row pools any (the step then costs nothing extra). A chunk computes positions [c, c + n); of those,
+    a row pools the ones its pool still needs (pooling/pooled.py), so a position computed again after a preemption
+    is pooled once. The tokens' states are summed row by row, or come back one by one when some request pools
+    every token apart (`PooledPrompt.per_token`)."""
+    pooling = [item for item in output.scheduled if item.request.pooled is not None]
+    if not pooling:
         return None, []
-    arrays = padded_pooling_arrays(num_tokens, num_rows)
-    counts, start = [], 0
+    per_token = any(item.request.pooled.per_token for item in pooling)
+    arrays = padded_pooling_arrays(num_tokens, num_tokens if per_token else num_rows)
+    spans, start = [], 0
     for row, item in enumerate(output.scheduled):
         request, first = item.request, item.num_computed_tokens
-        count = 0
+        span = slice(start, start)
         if request.pooled is not None:
             wanted = request.pooled.positions(len(request.prompt_token_ids))
             low, high = max(first, wanted.start), min(first + item.num_new_tokens, wanted.stop)
-            count = max(high - low, 0)
-            arrays["token_rows"][start + low - first : start + high - first] = row
-        counts.append(count)
+            span = slice(start + low - first, start + max(high, low) - first)
+            arrays["token_segments"][span] = np.arange(span.start, span.stop) if per_token else row
+        spans.append(span)
         start += item.num_new_tokens
-    if not any(counts):
+    if not any(span.stop > span.start for span in spans):
         return None, []
-    return PoolingBatch(**arrays), counts
+    return PoolingBatch(**arrays), spans
 
 
-def padded_pooling_arrays(num_tokens: int, num_rows: int) -> dict[str, np.ndarray]:
-    """Every PoolingBatch field at its padding value for a step of T tokens and R rows."""
-    return {"token_rows": np.full((num_tokens,), num_rows, np.int32)}  # (T,)
+def padded_pooling_arrays(num_tokens: int, num_segments: int) -> dict[str, np.ndarray]:
+    """Every PoolingBatch field at its padding value for a step of T tokens pooled into `num_segments` (R, or T)."""
+    return {"token_segments": np.full((num_tokens,), num_segments, np.int32),  # (T,)
+            "num_segments": np.asarray(num_segments, np.int32)}  # ()
 
 
 def build_decode_steps(output: SchedulerOutput, num_rows: int) -> DecodeSteps | None:

@@ -45,10 +45,12 @@ class PromptLogprobBatch:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PoolingBatch:
-    """The step tokens whose final hidden states pooling requests add into their pools (embeddings): each row's
-    sum over its pooled tokens comes back (pooling/pooled.py)."""
+    """The step tokens whose final hidden states pooling requests add into their pools (embeddings): each
+    segment's sum over its tokens comes back (pooling/pooled.py). A segment is a row, or in a step where some
+    request pools token by token (`num_segments` == T) each pooled token's own index."""
 
-    token_rows: jax.Array  # (T,) int32 the row whose sum a token's state joins; R (no row) for the others
+    token_segments: jax.Array  # (T,) int32 the segment whose sum a token's state joins; num_segments (none) else
+    num_segments: jax.Array  # () int32 R, or T when tokens are pooled one by one (read on the host)
 
 
 @jax.tree_util.register_dataclass

@@ -403,7 +403,7 @@ class EngineCore:
             return False, []
         with self.timing.measure("build"):
             try:
-                batch, sampling, (prompt, prompt_counts), (pooling, pooled_counts), steps, proposals = \
+                batch, sampling, (prompt, prompt_counts), (pooling, pooled_spans), steps, proposals = \
                     self._build_inputs(output)
             except Exception:
                 return False, self._fail_unbuildable(output)
@@ -421,7 +421,7 @@ class EngineCore:
             with self.timing.measure("dispatch"):
                 pending = self.runner.dispatch(batch, sampling, prompt, steps, proposals, pooling)
         self.timing.dispatched(started, pending.ready)
-        self._in_flight.append(_InFlight(output, prompt_counts, pooled_counts, pending))
+        self._in_flight.append(_InFlight(output, prompt_counts, pooled_spans, pending))
         self.counters["steps"] += 1
         self.counters["scheduled_tokens"] += sum(item.num_positions for item in output.scheduled)
         self.counters["padded_tokens"] += batch.input_ids.shape[0] * max(item.num_steps for item in output.scheduled)
@@ -438,8 +438,8 @@ class EngineCore:
         with self.timing.measure("update"):
             if step.prompt_counts:
                 self._record_prompt_logprobs(step.output, step.prompt_counts, result.prompt_logprobs)
-            if step.pooled_counts:
-                self._record_pooled(step.output, step.pooled_counts, result.pooled)
+            if step.pooled_spans:
+                self._record_pooled(step.output, step.pooled_spans, result.pooled)
             return self.scheduler.update(step.output, self._sampled_tokens(step.output, result))
 
     def _build_inputs(self, output: SchedulerOutput):
@@ -483,11 +483,13 @@ class EngineCore:
             entry += count
 
     @staticmethod
-    def _record_pooled(output: SchedulerOutput, counts: list[int], pooled) -> None:
-        """Add each pooling row's sum of its newly pooled positions' states (`pooled` (rows, H)) to its pool."""
-        for item, count, total in zip(output.scheduled, counts, pooled):
-            if count:
-                item.request.pooled.add(total, count)
+    def _record_pooled(output: SchedulerOutput, spans: list[slice], pooled) -> None:
+        """Add each pooling row's newly pooled positions' states to its pool: `pooled` (R, H) the rows' sums, or
+        (T, H) the step tokens' states one by one (`spans`: each row's tokens)."""
+        per_token = any(item.request.pooled is not None and item.request.pooled.per_token for item in output.scheduled)
+        for row, (item, span) in enumerate(zip(output.scheduled, spans)):
+            if span.stop > span.start:
+                item.request.pooled.add(pooled[span] if per_token else pooled[row], span.stop - span.start)
 
     def _sampled_tokens(self, output: SchedulerOutput, result: StepOutput) -> list[list[SampledToken]]:
         """Each scheduled chunk's samples, in order (none for a chunk that stops mid-prompt), with their
@@ -590,7 +592,7 @@ class _InFlight:
 
     output: SchedulerOutput
     prompt_counts: list[int]  # prompt-logprob entries per scheduled row ([] when none)
-    pooled_counts: list[int]  # positions each scheduled row pooled ([] when none)
+    pooled_spans: list[slice]  # the step tokens each scheduled row pooled ([] when none)
     pending: PendingStep
 
 

@@ -88,6 +88,33 @@ class LLM:
         the raw logits (a reward model's score). Prompts and adapters as for `generate`."""
         return self._pool("classify", prompts, pooling_params, use_tqdm, lora_request)
 
+    def encode(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.encode`: each prompt pooled for `pooling_task`, which must be given (pooling/params.
+        POOLING_TASKS; embed and classify as `embed` and `classify` give them). The token-wise tasks give every
+        prompt token's result (`output.outputs.data`, one entry per prompt token): `token_embed` (an embedding
+        model's) each token's final state, cut to `dimensions` and L2-normalized as an embedding is;
+        `token_classify` (a sequence classifier's) each token's class probabilities (or raw logits with
+        `use_activation=False`). Every prompt token is computed (the prefix cache is not read for them). Prompts
+        and adapters as for `generate`."""
+        return self._pool(pooling_task, prompts, pooling_params, use_tqdm, lora_request)
+
+    def reward(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.reward`: `encode` with pooling_task token_classify, a reward model's per-token scores."""
+        return self._pool("token_classify", prompts, pooling_params, use_tqdm, lora_request)
+
     def score(
         self,
         data_1: PromptInput | Sequence[PromptInput],

@@ -19,8 +19,8 @@ from jaxserve.engine.reasoning import ReasoningParser
 from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput
-from jaxserve.pooling.params import PoolingParams, check_dimensions
-from jaxserve.pooling.pooled import PooledPrompt
+from jaxserve.pooling.params import CLASSIFIER_TASKS, POOLING_TASKS, PoolingParams, check_dimensions
+from jaxserve.pooling.pooled import PER_TOKEN, PooledPrompt
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -30,6 +30,7 @@ DEFAULT_MODEL_NAME = "tiny-stdlib-llama"
 Prompt = str | list[int]
 # An embedding request runs its prompt and samples nothing (its one sampler row is dropped).
 POOLING_SAMPLING_PARAMS = SamplingParams(max_tokens=0, temperature=0.0, detokenize=False)
+_TASK_NAMES = {"classify": "classification", "score": "scoring a pair", "token_classify": "token classification"}
 
 
 def default_model_path() -> str:
@@ -203,16 +204,17 @@ class LLMEngine:
         """Validate a pooling request and build its engine request without queueing it; returns (text, [it]).
         It computes its prompt (up to max_model_len tokens), pools the final hidden states as the engine's pooler
         says (pooling/) and samples nothing: into an embedding (`task` embed) or, on a sequence classifier, into
-        class probabilities (classify). ValueError on an engine not started with runner pooling, or for a task
-        the model does not do."""
+        class probabilities (classify); token-wise (token_embed, token_classify), every prompt token's. ValueError
+        on an engine not started with runner pooling, or for a task the model does not do."""
         classifier = self.core.spec.classifier
-        if task != "embed" and classifier is None:
-            raise ValueError(f"{'classification' if task == 'classify' else 'scoring a pair'} needs a sequence "
-                             f"classifier (an XForSequenceClassification checkpoint); this model gives embeddings: "
-                             f"use embed")
-        if task == "embed" and classifier is not None:
+        if task not in POOLING_TASKS:
+            raise ValueError(f"the pooling task must be one of {', '.join(POOLING_TASKS)}; got {task!r}")
+        if task in CLASSIFIER_TASKS and classifier is None:
+            raise ValueError(f"{_TASK_NAMES[task]} needs a sequence classifier (an XForSequenceClassification "
+                             f"checkpoint); this model gives embeddings: use embed or token_embed")
+        if task not in CLASSIFIER_TASKS and classifier is not None:
             raise ValueError(f"the model is a sequence classifier ({classifier.counted}): it pools into "
-                             f"class probabilities, not embeddings; use classify")
+                             f"class probabilities, not embeddings; use classify or token_classify")
         if task == "score" and classifier.num_labels != 1:
             raise ValueError(f"scoring a pair needs a cross-encoder (a classifier of one label); this model has "
                              f"{classifier.num_labels} labels: use classify")
@@ -238,7 +240,8 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=POOLING_SAMPLING_PARAMS,
             eos_token_ids=(), seed=0, max_tokens=0, priority=priority, cache_salt=salt,
             lora_slot=-1 if lora is None else lora.slot,
-            pooled=PooledPrompt(pooler.pooling_type, normalize, params.dimensions, activation),
+            pooled=PooledPrompt(PER_TOKEN if task.startswith("token_") else pooler.pooling_type, normalize,
+                                params.dimensions, activation),
         )
         return text, [request]
 

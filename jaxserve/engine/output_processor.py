@@ -20,6 +20,7 @@ from jaxserve.outputs import (
     PoolingRequestOutput,
     RequestMetrics,
     RequestOutput,
+    TokenPoolingOutput,
 )
 from jaxserve.pooling.pooled import PooledPrompt
 from jaxserve.request import Logprob, Request, RequestStatus
@@ -88,16 +89,20 @@ class _RequestState:
                              prompt_logprobs, self.error, self.num_cached_tokens)
 
     def _pooling_output(self) -> PoolingRequestOutput:
-        """A pooling request's output: its embedding (or class probabilities) once it has finished with its whole
-        prompt pooled."""
+        """A pooling request's output: its embedding (or class probabilities, or a token-wise task's every prompt
+        token's) once it has finished with its whole prompt pooled."""
         (sample,) = self.samples.values()
         finished = sample.finish_reason is not None
         complete = sample.finish_reason == "stop" and not self.pooled.positions(len(self.prompt_token_ids))
         outputs = None
         if complete:
             pooled = self.pooled
-            outputs = PoolingOutput(pooled.embedding()) if pooled.activation is None else ClassificationOutput(
-                pooled.probs())
+            if pooled.per_token:
+                outputs = TokenPoolingOutput(pooled.token_data())
+            elif pooled.activation is None:
+                outputs = PoolingOutput(pooled.embedding())
+            else:
+                outputs = ClassificationOutput(pooled.probs())
         return PoolingRequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
                                     self.metrics, self.error, self.num_cached_tokens)
 

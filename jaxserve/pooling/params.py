@@ -10,8 +10,10 @@ import os
 from jaxserve.sampling_params import INT32_MAX, check_int
 
 # an embedding model's vector; a sequence classifier's class probabilities; a cross-encoder's (a one-label
-# classifier's) score of a text pair
-POOLING_TASKS = ("embed", "classify", "score")
+# classifier's) score of a text pair; token-wise, every prompt token's embedding, or its class probabilities (a
+# reward model's per-token scores: vLLM's LLM.reward)
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
+CLASSIFIER_TASKS = ("classify", "score", "token_classify")  # the tasks of a sequence classifier; the rest an embedder's
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # the last prompt token's state, the mean over the prompt, the first token's
 DEFAULT_POOLING_TYPE = "LAST"  # a decoder's last token has seen the whole prompt (vLLM's default for decoders)
 # sentence-transformers' Pooling module options (its 1_Pooling/config.json) -> our pooling type
@@ -83,7 +85,7 @@ class PoolingParams:
 
     def check_task(self, task: str) -> None:
         """ValueError naming the field this request sets that `task` (POOLING_TASKS) has no use for."""
-        if task in ("classify", "score"):
+        if task in CLASSIFIER_TASKS:
             for name in ("dimensions", "normalize"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} is for embeddings; a classification leaves it unset")

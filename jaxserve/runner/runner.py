@@ -77,7 +77,7 @@ class StepOutput:
     sampled_logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None  # of the PromptLogprobBatch's targets, when there was one
     logprobs_per_row: int = 1  # S in a verification, else 1
-    pooled: np.ndarray | None = None  # (num_seqs, H) float32 each row's sum of pooled states, when a row pooled
+    pooled: np.ndarray | None = None  # (R or T, H) float32 each segment's sum of pooled states, when a row pooled
 
 
 @dataclasses.dataclass
@@ -89,8 +89,8 @@ class ForwardStep:
     prompt_scored: tuple | None  # the prompt-logprob executable's outputs, when the step scored prompt tokens
     num_seqs: int  # real rows
     num_prompt_targets: int  # real prompt-logprob entries
-    pooled: jax.Array | None = None  # (R, H) float32 each row's sum of pooled states ((R, labels) of a classifier's
-    # class logits), when a row pooled
+    pooled: jax.Array | None = None  # (R or T, H) float32 each segment's sum of pooled states ((R or T, labels) of a
+    # classifier's class logits), when a row pooled
 
 
 @dataclasses.dataclass
@@ -105,8 +105,8 @@ class PendingStep:
     num_seqs: int  # real rows
     num_prompt_targets: int  # real prompt-logprob entries
     logprobs_per_row: int = 1  # logprobs entries of each row: S in a verification, else 1
-    pooled: jax.Array | None = None  # (R, H) float32 each row's sum of pooled states ((R, labels) of a classifier's
-    # class logits), when a row pooled
+    pooled: jax.Array | None = None  # (R or T, H) float32 each segment's sum of pooled states ((R or T, labels) of a
+    # classifier's class logits), when a row pooled
     ready: concurrent.futures.Future | None = None  # resolves to time.perf_counter() when the device is done
 
     def fetch(self) -> StepOutput:
@@ -118,7 +118,7 @@ class PendingStep:
         prompt_logprobs = None
         if self.prompt_scored is not None:
             prompt_logprobs = TokenLogprobs.fetch(self.prompt_scored, self.num_prompt_targets)
-        pooled = None if self.pooled is None else np.asarray(jax.device_get(self.pooled))[:count]
+        pooled = None if self.pooled is None else np.asarray(jax.device_get(self.pooled))
         return StepOutput(np.atleast_2d(np.asarray(self.token_ids))[:, :count], sampled_logprobs, prompt_logprobs,
                           self.logprobs_per_row, pooled)
 
@@ -255,12 +255,13 @@ class Runner:
 
         pooled_states = final_states if self.generates else token_logits  # a classifier pools its class logits
 
-        def pool_packed(params, hidden, buffer, layout: Layout, num_rows: int):
-            """Each of the step's R rows' sum (R, H) float32 of the final states of the tokens it pools (a
-            classifier's: (R, labels) of their class logits, the score head being linear)."""
-            token_rows = unpack(buffer, layout, PoolingBatch).token_rows  # (T,) row, or R: none
+        def pool_packed(params, hidden, buffer, layout: Layout, num_segments: int):
+            """Each of the step's segments' (its R rows', or its T tokens') sum (R or T, H) float32 of the final
+            states of its tokens (a classifier's: (R or T, labels) of their class logits, the score head being
+            linear)."""
+            segments = unpack(buffer, layout, PoolingBatch).token_segments  # (T,) segment, or num_segments: none
             states = pooled_states(params, hidden, spec).astype(jnp.float32)  # (T, H) or (T, labels)
-            return jax.ops.segment_sum(states, token_rows, num_segments=num_rows + 1)[:num_rows]
+            return jax.ops.segment_sum(states, segments, num_segments=num_segments + 1)[:num_segments]
 
         # Step functions of (params, caches, last tokens, packed inputs, layouts) -> (outputs, last tokens or
         # hidden states, caches), the pool donated.
@@ -296,7 +297,7 @@ class Runner:
         self._steps_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> multi-step executable
         self._verify_rows_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> verified positions' states
         self._verify_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (R, P, M) -> verification
-        self._pool_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> the rows' pooled sums
+        self._pool_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, R or T) -> the segments' sums
         self.num_lazy_compiles = 0
         CompileCounter.install()
 
@@ -391,7 +392,8 @@ class Runner:
         compiled against an abstract pool of `num_pages` pages, which they do not depend on."""
         largest_forward = self.forward_call(self.ladders.tokens[-1], self.ladders.page_widths[-1], num_pages)
         if not self.generates:
-            return activation_bytes(*largest_forward) + activation_bytes(*self.pooling_call(self.ladders.tokens[-1]))
+            largest = self.ladders.tokens[-1]
+            return activation_bytes(*largest_forward) + activation_bytes(*self.pooling_call(largest, largest))
         largest_samplers = [self.sampler_call(max(self.ladders.row_buckets()), self.ladders.aux_widths[-1],
                                               self.mask_widths[-1])]
         if self.num_speculative_tokens:
@@ -405,21 +407,21 @@ class Runner:
         """Every (T, W) forward shape, (R, P, M) sampler shape (M: no token bitmask, or one word per 32 tokens),
         (T,) prompt-logprob shape, the (T, W) shapes of multi-step decodes (T up to the token rung holding
         max_num_seqs decodes), with speculative decoding the (T,) shapes that take the verified positions'
-        hidden states out of a forward and the (R, P, M) shapes of the verification, and with pooling the (T,)
-        shapes that pool the rows' states, that the ladders allow (a classifier's: forward and pooling shapes
-        only)."""
+        hidden states out of a forward and the (R, P, M) shapes of the verification, and with pooling the (T, S)
+        shapes that pool the T tokens' states into S segments (its rows, or the tokens one by one), that the
+        ladders allow (a classifier's: forward and pooling shapes only)."""
         forward = list(itertools.product(self.ladders.tokens, self.ladders.page_widths))
         sampler = list(itertools.product(self.ladders.row_buckets(), self.ladders.aux_widths, self.mask_widths))
         prompt = [(num_tokens,) for num_tokens in self.ladders.tokens]
         steps = verify_rows = verify = pool = []
+        if self.pooling:
+            pool = sorted({(t, segments) for t in self.ladders.tokens for segments in (self.ladders.rows_for(t), t)})
         if not self.generates:  # a classifier: the forward and the pooling alone
-            return forward, [], [], [], [], [], prompt
+            return forward, [], [], [], [], [], pool
         if self.num_scheduler_steps > 1:
             steps = [(t, w) for t, w in forward if t <= self._decode_tokens_rung(1)]
         if self.num_speculative_tokens:
             verify_rows, verify = prompt, sampler
-        if self.pooling:
-            pool = prompt
         return forward, sampler, prompt, steps, verify_rows, verify, pool
 
     def _decode_tokens_rung(self, tokens_per_row: int) -> int:
@@ -520,11 +522,12 @@ class Runner:
         buffer, layout = pack(PromptLogprobBatch(**padded_prompt_logprob_arrays(num_tokens)))
         return self._prompt_logprobs, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout)
 
-    def pooling_call(self, num_tokens: int) -> tuple[Callable, tuple]:
-        """The pooling bucket (T,): the step's T tokens' states summed into its rows."""
-        num_rows = self.ladders.rows_for(num_tokens)
-        buffer, layout = pack(PoolingBatch(**padded_pooling_arrays(num_tokens, num_rows)))
-        return self._pool, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout, num_rows)
+    def pooling_call(self, num_tokens: int, num_segments: int) -> tuple[Callable, tuple]:
+        """The pooling bucket (T, S): the step's T tokens' states summed into S segments (its rows, or S = T: the
+        tokens one by one)."""
+        buffer, layout = pack(PoolingBatch(**padded_pooling_arrays(num_tokens, num_segments)))
+        return self._pool, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout,
+                            num_segments)
 
     def _hidden_struct(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         """Final hidden states of `num_tokens` tokens (N, H) as an abstract array: a forward's T, or the R * S
@@ -567,7 +570,7 @@ class Runner:
             num_targets = int(prompt.num_targets)
         pooled = None
         if pooling is not None:
-            pool = self._executable(self._pool_exec, (num_tokens,), self.pooling_call)
+            pool = self._executable(self._pool_exec, (num_tokens, int(pooling.num_segments)), self.pooling_call)
             pooled = pool(self.params, hidden, put_global(pack(pooling)[0], self._replicated))
         return ForwardStep(logits, hidden, scored, int(batch.num_seqs), num_targets, pooled)
 

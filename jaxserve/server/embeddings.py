@@ -76,9 +76,10 @@ class ClassificationRequest(_InputFields):
 
 class PoolingRequest(EmbeddingRequest):
     """POST /pooling (vLLM's): each input's pooled output, an embedding or a classifier's classes, as the model
-    gives."""
+    gives, or for `task` token_embed or token_classify every input token's."""
 
     use_activation: bool | None = None
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None  # None: the model's own
 
 
 class ScoreRequest(_PoolingFields):
@@ -134,14 +135,16 @@ class EmbeddingsServing:
 
     async def pooling(self, body: PoolingRequest, raw: Request) -> Response | dict:
         """POST /pooling: every input's pooled output as the model gives it (an embedding model's embedding, a
-        sequence classifier's class probabilities), in input order."""
+        sequence classifier's class probabilities), in input order; with `task` token_embed or token_classify, a
+        list per input of every token's."""
         request_id = f"pool-{uuid.uuid4().hex}"
-        task = "embed" if self.classifier is None else "classify"
+        task = body.task or ("embed" if self.classifier is None else "classify")
         outputs = await self._pool(request_id, self._input_prompts(body), body, raw, task, dimensions=body.dimensions,
                                    normalize=body.normalize, use_activation=body.use_activation)
         if outputs is None:
             return Response(status_code=499)
-        vectors = [output.outputs.probs if self.classifier else output.outputs.embedding for output in outputs]
+        vectors = [output.outputs.data if task.startswith("token_") else output.outputs.probs if self.classifier
+                   else output.outputs.embedding for output in outputs]
         data = [{"index": index, "object": "pooling", "data": _encoded(vector, body.encoding_format)}
                 for index, vector in enumerate(vectors)]
         return self._listed(request_id, body, data, _usage(outputs))
@@ -259,8 +262,9 @@ class EmbeddingsServing:
         except ValueError as error:  # the engine's runner or model, the input, or a field PoolingParams names
             message = str(error)
             field = message.split()[0].rstrip(":")
+            mismatch = "runner" in message or "classifier" in message  # the engine or model does not do the task
             param = (field if field in ("dimensions", "normalize", "use_activation")
-                     else "model" if "runner" in message or "classifier" in message else "input")
+                     else ("task" if task.startswith("token_") else "model") if mismatch else "input")
             raise APIError(400, message, param) from error
         return self.serving.queue(request_id, made)
 
@@ -284,8 +288,9 @@ def _usage(outputs: list[PoolingRequestOutput]) -> dict:
             "prompt_tokens_details": None}
 
 
-def _encoded(embedding: list[float], encoding_format: str) -> list[float] | str:
-    """An embedding as OpenAI sends it: the floats, or (base64) their little-endian float32 bytes in base64."""
+def _encoded(embedding: list, encoding_format: str) -> list | str:
+    """An embedding (or a token-wise task's list of them) as OpenAI sends it: the floats, or (base64) their
+    little-endian float32 bytes in base64, row after row."""
     if encoding_format == "float":
         return embedding
     return base64.b64encode(np.asarray(embedding, "<f4").tobytes()).decode("ascii")
