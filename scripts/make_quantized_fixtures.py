@@ -33,8 +33,10 @@ Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test
   llama-gptq-int8/ in 8 bits, symmetric in groups (Qwen's GPTQ-Int8 form).
   Transformers reads GPTQ only through gptqmodel (a CUDA build), so the reference is the
   float model with each linear weight replaced by what AutoGPTQ's own QuantLinear (auto_gptq 0.7.1's
-  nn_modules/qlinear/qlinear_cuda.py, its torch path: `pip install --no-deps auto-gptq==0.7.1`; only that file is
-  loaded, not the package) computes from the stored tensors, its scales in float32.
+  nn_modules/qlinear/qlinear_cuda.py, its torch path; only that file is loaded, not the package) computes from
+  the stored tensors, its scales in float32. Install it apart, since its wheel also holds a top-level `tests`
+  package that would shadow this repository's: `pip install --no-deps --target /tmp/auto-gptq auto-gptq==0.7.1`,
+  then `PYTHONPATH=/tmp/auto-gptq python scripts/make_quantized_fixtures.py qwen2-gptq-asym ...`.
 The embeddings, norms, routers and LM head stay as they were. Each folder gets expected.json (the source's
 prompts, greedy tokens, the smallest top-1 margin) and expected_logits.npy (each prompt's last-position logits)
 as the other checkpoints have. The block or group is the first of the candidates whose greedy tokens keep every
