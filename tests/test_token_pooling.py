@@ -107,3 +107,22 @@ def test_a_classifier_refuses_token_embed_and_embedding_options(classifier):
         classifier.encode("def f():", use_tqdm=False, pooling_task="token_embed")
     with pytest.raises(ValueError, match="^dimensions is for embeddings"):
         classifier.reward("def f():", PoolingParams(dimensions=2), use_tqdm=False)
+
+
+def test_a_token_classifier_classifies_every_token_as_transformers():
+    """qwen3 as Qwen3ForTokenClassification (its score head with a bias, 4 labels): `LLM.reward` gives transformers'
+    per-token logits through the softmax, over one device and two; it does nothing else."""
+    cases = _cases("qwen3-token-classifier")
+    for tensor_parallel_size in (1, 2):
+        llm = LLM(checkpoint("qwen3-token-classifier"), **small_engine_args(
+            **CHUNKED, tensor_parallel_size=tensor_parallel_size, skip_precompile=True))
+        assert llm.engine.core.spec.classifier.per_token
+        raw = llm.reward(_prompts(cases), PoolingParams(use_activation=False), use_tqdm=False)
+        for output, case in zip(raw, cases):
+            np.testing.assert_allclose(output.outputs.data, case["token_logits"], atol=TOLERANCE, rtol=TOLERANCE)
+    (probs,) = llm.reward(_prompts(cases[-1:]), use_tqdm=False)
+    np.testing.assert_allclose(probs.outputs.data, _softmax(cases[-1]["token_logits"]), atol=TOLERANCE)
+    with pytest.raises(ValueError, match="token classifier .* classifies every token; use token_classify"):
+        llm.classify("def f():", use_tqdm=False)
+    stats = llm.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]

@@ -215,6 +215,9 @@ class LLMEngine:
         if task not in CLASSIFIER_TASKS and classifier is not None:
             raise ValueError(f"the model is a sequence classifier ({classifier.counted}): it pools into "
                              f"class probabilities, not embeddings; use classify or token_classify")
+        if classifier is not None and classifier.per_token and task != "token_classify":
+            raise ValueError(f"the model is a token classifier (XForTokenClassification, {classifier.counted}): it "
+                             f"classifies every token; use token_classify (LLM.reward, or /pooling's default task)")
         if task == "score" and classifier.num_labels != 1:
             raise ValueError(f"scoring a pair needs a cross-encoder (a classifier of one label); this model has "
                              f"{classifier.num_labels} labels: use classify")

@@ -4,6 +4,7 @@ registered for spec.LLAMA_FAMILY (model/registry.py) with its weights declared i
 Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`):
     embed        (V, H)
     lm_head      (H, V)            absent when embeddings are tied; a sequence classifier's score head (H, labels)
+    lm_head_bias (labels,)         a token classifier's score head's bias only
     final_norm   (H,)
     layers/input_norm (L, H)       layers/post_norm (L, H)
     layers/wq (L, H, Hq*D)         layers/wk, wv (L, H, Hkv*D)       layers/wo (L, Hq*D, H)
@@ -114,6 +115,7 @@ class LlamaForCausalLM(nnx.Module):
         self.spec = spec
         self.embed, self.final_norm = nnx.Param(params["embed"]), nnx.Param(params["final_norm"])
         self.lm_head = optional_param(params, "lm_head")
+        self.lm_head_bias = optional_param(params, "lm_head_bias")
         self.layers = self.layer_module(params["layers"], spec)
 
     def __call__(self, caches: tuple[jax.Array, ...], step: StepContext
@@ -150,7 +152,8 @@ class LlamaForCausalLM(nnx.Module):
         # hidden: (N, H) -> (N, V) float32
         normed = self.final_states(hidden)  # (N, H)
         lm_head = self.embed[...].T if self.lm_head is None else self.lm_head[...]  # (H, V)
-        return jnp.dot(normed, lm_head, preferred_element_type=jnp.float32)
+        logits = jnp.dot(normed, lm_head, preferred_element_type=jnp.float32)  # (N, V)
+        return logits if self.lm_head_bias is None else logits + self.lm_head_bias[...].astype(jnp.float32)
 
 
 def weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
@@ -191,6 +194,8 @@ def weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int)
             "final_norm": Weight("model.norm.weight", (hidden,), P(None), ones=True), "layers": layers}
     if spec.classifier is not None:  # Hugging Face's XForSequenceClassification: `score` instead of an LM head
         tree["lm_head"] = Weight("score.weight", (hidden, spec.classifier.num_labels), replicated, transpose=True)
+        if spec.classifier.per_token:  # XForTokenClassification's score head has a bias
+            tree["lm_head_bias"] = Weight("score.bias", (spec.classifier.num_labels,), P(None))
     elif not spec.tie_word_embeddings:
         vocab_split = MODEL_AXIS if vocab % tensor_parallel_size == 0 else None
         tree["lm_head"] = Weight("lm_head.weight", (hidden, vocab), P(None, vocab_split), transpose=True)

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxserve.attention.base import AttentionFn, WriteKVFn
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.model.layers import StepContext
-from jaxserve.model.spec import CLASSIFIER_SUFFIX, ModelSpec, causal_architecture, classifier_architecture
+from jaxserve.model.spec import ModelSpec, causal_architecture, classifier_architecture
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,18 +107,20 @@ def register(architectures: tuple[str, ...], model: Model) -> None:
 
 
 def registered_architectures() -> tuple[str, ...]:
-    """Every architecture name a model is registered for, sorted: each XForCausalLM's sequence classifier
-    (XForSequenceClassification: its body under a score head, ModelSpec.classifier) among them."""
+    """Every architecture name a model is registered for, sorted: each XForCausalLM's sequence and token
+    classifiers (XForSequenceClassification, XForTokenClassification: its body under a score head,
+    ModelSpec.classifier) among them."""
     _import_builtins()
-    classifiers = [classifier_architecture(name) for name in _MODELS if name.endswith("ForCausalLM")]
+    classifiers = [classifier_architecture(name, per_token) for name in _MODELS if name.endswith("ForCausalLM")
+                   for per_token in (False, True)]
     return tuple(sorted([*_MODELS, *classifiers]))
 
 
 def model_for(architecture: str) -> Model:
-    """The model registered for `architecture` (a sequence classifier's: its language model's); a ValueError
-    listing the registered ones."""
+    """The model registered for `architecture` (a sequence or token classifier's: its language model's); a
+    ValueError listing the registered ones."""
     _import_builtins()
-    body = causal_architecture(architecture) if architecture.endswith(CLASSIFIER_SUFFIX) else architecture
+    body = causal_architecture(architecture)
     if body not in _MODELS:
         raise ValueError(f"unsupported architecture {architecture!r}; registered: "
                          f"{', '.join(registered_architectures())}")

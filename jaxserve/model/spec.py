@@ -18,6 +18,7 @@ LLAMA_FAMILY = (  # the architectures model/llama.py serves
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 CLASSIFIER_SUFFIX = "ForSequenceClassification"  # XForSequenceClassification: XForCausalLM's body under a score head
+TOKEN_CLASSIFIER_SUFFIX = "ForTokenClassification"  # XForTokenClassification: the same, every token classified
 # a sentence-transformers cross-encoder's activation (config.json `sentence_transformers.activation_fn` or
 # `sbert_ce_default_activation_function`) -> ours
 _CROSS_ENCODER_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
@@ -64,11 +65,13 @@ def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeSpec) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class ClassifierHead:
     """A sequence classifier's head (Hugging Face's `XForSequenceClassification`): `score.weight` (labels, H) over
-    the final hidden state of the last prompt token, in place of the LM head."""
+    the final hidden state of the last prompt token, in place of the LM head; a token classifier's
+    (`XForTokenClassification`, `per_token`): `score.weight` and `score.bias` (labels,) over every token's."""
 
     labels: tuple[str, ...]  # each class's name (config.json's id2label, in id order)
     activation: str  # softmax, sigmoid or identity: what classification applies to the logits
     score_activation: str  # what scoring a text pair (a cross-encoder) applies to its one logit
+    per_token: bool = False  # a token classifier: it classifies every token (token_classify) and nothing else
 
     @property
     def num_labels(self) -> int:
@@ -81,7 +84,7 @@ class ClassifierHead:
         return f"{self.num_labels} label{'' if self.num_labels == 1 else 's'}"
 
 
-def classifier_head(config: dict) -> ClassifierHead:
+def classifier_head(config: dict, per_token: bool = False) -> ClassifierHead:
     """A classifier config's head: its labels from `id2label` (or `num_labels`, named LABEL_i, transformers'
     default of 2), the classification activation of its `problem_type` (regression: none, multi-label: sigmoid,
     else sigmoid for one label and softmax for more) and the cross-encoder activation its sentence-transformers
@@ -115,7 +118,7 @@ def classifier_head(config: dict) -> ClassifierHead:
     if function is not None and function not in _CROSS_ENCODER_ACTIVATIONS:
         raise ValueError(f"unsupported cross-encoder activation {function!r}; supported: "
                          f"{', '.join(_CROSS_ENCODER_ACTIVATIONS)}")
-    return ClassifierHead(labels, activation, _CROSS_ENCODER_ACTIVATIONS.get(function, activation))
+    return ClassifierHead(labels, activation, _CROSS_ENCODER_ACTIVATIONS.get(function, activation), per_token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,11 +201,11 @@ class ModelSpec:
         arch = next((a for a in architectures if a in registered), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {architectures!r}; registered: {', '.join(registered)}")
-        if not arch.endswith(CLASSIFIER_SUFFIX):
+        if not arch.endswith((CLASSIFIER_SUFFIX, TOKEN_CLASSIFIER_SUFFIX)):
             return model_for(arch).spec_from_config(arch, config, generation_config or {})
         causal = causal_architecture(arch)  # the classifier's body is this language model's
         spec = model_for(causal).spec_from_config(causal, config, generation_config or {})
-        return dataclasses.replace(spec, classifier=classifier_head(config))
+        return dataclasses.replace(spec, classifier=classifier_head(config, arch.endswith(TOKEN_CLASSIFIER_SUFFIX)))
 
 
 # Sequence classifiers whose name is not their language model's with the suffix swapped (transformers' Gemma 3 text
@@ -210,17 +213,24 @@ class ModelSpec:
 _CLASSIFIER_NAMES = {"Gemma3ForCausalLM": "Gemma3TextForSequenceClassification"}
 
 
-def classifier_architecture(causal: str) -> str:
+def classifier_architecture(causal: str, per_token: bool = False) -> str:
     """The sequence classifier architecture over a language model architecture XForCausalLM's body:
-    XForSequenceClassification."""
+    XForSequenceClassification (`per_token`: the token classifier's, XForTokenClassification)."""
+    if per_token:
+        return causal.removesuffix("ForCausalLM") + TOKEN_CLASSIFIER_SUFFIX
     return _CLASSIFIER_NAMES.get(causal, causal.removesuffix("ForCausalLM") + CLASSIFIER_SUFFIX)
 
 
 def causal_architecture(classifier: str) -> str:
-    """The language model architecture whose body a sequence classifier architecture has (classifier_architecture's
-    inverse)."""
+    """The language model architecture whose body a sequence or token classifier architecture has
+    (classifier_architecture's inverse); any other name as it is."""
     named = {name: causal for causal, name in _CLASSIFIER_NAMES.items()}
-    return named.get(classifier, classifier.removesuffix(CLASSIFIER_SUFFIX) + "ForCausalLM")
+    if classifier in named:
+        return named[classifier]
+    for suffix in (CLASSIFIER_SUFFIX, TOKEN_CLASSIFIER_SUFFIX):
+        if classifier.endswith(suffix):
+            return classifier.removesuffix(suffix) + "ForCausalLM"
+    return classifier
 
 
 def llama_family_spec(arch: str, config: dict, generation_config: dict) -> ModelSpec:

@@ -135,10 +135,11 @@ class EmbeddingsServing:
 
     async def pooling(self, body: PoolingRequest, raw: Request) -> Response | dict:
         """POST /pooling: every input's pooled output as the model gives it (an embedding model's embedding, a
-        sequence classifier's class probabilities), in input order; with `task` token_embed or token_classify, a
-        list per input of every token's."""
+        sequence classifier's class probabilities), in input order; with `task` token_embed or token_classify (a
+        token classifier's default), a list per input of every token's."""
         request_id = f"pool-{uuid.uuid4().hex}"
-        task = body.task or ("embed" if self.classifier is None else "classify")
+        task = body.task or ("embed" if self.classifier is None else "token_classify" if self.classifier.per_token
+                             else "classify")
         outputs = await self._pool(request_id, self._input_prompts(body), body, raw, task, dimensions=body.dimensions,
                                    normalize=body.normalize, use_activation=body.use_activation)
         if outputs is None:
