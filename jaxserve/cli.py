@@ -214,6 +214,7 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as error:
         raise ValueError(f"`jaxserve serve` needs the server packages ({error.name} is missing): "
                          f"pip install 'jaxserve[serve]'") from error
+    listen = uvicorn_options(args)  # before the engine loads: a bad TLS file fails at once
     engine_config = _engine_config(args)
     server_config = ServerConfig(
         host=args.host, port=args.port, served_model_name=args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME,
@@ -236,15 +237,36 @@ def serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
     app = build_app(engine, server_config)
     logging.getLogger("jaxserve").info(
-        "serving %r from %s on http://%s:%d (max_model_len %d, %d KV pages of %d tokens, max_num_seqs %d, "
+        "serving %r from %s on %s://%s:%d%s (max_model_len %d, %d KV pages of %d tokens, max_num_seqs %d, "
         "tensor_parallel_size %d, API key %s)",
-        server_config.served_model_name, engine.model_path, server_config.host, server_config.port,
+        server_config.served_model_name, engine.model_path, "https" if "ssl_certfile" in listen else "http",
+        server_config.host, server_config.port, args.root_path,
         engine.max_model_len, engine.core.num_pages, engine_config.page_size, engine_config.max_num_seqs,
         engine_config.tensor_parallel_size, "required" if server_config.api_key else "off",
     )
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **listen)
     return 0
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict:
+    """uvicorn's TLS and root-path settings from `serve`'s flags (vLLM's --ssl-keyfile, --ssl-certfile,
+    --ssl-ca-certs, --ssl-cert-reqs, --root-path); a ValueError for a key without its certificate (or the reverse),
+    a file that is not there, or a client-certificate requirement without TLS."""
+    files = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs}
+    for name, path in files.items():
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{name.replace('_', '-')} {path!r} is not a file")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("TLS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_certfile is None and (args.ssl_ca_certs is not None or args.ssl_cert_reqs):
+        raise ValueError("--ssl-ca-certs and --ssl-cert-reqs check clients' certificates: they need TLS "
+                         "(--ssl-keyfile and --ssl-certfile)")
+    options = {"root_path": args.root_path}
+    if args.ssl_certfile is not None:
+        options.update({name: path for name, path in files.items() if path is not None},
+                       ssl_cert_reqs=args.ssl_cert_reqs)
+    return options
 
 
 def convert(args: argparse.Namespace) -> int:
@@ -320,6 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="end every stream with a usage chunk, whether the request asks for it or not")
     srv.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="add usage.prompt_tokens_details (cached_tokens) to responses")
+    srv.add_argument("--ssl-keyfile", help="serve HTTPS: the server's private key file (PEM), with --ssl-certfile")
+    srv.add_argument("--ssl-certfile", help="serve HTTPS: the server's certificate file (PEM), with --ssl-keyfile")
+    srv.add_argument("--ssl-ca-certs", help="HTTPS: the certificates (PEM) that sign the clients' certificates")
+    srv.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                     help="HTTPS: whether clients must show a certificate (Python's ssl.CERT_NONE 0, CERT_OPTIONAL 1, "
+                          "CERT_REQUIRED 2)")
+    srv.add_argument("--root-path", default="",
+                     help="the path prefix a proxy serves this server under (ASGI root_path, vLLM's flag)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     srv.set_defaults(handler=serve)
     add_bench_commands(commands)

@@ -1,9 +1,11 @@
 """`jaxserve serve`: config files and flags, clear errors for bad options, and a real launch."""
 
+import argparse
 import glob
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -13,8 +15,13 @@ import pytest
 import yaml
 from helpers import TEST_CACHE_DIR, small_engine_args
 
-from jaxserve.cli import main
+from jaxserve.cli import main, uvicorn_options
 from jaxserve.config import CONFIGS_DIR, EngineConfig
+
+
+TLS = os.path.join(os.path.dirname(__file__), "fixtures", "tls")
+CERTIFICATE = os.path.join(TLS, "cert.pem")
+TRUSTED = ssl.create_default_context(cafile=CERTIFICATE)  # a client that trusts the test certificate
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIGS_DIR, "*.yaml"))), ids=os.path.basename)
@@ -76,6 +83,8 @@ def _free_port() -> int:
 
 
 def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
+    """A real launch from a YAML file and flags over it, serving HTTPS (the test certificate of 127.0.0.1,
+    tests/fixtures/tls/, made with openssl) under a proxy's root path."""
     options = small_engine_args(max_num_seqs=4)  # the file says 4; the flag below says 32
     options.pop("show_progress")
     config = tmp_path / "serve.yaml"
@@ -84,25 +93,28 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
     log = tmp_path / "serve.log"
     env = {**os.environ, "JAXSERVE_API_KEY": "env-key", "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--max-num-seqs", "32",
-               "--port", str(port), "--compilation-cache-dir", TEST_CACHE_DIR, "--skip-precompile"]
+               "--port", str(port), "--compilation-cache-dir", TEST_CACHE_DIR, "--skip-precompile",
+               "--ssl-keyfile", os.path.join(TLS, "key.pem"), "--ssl-certfile", CERTIFICATE, "--root-path", "/api"]
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    url = f"https://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
             assert process.poll() is None, log.read_text()
             assert time.monotonic() < deadline, log.read_text()
             try:
-                if httpx.get(f"{url}/health").status_code == 200:
+                if httpx.get(f"{url}/health", verify=TRUSTED).status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
         text = log.read_text()
-        assert "serving 'tiny-stdlib-llama'" in text and f"http://127.0.0.1:{port}" in text
+        assert "serving 'tiny-stdlib-llama'" in text and f"https://127.0.0.1:{port}/api " in text
         assert "max_num_seqs 32" in text and "API key required" in text
-        assert httpx.get(f"{url}/v1/models").status_code == 401
-        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer env-key"}).json()
+        assert httpx.get(f"{url}/v1/models", verify=TRUSTED).status_code == 401
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+            httpx.get(f"{url}/health")  # a client that does not trust the certificate
+        models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer env-key"}, verify=TRUSTED).json()
         assert models["data"][0]["id"] == "tiny-stdlib-llama" and models["data"][0]["max_model_len"] == 128
     finally:
         process.send_signal(signal.SIGINT)
@@ -110,3 +122,22 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
             assert process.wait(timeout=30) == 0
         finally:
             process.kill()
+
+
+def test_tls_flags_go_to_uvicorn_together_or_are_refused(tmp_path):
+    def parse(*flags) -> argparse.Namespace:
+        return argparse.Namespace(**{"ssl_keyfile": None, "ssl_certfile": None, "ssl_ca_certs": None,
+                                     "ssl_cert_reqs": 0, "root_path": "", **dict(flags)})
+
+    key = os.path.join(TLS, "key.pem")
+    assert uvicorn_options(parse()) == {"root_path": ""}
+    assert uvicorn_options(parse(("ssl_keyfile", key), ("ssl_certfile", CERTIFICATE), ("ssl_ca_certs", CERTIFICATE),
+                                 ("ssl_cert_reqs", 2), ("root_path", "/v"))) == {
+        "root_path": "/v", "ssl_keyfile": key, "ssl_certfile": CERTIFICATE, "ssl_ca_certs": CERTIFICATE,
+        "ssl_cert_reqs": 2}
+    with pytest.raises(ValueError, match="TLS needs both --ssl-keyfile and --ssl-certfile"):
+        uvicorn_options(parse(("ssl_certfile", CERTIFICATE)))
+    with pytest.raises(ValueError, match="--ssl-keyfile '.*missing.pem' is not a file"):
+        uvicorn_options(parse(("ssl_keyfile", str(tmp_path / "missing.pem")), ("ssl_certfile", CERTIFICATE)))
+    with pytest.raises(ValueError, match="--ssl-ca-certs and --ssl-cert-reqs check clients' certificates"):
+        uvicorn_options(parse(("ssl_cert_reqs", 2)))
