@@ -297,3 +297,29 @@ def test_every_page_comes_back(server, client):
     client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=4)
     stats = server[1].stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_a_kept_responses_input_items_are_listed_and_it_cannot_be_cancelled(client):
+    """GET .../input_items through the openai client: the response's own input (not its previous turns), the last
+    first by default, a page at a time with `after`; a string input is one user message. POST .../cancel: only a
+    background response can be cancelled, and none runs in the background here."""
+    first = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=2, temperature=0)
+    (item,) = client.responses.input_items.list(first.id).data
+    assert (item.type, item.role, item.content[0].type, item.content[0].text) == ("message", "user", "input_text",
+                                                                                   PROMPT)
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+             {"role": "user", "content": [{"type": "input_text", "text": "c"}]}]
+    second = client.responses.create(model=MODEL, input=turns, previous_response_id=first.id, max_output_tokens=2)
+    listed = client.responses.input_items.list(second.id)
+    assert [i.content[0].text for i in listed.data] == ["c", "b", "a"] and not listed.has_more
+    assert listed.data[1].content[0].type == "output_text"
+    page = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["a", "b"] and page.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=page.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["c"] and not rest.has_more
+    with pytest.raises(openai.BadRequestError, match="only a background response can be cancelled"):
+        client.responses.cancel(second.id)
+    with pytest.raises(openai.BadRequestError, match="limit must be between 1 and 100"):
+        client.responses.input_items.list(second.id, limit=0)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")

@@ -78,6 +78,8 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     v1.add_api_route("/responses", responses.create, methods=["POST"], response_model=None)
     v1.add_api_route("/responses/{response_id}", responses.get, methods=["GET"])
     v1.add_api_route("/responses/{response_id}", responses.delete, methods=["DELETE"])
+    v1.add_api_route("/responses/{response_id}/input_items", responses.input_items, methods=["GET"])
+    v1.add_api_route("/responses/{response_id}/cancel", responses.cancel, methods=["POST"])
     v1.add_api_route("/messages", messages.create, methods=["POST"], response_model=None)
     v1.add_api_route("/messages/count_tokens", messages.count_tokens, methods=["POST"])
     v1.add_api_route("/embeddings", embeddings.create, methods=["POST"], response_model=None)

@@ -1,4 +1,5 @@
-"""POST /v1/responses, GET and DELETE /v1/responses/{id}: OpenAI's Responses API on the chat route's machinery.
+"""POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST
+/v1/responses/{id}/cancel: OpenAI's Responses API on the chat route's machinery.
 
 The request becomes a chat request (server/responses_protocol.py) and runs as one (`OpenAIServing.start_chat`).
 Its reply, split as a chat reply is (reasoning, content, tool calls), comes back as output items (`OutputItems`):
@@ -11,7 +12,9 @@ call. Streamed, the same items come as OpenAI's events, each with its `sequence_
 
 Responses are kept, for `previous_response_id` and GET, only when the server keeps some
 (`ServerConfig.max_stored_responses`, `--max-stored-responses`; vLLM keeps none unless told): the newest that
-many, each with the items of its whole conversation (its instructions are not carried on, as in OpenAI's API).
+many, each with the items of its whole conversation (its instructions are not carried on, as in OpenAI's API) and
+its own input items as GET .../input_items lists them (a string input as one user message; each item with an id).
+No response runs in the background (`background` is refused), so cancelling a kept one is a 400 that says so.
 """
 
 from __future__ import annotations
@@ -46,10 +49,12 @@ from jaxserve.server.tools import ToolCallExtractor, ToolCallStream
 
 @dataclasses.dataclass
 class StoredResponse:
-    """A kept response: its body, and the items of its conversation (earlier turns, its input, its output)."""
+    """A kept response: its body, the items of its conversation (earlier turns, its input, its output), and its
+    input items as input_items lists them (each with an id)."""
 
     body: dict[str, Any]
     items: list[dict[str, Any]]
+    inputs: list[dict[str, Any]]
 
 
 class OutputItems:
@@ -181,6 +186,33 @@ class ResponsesServing:
         """GET /v1/responses/{id}: a kept response; 404 for one not kept."""
         return self._stored(response_id, "response_id").body
 
+    def input_items(self, response_id: str, limit: int = 20, order: str = "desc", after: str | None = None) -> dict:
+        """GET /v1/responses/{id}/input_items: a kept response's input items, a page of at most `limit` (1 to 100)
+        in `order` (desc: the last first), after the item `after` when given; 404 for a response not kept."""
+        stored = self._stored(response_id, "response_id")
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit must be between 1 and 100, got {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be asc or desc, got {order!r:.40}", "order")
+        items = stored.inputs if order == "asc" else stored.inputs[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"after {after!r:.80} is not an input item of response {response_id!r:.80}",
+                               "after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
+
+    def cancel(self, response_id: str) -> dict:
+        """POST /v1/responses/{id}/cancel: only a background response can be cancelled, and this server runs none
+        (404 for a response not kept, else 400)."""
+        self._stored(response_id, "response_id")
+        raise APIError(400, f"response {response_id!r:.80} was not created with background true: only a background "
+                            "response can be cancelled, and this server answers every response within its request",
+                       "response_id")
+
     def delete(self, response_id: str) -> dict:
         """DELETE /v1/responses/{id}: forget a kept response; 404 for one not kept."""
         self._stored(response_id, "response_id")
@@ -287,7 +319,8 @@ class ResponsesServing:
         if c.finish_reason == "length":
             response.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
         if self._keeps(body):
-            self.stored[response["id"]] = StoredResponse(response, history + body.input_items() + items.items)
+            inputs = [_listed_input(item) for item in body.input_items()]
+            self.stored[response["id"]] = StoredResponse(response, history + body.input_items() + items.items, inputs)
             while len(self.stored) > self.max_stored:
                 self.stored.popitem(last=False)
         return response
@@ -310,6 +343,18 @@ class ResponsesServing:
             raise APIError(404, f"response {response_id!r:.80} not found (this server keeps its newest "
                                 f"{self.max_stored} responses)", param)
         return self.stored[response_id]
+
+
+def _listed_input(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as input_items lists it: a message with its type, its text as content parts (input_text, or
+    output_text for the assistant's) and a status; every item with an id (the client's, or a new one)."""
+    if "role" in item and item.get("type", "message") == "message":
+        content = item["content"]
+        if isinstance(content, str):
+            content = [{"type": "output_text" if item["role"] == "assistant" else "input_text", "text": content}]
+        item = {**item, "type": "message", "content": content, "status": item.get("status", "completed")}
+    prefix = "msg" if item.get("type") == "message" else "item"
+    return {"id": item.get("id") or f"{prefix}_{uuid.uuid4().hex}", **item}
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:
