@@ -59,12 +59,22 @@ class PoolingOutput:
 
     embedding: list[float]  # (H,) or (dimensions,): the pooled final hidden states, L2-normalized when asked
 
+    @property
+    def data(self) -> list[float]:
+        """The embedding, under the name `LLM.encode`'s outputs give every task's result (vLLM's PoolingOutput)."""
+        return self.embedding
+
 
 @dataclasses.dataclass
 class ClassificationOutput:
     """A sequence classifier's result for one prompt (vLLM's ClassificationOutput)."""
 
     probs: list[float]  # (labels,): each class's probability (the model's activation of its logits, or the logits)
+
+    @property
+    def data(self) -> list[float]:
+        """The probabilities, under the name `LLM.encode`'s outputs give every task's result."""
+        return self.probs
 
     @property
     def num_classes(self) -> int:

@@ -75,6 +75,9 @@ def test_rows_pooled_whole_and_token_by_token_share_steps(classifier):
         np.testing.assert_allclose(output.outputs.probs, _softmax(case["logits"]), atol=TOLERANCE)
     for output, case in zip(outputs[len(cases):], cases):
         np.testing.assert_allclose(output.outputs.data, _softmax(case["token_logits"]), atol=TOLERANCE)
+    (whole,) = classifier.encode(_prompts(cases[-1:]), use_tqdm=False, pooling_task="classify")
+    assert whole.outputs.data == whole.outputs.probs  # vLLM's name for every task's result, too
+    np.testing.assert_allclose(whole.outputs.data, outputs[len(cases) - 1].outputs.probs, atol=1e-6)
     stats = classifier.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
@@ -94,6 +97,8 @@ def test_token_embed_gives_every_tokens_state():
     (normalized,) = embedder.encode(_prompts(cases[-1:]), PoolingParams(normalize=True), use_tqdm=False,
                                     pooling_task="token_embed")
     np.testing.assert_allclose(np.linalg.norm(normalized.outputs.data, axis=1), 1.0, atol=1e-5)
+    (whole,) = embedder.encode(_prompts(cases[-1:]), use_tqdm=False, pooling_task="embed")
+    np.testing.assert_allclose(whole.outputs.data, case["MEAN"], atol=TOLERANCE, rtol=TOLERANCE)
     with pytest.raises(ValueError, match="token classification needs a sequence classifier"):
         embedder.reward("def f():", use_tqdm=False)
     with pytest.raises(ValueError, match="the pooling task must be one of .* got None"):
