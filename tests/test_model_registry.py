@@ -30,10 +30,12 @@ from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
 def test_the_llama_family_is_registered_and_an_unknown_architecture_is_refused():
     assert set(LLAMA_FAMILY) <= set(registered_architectures())
     with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; registered: Gemma2ForCausalLM, "
-                                         "Gemma2ForSequenceClassification, Gemma3ForCausalLM"):
+                                         "Gemma2ForSequenceClassification, Gemma2ForTokenClassification, "
+                                         "Gemma3ForCausalLM"):
         model_for("GPT2LMHeadModel")
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2ForSequenceClassification'; registered:"):
-        model_for("GPT2ForSequenceClassification")
+    for head in ("GPT2ForSequenceClassification", "GPT2ForTokenClassification"):
+        with pytest.raises(ValueError, match=f"unsupported architecture '{head}'; registered:"):
+            model_for(head)
     # weight quantization takes the leaves the model declares quantizable: the seven projections
     assert set(quantizable_leaves(ModelSpec.from_pretrained(checkpoint("qwen2")))) == {
         "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
