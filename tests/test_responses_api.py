@@ -105,7 +105,7 @@ def test_request_fields_become_the_chat_requests():
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
-    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
 ])
 def test_request_fields_this_server_cannot_honour_are_refused(fields, param):
     with pytest.raises(APIError) as error:

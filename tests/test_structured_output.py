@@ -141,7 +141,32 @@ def test_a_constraint_that_cannot_compile_is_a_value_error(llm, fields, message)
     assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
 
 
-@pytest.mark.parametrize("fields", [{}, {"json": {}, "regex": "a"}, {"choice": []}, {"json": 3}, {"regex": 5}])
+def test_a_whitespace_pattern_decides_the_whitespace_between_json_tokens(llm):
+    """JSON is compact by default (", " and ": " only); a whitespace_pattern (vLLM's) allows exactly the whitespace
+    it matches between tokens, where there is any (here: a newline and an indent, so pretty-printed JSON)."""
+    import llguidance
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "required": ["a", "b"]}
+    texts = ['{"a":1,"b":2}', '{"a": 1, "b": 2}', '{\n  "a":1,\n  "b":2\n}', '{ "a" : 1 }']
+    compiler = llm.engine.grammars
+
+    def accepted(constraint: StructuredOutputsParams) -> list[bool]:
+        grammar, verdicts = compiler.compile(constraint), []
+        for text in texts:
+            matcher, tokens = llguidance.LLMatcher(compiler.tokenizer, grammar), compiler.tokenizer.tokenize_str(text)
+            verdicts.append(matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting())
+        return verdicts
+
+    assert accepted(StructuredOutputsParams(json=schema)) == [False, True, False, False]
+    assert accepted(StructuredOutputsParams(json=schema, whitespace_pattern=r"\n *")) == [True, False, True, False]
+    assert accepted(StructuredOutputsParams(json=schema, disable_any_whitespace=False)) == [True, True, True, False]
+    with pytest.raises(ValueError, match="whitespace_pattern is for JSON constraints"):
+        StructuredOutputsParams(regex="a", whitespace_pattern=" ")
+
+
+@pytest.mark.parametrize("fields", [{}, {"json": {}, "regex": "a"}, {"choice": []}, {"json": 3}, {"regex": 5},
+                                    {"json": {}, "whitespace_pattern": 3}])
 def test_malformed_constraints_are_refused(fields):
     with pytest.raises(ValueError):
         StructuredOutputsParams(**fields)
@@ -236,7 +261,7 @@ def _check(text: str, constraint: dict) -> None:
 
 def test_completions_with_vllm_fields_meet_their_constraints(client, server):
     """extra_body's guided_json (every schema), guided_regex, guided_choice and structured_outputs, sampled, in
-    flight together; one of them streamed."""
+    flight together; one of them streamed; one with a guided_whitespace_pattern."""
     cases = [("guided_json", schema, {"json": schema}) for schema in SCHEMAS]
     cases += [("guided_regex", REGEX, {"regex": REGEX}), ("guided_choice", CHOICES, {"choice": CHOICES}),
               ("structured_outputs", {"regex": REGEX}, {"regex": REGEX})]
@@ -254,6 +279,10 @@ def test_completions_with_vllm_fields_meet_their_constraints(client, server):
     streamed = client.completions.create(model="tiny-stdlib-llama", prompt=PROMPT, max_tokens=160, temperature=0,
                                          stream=True, extra_body={"guided_json": SCHEMAS[3]})
     jsonschema.validate(json.loads("".join(chunk.choices[0].text for chunk in streamed)), SCHEMAS[3])
+    pretty = client.completions.create(model="tiny-stdlib-llama", prompt=PROMPT, max_tokens=300, temperature=0,
+                                       extra_body={"guided_json": SCHEMAS[3], "guided_whitespace_pattern": r"\n {0,2}"})
+    assert pretty.choices[0].finish_reason == "stop", pretty.choices[0].text
+    jsonschema.validate(json.loads(pretty.choices[0].text), SCHEMAS[3])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -323,6 +352,8 @@ def test_the_chat_template_renders_the_tools(server):
      "response_format", "cannot compile"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "at most one output constraint"),
+    ({"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "for JSON constraints"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "the request has none"),
     ({"structured_outputs": {"regex": "a", "colour": "red"}}, "structured_outputs", "colour"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),

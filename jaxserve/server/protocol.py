@@ -49,13 +49,12 @@ def _one_of(*neutral: Any) -> Callable[[Any], bool]:
 
 
 _GUIDED = "structured output runs on llguidance with the fields structured_outputs, guided_json, guided_regex, " \
-          "guided_choice, guided_grammar and response_format"
+          "guided_choice, guided_grammar, guided_whitespace_pattern and response_format"
 _BEAM = "beam search is on /v1/completions only"
 
 # Fields of OpenAI's and vLLM's APIs that would change the result and that this server does not
 # implement: name -> (the test for values that change nothing, why the field is refused).
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "guided_whitespace_pattern": (_unset, _GUIDED),
     "guided_decoding_backend": (_unset, _GUIDED + "; the backend is the server's"),
     "structural_tag": (_unset, "structural tags are not implemented"),
     "functions": (_empty, "the legacy functions field is not supported; use tools"),
@@ -158,6 +157,7 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # JSON constraints: the whitespace allowed between tokens
     response_format: ResponseFormat | None = None
 
     def check(self) -> None:
@@ -200,12 +200,18 @@ class _SamplingFields(BaseModel):
             raise APIError(400, f"a request takes at most one output constraint, got {', '.join(given)}",
                            list(given)[1])
         if not given:
+            if self.guided_whitespace_pattern is not None:
+                raise APIError(400, "guided_whitespace_pattern shapes a JSON constraint, and the request has none",
+                               "guided_whitespace_pattern")
             return None
         ((name, fields),) = given.items()
+        if self.guided_whitespace_pattern is not None:
+            fields = {**fields, "whitespace_pattern": self.guided_whitespace_pattern}
         try:
             return StructuredOutputsParams(**fields)
         except (TypeError, ValueError) as error:  # TypeError: a key StructuredOutputsParams does not have
-            raise APIError(400, f"{name}: {error}", name) from error
+            about_pattern = str(error).startswith("whitespace_pattern") and self.guided_whitespace_pattern is not None
+            raise APIError(400, f"{name}: {error}", "guided_whitespace_pattern" if about_pattern else name) from error
 
     def _check_unsupported(self) -> None:
         extra = self.model_extra or {}

@@ -35,8 +35,12 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = params.spec if kind == "json" else json.dumps({"type": "object"})
-        compact = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, compact if params.disable_any_whitespace else None)
+        options = None  # llguidance's default: any JSON whitespace between tokens
+        if params.whitespace_pattern is not None:
+            options = {"whitespace_pattern": params.whitespace_pattern}
+        elif params.disable_any_whitespace:
+            options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":

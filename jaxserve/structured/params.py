@@ -8,6 +8,7 @@ import json
 
 MAX_SPEC_CHARS = 100_000  # a schema, regex or grammar longer than this is refused (compile time and memory)
 MAX_CHOICES = 1024
+MAX_PATTERN_CHARS = 1000  # a whitespace_pattern longer than this is refused
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,9 @@ class StructuredOutputsParams:
     # JSON without whitespace between tokens beyond ", " and ": " (vLLM's flag; jaxserve's default is True, where
     # vLLM's is False: a model's answer then cannot wander into whitespace before max_tokens)
     disable_any_whitespace: bool = True
+    # JSON only: a regex of the whitespace allowed between JSON tokens, where there is any (vLLM's
+    # `whitespace_pattern`, formerly `guided_whitespace_pattern`); given, it replaces disable_any_whitespace's rule
+    whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
         kinds = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -42,6 +46,11 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(self.choice))
         if len(self.spec) > MAX_SPEC_CHARS:
             raise ValueError(f"the {self.kind} constraint is longer than {MAX_SPEC_CHARS} characters")
+        if self.whitespace_pattern is not None:
+            if not isinstance(self.whitespace_pattern, str) or len(self.whitespace_pattern) > MAX_PATTERN_CHARS:
+                raise ValueError(f"whitespace_pattern must be a regex of at most {MAX_PATTERN_CHARS} characters")
+            if self.kind not in ("json", "json_object"):
+                raise ValueError(f"whitespace_pattern is for JSON constraints (json, json_object), not {self.kind}")
 
     @property
     def kind(self) -> str:
@@ -64,7 +73,8 @@ class StructuredOutputsParams:
         return json.dumps(value if self.kind != "choice" else list(value), sort_keys=True)
 
     @property
-    def key(self) -> tuple[str, str, bool]:
-        """(kind, spec, whitespace): equal for constraints that compile to the same grammar (the compile cache's
-        key)."""
-        return self.kind, self.spec, self.disable_any_whitespace
+    def key(self) -> tuple[str, str, bool | str]:
+        """(kind, spec, whitespace rule): equal for constraints that compile to the same grammar (the compile
+        cache's key)."""
+        whitespace = self.disable_any_whitespace if self.whitespace_pattern is None else self.whitespace_pattern
+        return self.kind, self.spec, whitespace
