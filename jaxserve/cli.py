@@ -217,7 +217,9 @@ def serve(args: argparse.Namespace) -> int:
     listen = uvicorn_options(args)  # before the engine loads: a bad TLS file fails at once
     engine_config = _engine_config(args)
     server_config = ServerConfig(
-        host=args.host, port=args.port, served_model_name=args.served_model_name or engine_config.model or DEFAULT_MODEL_NAME,
+        host=args.host, port=args.port,
+        served_model_name=(args.served_model_name or [engine_config.model or DEFAULT_MODEL_NAME])[0],
+        served_model_aliases=tuple((args.served_model_name or [])[1:]),
         api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
         max_waiting_requests=args.max_waiting_requests, max_n=args.max_n, max_prompts=args.max_prompts,
         max_body_bytes=args.max_body_bytes,
@@ -300,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (or set JAXSERVE_API_KEY)")
-    srv.add_argument("--served-model-name", help="the model name clients send (default: --model, or the bundled model's)")
+    srv.add_argument("--served-model-name", nargs="+",
+                     help="the model name clients send (default: --model, or the bundled model's); several: any of "
+                          "them, responses giving the first (vLLM's flag)")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests accepted but not started before the server answers 503 with Retry-After")
     srv.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt) a request may ask for")

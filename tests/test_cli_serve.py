@@ -84,7 +84,7 @@ def _free_port() -> int:
 
 def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
     """A real launch from a YAML file and flags over it, serving HTTPS (the test certificate of 127.0.0.1,
-    tests/fixtures/tls/, made with openssl) under a proxy's root path."""
+    tests/fixtures/tls/, made with openssl) under a proxy's root path, the model under two names."""
     options = small_engine_args(max_num_seqs=4)  # the file says 4; the flag below says 32
     options.pop("show_progress")
     config = tmp_path / "serve.yaml"
@@ -94,7 +94,8 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
     env = {**os.environ, "JAXSERVE_API_KEY": "env-key", "JAX_PLATFORMS": "cpu"}
     command = [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--max-num-seqs", "32",
                "--port", str(port), "--compilation-cache-dir", TEST_CACHE_DIR, "--skip-precompile",
-               "--ssl-keyfile", os.path.join(TLS, "key.pem"), "--ssl-certfile", CERTIFICATE, "--root-path", "/api"]
+               "--ssl-keyfile", os.path.join(TLS, "key.pem"), "--ssl-certfile", CERTIFICATE, "--root-path", "/api",
+               "--served-model-name", "tiny-stdlib-llama", "tiny"]
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     url = f"https://127.0.0.1:{port}"
@@ -115,7 +116,11 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
             httpx.get(f"{url}/health")  # a client that does not trust the certificate
         models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer env-key"}, verify=TRUSTED).json()
-        assert models["data"][0]["id"] == "tiny-stdlib-llama" and models["data"][0]["max_model_len"] == 128
+        assert [card["id"] for card in models["data"]] == ["tiny-stdlib-llama", "tiny"]  # the first, then aliases
+        assert models["data"][0]["max_model_len"] == 128
+        tokens = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "def"}, verify=TRUSTED)
+        assert tokens.status_code == 200 and tokens.json()["tokens"], tokens.text
+        assert httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "def"}, verify=TRUSTED).status_code == 404
     finally:
         process.send_signal(signal.SIGINT)
         try:

@@ -11,7 +11,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str = "tiny-stdlib-llama"
+    served_model_name: str = "tiny-stdlib-llama"  # the name responses give, and the first clients may send
+    served_model_aliases: tuple[str, ...] = ()  # other names clients may send for it (vLLM's further names)
     api_key: str | None = None  # when set, every /v1 route needs `Authorization: Bearer <key>`
     max_waiting_requests: int = 1024  # accepted but not started; past it: 503 with Retry-After
     retry_after_s: int = 1

@@ -103,10 +103,12 @@ class OpenAIServing:
     # ---- /v1/models, /tokenize, /detokenize ------------------------------------------------------
 
     def models(self) -> dict:
-        """The served model, then its LoRA adapters (each with the model as its `parent`, as vLLM lists them)."""
+        """The served model under each of its names, then its LoRA adapters (each with the model as its `parent`,
+        as vLLM lists them)."""
         created = int(time.time())
-        cards = [{"id": self.config.served_model_name, "object": "model", "created": created, "owned_by": "jaxserve",
-                  "root": self.engine.engine.model_path, "parent": None, "max_model_len": self.max_model_len}]
+        cards = [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+                  "root": self.engine.engine.model_path, "parent": None, "max_model_len": self.max_model_len}
+                 for name in self.served_names]
         cards += [{"id": name, "object": "model", "created": created, "owned_by": "jaxserve", "root": path,
                    "parent": self.config.served_model_name, "max_model_len": self.max_model_len}
                   for name, path in self.loras.items()]
@@ -298,7 +300,7 @@ class OpenAIServing:
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """POST /v1/load_lora_adapter: the adapter into a free slot, between two steps; 400 for a name in use, a
         folder the engine cannot serve or no free slot."""
-        if body.lora_name in self.loras or body.lora_name == self.config.served_model_name:
+        if body.lora_name in self.loras or body.lora_name in self.served_names:
             raise APIError(400, f"The lora adapter {body.lora_name!r} has already been loaded.", "lora_name")
         request = LoRARequest(body.lora_name, len(self.loras) + 1, body.lora_path)
         try:
@@ -326,14 +328,20 @@ class OpenAIServing:
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter `model` names, or None for the served model (or no `model`); 404 for anything else."""
-        if model is None or model == self.config.served_model_name:
+        """The LoRA adapter `model` names, or None for the served model (any of its names, or no `model`); 404 for
+        anything else."""
+        if model is None or model in self.served_names:
             return None
         if model in self.loras:
             return model
-        served = ", ".join(repr(name) for name in [self.config.served_model_name, *self.loras])
+        served = ", ".join(repr(name) for name in [*self.served_names, *self.loras])
         raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", "model",
                        "model_not_found")
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name the served model answers to, the one responses give first."""
+        return self.config.served_model_name, *self.config.served_model_aliases
 
     def model_name(self, body: _SamplingFields) -> str:
         """The `model` a response names: the request's LoRA adapter, else the served model."""
