@@ -16,8 +16,15 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
-from helpers import assert_serves_hf_outputs, checkpoint, checkpoint_tensors, small_engine_args, tiny_llama_config
-from jaxserve import LLM
+from helpers import (
+    assert_serves_hf_outputs,
+    checkpoint,
+    checkpoint_tensors,
+    expected,
+    small_engine_args,
+    tiny_llama_config,
+)
+from jaxserve import LLM, SamplingParams
 from jaxserve.bench.quantized_checkpoint import quantize_gptq, quantize_int4
 from jaxserve.model.loader import GptqPacked, TensorMapping, _group_zero_points
 from jaxserve.model.spec import ModelSpec
@@ -39,7 +46,7 @@ def test_a_gptq_checkpoint_matches_hugging_face(name, tensor_parallel_size, fiel
     the MoE's experts symmetric in groups of 16 over two devices; qwen3 symmetric per output channel; qwen2 with
     act-order over two devices (each row's group split with the rows, every group's scales on both); llama in 8
     bits over two devices (int8 weights, one per byte). A symmetric checkpoint's zero points (all 8, or 128) are
-    checked and left out."""
+    checked and left out; update_weights takes the act-order and 8-bit arrays by name through the same view."""
     llm = LLM(checkpoint(name), tensor_parallel_size=tensor_parallel_size, **OPTIONS)
     spec = llm.engine.core.spec
     assert (spec.checkpoint_format, spec.checkpoint_zero_points, spec.checkpoint_weight_block,
@@ -48,6 +55,12 @@ def test_a_gptq_checkpoint_matches_hugging_face(name, tensor_parallel_size, fiel
     assert ("zero" in up) == fields[0] and ("row_groups" in up) == fields[2]
     assert (up["weight"].dtype, up["weight"].shape[-2]) == ((jnp.int8, 64) if name == INT8 else (jnp.uint8, 32))
     assert_serves_hf_outputs(llm, name)
+    if name in (ACT_ORDER, INT8):
+        want = expected(name)
+        llm.update_weights(checkpoint_tensors(name, None))
+        greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in want["prompts"]], greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == want["outputs"]
 
 
 @pytest.mark.parametrize("enable_expert_parallel", [False, True])
