@@ -19,6 +19,7 @@ from jaxserve.config import (
     VALID_DTYPES,
     VALID_KV_CACHE_DTYPES,
     VALID_LOAD_FORMATS,
+    VALID_LOGPROBS_MODES,
     VALID_PAGE_SIZES,
     VALID_POLICIES,
     VALID_PREEMPTION_MODES,
@@ -42,7 +43,7 @@ ENGINE_FLAGS = (
     "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
     "enable_structured_outputs", "reasoning_parser", "enable_lora", "max_loras", "max_lora_rank", "lora_modules",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
-    "runner", "pooler_config", "enable_sleep_mode",
+    "runner", "pooler_config", "enable_sleep_mode", "logprobs_mode",
 )
 
 
@@ -72,6 +73,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", choices=list(VALID_REASONING_PARSERS),
                         help="a reasoning model's markers (<think> ... </think>): structured output constrains the "
                              "answer after the thinking, and chat replies carry the thinking in `reasoning`")
+    parser.add_argument("--logprobs-mode", choices=list(VALID_LOGPROBS_MODES),
+                        help="what logprobs report: the raw distribution's (raw_logprobs, default; raw_logits) or "
+                             "the processed one each token was sampled from (processed_logprobs, processed_logits)")
     parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction,
                         help="serve LoRA adapters with the model (each request may name one)")
     parser.add_argument("--max-loras", type=int, help="LoRA adapters resident at once (default 1)")

@@ -35,6 +35,10 @@ VALID_TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "p
 # prompt's final hidden states pooled into one vector, pooling/) beside generation, or a sequence classifier's
 # classes; auto: pooling for a sequence classifier, else generate (vLLM's `runner`).
 VALID_RUNNERS = ("auto", "generate", "pooling")
+# What sampled tokens' logprobs report (vLLM's logprobs_mode; sampling/sampler.py): the raw model distribution's
+# log-probabilities or logits, or those of the processed distribution each row samples from (penalties, biases,
+# bans, allowed tokens and a grammar's mask applied; for a sampled row also its temperature, min-p, top-k, top-p).
+VALID_LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 VALID_LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights made on the device (vLLM's name), for benchmarks
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
 CONFIGS_DIR = os.path.join(os.path.dirname(__file__), "configs")
@@ -85,6 +89,9 @@ class EngineConfig:
     # A reasoning model's parser (VALID_REASONING_PARSERS; None: the model does not think): structured output
     # constrains the text after the thinking, and chat replies carry the thinking in `reasoning`.
     reasoning_parser: str | None = None
+    # What logprobs report (VALID_LOGPROBS_MODES): raw_logprobs (default), raw_logits, or the processed distribution
+    # a token was sampled from (an RL trainer's importance ratios), as logprobs or logits. Prompt logprobs stay raw.
+    logprobs_mode: str = "raw_logprobs"
     attention_backend: str = "auto"
     seed: int = 0
     compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
@@ -164,6 +171,7 @@ class EngineConfig:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, VALID_KV_CACHE_DTYPES)
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, VALID_REASONING_PARSERS)
+        _check_choice("logprobs_mode", self.logprobs_mode, VALID_LOGPROBS_MODES)
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError(f"calculate_kv_scales must be true or false, got {self.calculate_kv_scales!r}")
         if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":

@@ -339,3 +339,27 @@ def test_no_aux_tokens_path():
     np.testing.assert_array_equal(out.token_ids[[0, 2]], logits[[0, 2]].argmax(-1))
     top2 = np.argsort(-logits[1])[:2]
     assert out.token_ids[1] in top2
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes_report_the_raw_or_the_processed_distribution(mode):
+    """vLLM's logprobs_mode: raw logits as they are; processed: a greedy row after its penalties (here a presence
+    penalty on token 1), a sampled row divided by its temperature with the tokens outside its top-k at -inf, as
+    logits or their log_softmax; the chosen token's value and exact rank among them."""
+    logits = np.array([[2.0, 1.5, 0.5, -1.0, 0.0], [1.0, 3.0, 2.0, 0.0, -2.0]], np.float32)
+    batch = make_batch(2, 1, need_logprobs=True, temperature=[0.0, 0.5], top_k=[0, 3], presence_penalty=[1.0, 0.0],
+                       aux_token_ids=[[1], [-1]], aux_token_kind=[[KIND_OUTPUT], [KIND_PAD]])
+    out = jax.tree_util.tree_map(np.asarray, jax.jit(sample, static_argnums=2)(logits, batch, mode))
+    expected = logits.astype(np.float64)
+    if mode.startswith("processed"):
+        expected = np.stack([logits[0] - [0.0, 1.0, 0.0, 0.0, 0.0],
+                             np.where(logits[1] >= 1.0, logits[1] / 0.5, -np.inf)])  # top-3 of row 1 kept
+    if mode.endswith("logprobs"):
+        expected = expected - np.logaddexp.reduce(expected, axis=1, keepdims=True)
+    for row in range(2):
+        token = out.token_ids[row]
+        np.testing.assert_allclose(out.logprobs[row], expected[row, token], rtol=1e-5)
+        assert out.ranks[row] == 1 + np.sum(expected[row] > expected[row, token])
+        order = np.argsort(-expected[row], kind="stable")[:3]
+        np.testing.assert_allclose(out.top_logprobs[row, :3], expected[row, order], rtol=1e-5)
+    assert out.token_ids[0] == 0  # greedy after the penalty: 2.0 beats 1.5 - 1

@@ -92,7 +92,7 @@ class EngineCore:
             cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=self.ladders,
             attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
-            structured_outputs=config.enable_structured_outputs, pooling=pooling,
+            structured_outputs=config.enable_structured_outputs, pooling=pooling, logprobs_mode=config.logprobs_mode,
         )
         # runner pooling: how prompts are pooled into embeddings or classes, and the sizes a Matryoshka model may cut
         # embeddings to

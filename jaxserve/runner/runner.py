@@ -173,6 +173,7 @@ class Runner:
         num_speculative_tokens: int = 0,
         structured_outputs: bool = True,
         pooling: bool = False,
+        logprobs_mode: str = "raw_logprobs",
     ):
         self.spec = spec
         self.params = params
@@ -209,7 +210,7 @@ class Runner:
         self.max_rows = max_rows = max(ladders.row_buckets())
         # Everything the step functions below close over: runners with equal keys trace equal executables.
         self.trace_key = (model, spec, self.attention.name, self.attention.options, mesh, page_size,
-                          num_cache_kv_heads, self.cache_dtype, max_rows, num_scheduler_steps)
+                          num_cache_kv_heads, self.cache_dtype, max_rows, num_scheduler_steps, logprobs_mode)
         # The jitted functions below must not capture `self`: JAX's jit objects would keep the runner, its
         # executables and their memory mappings alive after the engine is dropped.
 
@@ -217,7 +218,7 @@ class Runner:
             return forward(params, caches, with_device_tokens(unpack(buffer, layout, BatchDescriptor), last_tokens))
 
         def sample_packed(logits, buffer, layout: Layout):
-            out = sample(logits, unpack(buffer, layout, SamplingBatch))
+            out = sample(logits, unpack(buffer, layout, SamplingBatch), logprobs_mode)
             return out, _padded_rows(out.token_ids, max_rows)
 
         def last_of_rows(tokens, counts):
@@ -245,7 +246,7 @@ class Runner:
             proposals = unpack(buffers[1], layouts[1], Proposals)
             num_rows, width = proposals.logits_index.shape
             logits = token_logits(params, rows, spec)  # (R * S, V)
-            tokens, out = verify(logits.reshape(num_rows, width, -1), sampling, proposals)  # (S, R)
+            tokens, out = verify(logits.reshape(num_rows, width, -1), sampling, proposals, logprobs_mode)  # (S, R)
             return tokens, last_of_rows(tokens, jnp.sum(tokens >= 0, axis=0)), out
 
         def prompt_logprobs_packed(params, hidden, buffer, layout: Layout):

@@ -3,8 +3,11 @@
 Order per step: allowed tokens -> banned tokens (bad words, stop ids under
 min_tokens) -> logit bias -> repetition penalty -> frequency/presence
 penalties -> greedy argmax, or temperature -> min-p -> top-k -> top-p ->
-Gumbel-max sampling. Logprobs are always those of the raw model distribution
-(vLLM's default "raw_logprobs"), with the exact rank of every chosen token.
+Gumbel-max sampling. Logprobs are those of the raw model distribution by
+default (vLLM's "raw_logprobs"), with the exact rank of every chosen token; the
+engine's `logprobs_mode` (vLLM's; config.VALID_LOGPROBS_MODES) may ask for the raw
+logits instead, or for the processed distribution each row samples from (the
+tokens its filters drop at -inf).
 """
 
 from __future__ import annotations
@@ -66,8 +69,9 @@ class SamplerOutput:
     top_logprobs: jax.Array  # (R, K) float32; 0 if not needed
 
 
-def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
-    """Pick one token per row of `logits` (R, V) according to `batch`; jittable."""
+def sample(logits: jax.Array, batch: SamplingBatch, logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
+    """Pick one token per row of `logits` (R, V) according to `batch`, with logprobs as `logprobs_mode`
+    (config.VALID_LOGPROBS_MODES, static) says; jittable."""
     # logits: (R, V) float32
     processed = logits
     if batch.aux_token_ids.shape[1] > 0:
@@ -81,8 +85,14 @@ def sample(logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
         lambda: greedy_ids,
         lambda: jnp.where(is_greedy, greedy_ids, _random_sample(processed, batch)),
     )
+    def reported(logits: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, ...]:
+        if logprobs_mode.startswith("processed"):  # the distribution each row samples from
+            logits = jnp.where(is_greedy[:, None], processed, filtered_logits(processed, batch))  # (R, V)
+        values = logits if logprobs_mode.endswith("logits") else jax.nn.log_softmax(logits, axis=-1)  # (R, V)
+        return ranked(values, token_ids)
+
     chosen, ranks, top_ids, top_lps = jax.lax.cond(
-        batch.need_logprobs, raw_logprobs, _zero_logprobs, logits, token_ids
+        batch.need_logprobs, reported, _zero_logprobs, logits, token_ids
     )
     return SamplerOutput(token_ids, chosen, ranks, top_ids, top_lps)
 
@@ -293,11 +303,17 @@ def raw_logprobs(
     """Logprob and exact rank of each row's token, and the top-K logprobs, under log_softmax of the
     raw logits (also used for prompt logprobs, where the token is the next prompt token)."""
     # logits: (R, V) float32; token_ids: (R,) int32
-    logprobs = jax.nn.log_softmax(logits, axis=-1)  # (R, V) float32
-    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]  # (R,)
-    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1, dtype=jnp.int32)  # (R,) int32
-    top_lps, top_ids = jax.lax.top_k(logprobs, _num_top(logits))  # (R, K) each
-    return chosen, ranks, top_ids.astype(jnp.int32), top_lps
+    return ranked(jax.nn.log_softmax(logits, axis=-1), token_ids)
+
+
+def ranked(values: jax.Array, token_ids: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Each row's token's value and exact rank (1 + the values strictly above it), and the top-K values with
+    their token ids, of per-token values (R, V) (log-probabilities or logits)."""
+    # values: (R, V) float32; token_ids: (R,) int32
+    chosen = jnp.take_along_axis(values, token_ids[:, None], axis=-1)[:, 0]  # (R,)
+    ranks = 1 + jnp.sum(values > chosen[:, None], axis=-1, dtype=jnp.int32)  # (R,) int32
+    top_values, top_ids = jax.lax.top_k(values, _num_top(values))  # (R, K) each
+    return chosen, ranks, top_ids.astype(jnp.int32), top_values
 
 
 def _zero_logprobs(

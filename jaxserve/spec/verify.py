@@ -36,15 +36,17 @@ class Proposals:
     logits_index: jax.Array  # (R, S) int32 the step token of each verified position: the row's first + j; pad 0
 
 
-def verify(logits: jax.Array, sampling: SamplingBatch, proposals: Proposals) -> tuple[jax.Array, SamplerOutput]:
+def verify(logits: jax.Array, sampling: SamplingBatch, proposals: Proposals,
+           logprobs_mode: str = "raw_logprobs") -> tuple[jax.Array, SamplerOutput]:
     """The tokens each row emits: its accepted proposals, then the sample after them; -1 after.
 
     `logits` (R, S, V) float32 are the target's at each row's S positions. Position j is sampled as output
     index `sample_index + j`, its penalty history extended by the proposals before it (accepted, they are the
     output there). Returns the tokens (S, R) int32 and the sampler's output at every position, row-major
-    (R * S rows: row r's position j at r * S + j; its logprobs are those of the emitted tokens there)."""
+    (R * S rows: row r's position j at r * S + j; its logprobs, as `logprobs_mode` says, are those of the emitted
+    tokens there)."""
     num_rows, width, vocab = logits.shape
-    out = sample(logits.reshape(num_rows * width, vocab), per_position(sampling, proposals))
+    out = sample(logits.reshape(num_rows * width, vocab), per_position(sampling, proposals), logprobs_mode)
     samples = out.token_ids.reshape(num_rows, width)  # (R, S)
     positions = jnp.arange(width)  # (S,)
     # The proposal each position checks: d_{j+1} at position j < num_tokens, else none (-1, never a sample).
