@@ -230,6 +230,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics_prefix=args.metrics_prefix, stream_interval=args.stream_interval,
         enable_force_include_usage=args.enable_force_include_usage,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
         enable_server_load_tracking=args.enable_server_load_tracking, tool_call_parser=_tool_call_parser(args),
         chat_template=None if args.chat_template is None else load_chat_template(args.chat_template),
@@ -348,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="count requests in flight on the generation routes, for GET /load")
     srv.add_argument("--enable-force-include-usage", action="store_true",
                      help="end every stream with a usage chunk, whether the request asks for it or not")
+    srv.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help='logprobs name each token "token_id:N" instead of its text (a request may say otherwise)')
     srv.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="add usage.prompt_tokens_details (cached_tokens) to responses")
     srv.add_argument("--ssl-keyfile", help="serve HTTPS: the server's private key file (PEM), with --ssl-certfile")

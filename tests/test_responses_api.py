@@ -106,6 +106,7 @@ def test_request_fields_become_the_chat_requests():
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
 ])
 def test_request_fields_this_server_cannot_honour_are_refused(fields, param):
     with pytest.raises(APIError) as error:

@@ -85,6 +85,27 @@ def _tokens(url: str, text: str) -> list[int]:
 # ---- echo and prompt logprobs ---------------------------------------------------------------------
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(openai_server):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N" (the sampled one and the top ones)
+    on completions, whole and streamed, and on chat; without it, by their text."""
+    url, _ = openai_server
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = _post(url, "/v1/completions", body).json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{token}" for token in choice["token_ids"]]
+    assert all(name.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for name in top)
+    streamed = _joined_logprobs(_choices(_events(url, "/v1/completions", {**body, "stream": True})))
+    assert streamed["tokens"] == choice["logprobs"]["tokens"]
+    texts = _post(url, "/v1/completions", {**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
+    assert not any(token.startswith("token_id:") for token in texts["logprobs"]["tokens"])
+    chat = _post(url, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [entry["token"] for entry in content] == [f"token_id:{t}" for t in chat["choices"][0]["token_ids"]]
+    assert all(top["token"].startswith("token_id:") for entry in content for top in entry["top_logprobs"])
+
+
 def test_echo_with_max_tokens_zero_scores_the_prompt(openai_server):
     url, engine = openai_server
     ids = _tokens(url, PROMPT)
@@ -364,7 +385,7 @@ REFUSED = [
     ("structural_tag", "{}"), ("guided_decoding_backend", "xgrammar"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logits_processors", ["my.Processor"]),
     ("suffix", "end"), ("prompt_embeds", "AAAA"),
-    ("logprob_token_ids", [1, 2]), ("return_tokens_as_token_ids", True), ("truncation_side", "right"),
+    ("logprob_token_ids", [1, 2]), ("truncation_side", "right"),
 ]
 # best_of and beam search exist on /v1/completions only (tests/test_best_of.py, tests/test_beam_search.py).
 CHAT_REFUSED = [("best_of", 3), ("use_beam_search", True), ("length_penalty", 0.5)]

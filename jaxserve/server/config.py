@@ -23,6 +23,8 @@ class ServerConfig:
     stream_interval: int = 1  # tokens per streamed chunk (vLLM's --stream-interval)
     enable_force_include_usage: bool = False  # a usage chunk ends every stream, asked for or not (vLLM's flag)
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details (vLLM's flag)
+    # logprobs name tokens "token_id:N" unless a request says otherwise (vLLM's --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool = False
     enable_tokenizer_info_endpoint: bool = False  # GET /tokenizer_info (404 when off, as in vLLM)
     enable_server_load_tracking: bool = False  # GET /load counts requests in flight on the generation routes
     # How tool calls are found in free text for tool_choice "auto" (server/tools.py TOOL_PARSERS); None: "auto"

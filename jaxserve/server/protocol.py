@@ -65,7 +65,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logits_processors": (_empty, "custom logits processors are not supported"),
     "vllm_xargs": (_empty, "custom extensions are not supported"),
     "logprob_token_ids": (_unset, "logprobs of chosen token ids are not implemented"),
-    "return_tokens_as_token_ids": (_false, "tokens are always returned as text"),
     "truncation_side": (_one_of("left"), "truncate_prompt_tokens always keeps the last tokens"),
     "watermarking": (_false, "watermarking is not implemented"),
     "thinking_token_budget": (_one_of(-1), "thinking budgets are not implemented"),
@@ -150,6 +149,9 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool = False
+    # logprobs name each token "token_id:N" instead of its text (vLLM's; None: the server's
+    # --return-tokens-as-token-ids)
+    return_tokens_as_token_ids: bool | None = None
     cache_salt: Any = None
     # structured output: vLLM's fields (guided_* its older names), OpenAI's response_format
     structured_outputs: dict[str, Any] | None = None

@@ -75,6 +75,11 @@ class TokenText:
         return self.tokenizer.decode([token_id])
 
 
+def token_id_text(token_id: int) -> str:
+    """A token named by its id, as logprobs show it under vLLM's return_tokens_as_token_ids."""
+    return f"token_id:{token_id}"
+
+
 def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[dict[int, Logprob] | None],
                         num_top: int, text_offset: int) -> dict:
     """The completions API's logprobs object for `token_ids`: per token its text, its logprob and those of

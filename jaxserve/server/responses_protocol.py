@@ -107,6 +107,9 @@ class ResponsesRequest(_SamplingFields):
             raise APIError(400, f"n is not a field of the Responses API (one reply per response); got {self.n}", "n")
         if self.echo:
             raise APIError(400, "echo is not a field of the Responses API", "echo")
+        if self.return_tokens_as_token_ids:
+            raise APIError(400, "return_tokens_as_token_ids is not supported by the Responses API: output_text "
+                                "logprobs name their tokens by text", "return_tokens_as_token_ids")
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise APIError(400, f"max_output_tokens must be at least 1, got {self.max_output_tokens}",
                            "max_output_tokens")

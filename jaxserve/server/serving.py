@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
@@ -51,6 +51,7 @@ from jaxserve.server.responses import (
     completion_logprobs,
     prompt_logprobs_field,
     sse,
+    token_id_text,
     usage,
     usage_of,
 )
@@ -239,7 +240,7 @@ class OpenAIServing:
         for c in output.outputs:
             message, finish_reason = self.chat_message(c, output, body, tools)
             choices.append({"index": c.index, "message": message,
-                            "logprobs": self._chat_logprobs(params, c.token_ids, c.logprobs),
+                            "logprobs": self._chat_logprobs(body, params, c.token_ids, c.logprobs),
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason,
                             "token_ids": c.token_ids if body.return_token_ids else None})
         return {"id": request_id, "object": "chat.completion", "created": created,
@@ -458,17 +459,25 @@ class OpenAIServing:
             token_ids = output.prompt_token_ids + token_ids
             entries = None if params.logprobs is None else output.prompt_logprobs + entries
         logprobs = None if params.logprobs is None else completion_logprobs(
-            self.token_text, token_ids, entries, params.logprobs, 0)
+            self._logprob_text(body), token_ids, entries, params.logprobs, 0)
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 "prompt_logprobs": prompt_logprobs_field(self.token_text, output.prompt_logprobs),
                 "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None,
                 "token_ids": c.token_ids if body.return_token_ids else None}
 
-    def _chat_logprobs(self, params: SamplingParams, token_ids: list[int], logprobs) -> dict | None:
+    def _chat_logprobs(self, body: ChatCompletionRequest, params: SamplingParams, token_ids: list[int],
+                       logprobs) -> dict | None:
         if params.logprobs is None:
             return None
-        return chat_logprobs(self.token_text, token_ids, logprobs, params.logprobs)
+        return chat_logprobs(self._logprob_text(body), token_ids, logprobs, params.logprobs)
+
+    def _logprob_text(self, body: _SamplingFields) -> Callable[[int], str]:
+        """How logprobs name a token: its text, or "token_id:N" under return_tokens_as_token_ids (the request's,
+        else the server's)."""
+        as_ids = body.return_tokens_as_token_ids
+        as_ids = self.config.return_tokens_as_token_ids if as_ids is None else as_ids
+        return token_id_text if as_ids else self.token_text
 
     async def _completion_chunks(self, request_id: str, created: int, streams: list[RequestStream],
                                  body: CompletionRequest, params: SamplingParams) -> AsyncIterator[bytes]:
@@ -517,7 +526,7 @@ class OpenAIServing:
             text = self._prompt_text(output, params) + text
             logprob_ids = output.prompt_token_ids + token_ids
             entries = None if entries is None else output.prompt_logprobs + entries
-        choice = {"text": text, "logprobs": self._streamed_logprobs(state, logprob_ids, entries, params),
+        choice = {"text": text, "logprobs": self._streamed_logprobs(state, logprob_ids, entries, body, params),
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if body.return_token_ids:
             if not state.started:
@@ -527,12 +536,13 @@ class OpenAIServing:
         return choice
 
     def _streamed_logprobs(self, state: ChoiceStream, token_ids: list[int], entries: list | None,
-                           params: SamplingParams) -> dict | None:
+                           body: CompletionRequest, params: SamplingParams) -> dict | None:
         """The logprobs of a chunk; text offsets go on from the token texts already sent, so they equal
         the offsets of the whole response however the text was held back."""
         if params.logprobs is None:
             return None
-        logprobs = completion_logprobs(self.token_text, token_ids, entries, params.logprobs, state.token_chars)
+        logprobs = completion_logprobs(self._logprob_text(body), token_ids, entries, params.logprobs,
+                                       state.token_chars)
         state.token_chars += sum(len(token) for token in logprobs["tokens"])
         return logprobs
 
@@ -600,7 +610,7 @@ class OpenAIServing:
         if not message and c.finish_reason is None and params.logprobs is None:
             return None  # (held back: it may be a marker or a tool call's start)
         choice = {"index": c.index, "delta": message,
-                  "logprobs": self._chat_logprobs(params, c.token_ids[first_token:],
+                  "logprobs": self._chat_logprobs(body, params, c.token_ids[first_token:],
                                                   c.logprobs and c.logprobs[first_token:]),
                   "finish_reason": finish_reason}
         if c.finish_reason is not None:
