@@ -71,8 +71,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-structured-outputs", action=argparse.BooleanOptionalAction,
                         help="compile the sampler for constrained requests too (default on)")
     parser.add_argument("--reasoning-parser", choices=list(VALID_REASONING_PARSERS),
-                        help="a reasoning model's markers (<think> ... </think>): structured output constrains the "
-                             "answer after the thinking, and chat replies carry the thinking in `reasoning`")
+                        help="a reasoning model's markers (<think> ... </think>; mistral: [THINK] ... [/THINK]): "
+                             "structured output constrains the answer after the thinking, and chat replies carry "
+                             "the thinking in `reasoning`")
     parser.add_argument("--logprobs-mode", choices=list(VALID_LOGPROBS_MODES),
                         help="what logprobs report: the raw distribution's (raw_logprobs, default; raw_logits) or "
                              "the processed one each token was sampled from (processed_logprobs, processed_logits)")

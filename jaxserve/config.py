@@ -27,7 +27,7 @@ VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas
 VALID_BATCHING = ("continuous", "static")
 # Reasoning models' parsers (vLLM's names; engine/reasoning.py): a constrained request's grammar applies after the
 # thinking, and the server splits chat replies into reasoning and content.
-VALID_REASONING_PARSERS = ("deepseek_r1", "qwen3")
+VALID_REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")
 # The server's tool call parsers (vLLM's names; server/tools.py's TOOL_PARSERS), named here for the CLI, which does
 # not import the server.
 VALID_TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")

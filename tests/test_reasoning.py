@@ -44,6 +44,7 @@ MAX_TOKENS = 24
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["answer"], "additionalProperties": False}
 PARSER = ReasoningParser("<think>", "</think>", 7, 8)
+OPENS_ITSELF = ReasoningParser("<think>", "</think>", 7, 8, opens_in_reply=True)  # Magistral's rule
 
 
 # ---- the parser alone --------------------------------------------------------------------------------------------
@@ -66,16 +67,28 @@ def test_a_whole_reply_splits_at_the_end_marker(text, thinking, reasoning, conte
        st.lists(st.integers(0, 40), max_size=6), st.booleans())
 def test_streamed_deltas_add_up_to_the_whole_split(pieces, cuts, thinking):
     """However a reply is cut into deltas, the deltas add up to the whole reply's split, and every split before
-    the end holds parts that the next split extends."""
+    the end holds parts that the next split extends (for a model whose thinking opens in the prompt, and for one
+    that opens it itself)."""
     text = "".join(pieces)
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    stream, reasoning, content = ReasoningStream(PARSER, thinking), "", ""
-    for start, end in zip(bounds, bounds[1:]):
-        thought, said = stream.advance(text[start:end], final=end == len(text))
-        reasoning, content = reasoning + thought, content + said
-    if len(bounds) == 1:
-        reasoning, content = stream.advance("", final=True)
-    assert (reasoning, content) == PARSER.split(text, thinking, final=True)
+    for parser in (PARSER, OPENS_ITSELF):
+        stream, reasoning, content = ReasoningStream(parser, thinking), "", ""
+        for start, end in zip(bounds, bounds[1:]):
+            thought, said = stream.advance(text[start:end], final=end == len(text))
+            reasoning, content = reasoning + thought, content + said
+        if len(bounds) == 1:
+            reasoning, content = stream.advance("", final=True)
+        assert (reasoning, content) == parser.split(text, thinking, final=True)
+
+
+@pytest.mark.parametrize("text, reasoning, content", [
+    ("<think>abc</think>xyz", "abc", "xyz"),
+    (" <think>abc", "abc", ""),
+    ("answer</think>", "", "answer</think>"),  # no opening marker: no thinking
+])
+def test_a_model_that_opens_its_thinking_itself_answers_without_it(text, reasoning, content):
+    assert OPENS_ITSELF.split(text, True, final=True) == (reasoning, content)
+    assert OPENS_ITSELF.split("<thi", True, final=False) == ("", "")  # the opening marker in the making
 
 
 @pytest.mark.parametrize("prompt, closed", [
@@ -133,31 +146,38 @@ def greedy():
     return prompt, reply, k, start
 
 
-@pytest.fixture(scope="module")
-def thinking_model(tmp_path_factory, greedy):
-    """The bundled model whose tokenizer calls the reply's k-th token `</think>` and another `<think>`."""
-    _, reply, k, start = greedy
-    folder = tmp_path_factory.mktemp("thinking") / "model"
+def _renamed_model(parent, markers: dict[int, str], special: bool) -> str:
+    """A copy of the bundled model under `parent` whose tokenizer calls each token id of `markers` by its marker,
+    an added token (special or not)."""
+    folder = parent / "model"
     shutil.copytree(default_model_path(), folder)
     path = os.path.join(folder, "tokenizer.json")
     with open(path) as f:
         spec = json.load(f)
     vocab = spec["model"]["vocab"]
     names = {token_id: name for name, token_id in vocab.items()}
-    for token_id, marker in ((start, "<think>"), (reply[k], "</think>")):
+    for token_id, marker in markers.items():
         old = names[token_id]
         del vocab[old]
         vocab[marker] = token_id
         # merges that make or use the renamed token go with it
         spec["model"]["merges"] = [m for m in spec["model"]["merges"] if old not in m and "".join(m) != old]
         spec["added_tokens"].append({"id": token_id, "content": marker, "single_word": False, "lstrip": False,
-                                     "rstrip": False, "normalized": False, "special": False})
+                                     "rstrip": False, "normalized": False, "special": special})
     with open(path, "w") as f:
         json.dump(spec, f)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory, greedy):
+    """The bundled model whose tokenizer calls the reply's k-th token `</think>` and another `<think>`."""
+    _, reply, k, start = greedy
+    folder = _renamed_model(tmp_path_factory.mktemp("thinking"), {start: "<think>", reply[k]: "</think>"}, False)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert tokenizer.encode(rendered, add_special_tokens=False) == greedy[0], "the renaming changed the prompt's ids"
-    return str(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -284,5 +304,67 @@ def test_completions_keep_the_markers_and_constrain_after_them(server, greedy):
             assert re.fullmatch("[0-9]{3}-[a-z]{2}" if finish == "stop" else "[0-9]{0,3}(-[a-z]{0,2})?",
                                 answer_text), text
     assert "</think>" in greedy_choice.text
+    stats = engine.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+# ---- a model that opens its thinking itself, in special tokens (Magistral's [THINK] ... [/THINK]) ------------------
+
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # no "<": the reply's first token is new
+OPENING = [{"role": "user", "content": "import os"}]  # under it, the bundled model's greedy reply starts with "from"
+
+
+@pytest.fixture(scope="module")
+def magistral(tmp_path_factory):
+    """(URL, engine, greedy reply ids, k) of a server with reasoning_parser mistral (and PLAIN_TEMPLATE) over the
+    bundled model whose tokenizer calls the greedy reply's first token `[THINK]` and its k-th `[/THINK]`, both
+    special tokens: its greedy reply to OPENING opens its thinking itself and closes it after k - 1 tokens."""
+    llm = LLM(None, **{**ENGINE, "skip_precompile": True})
+    output = llm.chat(OPENING, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
+                      use_tqdm=False, chat_template=PLAIN_TEMPLATE)[0]
+    prompt, reply = output.prompt_token_ids, output.outputs[0].token_ids
+    del llm
+    assert reply[0] not in prompt, "the reply's first token must not be the prompt's"
+    k = next(i for i in range(2, len(reply) - 4) if reply[i] not in reply[:i] and reply[i] not in prompt)
+    folder = _renamed_model(tmp_path_factory.mktemp("magistral"), {reply[0]: "[THINK]", reply[k]: "[/THINK]"}, True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rendered = tokenizer.apply_chat_template(OPENING, tokenize=False, add_generation_prompt=True,
+                                             chat_template=PLAIN_TEMPLATE)
+    assert tokenizer.encode(rendered, add_special_tokens=False) == prompt, "the renaming changed the prompt's ids"
+    engine = LLMEngine(EngineConfig.for_model(folder, reasoning_parser="mistral",
+                                              **{**_engine_options(), "skip_precompile": True}), show_progress=False)
+    with running_server(build_app(engine, ServerConfig(chat_template=PLAIN_TEMPLATE))) as url:
+        yield url, engine, reply, k
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_reply_that_opens_its_thinking_in_special_tokens_splits_at_them(magistral, stream):
+    """The markers are special tokens, so the chat route keeps them in the text to split it; the thinking is the
+    text between them, the answer the text after."""
+    url, engine, reply, k = magistral
+    assert engine.reasoning.keeps_special_tokens and engine.reasoning.opens_in_reply
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    reasoning, _, content = _chat(client, stream, messages=OPENING, max_tokens=MAX_TOKENS,
+                                  extra_body={"ignore_eos": True})
+    decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    assert reasoning and content
+    assert (reasoning, content) == (decode(reply[1:k]), decode(reply[k + 1:]))
+
+
+def test_a_reply_that_does_not_open_its_thinking_is_all_answer_and_constrained_at_once(magistral):
+    """With `[THINK]` banned the model answers at once: no reasoning, the whole reply is content; a schema then
+    constrains it from its first token. Unbanned, the schema waits for the end of the thinking."""
+    url, engine, reply, k = magistral
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    ban = {"logit_bias": {str(reply[0]): -100}}
+    reasoning, _, content = _chat(client, False, messages=OPENING, max_tokens=8, extra_body={"ignore_eos": True},
+                                  **ban)
+    assert reasoning is None and content and not content.startswith("[THINK]")
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+    for bias, thinks in (({}, True), (ban, False)):
+        reasoning, _, content = _chat(client, False, messages=OPENING, max_tokens=MAX_TOKENS + 40,
+                                      response_format=response_format, **bias)
+        assert (reasoning is not None) == thinks, (reasoning, content)
+        jsonschema.validate(json.loads(content), SCHEMA)
     stats = engine.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]

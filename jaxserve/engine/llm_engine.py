@@ -177,9 +177,10 @@ class LLMEngine:
         compiled = self._grammar_compile(params)
         # A reasoning model's constraint applies to the answer: after the end of the thinking, unless the prompt
         # has closed it.
-        starts_after = None
+        starts_after = opens_with = None
         if self.reasoning is not None and not self.reasoning.prompt_ends_reasoning(token_ids):
             starts_after = self.reasoning.end_token_id
+            opens_with = self.reasoning.start_token_id if self.reasoning.opens_in_reply else None
         children = []
         for index in range(num_samples):
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(64)
@@ -193,7 +194,8 @@ class LLMEngine:
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
                 fork_source=None if index == 0 else children[0].request_id,
                 cache_salt=salt, lora_slot=-1 if lora is None else lora.slot,
-                grammar=None if compiled is None else self.grammars.request_grammar(compiled, starts_after),
+                grammar=None if compiled is None else self.grammars.request_grammar(compiled, starts_after,
+                                                                                      opens_with),
             ))
         return text, children
 

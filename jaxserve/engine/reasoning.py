@@ -2,12 +2,17 @@
 
 DeepSeek-R1 (and its Llama / Qwen distills, QwQ) and Qwen3 think between `<think>` and `</think>`, each one token
 of their vocabulary, then answer. The chat template may open the thinking in the prompt (R1 writes `<think>\\n`
-after the generation prompt), so the output usually holds only the closing marker. Two users:
+after the generation prompt), so the output usually holds only the closing marker. Mistral's reasoning models
+(Magistral) think between `[THINK]` and `[/THINK]`, special tokens of their tokenizer, and open the thinking
+themselves: a reply that does not begin with `[THINK]` is all answer (`opens_in_reply`). Markers that are special
+tokens are kept in the chat route's decoded text (`keeps_special_tokens`), else decoding would drop them. Two
+users:
 
 - the engine: a request's structured output constrains the answer, not the thinking (vLLM's rule). Its grammar
   starts after the end marker is sampled (`RequestGrammar(starts_after=...)`), or at once when the prompt has
   already closed the thinking: Qwen3's template with `enable_thinking: false` writes an empty
-  `<think>\\n\\n</think>` into the prompt (`prompt_ends_reasoning`);
+  `<think>\\n\\n</think>` into the prompt (`prompt_ends_reasoning`); for a model that opens its thinking
+  itself, the first token is the start marker or the grammar's (`RequestGrammar(opens_with=...)`);
 - the server: a chat reply is split into `reasoning` (the text before the end marker) and `content` (the text after
   it); an output without the end marker is all reasoning (it was cut short), unless the prompt closed the thinking
   (all content). `ReasoningStream` hands out the split's deltas while the reply streams.
@@ -18,8 +23,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-# parser name (vLLM's) -> (the marker that opens the thinking, the marker that ends it)
-REASONING_MARKERS = {"deepseek_r1": ("<think>", "</think>"), "qwen3": ("<think>", "</think>")}
+# parser name (vLLM's) -> (the marker that opens the thinking, the marker that ends it, whether the model writes the
+# opening marker itself, so that a reply without it has no thinking)
+REASONING_MARKERS = {"deepseek_r1": ("<think>", "</think>", False), "qwen3": ("<think>", "</think>", False),
+                     "mistral": ("[THINK]", "[/THINK]", True)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,22 +37,23 @@ class ReasoningParser:
     end: str
     start_token_id: int
     end_token_id: int
+    opens_in_reply: bool = False  # the model writes the start marker: a reply without it is all answer
+    keeps_special_tokens: bool = False  # the markers are special tokens: chat replies are decoded with them
 
     @classmethod
     def load(cls, name: str, tokenizer) -> "ReasoningParser":
-        """The parser `name` for `tokenizer`; ValueError when a marker is not one token of it, or one that decoding
-        drops (a special token): the model does not think in these markers."""
-        start, end = REASONING_MARKERS[name]
+        """The parser `name` for `tokenizer`; ValueError when a marker is not one token of it: the model does not
+        think in these markers."""
+        start, end, opens_in_reply = REASONING_MARKERS[name]
         vocab = tokenizer.get_vocab()
-        special = set(tokenizer.all_special_tokens)
         for marker in (start, end):
             if marker not in vocab:
                 raise ValueError(f"reasoning_parser {name}: the tokenizer has no token {marker!r}; the parser is for "
-                                 f"models that think between {start} and {end} (DeepSeek-R1, QwQ, Qwen3)")
-            if marker in special:
-                raise ValueError(f"reasoning_parser {name}: {marker!r} is a special token of this tokenizer, which "
-                                 f"decoding drops, so replies could not be split")
-        return cls(start, end, vocab[start], vocab[end])
+                                 f"models that think between {start} and {end} (DeepSeek-R1, QwQ, Qwen3; Magistral)")
+        special = set(tokenizer.all_special_tokens) | {token.content for token in
+                                                        getattr(tokenizer, "added_tokens_decoder", {}).values()
+                                                        if token.special}
+        return cls(start, end, vocab[start], vocab[end], opens_in_reply, bool({start, end} & special))
 
     def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether the prompt has closed the thinking: its last marker is the end marker."""
@@ -67,6 +75,8 @@ class ReasoningParser:
             text = opening[len(self.start):]
         elif not final and self.start.startswith(opening):  # the start marker in the making (or nothing yet)
             return "", ""
+        elif self.opens_in_reply:  # the model did not open its thinking: the reply is the answer
+            return "", text
         reasoning, marker, content = text.partition(self.end)
         if marker:
             return reasoning, content

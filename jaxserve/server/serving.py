@@ -255,7 +255,8 @@ class OpenAIServing:
         anything the request gets wrong, 503 for an engine that is full or down."""
         params = self._sampling_params(body)
         tools = self._tool_calls(body)
-        if tools is not None and tools.keeps_special_tokens:  # its markers are special tokens: keep them in the text
+        formats = (tools, self.engine.engine.reasoning)  # a format whose markers are special tokens keeps them
+        if any(part is not None and part.keeps_special_tokens for part in formats):
             params = dataclasses.replace(params, skip_special_tokens=False)
         prompt = self.chat_prompt(body)
         await self._compile_constraint(body, params)

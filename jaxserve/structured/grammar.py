@@ -87,23 +87,29 @@ class GrammarCompiler:
         """A fresh matcher at the start of `grammar`."""
         return Matcher(llguidance.LLMatcher(self.tokenizer, grammar), self.vocab_size)
 
-    def request_grammar(self, compiled: concurrent.futures.Future, starts_after: int | None = None) -> "RequestGrammar":
+    def request_grammar(self, compiled: concurrent.futures.Future, starts_after: int | None = None,
+                        opens_with: int | None = None) -> "RequestGrammar":
         """One engine request's view of a compile (`submit`'s future): it gets its own matcher. `starts_after`: a
-        token id before whose first sample the output is free (a reasoning model's end of thinking)."""
-        return RequestGrammar(self, compiled, starts_after)
+        token id before whose first sample the output is free (a reasoning model's end of thinking); `opens_with`:
+        a token the first sample may be instead of the grammar's, which alone frees the output until
+        `starts_after` (a model that opens its thinking itself)."""
+        return RequestGrammar(self, compiled, starts_after, opens_with)
 
 
 class RequestGrammar:
     """One engine request's constraint: its compile (a future, shared by a request's samples) and, once compiled,
     its own matcher, which takes the output from the token after `starts_after` on (from the first token when
-    None). The scheduler and the batch builder see only `fill`, `accept` and `is_finished`."""
+    None). With `opens_with`, the first token is either that one (then free until `starts_after`) or the grammar's
+    (then constrained from it on). The scheduler and the batch builder see only `fill`, `accept` and
+    `is_finished`."""
 
     def __init__(self, compiler: GrammarCompiler, compiled: concurrent.futures.Future,
-                 starts_after: int | None = None):
+                 starts_after: int | None = None, opens_with: int | None = None):
         self._compiler = compiler
         self._compiled = compiled
         self._matcher: Matcher | None = None
         self.starts_after = starts_after  # None once the constraint applies
+        self.opens_with = opens_with  # None once the first token is taken
 
     @property
     def ready(self) -> bool:
@@ -131,13 +137,22 @@ class RequestGrammar:
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the tokens allowed next into row `row` of `bitmask` (R, V/32) int32; a row before the constraint
-        applies is left as it is (every bit set)."""
-        if self.starts_after is None:
+        applies is left as it is (every bit set); a first token that may open the thinking: the grammar's or that."""
+        if self.opens_with is not None:
+            self.matcher.fill(bitmask, row)
+            words = bitmask.view(np.uint32)  # (R, V/32): bit arithmetic without int32's sign
+            words[row, self.opens_with // 32] |= np.uint32(1 << (self.opens_with % 32))
+        elif self.starts_after is None:
             self.matcher.fill(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         """Take a sampled token; False when the constraint does not allow it (the request then ends in error).
         Before the constraint applies every token is allowed, and `starts_after` makes it apply from the next one."""
+        if self.opens_with is not None:
+            opened, self.opens_with = token_id == self.opens_with, None
+            if opened:
+                return True
+            self.starts_after = None  # no thinking: the answer, constrained, starts here
         if self.starts_after is None:
             return self.matcher.accept(token_id)
         if token_id == self.starts_after:
@@ -147,7 +162,7 @@ class RequestGrammar:
     @property
     def is_finished(self) -> bool:
         """The constraint applies and is complete (it allows nothing more but EOS)."""
-        return self.starts_after is None and self.matcher.is_finished
+        return self.starts_after is None and self.opens_with is None and self.matcher.is_finished
 
 
 class Matcher:
