@@ -414,6 +414,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     config = EngineConfig.from_yaml(path, **({"attention_backend": attention_backend} if attention_backend else {}))
     spec, note = resolve_spec(config.model, model_shape)
     max_model_len = resolve_max_model_len(config, spec)
+    spec = spec.for_max_model_len(max_model_len)
     tp = config.tensor_parallel_size
     mesh = make_mesh(tp)
     kv_heads = cache_kv_heads(spec, tp)
@@ -430,6 +431,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     draft = None  # (spec, abstract params, KV heads, dtype) of a draft model
     if speculative.get("method") == "draft_model":
         draft_spec, draft_note = resolve_spec(speculative["model"], None)
+        draft_spec = draft_spec.for_max_model_len(max_model_len)
         draft_kv_heads = cache_kv_heads(draft_spec, tp)
         draft_dtype = jnp.dtype(resolve_dtype(config.dtype, draft_spec))
         draft = (draft_spec, abstract_params(draft_spec, mesh, draft_dtype, draft_kv_heads, "none",

@@ -73,6 +73,8 @@ from transformers import (
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -304,6 +306,32 @@ MODELS = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
         9000,
+        None,
+    ),
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj; LongRoPE with an
+    # original context of 32 (a sequence longer than that runs on the long
+    # factors, and the attention factor sqrt(1 + ln 4 / ln 32) scales cos and
+    # sin); half of each head rotary (Phi-4-mini's partial_rotary_factor is
+    # 0.75); a sliding window of 48 (Phi-3-mini-4k's is 2047).
+    "phi3": (
+        Phi3ForCausalLM,
+        Phi3Config,
+        dict(
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            original_max_position_embeddings=32,
+            sliding_window=48,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.5,
+                original_max_position_embeddings=32,
+                short_factor=[1.0, 1.1, 1.3, 1.6],
+                long_factor=[1.0, 2.5, 6.0, 12.0],
+            ),
+        ),
+        10000,
         None,
     ),
 }

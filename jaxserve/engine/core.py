@@ -70,6 +70,7 @@ class EngineCore:
         enable_compilation_cache(config.compilation_cache_dir)
         self.spec = with_expert_parallel(ModelSpec.from_pretrained(model_path), config.enable_expert_parallel)
         self.max_model_len = resolve_max_model_len(config, self.spec)
+        self.spec = self.spec.for_max_model_len(self.max_model_len)
         pooling = runs_pooling(config, self.spec)
         if self.spec.classifier is not None and config.speculative_config:
             raise ValueError("speculative_config: a sequence classifier generates nothing to speculate on; leave it "

@@ -166,7 +166,8 @@ class GemmaForCausalLM(llama.LlamaForCausalLM):
     def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The full and the sliding layers' rotary tables."""
         # positions: (T,) int32 -> cos, sin: (2, T, D // 2) float32 each
-        tables = [rope_cos_sin(positions, rope.inv_freq()) for rope in (self.spec.rope, self.spec.local_rope)]
+        tables = [rope_cos_sin(positions, rope.inv_freq(), rope.attention_factor)
+                  for rope in (self.spec.rope, self.spec.local_rope)]
         return jnp.stack([cos for cos, _ in tables]), jnp.stack([sin for _, sin in tables])
 
     def logits(self, hidden: jax.Array) -> jax.Array:

@@ -138,18 +138,19 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables for the given absolute positions."""
-    # positions: (T,) int32 -> cos, sin: (T, D // 2) float32
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for the given absolute positions (times `scale`: LongRoPE's attention factor)."""
+    # positions: (T,) int32 -> cos, sin: (T, rotary dims // 2) float32
     angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate-half rotary embedding (HF's non-interleaved layout), in float32."""
-    # x: (T, heads, D); cos, sin: (T, D // 2)
-    half = x.shape[-1] // 2
+    """Rotate-half rotary embedding (HF's non-interleaved layout), in float32, of each head's first 2 * (D // 2 of
+    the tables) dims (a partial rotary embedding leaves the rest as they are)."""
+    # x: (T, heads, D); cos, sin: (T, rotary dims // 2)
+    half = cos.shape[-1]
     x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., :half], x32[..., half:]
+    x1, x2, rest = x32[..., :half], x32[..., half: 2 * half], x32[..., 2 * half:]
     c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, rest], axis=-1).astype(x.dtype)

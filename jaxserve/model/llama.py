@@ -63,7 +63,7 @@ class LlamaLayer(nnx.Module):
     def __call__(self, x: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array, rope: tuple[jax.Array, ...],
                  step: StepContext) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """The layer over the step's tokens: (x, caches) after it."""
-        # x: (T, H); rope: cos, sin (T, D // 2) each
+        # x: (T, H); rope: cos, sin (T, rotary dims // 2) each
         spec, slots = self.spec, step.batch.lora_slots
         q, k, v = self.qkv(self.norm(x, self.input_norm), slots)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -139,8 +139,9 @@ class LlamaForCausalLM(nnx.Module):
 
     def rope_tables(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The rotary tables every layer takes."""
-        # positions: (T,) int32 -> cos, sin: (T, D // 2) float32 each
-        return rope_cos_sin(positions, self.spec.rope.inv_freq())
+        # positions: (T,) int32 -> cos, sin: (T, rotary dims // 2) float32 each
+        rope = self.spec.rope
+        return rope_cos_sin(positions, rope.inv_freq(), rope.attention_factor)
 
     def final_states(self, hidden: jax.Array) -> jax.Array:
         """The final norm over some tokens' last layer outputs (Hugging Face's `last_hidden_state`)."""

@@ -304,6 +304,46 @@ class GptqPacked(_PackedView):
         self._checked.add(module)
 
 
+class FusedRows:
+    """A view in which the parts of a fused projection read as the separate tensors the model declares: a name
+    `P.S.weight` whose module suffix S is in `parts` ({S: (fused suffix F, first row, rows)}) reads rows
+    first..first + rows of `P.F.weight` (Phi-3's q/k/v of `qkv_proj`, gate/up of `gate_up_proj`; only the
+    rows a shard needs). Every other name reads as stored."""
+
+    def __init__(self, source: "SafetensorsFolder | TensorMapping", parts: dict[str, tuple[str, int, int]]):
+        self.source = source
+        self.parts = parts
+
+    def _fused(self, name: str) -> tuple[str, int, int] | None:
+        """(the fused tensor, first row, rows) that `name` reads, or None for a name read as stored."""
+        module, _, tensor = name.rpartition(".")
+        for suffix, (fused, first, rows) in self.parts.items():
+            if module.endswith("." + suffix) and name not in self.source:
+                return f"{module.removesuffix(suffix)}{fused}.{tensor}", first, rows
+        return None
+
+    def __contains__(self, name: str) -> bool:
+        fused = self._fused(name)
+        return name in self.source if fused is None else fused[0] in self.source
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape; a part's (its rows, the fused tensor's other axes)."""
+        fused = self._fused(name)
+        if fused is None:
+            return self.source.shape(name)
+        return fused[2], *self.source.shape(fused[0])[1:]
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """One tensor, or only its `index` part; a part's rows read from the fused tensor."""
+        fused = self._fused(name)
+        if fused is None:
+            return self.source.get(name, index)
+        fused_name, first, rows = fused
+        row_index, *rest = index or (slice(None),)
+        start, stop = row_index.indices(rows)[:2]
+        return self.source.get(fused_name, (slice(first + start, first + stop), *rest))
+
+
 def _unsigned_values(words: np.ndarray, bits: int) -> np.ndarray:
     """Unsigned `bits`-bit values (rows, words * 32 / bits) packed from the lowest bits up in int32 words (rows,
     words)."""
@@ -336,14 +376,17 @@ def unpack_int4_rows(words: np.ndarray) -> np.ndarray:
     return nibbles.reshape(words.shape[0], -1)
 
 
-TensorSource = SafetensorsFolder | TensorMapping | PackedInt4 | AwqGemm | GptqPacked
+TensorSource = SafetensorsFolder | TensorMapping | FusedRows | PackedInt4 | AwqGemm | GptqPacked
 
 
 def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
     """The tensors of a checkpoint folder or of arrays by name, as the served model reads them (an int4
     checkpoint's packed weights as bytes, `PackedInt4`, over an AWQ or GPTQ one's as compressed-tensors', `AwqGemm`,
-    `GptqPacked`, which also reads 8-bit GPTQ weights as int8)."""
+    `GptqPacked`, which also reads 8-bit GPTQ weights as int8; a fused projection's parts apart, `FusedRows`)."""
     source = SafetensorsFolder(source) if isinstance(source, str) else source
+    fused = model_for(spec.architecture).fused
+    if fused is not None:
+        source = FusedRows(source, fused(spec))
     if spec.checkpoint_format == "awq":
         source = AwqGemm(source)
     elif spec.checkpoint_format == "gptq":

@@ -66,6 +66,9 @@ class Model:
     module: type
     # the module adds LoRA adapters' products (params["layers"]["lora"], model/lora.py) to its dense projections
     lora: bool = False
+    # projections the checkpoint stores fused (Phi-3's qkv_proj, gate_up_proj), read apart (model/loader.py's
+    # FusedRows): spec -> {a declared tensor's module suffix: (the fused module's suffix, first row, rows)}
+    fused: Callable[[ModelSpec], dict[str, tuple[str, int, int]]] | None = None
 
     def make_forward(self, spec: ModelSpec, attention: AttentionFn, write_kv: WriteKVFn, mesh: Mesh) -> Callable:
         """forward(params, caches, batch) -> (logits (R, V) float32, hidden (T, H), caches) with the attention
@@ -96,7 +99,7 @@ def copy_pages(caches: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) ->
 
 _MODELS: dict[str, Model] = {}
 # imported on the first lookup (they import this module)
-BUILTIN_MODULES = ("jaxserve.model.llama", "jaxserve.model.gemma", "jaxserve.model.moe_llama")
+BUILTIN_MODULES = ("jaxserve.model.llama", "jaxserve.model.gemma", "jaxserve.model.moe_llama", "jaxserve.model.phi3")
 PLUGIN_GROUP = "jaxserve.models"  # entry points (module names) of installed packages that register architectures
 
 

@@ -16,7 +16,8 @@ LLAMA_FAMILY = (  # the architectures model/llama.py serves
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first name for LongRoPE
 CLASSIFIER_SUFFIX = "ForSequenceClassification"  # XForSequenceClassification: XForCausalLM's body under a score head
 TOKEN_CLASSIFIER_SUFFIX = "ForTokenClassification"  # XForTokenClassification: the same, every token classified
 # a sentence-transformers cross-encoder's activation (config.json `sentence_transformers.activation_fn` or
@@ -37,16 +38,32 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rotary_dim: int = 0  # partial rotary (Phi-4-mini's partial_rotary_factor): the first dims of each head; 0: all
+    # LongRoPE (Phi-3): each frequency's divisor for contexts up to original_max_position_embeddings and beyond it
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    long_context: bool = False  # LongRoPE's long factors: max_model_len exceeds original_max_position_embeddings
+    attention_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's)
 
     def inv_freq(self) -> np.ndarray:
         """Inverse frequencies, as Hugging Face computes them for this rope type."""
-        # inv_freq: (head_dim // 2,) float64
-        inv_freq = 1.0 / (self.theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim))
+        # inv_freq: (rotary dims // 2,) float64
+        dim = self.rotary_dim or self.head_dim
+        inv_freq = 1.0 / (self.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
         if self.rope_type == "linear":
             return inv_freq / self.factor
         if self.rope_type == "llama3":
             return _llama3_inv_freq(inv_freq, self)
+        if self.rope_type == "longrope":
+            return inv_freq / np.asarray(self.long_factor if self.long_context else self.short_factor)
         return inv_freq
+
+    def for_max_model_len(self, max_model_len: int) -> "RopeSpec":
+        """The rotary embedding served for contexts of up to `max_model_len` tokens: LongRoPE's long factors at every
+        position when it exceeds original_max_position_embeddings, else its short ones (vLLM's choice: one set for
+        the whole context, so no cached key goes stale when a sequence crosses the boundary)."""
+        long_context = self.rope_type == "longrope" and max_model_len > self.original_max_position_embeddings
+        return dataclasses.replace(self, long_context=long_context)
 
 
 def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeSpec) -> np.ndarray:
@@ -174,6 +191,11 @@ class ModelSpec:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
+    def for_max_model_len(self, max_model_len: int) -> "ModelSpec":
+        """The spec as served for contexts of up to `max_model_len` tokens (LongRoPE's factors,
+        `RopeSpec.for_max_model_len`)."""
+        return dataclasses.replace(self, rope=self.rope.for_max_model_len(max_model_len))
+
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelSpec":
         """Read `config.json` (and `generation_config.json` for EOS ids) from a Hugging Face folder."""
@@ -275,8 +297,16 @@ def parse_rope(config: dict, head_dim: int, parameters: dict | None = None) -> R
     params = {**scaling, **params}
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor {partial} gives {rotary_dim} rotary dims of the head's {head_dim}: "
+                         "it must give an even number, at least 2")
+    original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    longrope = _longrope_fields(config, params, rotary_dim, original) if rope_type == "longrope" else {}
     return RopeSpec(
         theta=float(theta),
         head_dim=head_dim,
@@ -284,8 +314,29 @@ def parse_rope(config: dict, head_dim: int, parameters: dict | None = None) -> R
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original or 8192),
+        rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
+        **longrope,
     )
+
+
+def _longrope_fields(config: dict, params: dict, rotary_dim: int, original: int | None) -> dict:
+    """LongRoPE's short and long factors and attention factor, as transformers reads them (the attention factor by
+    default from the ratio of max_position_embeddings to original_max_position_embeddings)."""
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        values = params.get(name)
+        if not isinstance(values, list) or len(values) != rotary_dim // 2:
+            raise ValueError(f"a longrope rope_scaling needs {name}: a list of {rotary_dim // 2} numbers (one per "
+                             f"pair of rotary dims), got {values!r}")
+        factors[name] = tuple(float(value) for value in values)
+    if not original:
+        raise ValueError("a longrope rope_scaling needs original_max_position_embeddings")
+    factor = params.get("factor") or config.get("max_position_embeddings", original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return {**factors, "attention_factor": float(attention_factor)}
 
 
 def _parse_sliding_window(arch: str, config: dict) -> int | None:

@@ -69,7 +69,7 @@ class DraftModelProposer:
         target's); a ValueError when its vocabulary differs from the target's or it is shorter than max_model_len."""
         speculative = config.speculative_config
         model_path = speculative["model"]
-        spec = ModelSpec.from_pretrained(model_path)
+        spec = ModelSpec.from_pretrained(model_path).for_max_model_len(max_model_len)
         if spec.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model {model_path!r} has vocab_size {spec.vocab_size} but the target has "
                              f"{target.vocab_size}: a draft model must share the target's tokenizer and vocabulary")
