@@ -78,6 +78,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -306,6 +308,28 @@ MODELS = {
             rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
         ),
         9000,
+        None,
+    ),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's q/k/v biases,
+    # top-2 of 4 experts without renormalising (norm_topk_prob false, as on
+    # the Hub), and a shared expert of its own inner size behind a sigmoid gate.
+    "qwen2-moe": (
+        Qwen2MoeForCausalLM,
+        Qwen2MoeConfig,
+        dict(
+            num_key_value_heads=2,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            tie_word_embeddings=False,
+            use_sliding_window=False,
+            rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        ),
+        11000,
         None,
     ),
     # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj; LongRoPE with an

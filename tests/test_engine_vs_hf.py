@@ -18,6 +18,7 @@ CASES = [
     ("gemma3", 16, 20),  # local and global rope, q/k norms
     ("mixtral", 8, 40),  # 4 experts, top 2
     ("qwen3-moe", 16, 20),  # 8 experts, top 3
+    ("qwen2-moe", 8, 40),  # 4 experts, top 2 not renormalised, a shared expert
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

@@ -10,7 +10,8 @@ from helpers import checkpoint, expected, small_engine_args
 
 # (architecture, KV heads in the checkpoint, tensor-parallel size, experts split whole over the devices)
 CASES = [("qwen2", 1, 2, False), ("llama", 2, 4, False), ("qwen3", 2, 2, False),
-         ("gemma3", 1, 2, False), ("mixtral", 2, 2, False), ("qwen3-moe", 2, 2, True)]
+         ("gemma3", 1, 2, False), ("mixtral", 2, 2, False), ("qwen3-moe", 2, 2, True),
+         ("qwen2-moe", 2, 2, True)]
 
 
 @pytest.mark.parametrize("name,kv_heads,tp,expert_parallel", CASES,
@@ -30,6 +31,9 @@ def test_greedy_matches_hf_under_tensor_parallelism(name, kv_heads, tp, expert_p
         w_gate = runner.params["layers"]["w_gate"]
         axis = 1 if expert_parallel else 3
         assert w_gate.addressable_shards[0].data.shape[axis] == w_gate.shape[axis] // tp
+    if "shared_w_gate" in runner.params["layers"]:  # a shared expert (L, H, Is): split like a dense MLP
+        shared = runner.params["layers"]["shared_w_gate"]
+        assert shared.addressable_shards[0].data.shape[-1] == shared.shape[-1] // tp
 
     want = expected(name)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
