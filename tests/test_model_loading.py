@@ -66,12 +66,39 @@ def test_llama3_rope_scales_low_frequencies_only():
     np.testing.assert_allclose(linear.rope.inv_freq() * 2, plain)
 
 
+# Qwen's YaRN settings (Qwen2.5 / Qwen3 docs: factor 4 over 32768), DeepSeek's mscale pair, a ramp left untruncated
+YARN_SCALINGS = [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.707,
+     "beta_fast": 16, "beta_slow": 2},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 2048, "truncate": False,
+     "attention_factor": 1.25},
+]
+
+
+@pytest.mark.parametrize("scaling", YARN_SCALINGS)
+def test_yarn_rope_equals_transformers(scaling):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 256, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64, "rope_theta": 1e6,
+              "max_position_embeddings": 32768, "rope_scaling": scaling}
+    spec = ModelSpec.from_hf_config(config)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen2Config(**config), "cpu")
+    np.testing.assert_allclose(spec.rope.inv_freq(), inv_freq.numpy(), rtol=2e-6)
+    assert spec.rope.attention_factor == pytest.approx(attention_factor)
+    # the served context is the original one times the factor (vLLM's), not the pretrained max_position_embeddings
+    expected = max(32768, int(scaling["original_max_position_embeddings"] * scaling["factor"]))
+    assert spec.max_position_embeddings == expected
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope type"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}}, "rope type"),
         ({"mlp_bias": True}, "mlp_bias"),
     ],
 )

@@ -16,7 +16,7 @@ LLAMA_FAMILY = (  # the architectures model/llama.py serves
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 _ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first name for LongRoPE
 CLASSIFIER_SUFFIX = "ForSequenceClassification"  # XForSequenceClassification: XForCausalLM's body under a score head
 TOKEN_CLASSIFIER_SUFFIX = "ForTokenClassification"  # XForTokenClassification: the same, every token classified
@@ -43,7 +43,10 @@ class RopeSpec:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     long_context: bool = False  # LongRoPE's long factors: max_model_len exceeds original_max_position_embeddings
-    attention_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's)
+    attention_factor: float = 1.0  # cos and sin scaled by it (LongRoPE's, YaRN's)
+    beta_fast: float = 32.0  # YaRN: the frequencies kept (more rotations than beta_fast over the original context)
+    beta_slow: float = 1.0  # ... and those interpolated by `factor` (fewer than beta_slow), a ramp between
+    truncate: bool = True  # YaRN: the ramp's bounds rounded outwards to whole dims
 
     def inv_freq(self) -> np.ndarray:
         """Inverse frequencies, as Hugging Face computes them for this rope type."""
@@ -56,7 +59,16 @@ class RopeSpec:
             return _llama3_inv_freq(inv_freq, self)
         if self.rope_type == "longrope":
             return inv_freq / np.asarray(self.long_factor if self.long_context else self.short_factor)
+        if self.rope_type == "yarn":
+            return _yarn_inv_freq(inv_freq, dim, self)
         return inv_freq
+
+    def context_length(self, max_position_embeddings: int) -> int:
+        """The longest context the embedding serves: YaRN's original context times its factor (as vLLM derives it;
+        Qwen's configs keep the pretrained max_position_embeddings), else `max_position_embeddings`."""
+        if self.rope_type == "yarn":
+            return max(max_position_embeddings, int(self.original_max_position_embeddings * self.factor))
+        return max_position_embeddings
 
     def for_max_model_len(self, max_model_len: int) -> "RopeSpec":
         """The rotary embedding served for contexts of up to `max_model_len` tokens: LongRoPE's long factors at every
@@ -77,6 +89,22 @@ def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeSpec) -> np.ndarray:
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: np.ndarray, dim: int, rope: RopeSpec) -> np.ndarray:
+    """YaRN: the high frequencies kept, the low ones divided by `factor`, a linear ramp over the dims between."""
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times over the original context
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(
+            rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)  # 0: kept, 1: interpolated
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +294,7 @@ def llama_family_spec(arch: str, config: dict, generation_config: dict) -> Model
         raise ValueError("attention_bias=True is not supported for LlamaForCausalLM")
     num_heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    rope = parse_rope(config, head_dim)
     return ModelSpec(
         architecture=arch,
         vocab_size=config["vocab_size"],
@@ -276,8 +305,8 @@ def llama_family_spec(arch: str, config: dict, generation_config: dict) -> Model
         head_dim=head_dim,
         intermediate_size=config["intermediate_size"],
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope=parse_rope(config, head_dim),
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        rope=rope,
+        max_position_embeddings=rope.context_length(config.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=arch == "Qwen2ForCausalLM",
         qk_norm=arch == "Qwen3ForCausalLM",
@@ -306,8 +335,13 @@ def parse_rope(config: dict, head_dim: int, parameters: dict | None = None) -> R
         raise ValueError(f"partial_rotary_factor {partial} gives {rotary_dim} rotary dims of the head's {head_dim}: "
                          "it must give an even number, at least 2")
     original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
-    longrope = _longrope_fields(config, params, rotary_dim, original) if rope_type == "longrope" else {}
-    return RopeSpec(
+    extra = {}  # the rope type's own fields
+    if rope_type == "longrope":
+        extra = _longrope_fields(config, params, rotary_dim, original)
+    elif rope_type == "yarn":
+        original = original or config.get("max_position_embeddings")
+        extra = _yarn_fields(config, params, original)
+    fields = dict(
         theta=float(theta),
         head_dim=head_dim,
         rope_type=rope_type,
@@ -316,8 +350,27 @@ def parse_rope(config: dict, head_dim: int, parameters: dict | None = None) -> R
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original or 8192),
         rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
-        **longrope,
     )
+    return RopeSpec(**{**fields, **extra})
+
+
+def _yarn_fields(config: dict, params: dict, original: int | None) -> dict:
+    """YaRN's factor, ramp and attention factor, as transformers reads them (the attention factor by default
+    0.1 ln(factor) + 1, or DeepSeek's ratio of two such with `mscale` and `mscale_all_dim`)."""
+    if not original:
+        raise ValueError("a yarn rope_scaling needs original_max_position_embeddings")
+    factor = params.get("factor") or config.get("max_position_embeddings", original) / original
+
+    def mscale(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        scale, all_dims = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(scale) / mscale(all_dims) if scale and all_dims else mscale(1)
+    return {"factor": float(factor), "attention_factor": float(attention_factor),
+            "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+            "truncate": bool(params.get("truncate", True))}
 
 
 def _longrope_fields(config: dict, params: dict, rotary_dim: int, original: int | None) -> dict:
