@@ -95,8 +95,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
-    # The output must match a JSON schema, regex, choice or grammar (jaxserve/structured/); a mapping of
-    # StructuredOutputsParams' fields is taken too.
+    # The output must match a JSON schema, regex, choice, grammar or structural tag (jaxserve/structured/); a
+    # mapping of StructuredOutputsParams' fields is taken too.
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:

@@ -382,7 +382,7 @@ def test_continuous_usage_stats_put_the_counts_in_every_chunk(openai_server, pat
 # ---- fields this server refuses ----------------------------------------------------------------------
 
 REFUSED = [
-    ("structural_tag", "{}"), ("guided_decoding_backend", "xgrammar"),
+    ("guided_decoding_backend", "xgrammar"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logits_processors", ["my.Processor"]),
     ("suffix", "end"), ("prompt_embeds", "AAAA"),
     ("logprob_token_ids", [1, 2]), ("truncation_side", "right"),

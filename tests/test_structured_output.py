@@ -17,6 +17,7 @@ import re
 import time
 
 import jsonschema
+import llguidance
 import openai
 import pytest
 
@@ -26,7 +27,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
-from jaxserve.structured.params import StructuredOutputsParams
+from jaxserve.structured.params import STRUCTURAL_TAG_FORM, StructuredOutputsParams
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
@@ -144,8 +145,6 @@ def test_a_constraint_that_cannot_compile_is_a_value_error(llm, fields, message)
 def test_a_whitespace_pattern_decides_the_whitespace_between_json_tokens(llm):
     """JSON is compact by default (", " and ": " only); a whitespace_pattern (vLLM's) allows exactly the whitespace
     it matches between tokens, where there is any (here: a newline and an indent, so pretty-printed JSON)."""
-    import llguidance
-
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
               "required": ["a", "b"]}
     texts = ['{"a":1,"b":2}', '{"a": 1, "b": 2}', '{\n  "a":1,\n  "b":2\n}', '{ "a" : 1 }']
@@ -193,6 +192,141 @@ def test_a_step_waiting_only_for_a_compile_sleeps_instead_of_spinning(llm, monke
     assert steps <= 0.3 / 0.01 + 10, steps  # a spinning loop steps thousands of times in 0.3 s
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
+
+
+# ---- structural tags (vLLM's structural_tag) -------------------------------------------------------------------
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+        "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+       "additionalProperties": False}
+WEATHER_TAG = {"type": "structural_tag", "triggers": ["<function="],
+               "structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"},
+                              {"begin": "<function=add>", "schema": ADD, "end": "</function>"}]}
+# "(" is everywhere in the bundled model's code: its outputs enter the structures, as a tool-calling model's would
+PAREN_TAG = {"type": "structural_tag", "triggers": ["("],
+             "structures": [{"begin": "(city=", "schema": CITY, "end": ")"}, {"begin": "(add=", "schema": ADD,
+                                                                               "end": ")"}]}
+
+
+def _accepts(compiler, grammar: str, text: str | list[int]) -> bool:
+    """The grammar takes all of `text` (or these token ids) and may end there."""
+    matcher = llguidance.LLMatcher(compiler.tokenizer, grammar)
+    tokens = compiler.tokenizer.tokenize_str(text) if isinstance(text, str) else text
+    return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
+
+
+def _entered_structures(text: str, tag: dict) -> list[tuple[str, object]]:
+    """(begin, JSON value) of each structure `text` enters, read as the structural tag reads it: free text up to the
+    first trigger, then the structure whose begin follows, its JSON and its end, then free text again; a last one
+    that max_tokens cut off is left out (the grammar check says the text is right so far)."""
+    entered, at = [], 0
+    while (starts := [i for i in (text.find(trigger, at) for trigger in tag["triggers"]) if i >= 0]):
+        start = min(starts)
+        structure = next((s for s in tag["structures"] if text.startswith(s["begin"], start)), None)
+        if structure is None:
+            return entered
+        try:
+            value, at = json.JSONDecoder().raw_decode(text, start + len(structure["begin"]))
+        except json.JSONDecodeError:
+            return entered
+        if not text.startswith(structure["end"], at):
+            return entered
+        entered.append((structure["begin"], value))
+        at += len(structure["end"])
+    return entered
+
+
+def test_a_structural_tag_compiles_to_free_text_with_schema_checked_structures(llm):
+    """vLLM's semantics: free text; at a trigger, the structure whose begin follows, JSON of its schema, its end;
+    then free text again. The JSON follows the constraint's whitespace rule (compact by default)."""
+    compiler = llm.engine.grammars
+    grammar = compiler.compile(StructuredOutputsParams(structural_tag=json.dumps(WEATHER_TAG)))
+    assert compiler.compile(StructuredOutputsParams(structural_tag=WEATHER_TAG)) is grammar  # the object: same tag
+    call = '<function=get_weather>{"city": "Paris"}</function>'
+    for text in ["", "Any text at all, {\"town\": 1} too.", f"Let me look. {call}", f"{call} Then: {call}\nDone.",
+                 'Sum: <function=add>{"a": 1, "b": -2}</function>!']:
+        assert _accepts(compiler, grammar, text), text
+    for text in ['<function=get_weather>{"town": 1}', '<function=get_weather>{"city": 3}</function>',
+                 '<function=get_weather>{"city": "Paris", "unit": "C"}</function>', '<function=get_weather>{"city":'
+                 '"Paris"}</function>', "<function=get_time>{}</function>", f"{call[:-1]}"]:
+        assert not _accepts(compiler, grammar, text), text
+    spaced = compiler.compile(StructuredOutputsParams(structural_tag=WEATHER_TAG, whitespace_pattern=r" *"))
+    assert _accepts(compiler, spaced, '<function=get_weather>{ "city" :"Paris"}</function>')
+
+
+def test_a_structural_tag_trigger_shaped_like_a_special_token(llm):
+    """A trigger `<...>` that is a special token of the model is that token (llguidance's reading); one that is not
+    (here `<tool_call>`: the bundled tokenizer has no such token) is plain text, where vLLM cannot compile it."""
+    compiler = llm.engine.grammars
+    tool_call = {"structures": [{"begin": "<tool_call>", "schema": CITY, "end": "</tool_call>"}],
+                 "triggers": ["<tool_call>"]}
+    grammar = compiler.compile(StructuredOutputsParams(structural_tag=tool_call))
+    assert _accepts(compiler, grammar, 'Calling <tool_call>{"city": "Rome"}</tool_call>.')
+    assert not _accepts(compiler, grammar, "Calling <tool_call>Rome</tool_call>.")
+    pad = compiler.tokenizer.tokenize_str("<pad>")
+    assert len(pad) == 1 and compiler.tokenizer.is_special_token(pad[0])
+    grammar = compiler.compile(StructuredOutputsParams(structural_tag={
+        "structures": [{"begin": "<pad>", "schema": {"type": "integer"}, "end": "!"}], "triggers": ["<pad>"]}))
+    tokens = compiler.tokenizer.tokenize_str
+    assert _accepts(compiler, grammar, tokens("x ") + pad + tokens("12! y <pad"))
+    assert not _accepts(compiler, grammar, tokens("x ") + pad + tokens("y"))
+
+
+def test_every_output_under_a_structural_tag_is_a_sentence_of_its_grammar(llm):
+    """The bundled model writes code, full of "(": every "(" it writes starts a structure, whose JSON validates
+    against the structure's schema; greedy and sampled, with JSON-schema requests in the same steps."""
+    constraint = StructuredOutputsParams(structural_tag=json.dumps(PAREN_TAG))
+    params = [SamplingParams(max_tokens=120, temperature=t, seed=seed, structured_outputs=constraint)
+              for t, seed in ((0.0, 0), (1.0, 1), (1.0, 2), (1.0, 3))]
+    params += [_params(StructuredOutputsParams(json=SCHEMAS[0]), 1.0, 4)]
+    outputs = [o.outputs[0] for o in llm.generate([PROMPT] * len(params), params, use_tqdm=False)]
+    grammar = llm.engine.grammars.compile(constraint)
+    schemas = {structure["begin"]: structure["schema"] for structure in PAREN_TAG["structures"]}
+    for completion in outputs[:-1]:
+        assert completion.finish_reason in ("stop", "length"), completion
+        matcher = llguidance.LLMatcher(llm.engine.grammars.tokenizer, grammar)
+        assert matcher.try_consume_tokens(completion.token_ids) == len(completion.token_ids), completion.text
+        entered = _entered_structures(completion.text, PAREN_TAG)
+        assert entered, completion.text  # the model wrote a "(": the structure was entered and finished
+        for begin, value in entered:
+            jsonschema.validate(value, schemas[begin])
+    jsonschema.validate(json.loads(outputs[-1].text), SCHEMAS[0])
+
+
+@pytest.mark.parametrize("tag,words", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    (7, "must be a JSON object"),
+    ({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": []}},
+     "xgrammar's"),
+    ({**WEATHER_TAG, "type": "json_schema"}, 'type must be "structural_tag"'),
+    ({**WEATHER_TAG, "structures": []}, "structures must be a non-empty list"),
+    ({"triggers": ["<function="]}, "structures must be a non-empty list"),
+    ({**WEATHER_TAG, "triggers": None}, "triggers must be a list"),
+    ({**WEATHER_TAG, "triggers": ["<function=", ""]}, "triggers must be a list of non-empty strings"),
+    ({**WEATHER_TAG, "triggers": ["<tool"]}, "not found in triggers"),
+    ({**WEATHER_TAG, "structures": [{"begin": "<function=f>", "end": "</function>"}]}, "needs a schema"),
+    ({**WEATHER_TAG, "structures": [{"begin": "<function=f>", "schema": CITY}]}, "needs a non-empty string begin"),
+    ({**WEATHER_TAG, "structures": ["<function=f>"]}, "structures[0] must be an object"),
+    ({**WEATHER_TAG, "structures": [{"begin": "<function=f>", "schema": CITY, "end": "", "stop": "x"}]},
+     "unknown keys 'stop'"),
+    ({**WEATHER_TAG, "tags": []}, "unknown keys 'tags'"),
+])
+def test_a_malformed_structural_tag_is_a_value_error_that_says_what_to_send(tag, words):
+    with pytest.raises(ValueError, match=re.escape(words)) as raised:
+        StructuredOutputsParams(structural_tag=tag)
+    assert words == "not found in triggers" or STRUCTURAL_TAG_FORM in str(raised.value)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        SamplingParams(structured_outputs={"structural_tag": tag})
+
+
+def test_a_structural_tag_is_one_constraint_like_the_others(llm):
+    with pytest.raises(ValueError, match="exactly one of .* got json, structural_tag"):
+        StructuredOutputsParams(json=CITY, structural_tag=WEATHER_TAG)
+    bad_schema = {**WEATHER_TAG, "structures": [{"begin": "<function=f>", "schema": {"type": "strin"}, "end": ""}]}
+    with pytest.raises(ValueError, match="cannot compile the structural_tag constraint"):
+        llm.engine.grammars.compile(StructuredOutputsParams(structural_tag=bad_schema))
 
 
 # ---- through the server, with the official openai client ------------------------------------------------------
@@ -358,6 +492,21 @@ def test_the_chat_template_renders_the_tools(server):
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "at most one"),
+    ({"structural_tag": "{not json"}, "structural_tag", "not valid JSON"),
+    ({"structural_tag": json.dumps({**WEATHER_TAG, "triggers": ["<tool"]})}, "structural_tag", "not found in triggers"),
+    ({"structured_outputs": {"structural_tag": json.dumps({**WEATHER_TAG, "structures": []})}}, "structured_outputs",
+     "structures must be a non-empty list"),
+    ({"response_format": {"type": "structural_tag", "format": {"type": "triggered_tags"}}}, "response_format",
+     "xgrammar's"),
+    ({"response_format": {**WEATHER_TAG, "structures": [{"begin": "<function=f>", "end": ""}]}}, "response_format",
+     "needs a schema"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<function="]}}, "response_format",
+     "structures must be a non-empty list"),
+    ({"structural_tag": json.dumps({**WEATHER_TAG, "structures": [{"begin": "<f>", "schema": {"type": "strin"},
+                                                                   "end": ""}], "triggers": ["<f"]})},
+     "structural_tag", "cannot compile the structural_tag constraint"),
+    ({"guided_json": CITY, "structural_tag": json.dumps(WEATHER_TAG)}, "structural_tag", "at most one"),
+    ({"response_format": WEATHER_TAG, "structured_outputs": {"regex": "a"}}, "response_format", "at most one"),
 ])
 def test_a_bad_constraint_is_a_400_naming_its_field_and_queues_nothing(client, server, body, param, words):
     with pytest.raises(openai.BadRequestError) as raised:
@@ -366,6 +515,40 @@ def test_a_bad_constraint_is_a_400_naming_its_field_and_queues_nothing(client, s
     assert error["param"] == param and words in error["message"], error
     stats = server[1].stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"] and stats["num_requests_waiting"] == 0
+
+
+def test_a_bad_structural_tag_on_completions_is_a_400_naming_its_field(client):
+    for body, param in (({"structural_tag": "[]"}, "structural_tag"),
+                        ({"response_format": {"type": "structural_tag", "format": {}}}, "response_format")):
+        with pytest.raises(openai.BadRequestError) as raised:
+            client.completions.create(model="tiny-stdlib-llama", prompt=PROMPT, max_tokens=4, extra_body=body)
+        assert raised.value.body["param"] == param and "structural_tag" in raised.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_structural_tags_through_the_server_enter_their_structures(client, stream):
+    """vLLM's three spellings (the structural_tag extra and structured_outputs' key on completions, where the model
+    writes code, full of "("; response_format on chat, sampled, with a trigger " "): each answer enters its
+    structures, whose JSON validates against their schemas."""
+    text = json.dumps(PAREN_TAG)
+    answers = []
+    for extra in ({"structural_tag": text}, {"structured_outputs": {"structural_tag": text}}):
+        kwargs = dict(model="tiny-stdlib-llama", prompt=PROMPT, max_tokens=100, temperature=0, extra_body=extra)
+        if stream:
+            answers.append("".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs)))
+        else:
+            answers.append(client.completions.create(**kwargs).choices[0].text)
+    assert answers[0] == answers[1]
+    word_tag = {"type": "structural_tag", "triggers": [" "],
+                "structures": [{"begin": " city=", "schema": CITY, "end": ";"}]}
+    chat = _chat(client, stream, messages=MESSAGES, max_tokens=100, temperature=1.0, seed=1,
+                 response_format=word_tag)[0]
+    for answer, tag in ((answers[0], PAREN_TAG), (chat, word_tag)):
+        entered = _entered_structures(answer, tag)
+        assert entered, answer
+        schemas = {structure["begin"]: structure["schema"] for structure in tag["structures"]}
+        for begin, value in entered:
+            jsonschema.validate(value, schemas[begin])
 
 
 def test_nothing_compiles_after_warm_up_with_constraints_in_the_batch(server, client):

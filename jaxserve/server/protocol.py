@@ -5,13 +5,14 @@ Field names, defaults and checks follow OpenAI's API plus vLLM's extras (`top_k`
 `truncate_prompt_tokens`, ...). Sampling fields default to None ("unset"), so that the model's
 generation_config.json defaults can fill them. Unknown fields are kept (`extra="allow"`) and ignored,
 as OpenAI-compatible servers do, except the fields of OpenAI's and vLLM's APIs that would change the
-result and that this server does not implement (`UNSUPPORTED_FIELDS`: structural tags, legacy functions, ...;
+result and that this server does not implement (`UNSUPPORTED_FIELDS`: legacy functions, custom logits processors, ...;
 per route `route_unsupported`: beam search on chat, ...): those are refused with a 400 that names them unless
 they hold their neutral value.
 
 Structured output comes in vLLM's shapes (`structured_outputs`, the older `guided_json` / `guided_regex` /
-`guided_choice` / `guided_grammar`) and OpenAI's (`response_format`), on both routes; tools (`tools`,
-`tool_choice`) on chat (jaxserve/server/tools.py). A request gives at most one constraint.
+`guided_choice` / `guided_grammar`, `structural_tag`, a `response_format` of type "structural_tag") and OpenAI's
+(`response_format`), on both routes; tools (`tools`, `tool_choice`) on chat (jaxserve/server/tools.py). A request
+gives at most one constraint.
 """
 
 from __future__ import annotations
@@ -49,14 +50,13 @@ def _one_of(*neutral: Any) -> Callable[[Any], bool]:
 
 
 _GUIDED = "structured output runs on llguidance with the fields structured_outputs, guided_json, guided_regex, " \
-          "guided_choice, guided_grammar, guided_whitespace_pattern and response_format"
+          "guided_choice, guided_grammar, guided_whitespace_pattern, structural_tag and response_format"
 _BEAM = "beam search is on /v1/completions only"
 
 # Fields of OpenAI's and vLLM's APIs that would change the result and that this server does not
 # implement: name -> (the test for values that change nothing, why the field is refused).
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_decoding_backend": (_unset, _GUIDED + "; the backend is the server's"),
-    "structural_tag": (_unset, "structural tags are not implemented"),
     "functions": (_empty, "the legacy functions field is not supported; use tools"),
     "function_call": (_one_of("none"), "the legacy function_call field is not supported; use tool_choice"),
     "early_stopping": (_false, "beam search runs every beam to max_tokens (vLLM's algorithm)"),
@@ -104,10 +104,15 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema; or vLLM's structural tag
+    (`structures` and `triggers`, judged by StructuredOutputsParams: its other keys are kept for that)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    structures: list[Any] | None = None
+    triggers: list[Any] | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -160,6 +165,7 @@ class _SamplingFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None  # JSON constraints: the whitespace allowed between tokens
+    structural_tag: str | dict[str, Any] | None = None  # vLLM's: its JSON text (or the object)
     response_format: ResponseFormat | None = None
 
     def check(self) -> None:
@@ -185,6 +191,8 @@ class _SamplingFields(BaseModel):
         for kind in ("json", "regex", "choice", "grammar"):
             if getattr(self, f"guided_{kind}") is not None:
                 given[f"guided_{kind}"] = {kind: getattr(self, f"guided_{kind}")}
+        if self.structural_tag is not None:
+            given["structural_tag"] = {"structural_tag": self.structural_tag}
         response_format = self.response_format
         if response_format is not None and response_format.type == "json_object":
             given["response_format"] = {"json_object": True}
@@ -193,6 +201,8 @@ class _SamplingFields(BaseModel):
                 raise APIError(400, 'a response_format of type "json_schema" needs json_schema.schema',
                                "response_format")
             given["response_format"] = {"json": response_format.json_schema.json_schema}
+        elif response_format is not None and response_format.type == "structural_tag":
+            given["response_format"] = {"structural_tag": response_format.model_dump(exclude_none=True)}
         return given
 
     def structured_output(self) -> StructuredOutputsParams | None:

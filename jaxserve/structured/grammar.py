@@ -30,22 +30,46 @@ CACHE_SIZE = 256  # distinct compiled constraints kept
 COMPILE_THREADS = 2
 
 
-def grammar_text(params: StructuredOutputsParams) -> str:
-    """llguidance's grammar (its top-level JSON) for a constraint; ValueError for one it cannot read."""
+def grammar_text(params: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer) -> str:
+    """llguidance's grammar (its top-level JSON, or Lark) for a constraint; ValueError for one it cannot read."""
     kind = params.kind
     if kind in ("json", "json_object"):
         schema = params.spec if kind == "json" else json.dumps({"type": "object"})
-        options = None  # llguidance's default: any JSON whitespace between tokens
-        if params.whitespace_pattern is not None:
-            options = {"whitespace_pattern": params.whitespace_pattern}
-        elif params.disable_any_whitespace:
-            options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, options)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, _json_options(params))
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_regex("|".join(re.escape(choice) for choice in params.choice))
+    if kind == "structural_tag":
+        return _structural_tag_grammar(params, tokenizer)
     return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))  # GBNF (`::=`) converted
+
+
+def _json_options(params: StructuredOutputsParams) -> dict | None:
+    """llguidance's JSON options (its `x-guidance`) for the constraint's whitespace rule; None: its default, any
+    JSON whitespace between tokens."""
+    if params.whitespace_pattern is not None:
+        return {"whitespace_pattern": params.whitespace_pattern}
+    if params.disable_any_whitespace:
+        return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return None
+
+
+def _structural_tag_grammar(params: StructuredOutputsParams, tokenizer: llguidance.LLTokenizer) -> str:
+    """The Lark grammar of a structural tag (llguidance's `StructTag`s, as vLLM's guidance backend builds them):
+    free text, in which a trigger starts the structure whose begin the text goes on with, its schema's JSON (under
+    the constraint's whitespace rule) and its end. Triggers shaped `<...>` are matched as the special tokens they
+    name when every one is such a token of the model (llguidance's assumption), else all as text."""
+    def with_options(schema: dict) -> dict:  # the schema with its JSON options in, as the json kind's grammar has it
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, _json_options(params))
+        return json.loads(grammar)["grammars"][0]["json_schema"]
+
+    tags = [llguidance.StructTag(trigger=trigger, begin=begin, grammar=with_options(schema), end=end)
+            for trigger, begin, schema, end in params.structures]
+    shaped = {tag.trigger for tag in tags if tag.trigger.startswith("<") and tag.trigger.endswith(">")}
+    special = all(len(ids := tokenizer.tokenize_str(trigger)) == 1 and tokenizer.is_special_token(ids[0])
+                  for trigger in shaped)
+    return llguidance.StructTag.to_grammar(tags, assume_special=special)
 
 
 class GrammarCompiler:
@@ -67,7 +91,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         try:
-            grammar = grammar_text(params)
+            grammar = grammar_text(params, self.tokenizer)
         except (ValueError, RuntimeError, GbnfToLarkError) as error:
             raise ValueError(f"cannot compile the {params.kind} constraint: {error}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
