@@ -67,12 +67,16 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GenerationConfig,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     PreTrainedTokenizerFast,
@@ -356,6 +360,37 @@ MODELS = {
             ),
         ),
         10000,
+        None,
+    ),
+    # Granite 3.x: the Llama layer with its four multipliers, none 1 (the
+    # published 8B's: embeddings x12, attention scale 1/128, residual x0.22,
+    # logits /16; here milder so greedy decoding stays peaky).
+    "granite": (
+        GraniteForCausalLM,
+        GraniteConfig,
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.125,
+            residual_multiplier=0.5,
+            logits_scaling=2.0,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        12000,
+        None,
+    ),
+    # OLMo 2: norms after the attention and the MLP (none before), q/k
+    # RMSNorms over the whole projection width.
+    "olmo2": (
+        Olmo2ForCausalLM,
+        Olmo2Config,
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=500000.0),
+        ),
+        13000,
         None,
     ),
 }

@@ -19,6 +19,8 @@ CASES = [
     ("mixtral", 8, 40),  # 4 experts, top 2
     ("qwen3-moe", 16, 20),  # 8 experts, top 3
     ("qwen2-moe", 8, 40),  # 4 experts, top 2 not renormalised, a shared expert
+    ("granite", 16, 20),  # embedding, attention, residual and logits multipliers
+    ("olmo2", 8, 40),  # norms after the sub-layers, q/k norms over the whole width
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

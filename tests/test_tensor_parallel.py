@@ -11,7 +11,7 @@ from helpers import checkpoint, expected, small_engine_args
 # (architecture, KV heads in the checkpoint, tensor-parallel size, experts split whole over the devices)
 CASES = [("qwen2", 1, 2, False), ("llama", 2, 4, False), ("qwen3", 2, 2, False),
          ("gemma3", 1, 2, False), ("mixtral", 2, 2, False), ("qwen3-moe", 2, 2, True),
-         ("qwen2-moe", 2, 2, True)]
+         ("qwen2-moe", 2, 2, True), ("olmo2", 2, 4, False)]
 
 
 @pytest.mark.parametrize("name,kv_heads,tp,expert_parallel", CASES,

@@ -50,7 +50,8 @@ class LlamaLayer(nnx.Module):
 
     def __init__(self, params: dict, spec: ModelSpec):
         self.spec = spec
-        self.input_norm, self.post_norm = nnx.Param(params["input_norm"]), nnx.Param(params["post_norm"])
+        self.input_norm = optional_param(params, "input_norm")  # (OLMo 2 has none: its norms follow the sub-layers)
+        self.post_norm = nnx.Param(params["post_norm"])
         self.wq, self.wk, self.wv = projection(params["wq"]), projection(params["wk"]), projection(params["wv"])
         self.bq, self.bk, self.bv = (optional_param(params, name) for name in ("bq", "bk", "bv"))
         self.q_norm, self.k_norm = optional_param(params, "q_norm"), optional_param(params, "k_norm")
@@ -64,13 +65,24 @@ class LlamaLayer(nnx.Module):
                  step: StepContext) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """The layer over the step's tokens: (x, caches) after it."""
         # x: (T, H); rope: cos, sin (T, rotary dims // 2) each
-        spec, slots = self.spec, step.batch.lora_slots
-        q, k, v = self.qkv(self.norm(x, self.input_norm), slots)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        how = LayerAttention(sm_scale=spec.head_dim**-0.5, sliding_window=spec.sliding_window)
-        attn, caches = step.attend(q, k, v, caches, layer, (how,), kv_scales=self.kv_scales())  # (T, Hq, D)
-        x = x + project(attn.reshape(attn.shape[0], -1), self.wo, self.lora.get("wo"), slots)  # (T, H)
+        attn, caches = self.self_attention(self.norm(x, self.input_norm), caches, layer, rope, step)  # (T, H)
+        x = x + attn
         return x + self.feed_forward(self.norm(x, self.post_norm), step), caches  # (T, H)
+
+    def self_attention(self, h: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array,
+                       rope: tuple[jax.Array, ...], step: StepContext) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """q, k, v -> RoPE -> paged attention -> o over the (normed) step tokens: (the attention's output, caches)."""
+        # h: (T, H) -> (T, H)
+        slots = step.batch.lora_slots
+        q, k, v = self.qkv(h, slots)  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        how = LayerAttention(sm_scale=self.attention_scale(), sliding_window=self.spec.sliding_window)
+        attn, caches = step.attend(q, k, v, caches, layer, (how,), kv_scales=self.kv_scales())  # (T, Hq, D)
+        return project(attn.reshape(attn.shape[0], -1), self.wo, self.lora.get("wo"), slots), caches
+
+    def attention_scale(self) -> float:
+        """The attention scores' scale: 1 / sqrt(head_dim)."""
+        return self.spec.head_dim**-0.5
 
     def feed_forward(self, h: jax.Array, step: StepContext) -> jax.Array:
         """The SwiGLU MLP."""
@@ -92,17 +104,27 @@ class LlamaLayer(nnx.Module):
         """Per-head q, k, v (KV heads: as many as the cache holds, the projection's width over D); `slots`: each
         token's LoRA slot when the engine serves adapters."""
         # h: (T, H); slots: (T,) int32
-        q, k, v = (project(h, weight, self.lora.get(leaf), slots)
-                   for weight, leaf in ((self.wq, "wq"), (self.wk, "wk"), (self.wv, "wv")))  # (T, Hq*D), (T, Hkv*D) x 2
-        if self.bq is not None:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-        num_tokens, head_dim = h.shape[0], self.spec.head_dim
-        num_kv_heads = projection_width(self.wk) // head_dim
-        q = q.reshape(num_tokens, -1, head_dim)
-        k, v = k.reshape(num_tokens, num_kv_heads, head_dim), v.reshape(num_tokens, num_kv_heads, head_dim)
+        q, k, v = self.heads(*self.projections(h, slots))  # (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
         if self.q_norm is not None:
             q, k = self.norm(q, self.q_norm), self.norm(k, self.k_norm)
         return q, k, v
+
+    def projections(self, h: jax.Array, slots: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v flat, with Qwen2's biases."""
+        # h: (T, H) -> (T, Hq*D), (T, Hkv*D), (T, Hkv*D)
+        q, k, v = (project(h, weight, self.lora.get(leaf), slots)
+                   for weight, leaf in ((self.wq, "wq"), (self.wk, "wk"), (self.wv, "wv")))
+        if self.bq is not None:
+            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        return q, k, v
+
+    def heads(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Flat q, k, v split into heads."""
+        # q: (T, Hq*D), k, v: (T, Hkv*D) -> (T, Hq, D), (T, Hkv, D), (T, Hkv, D)
+        num_tokens, head_dim = q.shape[0], self.spec.head_dim
+        num_kv_heads = projection_width(self.wk) // head_dim
+        return (q.reshape(num_tokens, -1, head_dim), k.reshape(num_tokens, num_kv_heads, head_dim),
+                v.reshape(num_tokens, num_kv_heads, head_dim))
 
 
 class LlamaForCausalLM(nnx.Module):
