@@ -13,6 +13,8 @@ The bundled model:
   (exercises rank padding, partial targets and layers without the adapter).
 tests/fixtures/checkpoints/gemma2: gemma-lora, rank 8, every attention and MLP projection.
 tests/fixtures/checkpoints/qwen3-moe: moe-lora, rank 8, the attention projections (experts take no adapters).
+tests/fixtures/checkpoints/phi3: phi3-lora, rank 8, every projection as Phi-3 has them (qkv_proj, gate_up_proj
+fused).
 
 The adapters' A and B are random (`init_lora_weights=False`), scaled up until the greedy outputs differ from the
 base model's; the seed is re-rolled until every greedy step has a clear margin.
@@ -51,6 +53,9 @@ BASES = {
     "gemma2": (CHECKPOINTS / "gemma2", None, {"gemma-lora": dict(r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS)}),
     "qwen3-moe": (CHECKPOINTS / "qwen3-moe", None,
                   {"moe-lora": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])}),
+    "phi3": (CHECKPOINTS / "phi3", None,
+             {"phi3-lora": dict(r=8, lora_alpha=16,
+                                target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])}),
 }
 NUM_NEW_TOKENS = 16
 MIN_MARGIN = 0.02

@@ -130,13 +130,19 @@ def test_adapters_under_tensor_parallelism_give_pefts_tokens():
     assert _tokens(outputs) == [EXPECTED[name]["outputs"][i // 3] for i, name in enumerate(names)]
 
 
-@pytest.mark.parametrize("name, adapter", [("gemma2", "gemma-lora"), ("qwen3-moe", "moe-lora")])
-def test_gemma_and_a_mixture_of_experts_give_pefts_tokens(name, adapter):
-    """Gemma 2 (every projection adapted) and Qwen3-MoE (its attention: the experts take no adapters, and an
-    adapter of them is refused)."""
+# (base, adapter, max_model_len: Phi-3's fixture keeps HF's short LongRoPE factors within 32 tokens)
+OTHER_BASES = [("gemma2", "gemma-lora", 96), ("qwen3-moe", "moe-lora", 96), ("phi3", "phi3-lora", 32)]
+
+
+@pytest.mark.parametrize("name, adapter, max_model_len", OTHER_BASES)
+def test_other_families_give_pefts_tokens(name, adapter, max_model_len):
+    """Gemma 2 (every projection adapted), Qwen3-MoE (its attention: the experts take no adapters, and an
+    adapter of them is refused) and Phi-3 (adapters of its fused qkv_proj and gate_up_proj, read as their
+    parts')."""
     expected = EXPECTED_ALL[name]
-    model = LLM(checkpoint(name), **small_engine_args(max_model_len=96, max_num_batched_tokens=32, num_pages=24,
-                                                      skip_precompile=True, enable_lora=True, max_lora_rank=8,
+    model = LLM(checkpoint(name), **small_engine_args(max_model_len=max_model_len, max_num_batched_tokens=32,
+                                                      num_pages=24, skip_precompile=True, enable_lora=True,
+                                                      max_lora_rank=8,
                                                       lora_modules={adapter: os.path.join(FIXTURES, adapter)}))
     params = SamplingParams(max_tokens=len(expected["base"]["outputs"][0]), temperature=0, ignore_eos=True)
     prompts = expected["prompts"]

@@ -122,8 +122,3 @@ def test_refusals(change, message):
     config = {**HUB_CONFIG, "partial_rotary_factor": 1 / 12, **change}
     with pytest.raises(ValueError, match=message):
         ModelSpec.from_hf_config(config)
-
-
-def test_lora_is_refused():
-    with pytest.raises(ValueError, match="LoRA"):
-        LLM(checkpoint("phi3"), enable_lora=True, **small_engine_args(skip_precompile=True))

@@ -222,9 +222,10 @@ class EngineCore:
         if not free:
             raise ValueError(f"every one of the max_loras={self.config.max_loras} adapter slots holds an adapter "
                              f"({', '.join(self.loras)}): raise max_loras, or remove one")
+        fused = model_for(self.spec.architecture).fused
         adapter = read_adapter(request.lora_path, self.spec, self.config.max_lora_rank,
                                cache_kv_heads(self.spec, self.config.tensor_parallel_size),
-                               set(self.runner.params["layers"]["lora"]))
+                               set(self.runner.params["layers"]["lora"]), fused(self.spec) if fused else None)
         self.runner.set_lora(free[0], adapter)
         self.loras[request.lora_name] = LoadedLora(free[0], request, f"{request.lora_name}#{next(self._lora_loads)}")
         logger.info("LoRA adapter %r from %s in slot %d", request.lora_name, request.lora_path, free[0])

@@ -10,8 +10,10 @@ percent of the projection's own work) and masked by the token's slot (`lora_delt
 
 Adapters are PEFT folders (`adapter_config.json`, `adapter_model.safetensors`, as `save_pretrained` writes them):
 LoRA on the attention and dense MLP projections of the architectures whose module adds them (`Model.lora`: the
-Llama family, Gemma 2 / 3; Mixtral and Qwen3-MoE on their attention, not their experts); what else PEFT can express
-(DoRA, biases, embedding or LM-head adapters, per-module ranks, modules saved whole) is refused with the reason.
+Llama family, Gemma 2 / 3, Phi-3, Granite, OLMo 2; the Qwen MoEs and Mixtral on their attention, not their experts);
+an adapter of a fused projection (Phi-3's qkv_proj, gate_up_proj: `Model.fused`) is read as adapters of its parts,
+each with the shared A and its rows of B; what else PEFT can express (DoRA, biases, embedding or LM-head adapters,
+per-module ranks, modules saved whole) is refused with the reason.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def lora_slot_structs(model, spec: ModelSpec, num_cache_kv_heads: int, mesh: Mes
     mixture of experts' experts take none); ValueError for an architecture whose module adds no adapters."""
     if not model.lora:
         raise ValueError(f"enable_lora: {spec.architecture} takes no LoRA adapters (architectures that do: the "
-                         f"Llama family, Gemma 2 / 3, and the attention of Mixtral and Qwen3-MoE)")
+                         f"Llama family, Gemma 2 / 3, Phi-3, Granite, OLMo 2, and the attention of the MoEs)")
     declared_layers = model.weights(spec, num_cache_kv_heads, mesh.devices.size)["layers"]
     slots = {}
     for leaf in LORA_TARGETS.values():
@@ -75,18 +77,18 @@ def with_lora_slots(params: dict, slots: dict) -> dict:
     return {**params, "layers": {**params["layers"], "lora": zeros}}
 
 
-def read_adapter(path: str, spec: ModelSpec, max_rank: int, num_cache_kv_heads: int,
-                 leaves: set[str]) -> dict[str, tuple]:
+def read_adapter(path: str, spec: ModelSpec, max_rank: int, num_cache_kv_heads: int, leaves: set[str],
+                 fused: dict[str, tuple[str, int, int]] | None = None) -> dict[str, tuple]:
     """A PEFT LoRA folder as each adapted leaf's (a (L, in, R), b (L, R, out)) float32 host arrays, padded to rank
     `max_rank`, scale folded into b, KV heads repeated as the cache holds them; ValueError naming what this engine
-    cannot serve (`leaves`: the projections with slots)."""
+    cannot serve (`leaves`: the projections with slots; `fused`: the model's fused projections, `Model.fused`)."""
     config = _adapter_config(path)
     rank = config.get("r")
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
         raise ValueError(f"LoRA adapter {path}: rank r={rank!r} must be an integer in [1, max_lora_rank={max_rank}]")
     alpha = config.get("lora_alpha", rank)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = load_file(_weights_file(path))
+    tensors = _split_fused(load_file(_weights_file(path)), fused or {})
     widths = _projection_widths(spec)
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
     found: dict[str, dict[str, dict[int, np.ndarray]]] = {}
@@ -122,6 +124,24 @@ def read_adapter(path: str, spec: ModelSpec, max_rank: int, num_cache_kv_heads: 
     if not adapter:
         raise ValueError(f"LoRA adapter {path}: no LoRA tensors in it")
     return adapter
+
+
+def _split_fused(tensors: dict[str, np.ndarray], fused: dict[str, tuple[str, int, int]]) -> dict[str, np.ndarray]:
+    """The adapter's tensors with each fused projection's (`fused`: part module -> (fused module, first row, rows))
+    split into its parts' adapters: every part takes the fused A (r, in) and its rows of the fused B (out, r)."""
+    parts_of: dict[str, list[tuple[str, int, int]]] = {}
+    for part, (whole, first, rows) in fused.items():
+        parts_of.setdefault(whole, []).append((part, first, rows))
+    split = {}
+    for name, tensor in tensors.items():
+        whole = next((module for module in parts_of if f".{module}.lora_" in name), None)
+        if whole is None:
+            split[name] = tensor
+            continue
+        for part, first, rows in parts_of[whole]:
+            is_b = ".lora_B" in name  # B (out, r): the part's rows; A (r, in) shared
+            split[name.replace(f".{whole}.", f".{part}.")] = tensor[first: first + rows] if is_b else tensor
+    return split
 
 
 def write_slot(slots: dict, slot: int, adapter: dict[str, tuple], mesh: Mesh) -> dict:

@@ -2,7 +2,8 @@
 (model/llama.py's module and weights) read from a checkpoint that fuses q, k, v into one `qkv_proj` and the MLP's
 gate and up into one `gate_up_proj` (model/loader.py's FusedRows reads the parts apart, each shard only its rows),
 with LongRoPE (`rope_scaling` longrope, the long factors when max_model_len exceeds the original context: vLLM's
-choice), a partial rotary embedding (`partial_rotary_factor`) and an optional sliding window."""
+choice), a partial rotary embedding (`partial_rotary_factor`) and an optional sliding window. LoRA adapters of the
+fused projections are read as adapters of their parts (model/lora.py)."""
 
 from __future__ import annotations
 
@@ -39,5 +40,5 @@ def fused_parts(spec: ModelSpec) -> dict[str, tuple[str, int, int]]:
     }
 
 
-register(PHI3, Model(spec_from_config=phi3_spec, weights=llama.weights, module=llama.LlamaForCausalLM,
+register(PHI3, Model(spec_from_config=phi3_spec, weights=llama.weights, module=llama.LlamaForCausalLM, lora=True,
                      fused=fused_parts))
