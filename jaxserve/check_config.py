@@ -428,6 +428,9 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     needed_pages = pages_for_tokens(max_model_len, config.page_size) + 1
 
     speculative = config.speculative_config or {}
+    if speculative.get("method") == "eagle":
+        raise ValueError(f"{path}: check-config does not lower EAGLE heads yet (speculative_config method eagle); "
+                         "check the config without its speculative_config")
     draft = None  # (spec, abstract params, KV heads, dtype) of a draft model
     if speculative.get("method") == "draft_model":
         draft_spec, draft_note = resolve_spec(speculative["model"], None)

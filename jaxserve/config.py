@@ -18,7 +18,7 @@ VALID_POLICIES = ("fcfs", "priority")
 # How a preempted request gives its KV pages back: recompute (drop them; its tokens are computed again when it
 # resumes), swap (copy them to a host-memory pool and back when it resumes), auto (swap long contexts).
 VALID_PREEMPTION_MODES = ("recompute", "swap", "auto")
-SPECULATIVE_METHODS = ("ngram", "draft_model")  # proposers of speculative_config's `method`
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")  # proposers of speculative_config's `method`
 SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas-tpu-interpret")
 # continuous: requests join and leave the running batch at every step and hold only the pages they fill;
@@ -114,9 +114,9 @@ class EngineConfig:
     # scheduling_policy priority: a request preempted this many times in a row is not preempted by another
     # request again until it finishes or yields (preempts itself for lack of pages).
     max_preemptions: int = 3
-    # Speculative decoding (vLLM's shape): {method: ngram | draft_model, model (the draft's folder),
-    # num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (ngram)}; None: off. The missing keys take
-    # SPECULATIVE_DEFAULTS; a config with a `model` and no `method` is draft_model.
+    # Speculative decoding (vLLM's shape): {method: ngram | draft_model | eagle, model (the draft's or the EAGLE
+    # head's folder), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max (ngram)}; None: off. The missing
+    # keys take SPECULATIVE_DEFAULTS; a config with a `model` and no `method` is draft_model.
     speculative_config: dict | None = None
     # Weight-only quantization of the linear layers at load time (model/quantize.py): none, int8 or fp8 (vLLM's
     # name; None means none).
@@ -186,6 +186,9 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", _checked_speculative_config(self.speculative_config))
             if self.num_scheduler_steps > 1:
                 raise ValueError("speculative_config and num_scheduler_steps > 1 are alternatives: choose one")
+            if self.speculative_config["method"] == "eagle" and self.kv_cache_dtype == "fp8":
+                raise ValueError("speculative_config method eagle keeps the target's features beside its KV pages, "
+                                 "in their dtype: use kv_cache_dtype auto with it")
         for name in ("async_scheduling", "skip_precompile", "enable_lora", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -323,6 +326,9 @@ def _checked_speculative_config(config) -> dict:
     if config["method"] == "draft_model" and not isinstance(config.get("model"), str):
         raise ValueError("speculative_config method draft_model needs `model`: the folder of a smaller model with "
                          "the target's tokenizer")
+    if config["method"] == "eagle" and not isinstance(config.get("model"), str):
+        raise ValueError("speculative_config method eagle needs `model`: the folder of an EAGLE head trained for the "
+                         "target")
     if config["method"] == "ngram" and "model" in config:
         raise ValueError("speculative_config method ngram takes no `model` (use method draft_model)")
     for key in SPECULATIVE_DEFAULTS:

@@ -363,7 +363,7 @@ def test_seeded_sampling_gives_the_plain_engines_tokens(engines):
 @pytest.mark.parametrize("config, message", [
     ({"method": "draft_model"}, "needs `model`"),
     ({"method": "ngram", "model": "somewhere"}, "takes no `model`"),
-    ({"method": "eagle"}, "must be one of"),
+    ({"method": "medusa"}, "must be one of"),
 ])
 def test_bad_speculative_configs_say_what_to_fix(config, message):
     with pytest.raises(ValueError, match=message):

@@ -46,6 +46,7 @@ from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner.executables import CompileCounter
 from jaxserve.runner.runner import PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.spec.draft import DraftModelProposer
+from jaxserve.spec.eagle import EagleProposer
 from jaxserve.spec.metrics import SpecDecodeStats
 from jaxserve.spec.ngram import NgramProposer
 from jaxserve.spec.proposer import Proposer
@@ -87,6 +88,7 @@ class EngineCore:
                                                                self.mesh, config.max_loras, config.max_lora_rank,
                                                                dtype))
         self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
+        method = (config.speculative_config or {}).get("method")  # speculative decoding's proposer
         self.runner = Runner(
             self.spec, params, self.mesh,
             page_size=config.page_size, num_cache_kv_heads=kv_heads,
@@ -94,6 +96,7 @@ class EngineCore:
             attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
             structured_outputs=config.enable_structured_outputs, pooling=pooling, logprobs_mode=config.logprobs_mode,
+            feature_width=self.spec.hidden_size if method == "eagle" else 0,  # EAGLE reads the target's features
         )
         # runner pooling: how prompts are pooled into embeddings or classes, and the sizes a Matryoshka model may cut
         # embeddings to
@@ -102,10 +105,12 @@ class EngineCore:
         if pooling:
             self.pooler = resolve_pooler_config(model_path, config.pooler_config)
             self.matryoshka_dimensions = matryoshka_dimensions(model_path, self.spec.hidden_size)
-        self.draft = None  # speculative decoding's draft model (method draft_model)
-        speculative = config.speculative_config or {}
-        if speculative.get("method") == "draft_model":
+        self.draft = None  # speculative decoding's draft model or EAGLE head (methods draft_model, eagle)
+        if method == "draft_model":
             self.draft = DraftModelProposer.load(config, self.spec, self.mesh, self.ladders, self.max_model_len)
+        elif method == "eagle":
+            self.draft = EagleProposer.load(config, self.spec, self.mesh, self.ladders, self.max_model_len,
+                                            self.runner)
         # The draft's pool has as many pages as the target's, so a page of each is sized together.
         self.num_pages = resolve_num_pages(config, self.max_model_len,
                                            [self.runner] + ([self.draft.runner] if self.draft else []))
@@ -127,6 +132,8 @@ class EngineCore:
         if host_pool is not None:
             self.runner.allocate_host_kv(host_pool.num_pages, pages_for_tokens(self.max_model_len, config.page_size))
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.prefix_caching, host_pool)
+        if isinstance(self.draft, EagleProposer):
+            self.draft.target_kv = self.kv  # where the target keeps each request's features
         self.loras: dict[str, LoadedLora] = {}  # the LoRA adapters in the slots, by name
         self.weights_version = 0  # weight updates so far (update_weights); part of every request's prefix salt
         # Sleep mode: 0 awake, else the level slept at; the weights a wake-up reads (a folder or arrays that
@@ -187,7 +194,7 @@ class EngineCore:
         speculative = self.config.speculative_config
         if not speculative:
             return None
-        if speculative["method"] == "draft_model":
+        if speculative["method"] in ("draft_model", "eagle"):
             proposer = self.draft
         else:
             proposer = NgramProposer(speculative["num_speculative_tokens"], speculative["prompt_lookup_min"],

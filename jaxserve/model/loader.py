@@ -396,16 +396,17 @@ def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
 
 
 def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int,
-                into: dict | None = None) -> dict:
+                into: dict | None = None, declared: dict | None = None) -> dict:
     """Read every weight the model declares (model/registry.py) straight into its final sharding: each device's
     shard of each layer is read from the safetensors slice it needs and written into its place in the stacked
     leaf on the device, so the host holds about one layer's shard at a time, never a whole stacked leaf.
 
     With `into` (params of the same model being served), each stacked leaf it holds is written over in place (it
-    is donated: the devices hold the weights once plus one layer); the leaves it lacks are made anew."""
+    is donated: the devices hold the weights once plus one layer); the leaves it lacks are made anew. `declared`:
+    the weights to read, when not the registered architecture's (an EAGLE head's, model/eagle.py)."""
     folder = tensor_source(source, spec)
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
-    declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
+    declared = declared or model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
 
     def load(name: str, weight: Weight, current: jax.Array | dict | None) -> jax.Array | dict:
         layout = _Layout(weight.transpose, kv_repeat if weight.kv_heads else 1, spec.head_dim)

@@ -28,18 +28,24 @@ def sampled_by(sampling: SamplingBatch) -> Callable:
 
 
 def run_decode_steps(forward: Callable, params: dict, caches: tuple, batch: BatchDescriptor, pick: Callable,
-                     steps: DecodeSteps, max_steps: int, page_size: int) -> tuple[jax.Array, tuple]:
+                     steps: DecodeSteps, max_steps: int, page_size: int,
+                     features: jax.Array | None = None) -> tuple[jax.Array, tuple]:
     """Up to `max_steps` iterations (static); returns (samples (max_steps, R) int32, -1 where a row was no
     longer live, and the updated caches). `forward(params, caches, batch) -> (logits, hidden, caches)`;
-    `pick(logits, i) -> (R,) int32` chooses iteration i's tokens from its logits (R, V)."""
+    `pick(logits, i) -> (R,) int32` chooses iteration i's tokens from its logits (R, V). With `features` (R, F)
+    (an EAGLE head's), `forward(params, caches, batch, features)` takes each token's feature, and each
+    iteration's outputs (R, F) are the next one's."""
     num_tokens, num_rows = batch.input_ids.shape[0], batch.page_table.shape[0]
     token_rows = jnp.minimum(jnp.arange(num_tokens), num_rows - 1)  # (T,) row of each token
     real_tokens = jnp.arange(num_tokens) < batch.num_seqs  # (T,)
     no_copies = jnp.full_like(batch.copy_src, NULL_PAGE)  # (R,) the first iteration made the page copies
 
     def iteration(i, carry):
-        caches, batch, samples, done = carry  # samples: (K, R) int32; done: (R,) bool
-        logits, _, caches = forward(params, caches, batch)  # logits: (R, V)
+        caches, batch, samples, done, features = carry  # samples: (K, R) int32; done: (R,) bool
+        if features is None:
+            logits, _, caches = forward(params, caches, batch)  # logits: (R, V)
+        else:
+            logits, features, caches = forward(params, caches, batch, features)
         sampled = pick(logits, i)  # (R,) int32
         live = (i < steps.num_steps) & ~done  # (R,) rows whose sample this is
         samples = samples.at[i].set(jnp.where(live, sampled, -1))
@@ -57,9 +63,9 @@ def run_decode_steps(forward: Callable, params: dict, caches: tuple, batch: Batc
             copy_src=no_copies,
             copy_dst=no_copies,
         )
-        return caches, batch, samples, done
+        return caches, batch, samples, done, features
 
     samples = jnp.full((max_steps, num_rows), -1, jnp.int32)  # (K, R)
     done = steps.num_steps < 1  # (R,) padded rows never sample
-    caches, _, samples, _ = jax.lax.fori_loop(0, max_steps, iteration, (caches, batch, samples, done))
+    caches, _, samples, _, _ = jax.lax.fori_loop(0, max_steps, iteration, (caches, batch, samples, done, features))
     return samples, caches

@@ -35,7 +35,7 @@ from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.kv.host_swap import HostSwap
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping
 from jaxserve.model.lora import write_slot
-from jaxserve.model.registry import model_for
+from jaxserve.model.registry import copy_pages, model_for
 from jaxserve.model.sharding import KV_CACHE_SPEC, put_global
 from jaxserve.model.spec import ModelSpec
 from jaxserve.model.weight_update import quantized_at_load, reload_params, undeclared_leaves
@@ -174,6 +174,7 @@ class Runner:
         structured_outputs: bool = True,
         pooling: bool = False,
         logprobs_mode: str = "raw_logprobs",
+        feature_width: int = 0,
     ):
         self.spec = spec
         self.params = params
@@ -191,7 +192,13 @@ class Runner:
         self.cache_dtype = jnp.dtype(cache_dtype)  # what the pages hold (float8_e4m3fn for an fp8 cache)
         self._cache_dtype = self.attention.storage_dtype(cache_dtype)  # the arrays' dtype (kv/fp8.py)
         self._num_cache_kv_heads = num_cache_kv_heads
-        self._kv_sharding = tuple(NamedSharding(mesh, KV_CACHE_SPEC) for _ in self._cache_shapes(1))
+        # EAGLE's features (spec/eagle.py): each computed token's final hidden state kept in a page-shaped array
+        # (1, P, S, 1, F) after the attention's, so page copies, swaps and the prefix cache carry it with the KV
+        self.feature_width = feature_width
+        num_kv_arrays = len(self.attention.cache_shapes(spec.num_layers, 1, page_size, num_cache_kv_heads,
+                                                         spec.head_dim))
+        self._kv_sharding = (*(NamedSharding(mesh, KV_CACHE_SPEC) for _ in range(num_kv_arrays)),
+                             *((self._replicated,) if feature_width else ()))
         self.kv_caches: tuple[jax.Array, ...] = ()  # allocate_kv: the backend's layout, each (L, P, S, heads, D)
         self.host_swap: HostSwap | None = None  # allocate_host_kv: the swap space in host memory
         self.num_pages = 0  # of the allocated KV pool
@@ -210,12 +217,21 @@ class Runner:
         self.max_rows = max_rows = max(ladders.row_buckets())
         # Everything the step functions below close over: runners with equal keys trace equal executables.
         self.trace_key = (model, spec, self.attention.name, self.attention.options, mesh, page_size,
-                          num_cache_kv_heads, self.cache_dtype, max_rows, num_scheduler_steps, logprobs_mode)
+                          num_cache_kv_heads, self.cache_dtype, max_rows, num_scheduler_steps, logprobs_mode,
+                          feature_width)
         # The jitted functions below must not capture `self`: JAX's jit objects would keep the runner, its
         # executables and their memory mappings alive after the engine is dropped.
 
         def forward_packed(params, caches, last_tokens, buffer, layout: Layout):
-            return forward(params, caches, with_device_tokens(unpack(buffer, layout, BatchDescriptor), last_tokens))
+            batch = with_device_tokens(unpack(buffer, layout, BatchDescriptor), last_tokens)
+            logits, hidden, kv = forward(params, caches[:num_kv_arrays], batch)
+            if not feature_width:
+                return logits, hidden, kv
+            features = copy_pages(caches[num_kv_arrays:], batch.copy_src, batch.copy_dst)[0]  # (1, P, S, 1, F)
+            slots = batch.slot_mapping  # (T,)
+            states = final_states(params, hidden, spec).astype(features.dtype)  # (T, F)
+            features = features.at[0, slots // page_size, slots % page_size, 0].set(states)
+            return logits, hidden, (*kv, features)
 
         def sample_packed(logits, buffer, layout: Layout):
             out = sample(logits, unpack(buffer, layout, SamplingBatch), logprobs_mode)
@@ -227,6 +243,8 @@ class Runner:
             return _padded_rows(jnp.take_along_axis(tokens, last_index, axis=0)[0], max_rows)
 
         def decode_steps_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
+            if feature_width:  # (speculative decoding, which EAGLE is, and multi-step decodes are alternatives)
+                raise ValueError("multi-step decodes do not keep EAGLE's features")
             batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
             sampling, steps = unpack(buffers[1], layouts[1], SamplingBatch), unpack(buffers[2], layouts[2], DecodeSteps)
             samples, caches = run_decode_steps(forward, params, caches, batch, sampled_by(sampling), steps,
@@ -305,9 +323,11 @@ class Runner:
     # ---- the KV pool --------------------------------------------------------------------------
 
     def _cache_shapes(self, num_pages: int) -> tuple[tuple[int, ...], ...]:
+        """The pool's arrays: the attention backend's, then EAGLE's features (1, P, S, 1, F) when it keeps them."""
         spec = self.spec
-        return self.attention.cache_shapes(spec.num_layers, num_pages, self.page_size, self._num_cache_kv_heads,
-                                           spec.head_dim)
+        kv = self.attention.cache_shapes(spec.num_layers, num_pages, self.page_size, self._num_cache_kv_heads,
+                                         spec.head_dim)
+        return (*kv, *([(1, num_pages, self.page_size, 1, self.feature_width)] if self.feature_width else []))
 
     def cache_structs(self, num_pages: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """The KV pool of `num_pages` pages as abstract arrays (shape, dtype, sharding)."""
@@ -319,10 +339,12 @@ class Runner:
         return self.kv_caches if num_pages is None else self.cache_structs(num_pages)
 
     def page_bytes(self) -> int:
-        """Bytes of one page of every layer in the backend's cache arrays (all devices together)."""
+        """Bytes of one page of every layer in the backend's cache arrays (and of EAGLE's features) (all devices
+        together)."""
         spec = self.spec
+        features = self.page_size * self.feature_width * jnp.dtype(self._cache_dtype).itemsize
         return self.attention.page_bytes(spec.num_layers, self.page_size, self._num_cache_kv_heads, spec.head_dim,
-                                         self._cache_dtype)
+                                         self._cache_dtype) + features
 
     def set_lora(self, slot: int, adapter: dict) -> None:
         """Write a LoRA adapter (model/lora.py `read_adapter`'s host arrays by leaf; {} frees the slot) into slot

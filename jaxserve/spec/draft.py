@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jaxserve.batch.builder import BucketLadders, build_batch, padded_decode_step_arrays
-from jaxserve.batch.descriptor import DecodeSteps
+from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps
 from jaxserve.config import EngineConfig
 from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxserve.kv import fp8
@@ -108,10 +109,11 @@ class DraftModelProposer:
             cached = self._cached_prefix(request)
             computed = len(cached) * page_size if cached else self._num_valid(request)
             known = request.num_known_tokens
-            take = min(known - computed, budget)
+            end = self._fed_positions(request)  # the positions the draft feeds before it proposes
+            take = min(end - computed, budget)
             if take <= 0:
                 break
-            proposes = take == known - computed
+            proposes = take == end - computed
             extra = max(0, min(self.num_tokens - 1, self.max_model_len - known)) if proposes else 0
             total = computed + take + extra
             if not self.kv.allocate_slots(request.request_id, computed, total, cached):
@@ -131,7 +133,7 @@ class DraftModelProposer:
             batch = build_batch(SchedulerOutput(items, []), page_size, self.runner.ladders)
             steps = padded_decode_step_arrays(batch.page_table.shape[0])
             steps["num_steps"][: len(further)] = further
-            proposals = np.asarray(self.runner.propose(batch, DecodeSteps(**steps)))  # (k, R) int32
+            proposals = np.asarray(self._dispatch(batch, DecodeSteps(**steps), items))  # (k, R) int32
         except BaseException:  # the pages registered above were never computed: forget them and the rows
             for item in items:
                 self.release(item.request.request_id)
@@ -143,6 +145,14 @@ class DraftModelProposer:
             self._fed[item.request.request_id] = _Fed(item.num_computed_tokens + item.num_new_tokens, guess[:extra])
             guesses[item.request.request_id] = guess
         return [guesses.get(request.request_id, []) for request in requests]
+
+    def _fed_positions(self, request: Request) -> int:
+        """How many of the request's positions the draft feeds before it proposes: all its known tokens."""
+        return request.num_known_tokens
+
+    def _dispatch(self, batch: BatchDescriptor, steps: DecodeSteps, items: list[ScheduledRequest]) -> jax.Array:
+        """Run the draft over the catch-up batch of `items`; its (k, R) proposals on the device."""
+        return self.runner.propose(batch, steps)
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """For a request the draft holds nothing of: the draft's cached pages of its longest cached prefix."""

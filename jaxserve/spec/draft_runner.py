@@ -27,19 +27,22 @@ from jaxserve.sampling.sampler import first_argmax
 
 
 def run_draft_steps(forward: Callable, params: dict, caches: tuple, batch: BatchDescriptor, steps: DecodeSteps,
-                    num_tokens: int, page_size: int) -> tuple[jax.Array, tuple]:
+                    num_tokens: int, page_size: int, features: jax.Array | None = None) -> tuple[jax.Array, tuple]:
     """Catch up and propose: (proposals (num_tokens, R) int32, the updated caches).
 
     Row r's first proposal is the argmax at its last token; it proposes `steps.num_steps[r]` more, each
     the argmax after feeding the one before (-1 beyond them; a row with 0 feeds nothing more).
-    `forward(params, caches, batch) -> (logits, hidden, caches)`."""
-    logits, _, caches = forward(params, caches, batch)  # logits: (R, V)
+    `forward(params, caches, batch) -> (logits, hidden, caches)`; an EAGLE head's takes each token's `features`
+    (T, F) too, and each row's own output at its last token stands for the feature of the token fed after it."""
+    extra = () if features is None else (features,)
+    logits, hidden, caches = forward(params, caches, batch, *extra)  # logits: (R, V)
     first = first_argmax(logits)  # (R,) int32
     if num_tokens == 1:
         return first[None], caches
     greedy = lambda logits, i: first_argmax(logits)  # noqa: E731  (R, V) -> (R,)
+    row_features = None if features is None else hidden[batch.logits_indices]  # (R, F)
     later, caches = run_decode_steps(forward, params, caches, next_token_batch(batch, first, steps, page_size),
-                                     greedy, steps, num_tokens - 1, page_size)  # later: (num_tokens - 1, R)
+                                     greedy, steps, num_tokens - 1, page_size, row_features)  # (num_tokens - 1, R)
     return jnp.concatenate([first[None], later]), caches
 
 

@@ -1,0 +1,153 @@
+"""EAGLE-1 speculative decoding (speculative_config method "eagle"): a one-layer head over the target's own
+features proposes each request's next k tokens (model/eagle.py).
+
+The target keeps every computed token's feature (its final hidden state after the final norm) in its KV pages,
+beside the attention's arrays (runner.py's `feature_width`), so prefix-cache hits, page copies, swaps and
+preemptions carry the features with the KV. The head has its own KV pool and pages, as a draft model does
+(spec/draft.py's proposer, whose catch-up and proposing this reuses): at a position p it feeds the token after p
+with the target's feature at p, read through the target's page table. A request with known tokens t_0..t_n has
+features up to position n - 1, so the head feeds positions up to n - 1 (t_1..t_n) and proposes after them; the
+positions it fed its own proposals at are computed anew after the verification, from the target's features of
+the accepted tokens (the head's KV there used its own outputs in place of features). The head's pool keeps no
+prefix cache: its KV at a page's last position depends on the next page's first token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch.builder import BucketLadders, padded_batch_arrays, padded_decode_step_arrays
+from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps
+from jaxserve.batch.packing import Layout, pack, unpack
+from jaxserve.config import EngineConfig
+from jaxserve.engine.scheduler import ScheduledRequest
+from jaxserve.kv import fp8
+from jaxserve.kv.cache_manager import KVCacheManager
+from jaxserve.model.eagle import eagle_forward, eagle_weights
+from jaxserve.model.loader import SafetensorsFolder, load_params
+from jaxserve.model.sharding import cache_kv_heads, put_global
+from jaxserve.model.spec import ModelSpec
+from jaxserve.request import Request
+from jaxserve.runner.runner import Runner
+from jaxserve.spec.draft import DraftModelProposer
+from jaxserve.spec.draft_runner import DraftRunner, run_draft_steps
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FeatureSlots:
+    """Where the target keeps the feature of each position a catch-up batch feeds."""
+
+    slots: jax.Array  # (T,) int32 the target's page * page_size + offset of each token's position; pad 0
+
+
+class EagleRunner(DraftRunner):
+    """The head's device side: a DraftRunner whose proposal executable (one per (T, W) bucket) reads each fed
+    position's feature from the target runner's pages and uses the target's LM head."""
+
+    def __init__(self, spec: ModelSpec, params: dict, mesh, *, target: Runner, num_proposals: int, **kwargs):
+        Runner.__init__(self, spec, params, mesh, **kwargs)  # (not DraftRunner's: its executable is a draft model's)
+        self.num_proposals = num_proposals
+        self.target = target
+        self.head_leaf = "lm_head" if "lm_head" in target.params else "embed"  # a tied target's head: its embedding
+        self.trace_key += ("eagle", num_proposals, self.head_leaf)
+        forward = eagle_forward(spec, self.attention.attention, self.attention.write_kv, mesh)
+        page_size, transposed = self.page_size, self.head_leaf == "embed"
+
+        def propose_packed(params, head, caches, features, buffers, layouts: tuple[Layout, Layout, Layout]):
+            batch, steps = unpack(buffers[0], layouts[0], BatchDescriptor), unpack(buffers[1], layouts[1], DecodeSteps)
+            slots = unpack(buffers[2], layouts[2], FeatureSlots).slots  # (T,)
+            token_features = features[0, slots // page_size, slots % page_size, 0]  # (T, F)
+            params = {**params, "lm_head": head.T if transposed else head}  # (H, V)
+            return run_draft_steps(forward, params, caches, batch, steps, num_proposals, page_size, token_features)
+
+        self._propose = jax.jit(
+            propose_packed,
+            in_shardings=(self.param_shardings, target.param_shardings[self.head_leaf], self._kv_sharding,
+                          target._kv_sharding[-1], self._replicated),
+            out_shardings=(self._replicated, self._kv_sharding), donate_argnums=(2,), static_argnums=(5,))
+        self._propose_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
+
+    def propose_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
+        """The proposal bucket (T, W): a catch-up batch of T tokens with their features' slots and the rows'
+        numbers of further steps, against the allocated pools or abstract ones of `num_pages`."""
+        num_rows = self.ladders.rows_for(num_tokens)
+        parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
+                 pack(DecodeSteps(**padded_decode_step_arrays(num_rows))),
+                 pack(FeatureSlots(np.zeros((num_tokens,), np.int32))))
+        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
+        features = self.target.caches(num_pages)[-1]  # (1, P, S, 1, F)
+        return self._propose, (self.params, self.target.params[self.head_leaf], self.caches(num_pages), features,
+                               buffers, tuple(layout for _, layout in parts))
+
+    def propose(self, batch: BatchDescriptor, steps: DecodeSteps, slots: FeatureSlots | None = None) -> jax.Array:
+        """Dispatch one proposal step; returns its (num_proposals, R) int32 proposals on the device."""
+        key = (batch.input_ids.shape[0], batch.page_table.shape[1])
+        executable = self._executable(self._propose_exec, key, self.propose_call)
+        buffers = put_global((pack(batch)[0], pack(steps)[0], pack(slots)[0]), self._replicated)
+        proposals, self.kv_caches = executable(self.params, self.target.params[self.head_leaf], self.kv_caches,
+                                               self.target.kv_caches[-1], buffers)
+        return proposals
+
+
+class EagleProposer(DraftModelProposer):
+    """Proposes `runner.num_proposals` tokens per request by greedy decoding with an EAGLE-1 head."""
+
+    target_kv: KVCacheManager | None = None  # the target's pages (the engine sets it): where the features are
+
+    @classmethod
+    def load(cls, config: EngineConfig, target_spec: ModelSpec, mesh, ladders: BucketLadders, max_model_len: int,
+             target: Runner) -> "EagleProposer":
+        """The head that config's speculative_config names, in the target's dtype (never quantized); a ValueError
+        for a head that does not fit the target."""
+        path = config.speculative_config["model"]
+        spec = ModelSpec.from_pretrained(path).for_max_model_len(max_model_len)
+        if spec.architecture != "LlamaForCausalLM" or spec.num_layers != 1:
+            raise ValueError(f"the EAGLE head {path!r} must be a one-layer LlamaForCausalLM config (EAGLE-1's Llama "
+                             f"heads), got {spec.architecture} with {spec.num_layers} layers")
+        if (spec.hidden_size, spec.vocab_size) != (target_spec.hidden_size, target_spec.vocab_size):
+            raise ValueError(f"the EAGLE head {path!r} has hidden_size {spec.hidden_size} and vocab_size "
+                             f"{spec.vocab_size}; the target has {target_spec.hidden_size} and "
+                             f"{target_spec.vocab_size}: a head is trained for one target")
+        kv_heads = cache_kv_heads(spec, mesh.devices.size)
+        folder = SafetensorsFolder(path)
+        declared = eagle_weights(spec, kv_heads, mesh.devices.size, "embed_tokens.weight" in folder,
+                                 "fc.bias" in folder)
+        params = load_params(folder, spec, mesh, target.weight_dtype, kv_heads, declared=declared)
+        if "embed" not in params:  # the head has no embedding of its own: a copy of the target's
+            params["embed"] = jnp.copy(target.params["embed"])
+        runner = EagleRunner(spec, params, mesh, target=target, page_size=config.page_size,
+                             num_cache_kv_heads=kv_heads, cache_dtype=fp8.cache_dtype("auto", target.weight_dtype),
+                             ladders=ladders, attention_backend=config.attention_backend,
+                             num_proposals=config.speculative_config["num_speculative_tokens"])
+        return cls(runner, config.max_num_batched_tokens, max_model_len, enable_prefix_caching=False)
+
+    def _fed_positions(self, request: Request) -> int:
+        """The positions whose target features exist: every known token's but the last."""
+        return request.num_known_tokens - 1
+
+    def _num_valid(self, request: Request) -> int:
+        """The positions the head fed with the target's features, short of the last one (fed again to propose
+        after it when nothing follows it yet)."""
+        fed = self._fed.get(request.request_id)
+        return 0 if fed is None else min(fed.num_tokens, self._fed_positions(request) - 1)
+
+    def _dispatch(self, batch: BatchDescriptor, steps: DecodeSteps, items: list[ScheduledRequest]) -> jax.Array:
+        """Feed each position the token after it and the target's feature at it."""
+        input_ids = np.array(batch.input_ids)  # (T,)
+        slots = np.zeros_like(input_ids)  # (T,)
+        page_size = self.runner.page_size
+        for row, item in enumerate(items):
+            start, first = int(batch.query_start_loc[row]), item.num_computed_tokens
+            count = item.num_new_tokens
+            input_ids[start: start + count] = item.request.token_ids(first + 1, first + count + 1)
+            positions = np.arange(first, first + count)
+            pages = np.asarray(self.target_kv.page_ids(item.request.request_id))[positions // page_size]
+            slots[start: start + count] = pages * page_size + positions % page_size
+        batch = dataclasses.replace(batch, input_ids=input_ids)
+        return self.runner.propose(batch, steps, FeatureSlots(slots))
