@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -224,17 +225,20 @@ def _published_spec(name: str) -> ModelSpec:
 
 
 def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_kv_heads: int,
-                    quantization: str = "none", kv_cache_dtype: str = "auto") -> dict:
+                    quantization: str = "none", kv_cache_dtype: str = "auto", declared: dict | None = None) -> dict:
     """Every params leaf as a ShapeDtypeStruct in its final sharding: the shapes the engine's dummy weights
     have (traced, never made), quantized as configured, with the fp8 KV cache's scales under `kv_cache_dtype`
-    fp8, the shardings the engine gives them."""
+    fp8, the shardings the engine gives them (`declared`: the weights, when not the registered architecture's)."""
     from jaxserve.model.loader import dummy_params
     from jaxserve.model.quantize import quantized_partition_specs, quantized_shapes
-    from jaxserve.model.registry import param_partition_specs, quantizable_leaves
+    from jaxserve.model.registry import map_weights, param_partition_specs, quantizable_leaves
     from jaxserve.model.sharding import named
 
-    shapes = jax.eval_shape(lambda: dummy_params(spec, mesh, dtype, num_cache_kv_heads, seed=0))
-    specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
+    shapes = jax.eval_shape(lambda: dummy_params(spec, mesh, dtype, num_cache_kv_heads, seed=0, declared=declared))
+    if declared is None:
+        specs = param_partition_specs(spec, num_cache_kv_heads, mesh.devices.size)
+    else:
+        specs = map_weights(lambda _, weight: weight.spec, declared)
     if quantization != "none":
         leaves = quantizable_leaves(spec)
         block = spec.checkpoint_weight_block  # a checkpoint's block or group scales are served grouped
@@ -409,7 +413,9 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     from jaxserve.model.registry import model_for
     from jaxserve.model.sharding import cache_kv_heads, make_mesh
     from jaxserve.runner.runner import Runner
+    from jaxserve.model.eagle import eagle_weights
     from jaxserve.spec.draft_runner import DraftRunner
+    from jaxserve.spec.eagle import EagleRunner
 
     config = EngineConfig.from_yaml(path, **({"attention_backend": attention_backend} if attention_backend else {}))
     spec, note = resolve_spec(config.model, model_shape)
@@ -428,18 +434,18 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     needed_pages = pages_for_tokens(max_model_len, config.page_size) + 1
 
     speculative = config.speculative_config or {}
-    if speculative.get("method") == "eagle":
-        raise ValueError(f"{path}: check-config does not lower EAGLE heads yet (speculative_config method eagle); "
-                         "check the config without its speculative_config")
-    draft = None  # (spec, abstract params, KV heads, dtype) of a draft model
-    if speculative.get("method") == "draft_model":
+    method = speculative.get("method")
+    draft = None  # (spec, abstract params, KV heads, dtype) of a draft model or an EAGLE head
+    if method in ("draft_model", "eagle"):
         draft_spec, draft_note = resolve_spec(speculative["model"], None)
         draft_spec = draft_spec.for_max_model_len(max_model_len)
         draft_kv_heads = cache_kv_heads(draft_spec, tp)
-        draft_dtype = jnp.dtype(resolve_dtype(config.dtype, draft_spec))
+        draft_dtype = dtype if method == "eagle" else jnp.dtype(resolve_dtype(config.dtype, draft_spec))
+        # an EAGLE head's weights (an embedding always: its own or the target's copy; fc's bias counted)
+        declared = eagle_weights(draft_spec, draft_kv_heads, tp, True, True) if method == "eagle" else None
         draft = (draft_spec, abstract_params(draft_spec, mesh, draft_dtype, draft_kv_heads, "none",
-                                             config.kv_cache_dtype), draft_kv_heads, draft_dtype)
-        note = f"{note}; draft model {draft_note}"
+                                             config.kv_cache_dtype, declared), draft_kv_heads, draft_dtype)
+        note = f"{note}; {'EAGLE head' if method == 'eagle' else 'draft model'} {draft_note}"
 
     def runner(backend: str, platform: str) -> Runner:
         return Runner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads,
@@ -447,20 +453,19 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
                       ladders=ladders, attention_backend=backend, platform=platform,
                       num_scheduler_steps=config.num_scheduler_steps,
                       num_speculative_tokens=config.num_speculative_tokens,
-                      pooling=runs_pooling(config, spec))
+                      pooling=runs_pooling(config, spec), feature_width=spec.hidden_size if method == "eagle" else 0)
 
-    def draft_runner(backend: str, platform: str) -> DraftRunner | None:
+    def draft_runner(backend: str, platform: str, target: Runner) -> DraftRunner | None:
         if draft is None:
             return None
         draft_spec, draft_params, draft_kv_heads, draft_dtype = draft
-        return DraftRunner(draft_spec, draft_params, mesh, page_size=config.page_size,
-                           num_cache_kv_heads=draft_kv_heads,
-                           cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, draft_dtype), ladders=ladders,
-                           attention_backend=backend, platform=platform,
-                           num_proposals=config.num_speculative_tokens)
+        kind = functools.partial(EagleRunner, target=target) if method == "eagle" else DraftRunner
+        return kind(draft_spec, draft_params, mesh, page_size=config.page_size, num_cache_kv_heads=draft_kv_heads,
+                    cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, draft_dtype), ladders=ladders,
+                    attention_backend=backend, platform=platform, num_proposals=config.num_speculative_tokens)
 
     cpu_runner = runner("xla", "cpu")
-    activation_bytes, compile_seconds = cpu_estimates(cpu_runner, draft_runner("xla", "cpu"))
+    activation_bytes, compile_seconds = cpu_estimates(cpu_runner, draft_runner("xla", "cpu", cpu_runner))
     weight_bytes = shard_bytes(params) + (shard_bytes(draft[1]) if draft else 0)
     target_shapes = cpu_runner.shapes()
     every_shape = target_shapes + ((target_shapes[0] if draft else []),)  # the draft's: the forward's (T, W)
@@ -469,7 +474,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
         device = devices[platform]
         try:
             platform_runner = runner(config.attention_backend, PLATFORMS[platform])
-            platform_draft = draft_runner(config.attention_backend, PLATFORMS[platform])
+            platform_draft = draft_runner(config.attention_backend, PLATFORMS[platform], platform_runner)
         except ValueError as why:
             checks.append(PlatformCheck(platform, device, None, [], [], None, f"attention backend: {why}"))
             continue

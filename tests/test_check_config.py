@@ -218,3 +218,29 @@ def test_a_pooling_config_lowers_its_pooling_buckets(tmp_path):
     assert rungs < check.executables["pooling"] < 2 * rungs  # the rungs of up to max_num_seqs tokens: one each
     for platform in check.platforms:
         assert [b.shape for b in platform.buckets if b.kind == "pooling"] == [(32, 32)]
+
+
+def test_an_eagle_config_lowers_the_head_and_counts_its_weights_and_features(tmp_path):
+    """The llama test checkpoint with its EAGLE head: the largest buckets (the head's proposal bucket among them)
+    lower for cuda and tpu; the weights grow by the head's (fc and its bias, one layer, its embedding); a KV page
+    holds each token's feature (H values) beside the target's KV."""
+    from helpers import checkpoint
+
+    checks = {}
+    for eagle in (False, True):
+        config = tmp_path / f"llama-eagle-{eagle}.yaml"
+        speculative = f"speculative_config: {{method: eagle, model: {checkpoint('llama-eagle')}}}\n" if eagle else ""
+        config.write_text(f"model: {checkpoint('llama')}\nmax_model_len: 128\nmax_num_seqs: 8\n"
+                          f"max_num_batched_tokens: 32\n{speculative}")
+        checks[eagle] = check_config.check_config(str(config), ["cuda", "tpu"], {"cuda": "h100", "tpu": "tpu-v5e"},
+                                                  buckets="largest", attention_backend="xla")
+    assert checks[True].failures == [] and checks[False].failures == []
+    assert checks[True].executables["draft"] == checks[True].executables["forward"] > 0
+    assert "EAGLE head" in checks[True].model_note
+    hidden, inner, heads, kv_heads, head_dim, vocab = 64, 128, 4, 2, 16, 512  # the llama fixture's shape
+    layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inner + hidden
+    head = 2 * hidden * hidden + hidden + layer + vocab * hidden
+    assert checks[True].weight_bytes - checks[False].weight_bytes == head * 4
+    for plain, eagle in zip(checks[False].platforms, checks[True].platforms):
+        assert "draft" in [b.kind for b in eagle.buckets]
+        assert eagle.memory.page_bytes > plain.memory.page_bytes

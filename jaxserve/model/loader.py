@@ -673,10 +673,12 @@ def _load_stacked(folder: TensorSource, names: list, layout: _Layout, sharding, 
     return stacked
 
 
-def dummy_params(spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int, seed: int) -> dict:
-    """Random weights of the declared shapes, made on the device in their final sharding (load_format "dummy",
-    for benchmarks of shapes whose real weights are not at hand): N(0, 0.02^2), norms 1."""
-    declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
+def dummy_params(spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_heads: int, seed: int,
+                 declared: dict | None = None) -> dict:
+    """Random weights of the declared shapes (`declared`: when not the registered architecture's), made on the
+    device in their final sharding (load_format "dummy", for benchmarks of shapes whose real weights are not at
+    hand): N(0, 0.02^2), norms 1."""
+    declared = declared or model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
     keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree_util.tree_leaves(
         declared, is_leaf=lambda node: isinstance(node, Weight)))))
 
