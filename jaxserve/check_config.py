@@ -408,12 +408,12 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     attention backend or `attention_backend`."""
     from jaxserve.engine.core import bucket_ladders, resolve_max_model_len
     from jaxserve.model.checkpoint import weight_quantization
+    from jaxserve.model.eagle import eagle_weights
     from jaxserve.model.loader import resolve_dtype
     from jaxserve.model.lora import lora_slot_structs
     from jaxserve.model.registry import model_for
     from jaxserve.model.sharding import cache_kv_heads, make_mesh
     from jaxserve.runner.runner import Runner
-    from jaxserve.model.eagle import eagle_weights
     from jaxserve.spec.draft_runner import DraftRunner
     from jaxserve.spec.eagle import EagleRunner
 
