@@ -30,7 +30,8 @@ VALID_BATCHING = ("continuous", "static")
 VALID_REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")
 # The server's tool call parsers (vLLM's names; server/tools.py's TOOL_PARSERS), named here for the CLI, which does
 # not import the server.
-VALID_TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic")
+VALID_TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic", "granite",
+                           "phi4_mini_json")
 # generate: the engine samples tokens; pooling: it also compiles the pooling buckets, and serves embeddings (a
 # prompt's final hidden states pooled into one vector, pooling/) beside generation, or a sequence classifier's
 # classes; auto: pooling for a sequence classifier, else generate (vLLM's `runner`).

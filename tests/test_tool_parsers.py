@@ -11,10 +11,12 @@ import pytest
 from jaxserve.config import VALID_TOOL_CALL_PARSERS
 from jaxserve.server.tools import (
     TOOL_PARSERS,
+    GraniteParser,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
     NamedCall,
+    Phi4MiniJsonParser,
     PythonicParser,
     Qwen3CoderParser,
     RequiredCalls,
@@ -89,6 +91,18 @@ CASES = [
     (PythonicParser(), "[f(1)]", "[f(1)]", []),  # positional
     (PythonicParser(), "[f(**kw)]", "[f(**kw)]", []),
     (PythonicParser(), "[f(x=1)] and more", "[f(x=1)] and more", []),
+    # Granite 3.x and Phi-4-mini: a marker, then a JSON array of calls (text after the array is content)
+    (GraniteParser(), "<|tool_call|>[" + json.dumps(WEATHER) + ', {"name": "now", "arguments": {}}]', "",
+     [ToolCall("get_weather", '{"city": "Paris", "days": 3}'), ToolCall("now", "{}")]),
+    (GraniteParser(), ' <tool_call>[{"name": "now", "arguments": {"tz": "UTC"}}] done', " done",
+     [ToolCall("now", '{"tz": "UTC"}')]),
+    (GraniteParser(), "It is sunny in Paris.", "It is sunny in Paris.", []),
+    (GraniteParser(), "<tool_", "<tool_", []),
+    (GraniteParser(), '<|tool_call|>[{"name": "now", "argu', '<|tool_call|>[{"name": "now", "argu', []),
+    (GraniteParser(), '<|tool_call|>[{"not": "a call"}]', '<|tool_call|>[{"not": "a call"}]', []),
+    (Phi4MiniJsonParser(), 'functools[{"name": "now", "arguments": {}}]', "", [ToolCall("now", "{}")]),
+    (Phi4MiniJsonParser(), "functional programming", "functional programming", []),
+    (Phi4MiniJsonParser(), "functools[]", "functools[]", []),
 ]
 
 
@@ -118,7 +132,7 @@ def test_streamed_deltas_add_up_to_the_whole_replys_split(extractor, reply, cont
 
 def test_the_cli_names_every_parser_the_server_has():
     assert tuple(TOOL_PARSERS) == VALID_TOOL_CALL_PARSERS
-    assert [name for name, parser in TOOL_PARSERS.items() if parser.keeps_special_tokens] == ["mistral"]
+    assert [name for name, parser in TOOL_PARSERS.items() if parser.keeps_special_tokens] == ["mistral", "granite"]
 
 
 def test_required_schema_takes_one_call_of_each_tool_and_no_other():

@@ -19,7 +19,9 @@ successive splits are the streamed deltas (`ToolCallStream`).
   - `mistral` (Mistral's `[TOOL_CALLS]` then a JSON array of calls, or `NAME[ARGS]{...}` per call in later
     tokenizers; special tokens, so the reply is decoded with them);
   - `pythonic` (Llama 3.2 / 4 and others: the reply is a Python list of calls, `[f(a=1), g(b="x")]`, literal
-    arguments only; the calls come with the final split, since text after the list would make it content).
+    arguments only; the calls come with the final split, since text after the list would make it content);
+  - `granite` (Granite 3.x: the reply is `<|tool_call|>` or `<tool_call>` then a JSON array of calls; decoded with
+    special tokens) and `phi4_mini_json` (Phi-4-mini: `functools` then a JSON array of calls).
 """
 
 from __future__ import annotations
@@ -317,9 +319,48 @@ class Llama3JsonParser(ToolCallExtractor):
         return (rest if final and rest.strip() else ""), calls
 
 
+class PrefixedArrayParser(ToolCallExtractor):
+    """A reply that opens with one of PREFIXES and then a JSON array of `{"name": ..., "arguments": {...}}` is
+    calls (held back until the array is whole; text after it is content); any other reply is content."""
+
+    PREFIXES: tuple[str, ...] = ()
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        stripped = text.lstrip()
+        prefix = next((p for p in self.PREFIXES if stripped.startswith(p)), None)
+        if prefix is None:
+            in_the_making = not final and any(p.startswith(stripped) for p in self.PREFIXES)
+            return ("" if in_the_making else text), []
+        rest = stripped[len(prefix):].lstrip()
+        if not final and not rest:
+            return "", []
+        try:
+            value, end = _DECODER.raw_decode(rest)
+        except json.JSONDecodeError:  # an array in the making, or (once final) no calls
+            return (text if final else ""), []
+        calls = [_call(item) for item in value] if isinstance(value, list) and value else [None]
+        if None in calls:
+            return text, []
+        return (rest[end:] if final and rest[end:].strip() else ""), calls
+
+
+class GraniteParser(PrefixedArrayParser):
+    """Granite 3.x's calls: `<|tool_call|>` (3.0) or `<tool_call>` (3.1 and later), then a JSON array."""
+
+    keeps_special_tokens = True
+    PREFIXES = ("<|tool_call|>", "<tool_call>")
+
+
+class Phi4MiniJsonParser(PrefixedArrayParser):
+    """Phi-4-mini's calls: `functools` then a JSON array."""
+
+    PREFIXES = ("functools",)
+
+
 TOOL_PARSERS: dict[str, type[ToolCallExtractor]] = {
     "hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
-    "mistral": MistralParser, "pythonic": PythonicParser,
+    "mistral": MistralParser, "pythonic": PythonicParser, "granite": GraniteParser,
+    "phi4_mini_json": Phi4MiniJsonParser,
 }
 
 
