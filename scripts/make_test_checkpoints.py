@@ -64,6 +64,8 @@ from transformers import (
     AutoTokenizer,
     Gemma2Config,
     Gemma2ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GenerationConfig,
@@ -133,7 +135,7 @@ GEMMA_INIT = dict(
         "model.norm.": 4.0,
     },
 )
-INIT_OVERRIDES = {"gemma2": GEMMA_INIT, "gemma3": GEMMA_INIT}
+INIT_OVERRIDES = {"gemma": GEMMA_INIT, "gemma2": GEMMA_INIT, "gemma3": GEMMA_INIT}
 
 # config.json keys renamed after saving so that the file says what the Hub's
 # checkpoints say (transformers reads both spellings): Qwen3MoeConfig's
@@ -360,6 +362,21 @@ MODELS = {
             ),
         ),
         10000,
+        None,
+    ),
+    # Gemma (the first, and CodeGemma): the Llama layer with (1 + w) norms,
+    # GeGLU, scaled tied embeddings; one KV head (gemma-2b's MQA), head_dim 32.
+    "gemma": (
+        GemmaForCausalLM,
+        GemmaConfig,
+        dict(
+            num_key_value_heads=1,
+            head_dim=32,
+            hidden_act="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+        14000,
         None,
     ),
     # Granite 3.x: the Llama layer with its four multipliers, none 1 (the

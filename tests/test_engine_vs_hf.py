@@ -21,6 +21,7 @@ CASES = [
     ("qwen2-moe", 8, 40),  # 4 experts, top 2 not renormalised, a shared expert
     ("granite", 16, 20),  # embedding, attention, residual and logits multipliers
     ("olmo2", 8, 40),  # norms after the sub-layers, q/k norms over the whole width
+    ("gemma", 16, 20),  # (1 + w) norms, GeGLU, scaled tied embeddings, one KV head
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

@@ -1,4 +1,7 @@
-"""Gemma 2 and Gemma 3 (text) as Flax NNX modules: the Llama family's layer with Gemma's differences.
+"""Gemma, Gemma 2 and Gemma 3 (text) as Flax NNX modules: the Llama family's layer with Gemma's differences.
+
+Gemma (the first: `GemmaForCausalLM`, and CodeGemma) is the Llama layer with the (1 + w) norm, GeGLU and the scaled,
+tied embeddings below; Gemma 2 and 3 add:
 
 - RMSNorm scales by (1 + w), in float32, and there are four norms per layer: before and after attention, before
   and after the feed-forward (whose output is normalised before its residual).
@@ -25,7 +28,14 @@ from jaxserve.attention.base import LayerAttention
 from jaxserve.model import llama
 from jaxserve.model.layers import StepContext, apply_rope, project, rope_cos_sin
 from jaxserve.model.registry import Model, map_weights, register
-from jaxserve.model.spec import ModelSpec, RopeSpec, checkpoint_quantization_fields, parse_eos, parse_rope
+from jaxserve.model.spec import (
+    ModelSpec,
+    RopeSpec,
+    checkpoint_quantization_fields,
+    llama_family_spec,
+    parse_eos,
+    parse_rope,
+)
 
 GEMMA_FAMILY = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 FULL, SLIDING = 0, 1  # a layer's kind: its index into the (attention, rope) choices
@@ -191,3 +201,47 @@ def weights(spec: GemmaSpec, num_cache_kv_heads: int, tensor_parallel_size: int)
 
 
 register(GEMMA_FAMILY, Model(spec_from_config=gemma_spec, weights=weights, module=GemmaForCausalLM, lora=True))
+
+
+def gemma1_spec(arch: str, config: dict, generation_config: dict) -> ModelSpec:
+    """The spec of a (first) Gemma config: the Llama family's fields with tied embeddings; a ValueError for an
+    activation other than the tanh GELU (its releases' `gelu` means it, as transformers reads them)."""
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in ("gelu", "gelu_pytorch_tanh"):
+        raise ValueError(f"unsupported hidden_activation {activation!r} for {arch}: only 'gelu_pytorch_tanh'")
+    llama_config = {**config, "hidden_act": "silu", "tie_word_embeddings": True}  # (the MLP is Gemma's GeGLU)
+    return dataclasses.replace(llama_family_spec("LlamaForCausalLM", llama_config, generation_config),
+                               architecture=arch)
+
+
+class Gemma1Layer(llama.LlamaLayer):
+    """The Llama layer with Gemma's (1 + w) norms and GeGLU feed-forward."""
+
+    def norm(self, x: jax.Array, weight: nnx.Param) -> jax.Array:
+        """Gemma's RMSNorm."""
+        return gemma_rms_norm(x, weight[...], self.spec.rms_norm_eps)
+
+    def feed_forward(self, h: jax.Array, step: StepContext) -> jax.Array:
+        """The GeGLU MLP (tanh GELU)."""
+        # h: (T, H) -> (T, H)
+        slots, lora = step.batch.lora_slots, self.lora
+        gate = jax.nn.gelu(project(h, self.w_gate, lora.get("w_gate"), slots), approximate=True)  # (T, I)
+        return project(gate * project(h, self.w_up, lora.get("w_up"), slots), self.w_down, lora.get("w_down"), slots)
+
+
+class Gemma1ForCausalLM(llama.LlamaForCausalLM):
+    """Gemma: the Llama decoder over `Gemma1Layer`s with scaled, tied embeddings."""
+
+    layer_module = Gemma1Layer
+    embed_tokens = GemmaForCausalLM.embed_tokens
+
+
+def gemma1_weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
+    """The Llama family's declarations (a tied head); a norm weight w scales by 1 + w, so random weights
+    (load_format dummy) start it near 0, not at 1."""
+    tree = llama.weights(spec, num_cache_kv_heads, tensor_parallel_size)
+    return map_weights(lambda _, weight: dataclasses.replace(weight, ones=False) if weight.ones else weight, tree)
+
+
+register(("GemmaForCausalLM",), Model(spec_from_config=gemma1_spec, weights=gemma1_weights, module=Gemma1ForCausalLM,
+                                      lora=True))
