@@ -194,7 +194,7 @@ class EngineCore:
         speculative = self.config.speculative_config
         if not speculative:
             return None
-        if speculative["method"] in ("draft_model", "eagle"):
+        if self.draft is not None:  # a draft model or an EAGLE head
             proposer = self.draft
         else:
             proposer = NgramProposer(speculative["num_speculative_tokens"], speculative["prompt_lookup_min"],
@@ -229,10 +229,10 @@ class EngineCore:
         if not free:
             raise ValueError(f"every one of the max_loras={self.config.max_loras} adapter slots holds an adapter "
                              f"({', '.join(self.loras)}): raise max_loras, or remove one")
-        fused = model_for(self.spec.architecture).fused
         adapter = read_adapter(request.lora_path, self.spec, self.config.max_lora_rank,
                                cache_kv_heads(self.spec, self.config.tensor_parallel_size),
-                               set(self.runner.params["layers"]["lora"]), fused(self.spec) if fused else None)
+                               set(self.runner.params["layers"]["lora"]),
+                               model_for(self.spec.architecture).fused_parts(self.spec))
         self.runner.set_lora(free[0], adapter)
         self.loras[request.lora_name] = LoadedLora(free[0], request, f"{request.lora_name}#{next(self._lora_loads)}")
         logger.info("LoRA adapter %r from %s in slot %d", request.lora_name, request.lora_path, free[0])

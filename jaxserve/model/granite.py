@@ -32,13 +32,11 @@ def granite_spec(arch: str, config: dict, generation_config: dict) -> GraniteSpe
     if config.get("attention_bias"):
         raise ValueError("attention_bias=True is not supported for GraniteForCausalLM")
     base = llama_family_spec("LlamaForCausalLM", config, generation_config)
-    fields = {field.name: getattr(base, field.name) for field in dataclasses.fields(ModelSpec)}
-    head_dim = base.head_dim
-    return GraniteSpec(**{**fields, "architecture": arch},
-                       embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
-                       attention_multiplier=float(config.get("attention_multiplier", head_dim**-0.5)),
-                       residual_multiplier=float(config.get("residual_multiplier", 1.0)),
-                       logits_scaling=float(config.get("logits_scaling", 1.0)))
+    return base.extended(GraniteSpec, architecture=arch,
+                         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)),
+                         attention_multiplier=float(config.get("attention_multiplier", base.head_dim**-0.5)),
+                         residual_multiplier=float(config.get("residual_multiplier", 1.0)),
+                         logits_scaling=float(config.get("logits_scaling", 1.0)))
 
 
 class GraniteLayer(llama.LlamaLayer):

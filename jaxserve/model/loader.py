@@ -316,9 +316,11 @@ class FusedRows:
 
     def _fused(self, name: str) -> tuple[str, int, int] | None:
         """(the fused tensor, first row, rows) that `name` reads, or None for a name read as stored."""
+        if name in self.source:
+            return None
         module, _, tensor = name.rpartition(".")
         for suffix, (fused, first, rows) in self.parts.items():
-            if module.endswith("." + suffix) and name not in self.source:
+            if module.endswith("." + suffix):
                 return f"{module.removesuffix(suffix)}{fused}.{tensor}", first, rows
         return None
 
@@ -384,9 +386,9 @@ def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
     checkpoint's packed weights as bytes, `PackedInt4`, over an AWQ or GPTQ one's as compressed-tensors', `AwqGemm`,
     `GptqPacked`, which also reads 8-bit GPTQ weights as int8; a fused projection's parts apart, `FusedRows`)."""
     source = SafetensorsFolder(source) if isinstance(source, str) else source
-    fused = model_for(spec.architecture).fused
-    if fused is not None:
-        source = FusedRows(source, fused(spec))
+    fused = model_for(spec.architecture).fused_parts(spec)
+    if fused:
+        source = FusedRows(source, fused)
     if spec.checkpoint_format == "awq":
         source = AwqGemm(source)
     elif spec.checkpoint_format == "gptq":

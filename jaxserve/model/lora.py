@@ -78,7 +78,7 @@ def with_lora_slots(params: dict, slots: dict) -> dict:
 
 
 def read_adapter(path: str, spec: ModelSpec, max_rank: int, num_cache_kv_heads: int, leaves: set[str],
-                 fused: dict[str, tuple[str, int, int]] | None = None) -> dict[str, tuple]:
+                 fused: dict[str, tuple[str, int, int]]) -> dict[str, tuple]:
     """A PEFT LoRA folder as each adapted leaf's (a (L, in, R), b (L, R, out)) float32 host arrays, padded to rank
     `max_rank`, scale folded into b, KV heads repeated as the cache holds them; ValueError naming what this engine
     cannot serve (`leaves`: the projections with slots; `fused`: the model's fused projections, `Model.fused`)."""
@@ -88,7 +88,7 @@ def read_adapter(path: str, spec: ModelSpec, max_rank: int, num_cache_kv_heads: 
         raise ValueError(f"LoRA adapter {path}: rank r={rank!r} must be an integer in [1, max_lora_rank={max_rank}]")
     alpha = config.get("lora_alpha", rank)
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = _split_fused(load_file(_weights_file(path)), fused or {})
+    tensors = _split_fused(load_file(_weights_file(path)), fused)
     widths = _projection_widths(spec)
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
     found: dict[str, dict[str, dict[int, np.ndarray]]] = {}

@@ -70,12 +70,10 @@ def moe_spec(arch: str, config: dict, generation_config: dict) -> MoeSpec:
     shared = config.get("shared_expert_intermediate_size", 0) if arch == "Qwen2MoeForCausalLM" else 0
     experts = config.get("num_local_experts") or config["num_experts"]  # transformers 5's name, or the Hub's
     base = llama_family_spec(attention_arch, {**config, "intermediate_size": inner}, generation_config)
-    fields = {field.name: getattr(base, field.name) for field in dataclasses.fields(ModelSpec)}
-    if arch == "Qwen2MoeForCausalLM":
-        fields["qkv_bias"] = bool(config.get("qkv_bias", True))
-    return MoeSpec(**{**fields, "architecture": arch}, num_experts=experts,
-                   num_experts_per_tok=config["num_experts_per_tok"], normalize_top_k=bool(normalize),
-                   round_weights=arch in QWEN_MOES, shared_expert_size=shared)
+    qkv_bias = bool(config.get("qkv_bias", True)) if arch == "Qwen2MoeForCausalLM" else base.qkv_bias
+    return base.extended(MoeSpec, architecture=arch, qkv_bias=qkv_bias, num_experts=experts,
+                         num_experts_per_tok=config["num_experts_per_tok"], normalize_top_k=bool(normalize),
+                         round_weights=arch in QWEN_MOES, shared_expert_size=shared)
 
 
 class MoeLayer(llama.LlamaLayer):

@@ -70,6 +70,10 @@ class Model:
     # FusedRows): spec -> {a declared tensor's module suffix: (the fused module's suffix, first row, rows)}
     fused: Callable[[ModelSpec], dict[str, tuple[str, int, int]]] | None = None
 
+    def fused_parts(self, spec: ModelSpec) -> dict[str, tuple[str, int, int]]:
+        """The projections `spec`'s checkpoint stores fused (`fused`'s map; empty when none are)."""
+        return self.fused(spec) if self.fused else {}
+
     def make_forward(self, spec: ModelSpec, attention: AttentionFn, write_kv: WriteKVFn, mesh: Mesh) -> Callable:
         """forward(params, caches, batch) -> (logits (R, V) float32, hidden (T, H), caches) with the attention
         backend and the mesh bound: the step's page copies (copy-on-write), then the module."""

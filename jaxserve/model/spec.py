@@ -224,6 +224,12 @@ class ModelSpec:
         `RopeSpec.for_max_model_len`)."""
         return dataclasses.replace(self, rope=self.rope.for_max_model_len(max_model_len))
 
+    def extended(self, cls: type, **fields) -> "ModelSpec":
+        """This spec as an instance of the subclass `cls` (an architecture's own spec) with `fields` set: ModelSpec's
+        fields taken from this spec unless `fields` gives them."""
+        base = {field.name: getattr(self, field.name) for field in dataclasses.fields(ModelSpec)}
+        return cls(**{**base, **fields})
+
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelSpec":
         """Read `config.json` (and `generation_config.json` for EOS ids) from a Hugging Face folder."""
@@ -354,12 +360,18 @@ def parse_rope(config: dict, head_dim: int, parameters: dict | None = None) -> R
     return RopeSpec(**{**fields, **extra})
 
 
+def _context_factor(rope_type: str, config: dict, params: dict, original: int | None) -> float:
+    """How far a scaled rope stretches the original context: its `factor`, else max_position_embeddings over
+    original_max_position_embeddings (as transformers reads them); a ValueError without an original context."""
+    if not original:
+        raise ValueError(f"a {rope_type} rope_scaling needs original_max_position_embeddings")
+    return params.get("factor") or config.get("max_position_embeddings", original) / original
+
+
 def _yarn_fields(config: dict, params: dict, original: int | None) -> dict:
     """YaRN's factor, ramp and attention factor, as transformers reads them (the attention factor by default
     0.1 ln(factor) + 1, or DeepSeek's ratio of two such with `mscale` and `mscale_all_dim`)."""
-    if not original:
-        raise ValueError("a yarn rope_scaling needs original_max_position_embeddings")
-    factor = params.get("factor") or config.get("max_position_embeddings", original) / original
+    factor = _context_factor("yarn", config, params, original)
 
     def mscale(scale: float) -> float:
         return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
@@ -383,9 +395,7 @@ def _longrope_fields(config: dict, params: dict, rotary_dim: int, original: int 
             raise ValueError(f"a longrope rope_scaling needs {name}: a list of {rotary_dim // 2} numbers (one per "
                              f"pair of rotary dims), got {values!r}")
         factors[name] = tuple(float(value) for value in values)
-    if not original:
-        raise ValueError("a longrope rope_scaling needs original_max_position_embeddings")
-    factor = params.get("factor") or config.get("max_position_embeddings", original) / original
+    factor = _context_factor("longrope", config, params, original)
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0

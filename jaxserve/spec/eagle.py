@@ -85,7 +85,7 @@ class EagleRunner(DraftRunner):
         return self._propose, (self.params, self.target.params[self.head_leaf], self.caches(num_pages), features,
                                buffers, tuple(layout for _, layout in parts))
 
-    def propose(self, batch: BatchDescriptor, steps: DecodeSteps, slots: FeatureSlots | None = None) -> jax.Array:
+    def propose(self, batch: BatchDescriptor, steps: DecodeSteps, slots: FeatureSlots) -> jax.Array:
         """Dispatch one proposal step; returns its (num_proposals, R) int32 proposals on the device."""
         key = (batch.input_ids.shape[0], batch.page_table.shape[1])
         executable = self._executable(self._propose_exec, key, self.propose_call)
