@@ -40,8 +40,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax.export import DisabledSafetyCheck
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxserve.config import VALID_ATTENTION_BACKENDS, EngineConfig, runs_pooling
+from jaxserve.config import EAGLE_METHODS, VALID_ATTENTION_BACKENDS, EngineConfig, runs_pooling
 from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES, GIB, MemoryPlan, plan_kv_pages
@@ -408,7 +409,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     attention backend or `attention_backend`."""
     from jaxserve.engine.core import bucket_ladders, resolve_max_model_len
     from jaxserve.model.checkpoint import weight_quantization
-    from jaxserve.model.eagle import eagle_weights
+    from jaxserve.model.eagle import eagle3_weights, eagle_weights, read_head_config
     from jaxserve.model.loader import resolve_dtype
     from jaxserve.model.lora import lora_slot_structs
     from jaxserve.model.registry import model_for
@@ -436,16 +437,26 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     speculative = config.speculative_config or {}
     method = speculative.get("method")
     draft = None  # (spec, abstract params, KV heads, dtype) of a draft model or an EAGLE head
-    if method in ("draft_model", "eagle"):
+    head = None  # an EAGLE head's config (model/eagle.py)
+    if method == "draft_model":
         draft_spec, draft_note = resolve_spec(speculative["model"], None)
+        draft_dtype, declared = jnp.dtype(resolve_dtype(config.dtype, draft_spec)), None
+    elif method in EAGLE_METHODS:
+        head = read_head_config(speculative["model"], method, spec)
+        draft_spec, draft_note, draft_dtype = head.spec, os.path.join(speculative["model"], "config.json"), dtype
+    if method in ("draft_model", *EAGLE_METHODS):
         draft_spec = draft_spec.for_max_model_len(max_model_len)
         draft_kv_heads = cache_kv_heads(draft_spec, tp)
-        draft_dtype = dtype if method == "eagle" else jnp.dtype(resolve_dtype(config.dtype, draft_spec))
-        # an EAGLE head's weights (an embedding always: its own or the target's copy; fc's bias counted)
-        declared = eagle_weights(draft_spec, draft_kv_heads, tp, True, True) if method == "eagle" else None
-        draft = (draft_spec, abstract_params(draft_spec, mesh, draft_dtype, draft_kv_heads, "none",
-                                             config.kv_cache_dtype, declared), draft_kv_heads, draft_dtype)
-        note = f"{note}; {'EAGLE head' if method == 'eagle' else 'draft model'} {draft_note}"
+        if head is not None:  # an EAGLE head's weights (an embedding always: its own or the target's copy)
+            declared = (eagle3_weights(draft_spec, draft_kv_heads, tp, True, head.draft_vocab_size)
+                        if head.version == 3 else eagle_weights(draft_spec, draft_kv_heads, tp, True, True))
+        draft_params = abstract_params(draft_spec, mesh, draft_dtype, draft_kv_heads, "none", config.kv_cache_dtype,
+                                       declared)
+        if head is not None and head.draft_vocab_size < draft_spec.vocab_size:  # EAGLE-3's draft ids' tokens
+            draft_params["draft_tokens"] = jax.ShapeDtypeStruct((head.draft_vocab_size,), jnp.int32,
+                                                                sharding=NamedSharding(mesh, P()))
+        draft = (draft_spec, draft_params, draft_kv_heads, draft_dtype)
+        note = f"{note}; {'EAGLE head' if head else 'draft model'} {draft_note}"
 
     def runner(backend: str, platform: str) -> Runner:
         return Runner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads,
@@ -453,13 +464,13 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
                       ladders=ladders, attention_backend=backend, platform=platform,
                       num_scheduler_steps=config.num_scheduler_steps,
                       num_speculative_tokens=config.num_speculative_tokens,
-                      pooling=runs_pooling(config, spec), feature_width=spec.hidden_size if method == "eagle" else 0)
+                      pooling=runs_pooling(config, spec), features=head.features if head else None)
 
     def draft_runner(backend: str, platform: str, target: Runner) -> DraftRunner | None:
         if draft is None:
             return None
         draft_spec, draft_params, draft_kv_heads, draft_dtype = draft
-        kind = functools.partial(EagleRunner, target=target) if method == "eagle" else DraftRunner
+        kind = functools.partial(EagleRunner, target=target, version=head.version) if head else DraftRunner
         return kind(draft_spec, draft_params, mesh, page_size=config.page_size, num_cache_kv_heads=draft_kv_heads,
                     cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, draft_dtype), ladders=ladders,
                     attention_backend=backend, platform=platform, num_proposals=config.num_speculative_tokens)

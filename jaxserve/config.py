@@ -18,7 +18,8 @@ VALID_POLICIES = ("fcfs", "priority")
 # How a preempted request gives its KV pages back: recompute (drop them; its tokens are computed again when it
 # resumes), swap (copy them to a host-memory pool and back when it resumes), auto (swap long contexts).
 VALID_PREEMPTION_MODES = ("recompute", "swap", "auto")
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle")  # proposers of speculative_config's `method`
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")  # proposers of speculative_config's `method`
+EAGLE_METHODS = ("eagle", "eagle3")  # the methods of EAGLE heads (EAGLE-1, EAGLE-3: spec/eagle.py)
 SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas-tpu-interpret")
 # continuous: requests join and leave the running batch at every step and hold only the pages they fill;
@@ -187,9 +188,10 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", _checked_speculative_config(self.speculative_config))
             if self.num_scheduler_steps > 1:
                 raise ValueError("speculative_config and num_scheduler_steps > 1 are alternatives: choose one")
-            if self.speculative_config["method"] == "eagle" and self.kv_cache_dtype == "fp8":
-                raise ValueError("speculative_config method eagle keeps the target's features beside its KV pages, "
-                                 "in their dtype: use kv_cache_dtype auto with it")
+            method = self.speculative_config["method"]
+            if method in EAGLE_METHODS and self.kv_cache_dtype == "fp8":
+                raise ValueError(f"speculative_config method {method} keeps the target's features beside its KV "
+                                 f"pages, in their dtype: use kv_cache_dtype auto with it")
         for name in ("async_scheduling", "skip_precompile", "enable_lora", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -327,9 +329,9 @@ def _checked_speculative_config(config) -> dict:
     if config["method"] == "draft_model" and not isinstance(config.get("model"), str):
         raise ValueError("speculative_config method draft_model needs `model`: the folder of a smaller model with "
                          "the target's tokenizer")
-    if config["method"] == "eagle" and not isinstance(config.get("model"), str):
-        raise ValueError("speculative_config method eagle needs `model`: the folder of an EAGLE head trained for the "
-                         "target")
+    if config["method"] in EAGLE_METHODS and not isinstance(config.get("model"), str):
+        raise ValueError(f"speculative_config method {config['method']} needs `model`: the folder of an EAGLE head "
+                         f"trained for the target")
     if config["method"] == "ngram" and "model" in config:
         raise ValueError("speculative_config method ngram takes no `model` (use method draft_model)")
     for key in SPECULATIVE_DEFAULTS:

@@ -220,27 +220,46 @@ def test_a_pooling_config_lowers_its_pooling_buckets(tmp_path):
         assert [b.shape for b in platform.buckets if b.kind == "pooling"] == [(32, 32)]
 
 
-def test_an_eagle_config_lowers_the_head_and_counts_its_weights_and_features(tmp_path):
-    """The llama test checkpoint with its EAGLE head: the largest buckets (the head's proposal bucket among them)
-    lower for cuda and tpu; the weights grow by the head's (fc and its bias, one layer, its embedding); a KV page
-    holds each token's feature (H values) beside the target's KV."""
+
+
+
+def _eagle_head_bytes(method: str) -> tuple[int, int]:
+    """(weight bytes, page bytes) the test heads add to their float32 targets (both: H 64, I 128, 4 heads, 2 KV
+    heads of 16, V 512): EAGLE-1's fc over 2H with its bias, one layer without its input norm, an embedding, a
+    feature of H per token; EAGLE-3's fc over 3H, a layer whose attention reads 2H with three norms, its final
+    norm, LM head over 96 draft tokens and their int32 target ids, an embedding, three layers' inputs per token."""
+    hidden, inner, heads, kv_heads, head_dim, vocab, draft_vocab, page = 64, 128, 4, 2, 16, 512, 96, 16
+    attention_in, mlp = heads + 2 * kv_heads, 3 * hidden * inner
+    head_kv = page * 2 * kv_heads * head_dim * 4  # a page of the head's one layer
+    if method == "eagle":
+        layer = hidden * attention_in * head_dim + heads * head_dim * hidden + mlp + hidden
+        return (2 * hidden * hidden + hidden + layer + vocab * hidden) * 4, page * hidden * 4 + head_kv
+    layer = 2 * hidden * attention_in * head_dim + heads * head_dim * hidden + mlp + 3 * hidden
+    head = 3 * hidden * hidden + layer + hidden + hidden * draft_vocab + vocab * hidden
+    return head * 4 + draft_vocab * 4, page * 3 * hidden * 4 + head_kv
+
+
+@pytest.mark.parametrize("method, target, head", [("eagle", "llama", "llama-eagle"),
+                                                  ("eagle3", "gemma2", "gemma2-eagle3")])
+def test_an_eagle_config_lowers_the_head_and_counts_its_weights_and_features(tmp_path, method, target, head):
+    """A test checkpoint with its EAGLE head: the largest buckets (the head's proposal bucket among them; for
+    EAGLE-3, the target's forward giving three layers' inputs) lower for cuda and tpu; the weights grow by the
+    head's, and each KV page by its tokens' features beside the target's KV and the head's own KV."""
     from helpers import checkpoint
 
     checks = {}
     for eagle in (False, True):
-        config = tmp_path / f"llama-eagle-{eagle}.yaml"
-        speculative = f"speculative_config: {{method: eagle, model: {checkpoint('llama-eagle')}}}\n" if eagle else ""
-        config.write_text(f"model: {checkpoint('llama')}\nmax_model_len: 128\nmax_num_seqs: 8\n"
+        config = tmp_path / f"{head}-{eagle}.yaml"
+        speculative = f"speculative_config: {{method: {method}, model: {checkpoint(head)}}}\n" if eagle else ""
+        config.write_text(f"model: {checkpoint(target)}\nmax_model_len: 128\nmax_num_seqs: 8\n"
                           f"max_num_batched_tokens: 32\n{speculative}")
         checks[eagle] = check_config.check_config(str(config), ["cuda", "tpu"], {"cuda": "h100", "tpu": "tpu-v5e"},
                                                   buckets="largest", attention_backend="xla")
     assert checks[True].failures == [] and checks[False].failures == []
     assert checks[True].executables["draft"] == checks[True].executables["forward"] > 0
     assert "EAGLE head" in checks[True].model_note
-    hidden, inner, heads, kv_heads, head_dim, vocab = 64, 128, 4, 2, 16, 512  # the llama fixture's shape
-    layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inner + hidden
-    head = 2 * hidden * hidden + hidden + layer + vocab * hidden
-    assert checks[True].weight_bytes - checks[False].weight_bytes == head * 4
+    weight_bytes, page_bytes = _eagle_head_bytes(method)
+    assert checks[True].weight_bytes - checks[False].weight_bytes == weight_bytes
     for plain, eagle in zip(checks[False].platforms, checks[True].platforms):
         assert "draft" in [b.kind for b in eagle.buckets]
-        assert eagle.memory.page_bytes > plain.memory.page_bytes
+        assert eagle.memory.page_bytes - plain.memory.page_bytes == page_bytes

@@ -24,7 +24,7 @@ from jaxserve.batch.builder import (
     build_sampling_batch,
     fill_token_bitmasks,
 )
-from jaxserve.config import EngineConfig, runs_pooling
+from jaxserve.config import EAGLE_METHODS, EngineConfig, runs_pooling
 from jaxserve.distributed import runtime
 from jaxserve.distributed.channel import FollowerChannel, LeaderChannel
 from jaxserve.distributed.mirror import Mirrored, exit_soon, serve_leader
@@ -46,7 +46,7 @@ from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner.executables import CompileCounter
 from jaxserve.runner.runner import PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.spec.draft import DraftModelProposer
-from jaxserve.spec.eagle import EagleProposer
+from jaxserve.spec.eagle import EagleProposer, target_features
 from jaxserve.spec.metrics import SpecDecodeStats
 from jaxserve.spec.ngram import NgramProposer
 from jaxserve.spec.proposer import Proposer
@@ -96,7 +96,7 @@ class EngineCore:
             attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
             structured_outputs=config.enable_structured_outputs, pooling=pooling, logprobs_mode=config.logprobs_mode,
-            feature_width=self.spec.hidden_size if method == "eagle" else 0,  # EAGLE reads the target's features
+            features=target_features(config, self.spec),  # what an EAGLE head reads of the target
         )
         # runner pooling: how prompts are pooled into embeddings or classes, and the sizes a Matryoshka model may cut
         # embeddings to
@@ -108,7 +108,7 @@ class EngineCore:
         self.draft = None  # speculative decoding's draft model or EAGLE head (methods draft_model, eagle)
         if method == "draft_model":
             self.draft = DraftModelProposer.load(config, self.spec, self.mesh, self.ladders, self.max_model_len)
-        elif method == "eagle":
+        elif method in EAGLE_METHODS:
             self.draft = EagleProposer.load(config, self.spec, self.mesh, self.ladders, self.max_model_len,
                                             self.runner)
         # The draft's pool has as many pages as the target's, so a page of each is sized together.

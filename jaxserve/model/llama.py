@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -144,15 +145,30 @@ class LlamaForCausalLM(nnx.Module):
                  ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
         """One step over the padded ragged batch: (logits (R, V) float32 of each row's last token, every token's
         hidden state before the final norm (T, H), caches)."""
+        return self.tapped(caches, step, ())[:3]
+
+    def tapped(self, caches: tuple[jax.Array, ...], step: StepContext, layers: tuple[int, ...]
+               ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...], jax.Array | None]:
+        """`__call__`'s step and each token's inputs of `layers` (ascending, distinct; the residual stream before
+        each, 0: the embeddings) side by side, (T, len(layers) * H) (EAGLE-3's features; None for no layers)."""
         batch = step.batch
         rope = self.rope_tables(batch.positions)
         x = self.embed_tokens(batch.input_ids)  # (T, H)
+        kept = None
+        if layers:  # kept: (len(layers) + 1, T, H); a layer not tapped writes to the last place, never read
+            kept = jnp.zeros((len(layers) + 1, *x.shape), x.dtype)
+            places = np.full((self.spec.num_layers,), len(layers), np.int32)  # (L,) each layer's place
+            places[list(layers)] = np.arange(len(layers))
 
         def layer_step(layer: LlamaLayer, carry, index):
-            return layer(*carry, index, rope, step)
+            x, caches, kept = carry
+            if kept is not None:
+                kept = jax.lax.dynamic_update_index_in_dim(kept, x, jnp.asarray(places)[index], 0)
+            return *layer(x, caches, index, rope, step), kept
 
-        x, caches = scan_layers(self.layers, (x, caches), layer_step)
-        return self.logits(x[batch.logits_indices]), x, caches
+        x, caches, kept = scan_layers(self.layers, (x, caches, kept), layer_step)
+        taps = None if kept is None else jnp.concatenate(list(kept[:-1]), axis=-1)  # (T, len(layers) * H)
+        return self.logits(x[batch.logits_indices]), x, caches, taps
 
     def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
         """The tokens' embeddings."""

@@ -62,7 +62,8 @@ class Model:
     weights: Callable[[ModelSpec, int, int], dict]
     # the Flax NNX module: module(params, spec) over the params tree (model/layers.py), with
     # __call__(caches, StepContext) -> (logits (R, V) float32, hidden (T, H), caches),
-    # logits(hidden (N, H)) -> (N, V) float32 and (for pooling) final_states(hidden (N, H)) -> (N, H)
+    # logits(hidden (N, H)) -> (N, V) float32, (for pooling) final_states(hidden (N, H)) -> (N, H) and (for EAGLE-3
+    # targets) tapped(caches, StepContext, layers) -> __call__'s and the layers' inputs (T, len(layers) * H)
     module: type
     # the module adds LoRA adapters' products (params["layers"]["lora"], model/lora.py) to its dense projections
     lora: bool = False
@@ -74,13 +75,16 @@ class Model:
         """The projections `spec`'s checkpoint stores fused (`fused`'s map; empty when none are)."""
         return self.fused(spec) if self.fused else {}
 
-    def make_forward(self, spec: ModelSpec, attention: AttentionFn, write_kv: WriteKVFn, mesh: Mesh) -> Callable:
+    def make_forward(self, spec: ModelSpec, attention: AttentionFn, write_kv: WriteKVFn, mesh: Mesh,
+                     tap_layers: tuple[int, ...] = ()) -> Callable:
         """forward(params, caches, batch) -> (logits (R, V) float32, hidden (T, H), caches) with the attention
-        backend and the mesh bound: the step's page copies (copy-on-write), then the module."""
+        backend and the mesh bound: the step's page copies (copy-on-write), then the module. With `tap_layers`
+        (EAGLE-3's), also the inputs of those layers (T, len(tap_layers) * H): the module's `tapped`."""
 
         def forward(params: dict, caches: tuple[jax.Array, ...], batch: BatchDescriptor):
             caches = copy_pages(caches, batch.copy_src, batch.copy_dst)
-            return self.module(params, spec)(caches, StepContext(batch, attention, write_kv, mesh))
+            module, step = self.module(params, spec), StepContext(batch, attention, write_kv, mesh)
+            return module.tapped(caches, step, tap_layers) if tap_layers else module(caches, step)
 
         return forward
 

@@ -33,6 +33,7 @@ from jaxserve.batch.builder import (
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PoolingBatch, PromptLogprobBatch
 from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.kv.host_swap import HostSwap
+from jaxserve.model.eagle import TargetFeatures
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping
 from jaxserve.model.lora import write_slot
 from jaxserve.model.registry import copy_pages, model_for
@@ -174,7 +175,7 @@ class Runner:
         structured_outputs: bool = True,
         pooling: bool = False,
         logprobs_mode: str = "raw_logprobs",
-        feature_width: int = 0,
+        features: TargetFeatures | None = None,
     ):
         self.spec = spec
         self.params = params
@@ -192,8 +193,11 @@ class Runner:
         self.cache_dtype = jnp.dtype(cache_dtype)  # what the pages hold (float8_e4m3fn for an fp8 cache)
         self._cache_dtype = self.attention.storage_dtype(cache_dtype)  # the arrays' dtype (kv/fp8.py)
         self._num_cache_kv_heads = num_cache_kv_heads
-        # EAGLE's features (spec/eagle.py): each computed token's final hidden state kept in a page-shaped array
-        # (1, P, S, 1, F) after the attention's, so page copies, swaps and the prefix cache carry it with the KV
+        # EAGLE's features (spec/eagle.py): what each computed token gives the head (its final hidden state, or
+        # EAGLE-3's layer inputs) kept in a page-shaped array (1, P, S, 1, F) after the attention's, so page
+        # copies, swaps and the prefix cache carry it with the KV
+        self.features = features
+        feature_width = features.width if features else 0
         self.feature_width = feature_width
         num_kv_arrays = len(self.attention.cache_shapes(spec.num_layers, 1, page_size, num_cache_kv_heads,
                                                          spec.head_dim))
@@ -211,6 +215,8 @@ class Runner:
         token_logits = model.token_logits  # (params, hidden (N, H), spec) -> (N, V) float32
         final_states = model.final_states  # (params, hidden (N, H), spec) -> (N, H) after the final norm
         forward = model.make_forward(spec, self.attention.attention, self.attention.write_kv, mesh)
+        tap_layers = features.layers if features else ()  # EAGLE-3's: the forward gives those layers' inputs
+        tapped = model.make_forward(spec, self.attention.attention, self.attention.write_kv, mesh, tap_layers)
         self.model_forward = forward  # (params, caches, BatchDescriptor) -> (logits (R, V), hidden (T, H), caches)
         # Each leaf's own sharding (the loader's, or a quantized leaf's): params of any layout the model takes.
         self.param_shardings = param_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, params)
@@ -218,20 +224,20 @@ class Runner:
         # Everything the step functions below close over: runners with equal keys trace equal executables.
         self.trace_key = (model, spec, self.attention.name, self.attention.options, mesh, page_size,
                           num_cache_kv_heads, self.cache_dtype, max_rows, num_scheduler_steps, logprobs_mode,
-                          feature_width)
+                          features)
         # The jitted functions below must not capture `self`: JAX's jit objects would keep the runner, its
         # executables and their memory mappings alive after the engine is dropped.
 
         def forward_packed(params, caches, last_tokens, buffer, layout: Layout):
             batch = with_device_tokens(unpack(buffer, layout, BatchDescriptor), last_tokens)
-            logits, hidden, kv = forward(params, caches[:num_kv_arrays], batch)
             if not feature_width:
-                return logits, hidden, kv
-            features = copy_pages(caches[num_kv_arrays:], batch.copy_src, batch.copy_dst)[0]  # (1, P, S, 1, F)
+                return forward(params, caches, batch)
+            logits, hidden, kv, *taps = tapped(params, caches[:num_kv_arrays], batch)
+            pages = copy_pages(caches[num_kv_arrays:], batch.copy_src, batch.copy_dst)[0]  # (1, P, S, 1, F)
             slots = batch.slot_mapping  # (T,)
-            states = final_states(params, hidden, spec).astype(features.dtype)  # (T, F)
-            features = features.at[0, slots // page_size, slots % page_size, 0].set(states)
-            return logits, hidden, (*kv, features)
+            states = taps[0] if tap_layers else final_states(params, hidden, spec)  # (T, F)
+            pages = pages.at[0, slots // page_size, slots % page_size, 0].set(states.astype(pages.dtype))
+            return logits, hidden, (*kv, pages)
 
         def sample_packed(logits, buffer, layout: Layout):
             out = sample(logits, unpack(buffer, layout, SamplingBatch), logprobs_mode)

@@ -1,15 +1,16 @@
-"""EAGLE-1 speculative decoding (speculative_config method "eagle"): a one-layer head over the target's own
-features proposes each request's next k tokens (model/eagle.py).
+"""EAGLE speculative decoding (speculative_config method "eagle": EAGLE-1, "eagle3": EAGLE-3): a one-layer head
+over the target's own features proposes each request's next k tokens (model/eagle.py).
 
-The target keeps every computed token's feature (its final hidden state after the final norm) in its KV pages,
-beside the attention's arrays (runner.py's `feature_width`), so prefix-cache hits, page copies, swaps and
-preemptions carry the features with the KV. The head has its own KV pool and pages, as a draft model does
-(spec/draft.py's proposer, whose catch-up and proposing this reuses): at a position p it feeds the token after p
-with the target's feature at p, read through the target's page table. A request with known tokens t_0..t_n has
-features up to position n - 1, so the head feeds positions up to n - 1 (t_1..t_n) and proposes after them; the
-positions it fed its own proposals at are computed anew after the verification, from the target's features of
-the accepted tokens (the head's KV there used its own outputs in place of features). The head's pool keeps no
-prefix cache: its KV at a page's last position depends on the next page's first token.
+The target keeps every computed token's feature (EAGLE-1: its final hidden state after the final norm; EAGLE-3:
+the inputs of three of its layers side by side) in its KV pages, beside the attention's arrays (runner.py's
+`features`), so prefix-cache hits, page copies, swaps and preemptions carry the features with the KV. The head
+has its own KV pool and pages, as a draft model does (spec/draft.py's proposer, whose catch-up and proposing this
+reuses): at a position p it feeds the token after p with the target's feature at p, read through the target's
+page table. A request with known tokens t_0..t_n has features up to position n - 1, so the head feeds positions
+up to n - 1 (t_1..t_n) and proposes after them; the positions it fed its own proposals at are computed anew after
+the verification, from the target's features of the accepted tokens (the head's KV there used its own outputs in
+place of features). The head's pool keeps no prefix cache: its KV at a page's last position depends on the next
+page's first token.
 """
 
 from __future__ import annotations
@@ -24,11 +25,18 @@ import numpy as np
 from jaxserve.batch.builder import BucketLadders, padded_batch_arrays, padded_decode_step_arrays
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps
 from jaxserve.batch.packing import Layout, pack, unpack
-from jaxserve.config import EngineConfig
+from jaxserve.config import EAGLE_METHODS, EngineConfig
 from jaxserve.engine.scheduler import ScheduledRequest
 from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager
-from jaxserve.model.eagle import eagle_forward, eagle_weights
+from jaxserve.model.eagle import (
+    MidlayerNames,
+    TargetFeatures,
+    eagle3_weights,
+    eagle_forward,
+    eagle_weights,
+    read_head_config,
+)
 from jaxserve.model.loader import SafetensorsFolder, load_params
 from jaxserve.model.sharding import cache_kv_heads, put_global
 from jaxserve.model.spec import ModelSpec
@@ -46,30 +54,42 @@ class FeatureSlots:
     slots: jax.Array  # (T,) int32 the target's page * page_size + offset of each token's position; pad 0
 
 
+def target_features(config: EngineConfig, target_spec: ModelSpec) -> TargetFeatures | None:
+    """What the target must keep of each token for config's EAGLE head (None without one)."""
+    speculative = config.speculative_config or {}
+    if speculative.get("method") not in EAGLE_METHODS:
+        return None
+    return read_head_config(speculative["model"], speculative["method"], target_spec).features
+
+
 class EagleRunner(DraftRunner):
     """The head's device side: a DraftRunner whose proposal executable (one per (T, W) bucket) reads each fed
-    position's feature from the target runner's pages and uses the target's LM head."""
+    position's feature from the target runner's pages (and, for EAGLE-1, uses the target's LM head)."""
 
-    def __init__(self, spec: ModelSpec, params: dict, mesh, *, target: Runner, num_proposals: int, **kwargs):
+    def __init__(self, spec: ModelSpec, params: dict, mesh, *, target: Runner, num_proposals: int, version: int,
+                 **kwargs):
         Runner.__init__(self, spec, params, mesh, **kwargs)  # (not DraftRunner's: its executable is a draft model's)
         self.num_proposals = num_proposals
         self.target = target
-        self.head_leaf = "lm_head" if "lm_head" in target.params else "embed"  # a tied target's head: its embedding
-        self.trace_key += ("eagle", num_proposals, self.head_leaf)
-        forward = eagle_forward(spec, self.attention.attention, self.attention.write_kv, mesh)
+        # EAGLE-1 borrows the target's LM head (a tied target's: its embedding); EAGLE-3 has its own
+        self.head_leaf = None if version == 3 else "lm_head" if "lm_head" in target.params else "embed"
+        self.trace_key += ("eagle", version, num_proposals, self.head_leaf)
+        forward = eagle_forward(version, spec, self.attention.attention, self.attention.write_kv, mesh)
         page_size, transposed = self.page_size, self.head_leaf == "embed"
 
         def propose_packed(params, head, caches, features, buffers, layouts: tuple[Layout, Layout, Layout]):
             batch, steps = unpack(buffers[0], layouts[0], BatchDescriptor), unpack(buffers[1], layouts[1], DecodeSteps)
             slots = unpack(buffers[2], layouts[2], FeatureSlots).slots  # (T,)
             token_features = features[0, slots // page_size, slots % page_size, 0]  # (T, F)
-            params = {**params, "lm_head": head.T if transposed else head}  # (H, V)
+            if head is not None:
+                params = {**params, "lm_head": head.T if transposed else head}  # (H, V)
             return run_draft_steps(forward, params, caches, batch, steps, num_proposals, page_size, token_features)
 
+        head_sharding = target.param_shardings[self.head_leaf] if self.head_leaf else None
         self._propose = jax.jit(
             propose_packed,
-            in_shardings=(self.param_shardings, target.param_shardings[self.head_leaf], self._kv_sharding,
-                          target._kv_sharding[-1], self._replicated),
+            in_shardings=(self.param_shardings, head_sharding, self._kv_sharding, target._kv_sharding[-1],
+                          self._replicated),
             out_shardings=(self._replicated, self._kv_sharding), donate_argnums=(2,), static_argnums=(5,))
         self._propose_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
 
@@ -82,21 +102,25 @@ class EagleRunner(DraftRunner):
                  pack(FeatureSlots(np.zeros((num_tokens,), np.int32))))
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
         features = self.target.caches(num_pages)[-1]  # (1, P, S, 1, F)
-        return self._propose, (self.params, self.target.params[self.head_leaf], self.caches(num_pages), features,
-                               buffers, tuple(layout for _, layout in parts))
+        return self._propose, (self.params, self._target_head(), self.caches(num_pages), features, buffers,
+                               tuple(layout for _, layout in parts))
+
+    def _target_head(self) -> jax.Array | None:
+        """The target's LM head leaf an EAGLE-1 head borrows (None for EAGLE-3)."""
+        return self.target.params[self.head_leaf] if self.head_leaf else None
 
     def propose(self, batch: BatchDescriptor, steps: DecodeSteps, slots: FeatureSlots) -> jax.Array:
         """Dispatch one proposal step; returns its (num_proposals, R) int32 proposals on the device."""
         key = (batch.input_ids.shape[0], batch.page_table.shape[1])
         executable = self._executable(self._propose_exec, key, self.propose_call)
         buffers = put_global((pack(batch)[0], pack(steps)[0], pack(slots)[0]), self._replicated)
-        proposals, self.kv_caches = executable(self.params, self.target.params[self.head_leaf], self.kv_caches,
+        proposals, self.kv_caches = executable(self.params, self._target_head(), self.kv_caches,
                                                self.target.kv_caches[-1], buffers)
         return proposals
 
 
 class EagleProposer(DraftModelProposer):
-    """Proposes `runner.num_proposals` tokens per request by greedy decoding with an EAGLE-1 head."""
+    """Proposes `runner.num_proposals` tokens per request by greedy decoding with an EAGLE head."""
 
     target_kv: KVCacheManager | None = None  # the target's pages (the engine sets it): where the features are
 
@@ -106,25 +130,26 @@ class EagleProposer(DraftModelProposer):
         """The head that config's speculative_config names, in the target's dtype (never quantized); a ValueError
         for a head that does not fit the target."""
         path = config.speculative_config["model"]
-        spec = ModelSpec.from_pretrained(path).for_max_model_len(max_model_len)
-        if spec.architecture != "LlamaForCausalLM" or spec.num_layers != 1:
-            raise ValueError(f"the EAGLE head {path!r} must be a one-layer LlamaForCausalLM config (EAGLE-1's Llama "
-                             f"heads), got {spec.architecture} with {spec.num_layers} layers")
-        if (spec.hidden_size, spec.vocab_size) != (target_spec.hidden_size, target_spec.vocab_size):
-            raise ValueError(f"the EAGLE head {path!r} has hidden_size {spec.hidden_size} and vocab_size "
-                             f"{spec.vocab_size}; the target has {target_spec.hidden_size} and "
-                             f"{target_spec.vocab_size}: a head is trained for one target")
+        head = read_head_config(path, config.speculative_config["method"], target_spec)
+        spec = head.spec.for_max_model_len(max_model_len)
         kv_heads = cache_kv_heads(spec, mesh.devices.size)
         folder = SafetensorsFolder(path)
-        declared = eagle_weights(spec, kv_heads, mesh.devices.size, "embed_tokens.weight" in folder,
-                                 "fc.bias" in folder)
+        has_embed = "embed_tokens.weight" in folder
+        if head.version == 3:
+            folder = MidlayerNames(folder)
+            declared = eagle3_weights(spec, kv_heads, mesh.devices.size, has_embed, head.draft_vocab_size)
+        else:
+            declared = eagle_weights(spec, kv_heads, mesh.devices.size, has_embed, "fc.bias" in folder)
         params = load_params(folder, spec, mesh, target.weight_dtype, kv_heads, declared=declared)
-        if "embed" not in params:  # the head has no embedding of its own: a copy of the target's
+        if not has_embed:  # the head has no embedding of its own: a copy of the target's
             params["embed"] = jnp.copy(target.params["embed"])
+        if head.version == 3 and head.draft_vocab_size < spec.vocab_size:
+            params["draft_tokens"] = put_global(read_draft_tokens(folder, head.draft_vocab_size, spec.vocab_size),
+                                                target._replicated)
         runner = EagleRunner(spec, params, mesh, target=target, page_size=config.page_size,
                              num_cache_kv_heads=kv_heads, cache_dtype=fp8.cache_dtype("auto", target.weight_dtype),
                              ladders=ladders, attention_backend=config.attention_backend,
-                             num_proposals=config.speculative_config["num_speculative_tokens"])
+                             num_proposals=config.speculative_config["num_speculative_tokens"], version=head.version)
         return cls(runner, config.max_num_batched_tokens, max_model_len, enable_prefix_caching=False)
 
     def _fed_positions(self, request: Request) -> int:
@@ -151,3 +176,18 @@ class EagleProposer(DraftModelProposer):
             slots[start: start + count] = pages * page_size + positions % page_size
         batch = dataclasses.replace(batch, input_ids=input_ids)
         return self.runner.propose(batch, steps, FeatureSlots(slots))
+
+
+def read_draft_tokens(folder, draft_vocab_size: int, vocab_size: int) -> np.ndarray:
+    """The target's token of each of an EAGLE-3 head's draft ids, d + d2t[d] (draft_vocab_size,) int32; a ValueError
+    for a head without `d2t` or whose tokens are not distinct ids of the target's vocabulary."""
+    if "d2t" not in folder:
+        raise ValueError(f"the EAGLE-3 head has draft_vocab_size {draft_vocab_size} < the target's {vocab_size} but "
+                         f"no `d2t` tensor mapping its ids to the target's")
+    offsets = np.asarray(folder.get("d2t")).astype(np.int64)  # (V_draft,)
+    tokens = np.arange(draft_vocab_size) + (offsets if offsets.shape == (draft_vocab_size,) else 0)
+    if offsets.shape != (draft_vocab_size,) or tokens.min() < 0 or tokens.max() >= vocab_size or len(
+            np.unique(tokens)) != draft_vocab_size:
+        raise ValueError(f"the EAGLE-3 head's d2t (shape {offsets.shape}) must map its {draft_vocab_size} ids to "
+                         f"distinct ids of the target's vocabulary of {vocab_size}")
+    return tokens.astype(np.int32)
