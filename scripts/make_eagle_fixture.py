@@ -39,6 +39,9 @@ The draft layer is transformers' ``LlamaDecoderLayer`` with its input norm repla
 at most ``MAX_REROLLS`` tries) until every proposal's margin is >= ``MIN_MARGIN``, so a float32 argmax elsewhere
 cannot pick a different token. Everything is seeded and single-threaded, so re-running rewrites identical files
 (for the same torch / transformers versions).
+
+``scripts/make_eagle3_fixture.py`` reuses this script's flow (``make_fixture``: target tokens, re-rolls, writing,
+checking), proposal loop (``greedy_draft``), weight init (``init_head``) and plain-torch attention and MLP.
 """
 
 from __future__ import annotations
@@ -165,8 +168,11 @@ class EagleHead(nn.Module):
         return out[0]
 
 
-def init_head(head: EagleHead, seed: int) -> None:
-    """Seeded peaky init: norms 1 + N(0, NORM_STD), biases N(0, BIAS_STD), matrices N(0, LINEAR_STD)."""
+def init_head(head: nn.Module, seed: int) -> None:
+    """Seeded peaky init: norms 1 + N(0, NORM_STD), biases N(0, BIAS_STD), matrices N(0, LINEAR_STD).
+
+    Parameters only, in ``named_parameters`` order (buffers are untouched). Shared with ``make_eagle3_fixture.py``.
+    """
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -212,36 +218,74 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def plain_head_forward(w: dict[str, torch.Tensor], cfg: LlamaConfig, embeds, feats) -> torch.Tensor:
-    """The same draft layer in plain torch, from the checkpoint's tensors ``w``."""
-    m, d = embeds.shape[0], cfg.head_dim
+def plain_attention(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, cfg: LlamaConfig,
+                    inv_freq: torch.Tensor) -> torch.Tensor:
+    """Plain-torch causal GQA self-attention with RoPE at positions 0..m-1, through ``o_proj``.
+
+    ``x`` (m, in): the attention's input; ``w[p + "self_attn.{q,k,v,o}_proj.weight"]``: its weights; ``inv_freq``:
+    the RoPE inverse frequencies (d/2,). Shared with ``scripts/make_eagle3_fixture.py``.
+    """
+    m, d = x.shape[0], cfg.head_dim
     nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    h = torch.cat([embeds, feats], dim=-1) @ w["fc.weight"].T + w["fc.bias"]
-    p = "layers.0."
-    q = (h @ w[p + "self_attn.q_proj.weight"].T).view(m, nq, d).transpose(0, 1)  # (nq, m, d)
-    k = (h @ w[p + "self_attn.k_proj.weight"].T).view(m, nkv, d).transpose(0, 1)
-    v = (h @ w[p + "self_attn.v_proj.weight"].T).view(m, nkv, d).transpose(0, 1)
-    angles = torch.arange(m, dtype=torch.float32)[:, None] * llama3_inv_freq(cfg)[None]  # (m, d/2)
+    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(m, nq, d).transpose(0, 1)  # (nq, m, d)
+    k = (x @ w[p + "self_attn.k_proj.weight"].T).view(m, nkv, d).transpose(0, 1)
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(m, nkv, d).transpose(0, 1)
+    angles = torch.arange(m, dtype=torch.float32)[:, None] * inv_freq[None]  # (m, d/2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
 
-    def rope(x):
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def rope(t):
+        t1, t2 = t[..., : d // 2], t[..., d // 2:]
+        return t * cos + torch.cat([-t2, t1], dim=-1) * sin
 
     q, k = rope(q), rope(k)
-    k, v = k.repeat_interleave(nq // nkv, dim=0), v.repeat_interleave(nq // nkv, dim=0)  # GQA: head j -> j // 2
+    # GQA: query head j reads KV head j // (nq / nkv)
+    k, v = k.repeat_interleave(nq // nkv, dim=0), v.repeat_interleave(nq // nkv, dim=0)
     scores = (q @ k.transpose(1, 2)) / math.sqrt(d)
     scores = scores.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), float("-inf"))
     attn = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).reshape(m, nq * d)
-    r = h + attn @ w[p + "self_attn.o_proj.weight"].T
-    x = rms_norm(r, w[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    return attn @ w[p + "self_attn.o_proj.weight"].T
+
+
+def plain_mlp_block(r: torch.Tensor, w: dict[str, torch.Tensor], p: str, eps: float) -> torch.Tensor:
+    """Plain-torch ``r + mlp(post_attention_layernorm(r))`` (SwiGLU). Shared with ``make_eagle3_fixture.py``."""
+    x = rms_norm(r, w[p + "post_attention_layernorm.weight"], eps)
     gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
     return r + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+
+
+def plain_head_forward(w: dict[str, torch.Tensor], cfg: LlamaConfig, embeds, feats) -> torch.Tensor:
+    """The same draft layer in plain torch, from the checkpoint's tensors ``w``."""
+    h = torch.cat([embeds, feats], dim=-1) @ w["fc.weight"].T + w["fc.bias"]
+    r = h + plain_attention(h, w, "layers.0.", cfg, llama3_inv_freq(cfg))
+    return plain_mlp_block(r, w, "layers.0.", cfg.rms_norm_eps)
 
 
 # --------------------------------------------------------------------------
 # Proposals
 # --------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy_draft(step, tokens: list[int], hidden: torch.Tensor, to_target=None):
+    """The ``NUM_SPECULATIVE_TOKENS`` greedy proposals of a draft head, rerunning it over the whole sequence for each.
+
+    ``tokens``, ``hidden``: the draft inputs for known tokens K (x_p = k_{p+1} and the H-wide hidden at p, for
+    p = 0..N-1). ``step(tokens, hidden)`` -> ((m, H) draft hidden states, the draft logits at the last position);
+    ``to_target(draft_id)`` -> the proposed target id (default: the same id). Each proposal is appended with the
+    draft hidden of the previous last position. Returns (proposals, their top-1 minus top-2 margins, and the final
+    draft inputs: tokens and hiddens). Shared with ``scripts/make_eagle3_fixture.py``.
+    """
+    tokens, proposals, margins = list(tokens), [], []
+    for _ in range(NUM_SPECULATIVE_TOKENS):
+        out, logits = step(tokens, hidden)
+        assert out.dtype == logits.dtype == torch.float32
+        top2 = torch.topk(logits, 2).values
+        margins.append(float(top2[0] - top2[1]))
+        draft_id = int(torch.argmax(logits))
+        proposals.append(draft_id if to_target is None else to_target(draft_id))
+        tokens.append(proposals[-1])
+        hidden = torch.cat([hidden, out[-1:]])
+    return proposals, margins, tokens[:-1], hidden[:-1]
 
 
 @torch.no_grad()
@@ -252,42 +296,12 @@ def propose(target, head_fn, known: list[int]) -> tuple[list[int], list[float], 
     the final draft inputs: tokens and features).
     """
     embed, lm_head = target.model.embed_tokens, target.lm_head
-    tokens = list(known[1:])
-    feats = target_features(target, known[:-1])
-    proposals, margins = [], []
-    for _ in range(NUM_SPECULATIVE_TOKENS):
+
+    def step(tokens, feats):
         hidden = head_fn(embed(torch.tensor(tokens)), feats)
-        logits = lm_head(hidden[-1])
-        assert hidden.dtype == logits.dtype == torch.float32
-        top2 = torch.topk(logits, 2).values
-        margins.append(float(top2[0] - top2[1]))
-        proposals.append(int(torch.argmax(logits)))
-        tokens.append(proposals[-1])
-        feats = torch.cat([feats, hidden[-1:]])
-    return proposals, margins, tokens[:-1], feats[:-1]
+        return hidden, lm_head(hidden[-1])
 
-
-def all_proposals(target, head_fn, prompts, first_tokens, later_known):
-    """(proposals, later proposals, min margin, final draft inputs of every run) over all prompts."""
-    props, later, margins, inputs = [], [], [], []
-    for prompt, t_n, known3 in zip(prompts, first_tokens, later_known):
-        for known, dest in ((prompt + [t_n], props), (prompt + known3, later)):
-            p, m, toks, feats = propose(target, head_fn, known)
-            dest.append(p)
-            margins += m
-            inputs.append((toks, feats))
-    return props, later, min(margins), inputs
-
-
-def find_good_head(target, cfg, prompts, first_tokens, later_known):
-    """Try seeds from ``BASE_SEED`` until every proposal margin is >= ``MIN_MARGIN``."""
-    for seed in range(BASE_SEED, BASE_SEED + MAX_REROLLS):
-        head = build_head(cfg, seed)
-        props, later, min_margin, inputs = all_proposals(target, head, prompts, first_tokens, later_known)
-        if min_margin >= MIN_MARGIN:
-            return head, seed, props, later, min_margin, inputs
-        print(f"  seed {seed}: min margin {min_margin:.2e} (need {MIN_MARGIN}), re-rolling")
-    raise RuntimeError(f"no seed in {MAX_REROLLS} tries reached a margin of {MIN_MARGIN}")
+    return greedy_draft(step, known[1:], target_features(target, known[:-1]))
 
 
 # --------------------------------------------------------------------------
@@ -295,17 +309,26 @@ def find_good_head(target, cfg, prompts, first_tokens, later_known):
 # --------------------------------------------------------------------------
 
 
-def write_config() -> None:
-    """The target's config.json with ``num_hidden_layers: 1`` (same layout as ``save_pretrained``)."""
+def draft_config() -> dict:
+    """The target's config.json with ``num_hidden_layers: 1``."""
     config = json.loads((TARGET_DIR / "config.json").read_text())
     config["num_hidden_layers"] = 1
-    (OUT_DIR / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return config
 
 
-def verify(target, cfg, prompts, first_tokens, later_known, props, later, min_margin, inputs) -> None:
-    """Re-read the saved folder; check the plain-torch head reproduces the transformers head and the proposals."""
-    with safe_open(OUT_DIR / "model.safetensors", "pt") as f:
-        w = {k: f.get_tensor(k) for k in f.keys()}
+@torch.no_grad()
+def check_features(target: LlamaForCausalLM, tokens: list[int]) -> None:
+    """The features are the hidden states the target's own LM head reads."""
+    full = target(input_ids=torch.tensor([tokens]), use_cache=False).logits[0]
+    assert torch.allclose(target.lm_head(target_features(target, tokens)), full, rtol=0, atol=1e-5)
+
+
+def verify(target, cfg, w, inputs):
+    """Check the saved tensors ``w`` and config; the plain-torch head must reproduce the transformers head.
+
+    ``inputs``: the final draft inputs of every proposal run. Returns the plain-torch head (``make_fixture``'s
+    ``check_saved``: its proposals must be the same).
+    """
     assert {k: tuple(v.shape) for k, v in w.items()} == expected_tensor_shapes(cfg), sorted(w)
     assert all(v.dtype == torch.float32 for v in w.values())
     draft_cfg = LlamaConfig.from_pretrained(OUT_DIR)
@@ -327,61 +350,120 @@ def verify(target, cfg, prompts, first_tokens, later_known, props, later, min_ma
             assert a.dtype == b.dtype == torch.float32
             assert torch.allclose(a, b, rtol=RTOL, atol=ATOL), float((a - b).abs().max())
             assert torch.allclose(lm_head(a), lm_head(b), rtol=RTOL, atol=ATOL)
-    p2, l2, m2, _ = all_proposals(target, plain, prompts, first_tokens, later_known)
-    assert (p2, l2) == (props, later), (p2, l2)
-    assert abs(m2 - min_margin) < 1e-4, (m2, min_margin)
-    size = sum(f.stat().st_size for f in OUT_DIR.iterdir())
-    assert size < MAX_FOLDER_BYTES, size
+    return plain
 
 
-def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+# --------------------------------------------------------------------------
+# The fixture flow (shared with scripts/make_eagle3_fixture.py)
+# --------------------------------------------------------------------------
+
+
+def start(doc: str, argv: list[str] | None) -> None:
+    """Parse the (option-less) command line; make torch single-threaded and seeded."""
+    argparse.ArgumentParser(description=doc.split("\n\n")[0]).parse_args(argv)
     torch.set_num_threads(1)  # thread count can change float reduction order
     torch.manual_seed(0)
 
-    target = load_target()
-    cfg = LlamaConfig.from_pretrained(TARGET_DIR)
-    cfg._attn_implementation = "eager"
-    target_expected = json.loads((TARGET_DIR / "expected.json").read_text())
-    prompts = target_expected["prompts"]
 
+def all_proposals(target, propose, head, prompts, later_known):
+    """(proposals, later proposals, min margin, final draft inputs of every run) over all prompts.
+
+    ``propose(target, head, known)`` runs once after P + [t_n] and once after P + ``later_known`` for each prompt P.
+    """
+    props, later, margins, inputs = [], [], [], []
+    for prompt, known3 in zip(prompts, later_known):
+        for known, dest in ((prompt + known3[:1], props), (prompt + known3, later)):
+            p, m, toks, hidden = propose(target, head, known)
+            dest.append(p)
+            margins += m
+            inputs.append((toks, hidden))
+    return props, later, min(margins), inputs
+
+
+def find_good_head(target, build_head, propose, prompts, later_known, base_seed: int, min_margin: float):
+    """Try seeds ``build_head(seed)`` from ``base_seed`` until every proposal margin is >= ``min_margin``."""
+    for seed in range(base_seed, base_seed + MAX_REROLLS):
+        head = build_head(seed)
+        props, later, margin, inputs = all_proposals(target, propose, head, prompts, later_known)
+        if margin >= min_margin:
+            return head, seed, props, later, margin, inputs
+        print(f"  seed {seed}: min margin {margin:.2e} (need {min_margin}), re-rolling")
+    raise RuntimeError(f"no seed in {MAX_REROLLS} tries reached a margin of {min_margin}")
+
+
+def make_fixture(target, target_dir: Path, out_dir: Path, *, config: dict, check_target, build_head, propose,
+                 check_saved, base_seed: int, min_margin: float, max_folder_bytes: int,
+                 extra_expected: dict | None = None) -> None:
+    """(Re)write ``out_dir``: a draft head for ``target`` (the checkpoint in ``target_dir``) and its proposals.
+
+    1. The target's ``NUM_ACCEPTED`` greedy tokens after each of its fixture prompts (``later_known``) are checked
+       against its ``expected.json``; ``check_target(target, prompt)`` runs on the first 3 prompts.
+    2. ``find_good_head``: seeds from ``base_seed`` for ``build_head(seed)`` until the proposals of
+       ``propose(target, head, known)`` (as ``propose`` here) all have margins >= ``min_margin``.
+    3. The folder gets ``config`` as config.json, the head's ``state_dict`` as model.safetensors and expected.json
+       (``extra_expected``'s keys after ``num_speculative_tokens``).
+    4. ``check_saved(w, inputs)`` checks the re-read tensors ``w`` (``inputs``: the final draft inputs of every
+       run) and returns a plain-torch head, whose proposals must be the same; the folder must be under
+       ``max_folder_bytes``.
+    """
+    target_expected = json.loads((target_dir / "expected.json").read_text())
+    prompts = target_expected["prompts"]
     later_known = [target_greedy(target, p, NUM_ACCEPTED) for p in prompts]
-    first_tokens = [k[0] for k in later_known]
     # The target's fixture was made the same way (greedy, full recompute).
     assert later_known == [o[:NUM_ACCEPTED] for o in target_expected["outputs"]], later_known
-    with torch.no_grad():  # the features are the hidden states the target's own LM head reads
-        for p in prompts[:3]:
-            full = target(input_ids=torch.tensor([p]), use_cache=False).logits[0]
-            assert torch.allclose(target.lm_head(target_features(target, p)), full, rtol=0, atol=1e-5)
+    for p in prompts[:3]:
+        check_target(target, p)
 
-    head, seed, props, later, min_margin, inputs = find_good_head(target, cfg, prompts, first_tokens, later_known)
+    head, seed, props, later, margin, inputs = find_good_head(
+        target, build_head, propose, prompts, later_known, base_seed, min_margin
+    )
 
-    if OUT_DIR.exists():
-        shutil.rmtree(OUT_DIR)
-    OUT_DIR.mkdir(parents=True)
-    write_config()
-    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, OUT_DIR / "model.safetensors",
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")  # as save_pretrained
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, out_dir / "model.safetensors",
               metadata={"format": "pt"})
     expected = {
-        "target": TARGET_DIR.name,
+        "target": target_dir.name,
         "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+        **(extra_expected or {}),
         "prompts": prompts,
-        "first_tokens": first_tokens,
+        "first_tokens": [k[0] for k in later_known],
         "proposals": props,
         "later_known": later_known,
         "later_proposals": later,
-        "min_margin": min_margin,
+        "min_margin": margin,
         "seed": seed,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "python_version": platform.python_version(),
     }
-    (OUT_DIR / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
-    verify(target, cfg, prompts, first_tokens, later_known, props, later, min_margin, inputs)
+    (out_dir / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
 
-    size = sum(f.stat().st_size for f in OUT_DIR.iterdir())
-    print(f"llama-eagle: seed {seed}, min margin {min_margin:.4f}, {size / 1e3:.0f} KB"
-          f" -> {OUT_DIR.relative_to(REPO_ROOT)}")
+    with safe_open(out_dir / "model.safetensors", "pt") as f:
+        w = {k: f.get_tensor(k) for k in f.keys()}
+    plain = check_saved(w, inputs)
+    p2, l2, m2, _ = all_proposals(target, propose, plain, prompts, later_known)
+    assert (p2, l2) == (props, later), (p2, l2)
+    assert abs(m2 - margin) < 1e-4, (m2, margin)
+    size = sum(f.stat().st_size for f in out_dir.iterdir())
+    assert size < max_folder_bytes, size
+    print(f"{out_dir.name}: seed {seed}, min margin {margin:.4f}, {size / 1e3:.0f} KB"
+          f" -> {out_dir.relative_to(REPO_ROOT)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    start(__doc__, argv)
+    target = load_target()
+    cfg = LlamaConfig.from_pretrained(TARGET_DIR)
+    cfg._attn_implementation = "eager"
+    make_fixture(
+        target, TARGET_DIR, OUT_DIR, config=draft_config(), check_target=check_features,
+        build_head=lambda seed: build_head(cfg, seed), propose=propose,
+        check_saved=lambda w, inputs: verify(target, cfg, w, inputs),
+        base_seed=BASE_SEED, min_margin=MIN_MARGIN, max_folder_bytes=MAX_FOLDER_BYTES,
+    )
 
 
 if __name__ == "__main__":
