@@ -69,6 +69,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GenerationConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     GraniteConfig,
     GraniteForCausalLM,
     LlamaConfig,
@@ -410,7 +412,41 @@ MODELS = {
         13000,
         None,
     ),
+    # gpt-oss: attention with q/k/v/o biases and a learned sink logit per
+    # head, sliding (a window of 16; the release's is 128) and full layers
+    # alternating, YaRN (the release's factor 32 over 4096; here 4 over 128),
+    # and 4 experts, top-2 (the release's 32 or 128, top-4), each with biases,
+    # gate and up interleaved in one fused tensor and the clamped gated
+    # activation; the fused expert tensors stay fused on disk (transformers'
+    # and the Hub's BF16 layout).
+    "gpt-oss": (
+        GptOssForCausalLM,
+        GptOssConfig,
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            attention_bias=True,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                original_max_position_embeddings=128,
+                truncate=False,
+            ),
+        ),
+        15000,
+        None,
+    ),
 }
+FUSED_EXPERTS = ("gpt-oss",)  # saved with their experts fused, as their Hub checkpoints are
 
 
 # --------------------------------------------------------------------------
@@ -639,7 +675,7 @@ def save_checkpoint(name, model, tokenizer, folder: Path) -> None:
     if max_shard_size:
         shards = sorted(folder.glob("model-*.safetensors"))
         assert len(shards) == 2 and (folder / "model.safetensors.index.json").exists(), shards
-    if hasattr(model.config, "num_experts_per_tok"):
+    if hasattr(model.config, "num_experts_per_tok") and name not in FUSED_EXPERTS:
         # The Hub layout: one tensor per expert and projection, nothing fused.
         names = [k for f in folder.glob("*.safetensors") for k in safe_open(f, "pt").keys()]
         fused = [k for k in names if "gate_up_proj" in k or k.endswith("experts.down_proj")]

@@ -22,6 +22,7 @@ CASES = [
     ("granite", 16, 20),  # embedding, attention, residual and logits multipliers
     ("olmo2", 8, 40),  # norms after the sub-layers, q/k norms over the whole width
     ("gemma", 16, 20),  # (1 + w) norms, GeGLU, scaled tied embeddings, one KV head
+    ("gpt-oss", 8, 40),  # attention sinks, sliding and full layers, YaRN, biased experts with a clamped GLU
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

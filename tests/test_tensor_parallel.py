@@ -1,6 +1,7 @@
 """Tensor parallelism on simulated CPU devices: same greedy tokens as HF for TP 2 and 4, including
 models with fewer KV heads than the TP size (their KV heads are replicated, as vLLM does), Gemma, and mixtures of
-experts with each expert split (TP) or the experts split whole (expert parallelism)."""
+experts with each expert split (TP) or the experts split whole (expert parallelism); gpt-oss's attention sinks
+split with their heads."""
 
 import jax
 import pytest
@@ -11,7 +12,7 @@ from helpers import checkpoint, expected, small_engine_args
 # (architecture, KV heads in the checkpoint, tensor-parallel size, experts split whole over the devices)
 CASES = [("qwen2", 1, 2, False), ("llama", 2, 4, False), ("qwen3", 2, 2, False),
          ("gemma3", 1, 2, False), ("mixtral", 2, 2, False), ("qwen3-moe", 2, 2, True),
-         ("qwen2-moe", 2, 2, True), ("olmo2", 2, 4, False)]
+         ("qwen2-moe", 2, 2, True), ("olmo2", 2, 4, False), ("gpt-oss", 2, 4, False), ("gpt-oss", 2, 2, True)]
 
 
 @pytest.mark.parametrize("name,kv_heads,tp,expert_parallel", CASES,
@@ -28,7 +29,7 @@ def test_greedy_matches_hf_under_tensor_parallelism(name, kv_heads, tp, expert_p
     assert runner.kv_caches[0].shape[3] == max(kv_heads, tp)
     assert runner.kv_caches[0].addressable_shards[0].data.shape[3] == max(kv_heads, tp) // tp
     if "router" in runner.params["layers"]:  # experts (L, E, H, I): split whole, or each by its inner size
-        w_gate = runner.params["layers"]["w_gate"]
+        w_gate = runner.params["layers"].get("w_gate", runner.params["layers"].get("w_gate_up"))  # gpt-oss fuses
         axis = 1 if expert_parallel else 3
         assert w_gate.addressable_shards[0].data.shape[axis] == w_gate.shape[axis] // tp
     if "shared_w_gate" in runner.params["layers"]:  # a shared expert (L, H, Is): split like a dense MLP

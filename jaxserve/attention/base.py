@@ -35,10 +35,11 @@ class LayerAttention:
 
 
 class AttentionFn(Protocol):
-    """Paged attention of the step's queries for one layer."""
+    """Paged attention of the step's queries for one layer; `sinks` (Hq,) float32: each query head's learned sink
+    logit (gpt-oss), in the softmax's denominator only."""
 
     def __call__(self, q: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array, batch: BatchDescriptor,
-                 how: LayerAttention) -> jax.Array: ...
+                 how: LayerAttention, sinks: jax.Array | None = None) -> jax.Array: ...
 
 
 class WriteKVFn(Protocol):
@@ -56,7 +57,7 @@ class AttentionBackend:
 
     name: str
     layout: str
-    attention: AttentionFn  # (q (T, Hq, D), caches, layer, batch, how) -> (T, Hq, D)
+    attention: AttentionFn  # (q (T, Hq, D), caches, layer, batch, how, sinks (Hq,) or None) -> (T, Hq, D)
     write_kv: WriteKVFn  # (caches, layer, k (T, Hkv, D), v (T, Hkv, D), batch) -> caches
     fp8_storage: np.dtype = FP8_BITS
     options: tuple = ()  # what besides its name and the model decides what its functions trace (e.g. the platform)

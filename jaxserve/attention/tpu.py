@@ -111,7 +111,10 @@ def make_backend(mesh: Mesh, interpret: bool) -> AttentionBackend:
         out_specs=KV_CACHE_SPEC, check_vma=False,
     )
 
-    def attention(q, caches, layer, batch: BatchDescriptor, how: LayerAttention) -> jax.Array:
+    def attention(q, caches, layer, batch: BatchDescriptor, how: LayerAttention, sinks=None) -> jax.Array:
+        if sinks is not None:
+            raise ValueError("JAX's TPU ragged paged attention has no attention sinks (gpt-oss): use "
+                             "attention_backend xla")
         (kv_cache,) = caches
         return sharded_attention(how)(q, kv_cache, layer, batch.query_start_loc, batch.seq_lens, batch.page_table,
                                       batch.num_seqs)

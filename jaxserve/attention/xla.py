@@ -78,8 +78,10 @@ def tiled_attention(
     *,
     how: LayerAttention,
     tiles: Tiles,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Causal attention of each query token over the pages of its row, tile by tile.
+    """Causal attention of each query token over the pages of its row, tile by tile; `sinks` (Hq,): each head's
+    attention sink, a logit in the softmax's denominator only.
 
     The tokens are taken in order of their row's length (`_length_order`), so a tile's loop over key chunks
     stops near each of its tokens' own length, and the tiles of padding do nothing. A token with a negative
@@ -95,7 +97,7 @@ def tiled_attention(
     position_tiles = jnp.pad(positions, (0, pad), constant_values=-1).reshape(num_tiles, tiles.queries)
     row_tiles = jnp.pad(token_rows, (0, pad)).reshape(num_tiles, tiles.queries)
     attend = functools.partial(_attend_tile, k_cache=k_cache, v_cache=v_cache, layer=layer, page_table=page_table,
-                               how=how, tiles=tiles)
+                               how=how, tiles=tiles, sinks=sinks)
     if num_tiles == 1:
         out = attend((q_tiles[0], position_tiles[0], row_tiles[0]))[None]  # (1, Tq, Hq, D)
     else:
@@ -113,7 +115,7 @@ def _length_order(positions: jax.Array, token_rows: jax.Array, num_rows: int) ->
     return jnp.argsort(key, stable=True).astype(jnp.int32)
 
 
-def _attend_tile(tile, *, k_cache, v_cache, layer, page_table, how, tiles):
+def _attend_tile(tile, *, k_cache, v_cache, layer, page_table, how, tiles, sinks):
     """One query tile: each token over its own row's pages or, when `tiles.row_pages` is set and every real
     token of the tile belongs to one row, all of them over that row's pages, gathered once."""
     q, positions, rows = tile
@@ -129,7 +131,12 @@ def _attend_tile(tile, *, k_cache, v_cache, layer, page_table, how, tiles):
         stats = jax.lax.cond(one_row, lambda: walk(row[None], tiles.row_pages), lambda: walk(rows, tiles.pages))
     else:
         stats = walk(rows, tiles.pages)
-    _, denominator, numerator = stats
+    running_max, denominator, numerator = stats
+    if sinks is not None:  # each head's sink joins the denominator, on a common max
+        sink = sinks.astype(jnp.float32).reshape(1, num_kv_heads, -1)  # (1, Hkv, G)
+        top = jnp.maximum(running_max, sink)  # (N, Hkv, G)
+        rescale = jnp.exp(running_max - top)  # zero where nothing was visible
+        numerator, denominator = numerator * rescale[..., None], denominator * rescale + jnp.exp(sink - top)
     out = numerator / jnp.where(denominator > 0, denominator, 1.0)[..., None]  # (N, Hkv, G, D)
     return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
@@ -232,12 +239,12 @@ def make_backend(platform: str, prefill_implementation: str | None = "auto") -> 
 
     `prefill_implementation` is the dense attention fresh prompts take in front of the tiled path
     (attention/cudnn.py): 'auto' is 'cudnn' on a GPU and None (the tiled path alone) elsewhere; 'xla' runs
-    the same glue through XLA's dense attention, as the CPU tests do. A soft-capped layer takes the tiled path
-    alone (the dense implementations have no soft cap)."""
+    the same glue through XLA's dense attention, as the CPU tests do. A soft-capped layer, or one with attention
+    sinks, takes the tiled path alone (the dense implementations have neither)."""
     if prefill_implementation == "auto":
         prefill_implementation = "cudnn" if platform == "gpu" else None
 
-    def attention(q, caches, layer, batch: BatchDescriptor, how: LayerAttention):
+    def attention(q, caches, layer, batch: BatchDescriptor, how: LayerAttention, sinks=None):
         k_cache, v_cache = caches
         token_rows, positions = step_tokens(batch, q.shape[0])  # (T,), (T,)
 
@@ -246,9 +253,9 @@ def make_backend(platform: str, prefill_implementation: str | None = "auto") -> 
             tiles = tile_sizes(q.shape[0], page_table.shape[1], k_cache.shape[2], q.shape[1], k_cache.shape[3],
                                k_cache.shape[4], max(k_cache.dtype.itemsize, q.dtype.itemsize), platform)
             return tiled_attention(q, k_cache, v_cache, layer, positions, token_rows, page_table, how=how,
-                                   tiles=tiles)
+                                   tiles=tiles, sinks=sinks)
 
-        if prefill_implementation is None or how.soft_cap is not None:
+        if prefill_implementation is None or how.soft_cap is not None or sinks is not None:
             return tiled(q, k_cache, v_cache, layer, positions, token_rows, batch.page_table)
         return cudnn.prefill_or_tiled(
             q, k_cache, v_cache, layer, positions, token_rows, batch, tiled=tiled, sm_scale=how.sm_scale,

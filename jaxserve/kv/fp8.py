@@ -58,17 +58,17 @@ def scale_heads(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 def write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array,
                      batch: BatchDescriptor, hows: tuple[LayerAttention, ...], which: jax.Array | int,
-                     kv_scales: tuple[jax.Array, jax.Array] | None, *, attention: AttentionFn, write_kv: WriteKVFn
-                     ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    """Write the step's K/V into layer `layer`'s pages and attend over them as `hows[which]`: (attention out,
-    caches). With fp8 `kv_scales` (each (Hkv,)), K/V are stored quantized and the scales folded into q and the
-    output."""
+                     kv_scales: tuple[jax.Array, jax.Array] | None, *, attention: AttentionFn, write_kv: WriteKVFn,
+                     sinks: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Write the step's K/V into layer `layer`'s pages and attend over them as `hows[which]` (with the heads'
+    `sinks` (Hq,) when the layer has them): (attention out, caches). With fp8 `kv_scales` (each (Hkv,)), K/V are
+    stored quantized and the scales folded into q and the output."""
     # q: (T, Hq, D); k, v: (T, Hkv, D) -> out (T, Hq, D)
     if kv_scales is not None:
         k, v = quantize(k, kv_scales[0]), quantize(v, kv_scales[1])
         q = scale_heads(q, kv_scales[0])
     caches = write_kv(caches, layer, k, v, batch)
-    attend = [functools.partial(attention, how=how) for how in hows]
+    attend = [functools.partial(attention, how=how, sinks=sinks) for how in hows]
     out = attend[0](q, caches, layer, batch) if len(hows) == 1 else jax.lax.switch(which, attend, q, caches,
                                                                                     layer, batch)  # (T, Hq, D)
     return (out if kv_scales is None else scale_heads(out, kv_scales[1])), caches

@@ -107,13 +107,14 @@ class StepContext:
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array,
                hows: tuple[LayerAttention, ...], which: jax.Array | int = 0,
-               kv_scales: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+               kv_scales: tuple[jax.Array, jax.Array] | None = None,
+               sinks: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """Write the layer's K/V into its pages and attend as `hows[which]` (layers of several kinds in one scan
         pick theirs by a traced index): (attention out, caches). `kv_scales` are the layer's fp8 KV scales
-        (kv/fp8.py)."""
+        (kv/fp8.py); `sinks` (Hq,) its heads' attention sinks (gpt-oss)."""
         # q: (T, Hq, D); k, v: (T, Hkv, D) -> out (T, Hq, D)
         return write_and_attend(q, k, v, caches, layer, self.batch, hows, which, kv_scales,
-                                attention=self.attention, write_kv=self.write_kv)
+                                attention=self.attention, write_kv=self.write_kv, sinks=sinks)
 
 
 def scan_layers(layers: nnx.Module, carry, body: Callable) -> object:

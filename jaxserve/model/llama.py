@@ -57,10 +57,14 @@ class LlamaLayer(nnx.Module):
         self.bq, self.bk, self.bv = (optional_param(params, name) for name in ("bq", "bk", "bv"))
         self.q_norm, self.k_norm = optional_param(params, "q_norm"), optional_param(params, "k_norm")
         self.wo = projection(params["wo"])
-        self.w_gate, self.w_up = projection(params["w_gate"]), projection(params["w_up"])
-        self.w_down = projection(params["w_down"])
         self.k_scale, self.v_scale = optional_param(params, "k_scale"), optional_param(params, "v_scale")
         self.lora = lora_slots(params)  # projection leaf -> its LoRA adapters (none unless enable_lora)
+        self.init_feed_forward(params)
+
+    def init_feed_forward(self, params: dict) -> None:
+        """The feed-forward's variables: the SwiGLU MLP's projections."""
+        self.w_gate, self.w_up = projection(params["w_gate"]), projection(params["w_up"])
+        self.w_down = projection(params["w_down"])
 
     def __call__(self, x: jax.Array, caches: tuple[jax.Array, ...], layer: jax.Array, rope: tuple[jax.Array, ...],
                  step: StepContext) -> tuple[jax.Array, tuple[jax.Array, ...]]:

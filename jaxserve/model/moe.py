@@ -46,7 +46,8 @@ varies.
 
 from __future__ import annotations
 
-from functools import partial
+import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -87,10 +88,48 @@ def combine(expert_out: jax.Array, weights: jax.Array, round_weights: bool) -> j
     return jnp.sum(contrib.astype(jnp.float32), axis=1)
 
 
-def swiglu(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    """One expert's MLP: (silu(x @ w_gate) * (x @ w_up)) @ w_down, each weight float or quantized."""
+@dataclasses.dataclass(frozen=True)
+class ExpertMLP:
+    """What an expert computes: `apply(x (N, H), weights, dense) -> (N, H)` over the expert's weights (a tuple of
+    arrays, each float or quantized), where `dense(x, w, bias=None)` is its matmul (one expert's in the blocked
+    loop, each row's own expert's under ragged_dot); `split` says, per weight, which axis tensor parallelism within
+    the experts splits: "columns" (the last: outputs) or "rows" (the one before: inputs)."""
+
+    apply: Callable
+    split: tuple[str, ...]
+
+
+def _swiglu(x: jax.Array, weights: tuple, dense: Callable) -> jax.Array:
+    """(silu(x @ w_gate) * (x @ w_up)) @ w_down."""
     # x: (N, H); w_gate, w_up: (H, I); w_down: (I, H) -> (N, H)
-    return linear(jax.nn.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    w_gate, w_up, w_down = weights
+    return dense(jax.nn.silu(dense(x, w_gate)) * dense(x, w_up), w_down)
+
+
+SWIGLU = ExpertMLP(_swiglu, ("columns", "columns", "rows"))  # Mixtral's, the Qwen MoEs' experts
+
+
+def clamped_swiglu(limit: float, alpha: float) -> ExpertMLP:
+    """gpt-oss's experts (transformers' `GptOssExperts`): weights (w_gate_up (H, 2I) with gate and up interleaved
+    by column, its bias b_gate_up (2I,), w_down (I, H)); gate clamped above at `limit`, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate) @ w_down (the down projection's bias is added with the routing
+    weights, outside the experts)."""
+
+    def apply(x: jax.Array, weights: tuple, dense: Callable) -> jax.Array:
+        # x: (N, H) -> (N, H)
+        w_gate_up, b_gate_up, w_down = weights
+        gate_up = dense(x, w_gate_up, b_gate_up)  # (N, 2I)
+        gate, up = jnp.minimum(gate_up[:, ::2], limit), jnp.clip(gate_up[:, 1::2], -limit, limit)  # (N, I)
+        return dense((up + 1) * (gate * jax.nn.sigmoid(gate * alpha)), w_down)
+
+    return ExpertMLP(apply, ("columns", "columns", "rows"))
+
+
+def _dense(x: jax.Array, w, bias: jax.Array | None = None) -> jax.Array:
+    """x @ w (+ bias) for one expert's weight, float or quantized."""
+    # x: (N, in); w: (in, out); bias: (out,) -> (N, out)
+    out = linear(x, w)
+    return out if bias is None else out + bias.astype(out.dtype)
 
 
 def default_impl() -> str:
@@ -115,105 +154,144 @@ def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *, impl: str | N
     return _blocked(linear, rhs, lhs, group_sizes, block_rows)
 
 
-def grouped_swiglu(xs: jax.Array, group_sizes: jax.Array, w_gate, w_up, w_down, *, impl: str | None = None,
-                   block_rows: int | None = None) -> jax.Array:
-    """Every row's expert MLP (`swiglu` with its group's weights), rows grouped as in `grouped_matmul`; the
-    blocked loop does all three matmuls of a block in one visit."""
-    # xs: (M, H) sorted by expert; group_sizes: (E,) int32; w_gate, w_up: (E, H, I); w_down: (E, I, H) -> (M, H)
+def grouped_mlp(xs: jax.Array, group_sizes: jax.Array, weights: tuple, mlp: ExpertMLP = SWIGLU, *,
+                impl: str | None = None, block_rows: int | None = None) -> jax.Array:
+    """Every row's expert MLP with its group's weights, rows grouped as in `grouped_matmul`; the blocked loop does
+    all of a block's matmuls in one visit."""
+    # xs: (M, H) sorted by expert; group_sizes: (E,) int32; weights: each (E, ...) -> (M, H)
     if _check_impl(impl) == "ragged":
-        hidden = jax.nn.silu(_ragged_linear(xs, w_gate, group_sizes)) * _ragged_linear(xs, w_up, group_sizes)
-        return _ragged_linear(hidden, w_down, group_sizes)  # (M, H)
-    expert_mlp = lambda rows, w: swiglu(rows, *w)
-    return _blocked(expert_mlp, (w_gate, w_up, w_down), xs, group_sizes, block_rows)
+        ends = jnp.cumsum(group_sizes)  # (E,)
+        row_group = jnp.minimum(jnp.searchsorted(ends, jnp.arange(xs.shape[0]), side="right"),
+                                group_sizes.shape[0] - 1)  # (M,)
+
+        def dense(x, w, bias=None):
+            out = _ragged_linear(x, w, group_sizes)  # (M, out)
+            return out if bias is None else out + bias[row_group].astype(out.dtype)
+
+        return mlp.apply(xs, weights, dense)  # (M, H)
+    return _blocked(lambda rows, w: mlp.apply(rows, w, _dense), weights, xs, group_sizes, block_rows)
 
 
-def routed_experts(x: jax.Array, experts: jax.Array, w_gate, w_up, w_down, *, expert_offset=0,
+def routed_experts(x: jax.Array, experts: jax.Array, weights: tuple, mlp: ExpertMLP = SWIGLU, *, expert_offset=0,
                    impl: str | None = None, block_rows: int | None = None) -> jax.Array:
     """Each (token, slot) assignment's expert output, computing only assignments to experts
     [expert_offset, expert_offset + E_local) (the weights held); the others are zero."""
-    # x: (T, H); experts: (T, k) int32 global ids; w_*: (E_local, ...) -> (T, k, H) in x's dtype
+    # x: (T, H); experts: (T, k) int32 global ids; weights: each (E_local, ...) -> (T, k, H) in x's dtype
     num_tokens, top_k = experts.shape
-    num_local = jax.tree_util.tree_leaves(w_gate)[0].shape[0]
+    num_local = jax.tree_util.tree_leaves(weights[0])[0].shape[0]
     local = experts.reshape(-1) - expert_offset  # (A,) A = T*k
     key = jnp.where((local >= 0) & (local < num_local), local, num_local)  # (A,) others sort last
     order = jnp.argsort(key, stable=True)  # (A,) assignments grouped by expert
     group_sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)  # (E_local,)
     xs = x[order // top_k]  # (A, H)
-    ys = grouped_swiglu(xs, group_sizes, w_gate, w_up, w_down, impl=impl, block_rows=block_rows)  # (A, H)
+    ys = grouped_mlp(xs, group_sizes, weights, mlp, impl=impl, block_rows=block_rows)  # (A, H)
     out = jnp.zeros_like(ys).at[order].set(ys, unique_indices=True)  # (A, H) back in assignment order
     return out.reshape(num_tokens, top_k, -1)
 
 
-def moe_mlp(x: jax.Array, router, w_gate, w_up, w_down, *, top_k: int, normalize_top_k: bool,
-            round_weights: bool = False, impl: str | None = None, block_rows: int | None = None) -> jax.Array:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """Each token's top-k experts and their weights (`route`)."""
+
+    weights: jax.Array  # (T, k) float32
+    experts: jax.Array  # (T, k) int32
+
+
+def routing(x: jax.Array, router, top_k: int, normalize_top_k: bool, router_bias: jax.Array | None = None
+            ) -> Routing:
+    """`route` over the router's logits of x (plus gpt-oss's router bias)."""
+    # x: (T, H); router: (H, E); router_bias: (E,)
+    logits = linear(x, router)  # (T, E)
+    if router_bias is not None:
+        logits = logits + router_bias.astype(logits.dtype)
+    return Routing(*route(logits, top_k, normalize_top_k))
+
+
+def moe_mlp(x: jax.Array, router, *weights, top_k: int, normalize_top_k: bool, round_weights: bool = False,
+            mlp: ExpertMLP = SWIGLU, router_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
+            impl: str | None = None, block_rows: int | None = None) -> jax.Array:
     """The MoE block on one device, computing only the routed (token, expert) pairs. Mixtral:
-    normalize_top_k=True, round_weights=False; Qwen3-MoE: normalize_top_k=norm_topk_prob, round_weights=True."""
-    # x: (T, H); router: (H, E); w_gate, w_up: (E, H, I); w_down: (E, I, H) -> (T, H)
-    return _moe_sum(x, router, w_gate, w_up, w_down, 0, top_k, normalize_top_k, round_weights, impl,
-                    block_rows).astype(x.dtype)
+    normalize_top_k=True, round_weights=False; Qwen3-MoE: normalize_top_k=norm_topk_prob, round_weights=True;
+    `weights` are `mlp`'s (SWIGLU: w_gate, w_up (E, H, I), w_down (E, I, H)); gpt-oss adds a router bias (E,) and
+    its experts' down projection's bias (E, H)."""
+    # x: (T, H); router: (H, E) -> (T, H)
+    chosen = routing(x, router, top_k, normalize_top_k, router_bias)
+    expert_out = routed_experts(x, chosen.experts, weights, mlp, impl=impl, block_rows=block_rows)  # (T, k, H)
+    return _with_down_bias(combine(expert_out, chosen.weights, round_weights), chosen, down_bias, round_weights, x)
 
 
-def moe_mlp_dense(x: jax.Array, router, w_gate, w_up, w_down, *, top_k: int, normalize_top_k: bool,
-                  round_weights: bool = False) -> jax.Array:
+def moe_mlp_dense(x: jax.Array, router, *weights, top_k: int, normalize_top_k: bool, round_weights: bool = False,
+                  mlp: ExpertMLP = SWIGLU, router_bias: jax.Array | None = None,
+                  down_bias: jax.Array | None = None) -> jax.Array:
     """`moe_mlp` computing every expert for every token, then keeping the routed outputs: the reference."""
-    # x: (T, H); router: (H, E); w_gate, w_up: (E, H, I); w_down: (E, I, H) -> (T, H)
-    weights, experts = route(linear(x, router), top_k, normalize_top_k)  # (T, k), (T, k)
-    every = jax.vmap(partial(swiglu, x))(w_gate, w_up, w_down)  # (E, T, H)
-    expert_out = every[experts, jnp.arange(x.shape[0])[:, None]]  # (T, k, H)
-    return combine(expert_out, weights, round_weights).astype(x.dtype)
+    # x: (T, H) -> (T, H)
+    chosen = routing(x, router, top_k, normalize_top_k, router_bias)
+    every = jax.vmap(lambda *expert: mlp.apply(x, expert, _dense))(*weights)  # (E, T, H)
+    expert_out = every[chosen.experts, jnp.arange(x.shape[0])[:, None]]  # (T, k, H)
+    return _with_down_bias(combine(expert_out, chosen.weights, round_weights), chosen, down_bias, round_weights, x)
 
 
-def moe_mlp_expert_parallel(x: jax.Array, router, w_gate, w_up, w_down, *, mesh: Mesh, top_k: int,
-                            normalize_top_k: bool, round_weights: bool = False, axis_name: str = MODEL_AXIS,
-                            impl: str | None = None, block_rows: int | None = None) -> jax.Array:
-    """`moe_mlp` with the experts split over `axis_name` (E divisible by its size): each device routes every
-    token, computes the assignments to its E / n experts, and the float32 partial sums are psum'd."""
-    # x: (T, H) replicated; router: (H, E) replicated; w_*: (E, ...) split on E -> (T, H) replicated
-    def local(x, router, w_gate, w_up, w_down):
-        num_local = jax.tree_util.tree_leaves(w_gate)[0].shape[0]
+def moe_mlp_expert_parallel(x: jax.Array, router, *weights, mesh: Mesh, top_k: int, normalize_top_k: bool,
+                            round_weights: bool = False, mlp: ExpertMLP = SWIGLU,
+                            router_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
+                            axis_name: str = MODEL_AXIS, impl: str | None = None,
+                            block_rows: int | None = None) -> jax.Array:
+    """`moe_mlp` with the experts split over `axis_name` (E divisible by its size): every token routed (on every
+    device alike), each device computes the assignments to its E / n experts, and the float32 partial sums are
+    psum'd."""
+    # x: (T, H) replicated; router: (H, E) replicated; weights: each split on E -> (T, H) replicated
+    chosen = routing(x, router, top_k, normalize_top_k, router_bias)
+
+    def local(x, chosen, *weights):
+        num_local = jax.tree_util.tree_leaves(weights[0])[0].shape[0]
         offset = jax.lax.axis_index(axis_name) * num_local  # this device's first expert
-        partial_sum = _moe_sum(x, router, w_gate, w_up, w_down, offset, top_k, normalize_top_k, round_weights,
-                               impl, block_rows)  # (T, H) float32
-        return jax.lax.psum(partial_sum, axis_name).astype(x.dtype)
+        expert_out = routed_experts(x, chosen.experts, weights, mlp, expert_offset=offset, impl=impl,
+                                    block_rows=block_rows)  # (T, k, H)
+        return jax.lax.psum(combine(expert_out, chosen.weights, round_weights), axis_name)  # (T, H) float32
 
     split = lambda w: jax.tree_util.tree_map(lambda _: P(axis_name), w)  # every leaf on its expert axis
-    specs = (P(), P(), split(w_gate), split(w_up), split(w_down))
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(
-        x, router, w_gate, w_up, w_down)
+    partial_sum = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *map(split, weights)), out_specs=P(),
+                                check_vma=False)(x, chosen, *weights)
+    return _with_down_bias(partial_sum, chosen, down_bias, round_weights, x)
 
 
-def moe_mlp_tensor_parallel(x: jax.Array, router, w_gate, w_up, w_down, *, mesh: Mesh, top_k: int,
-                            normalize_top_k: bool, round_weights: bool = False, axis_name: str = MODEL_AXIS,
-                            impl: str | None = None, block_rows: int | None = None) -> jax.Array:
-    """`moe_mlp` with every expert split like the dense MLP (w_gate, w_up by I columns, w_down by I rows):
-    each device runs the routed block on its slice of I and the float32 partial sums are psum'd."""
-    # x: (T, H) replicated; router: (H, E) replicated; w_gate, w_up: (E, H, I) split on I;
-    # w_down: (E, I, H) split on I -> (T, H) replicated
-    def local(x, router, w_gate, w_up, w_down):
-        partial_sum = _moe_sum(x, router, w_gate, w_up, w_down, 0, top_k, normalize_top_k, round_weights,
-                               impl, block_rows)  # (T, H) float32
-        return jax.lax.psum(partial_sum, axis_name).astype(x.dtype)
+def moe_mlp_tensor_parallel(x: jax.Array, router, *weights, mesh: Mesh, top_k: int, normalize_top_k: bool,
+                            round_weights: bool = False, mlp: ExpertMLP = SWIGLU,
+                            router_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
+                            axis_name: str = MODEL_AXIS, impl: str | None = None,
+                            block_rows: int | None = None) -> jax.Array:
+    """`moe_mlp` with every expert split like the dense MLP (each weight by `mlp.split`: SWIGLU's w_gate, w_up by
+    I columns, w_down by I rows): each device runs the routed block on its slice of I and the float32 partial
+    sums are psum'd."""
+    # x: (T, H) replicated; router: (H, E) replicated; weights: each split on I -> (T, H) replicated
+    chosen = routing(x, router, top_k, normalize_top_k, router_bias)
 
-    columns, rows = P(None, None, axis_name), P(None, axis_name, None)  # w_gate, w_up split on I; w_down on I
+    def local(x, chosen, *weights):
+        expert_out = routed_experts(x, chosen.experts, weights, mlp, impl=impl, block_rows=block_rows)
+        return jax.lax.psum(combine(expert_out, chosen.weights, round_weights), axis_name)  # (T, H) float32
 
-    def spec(w, weight_spec):  # a quantized weight's scale split as model/quantize.py splits it
+    def spec(w, split: str):  # a quantized weight's scale split as model/quantize.py splits it
+        rank = (w["weight"] if isinstance(w, dict) else w).ndim
+        weight_spec = P(*[None] * (rank - 1), axis_name) if split == "columns" else P(*[None] * (rank - 2),
+                                                                                          axis_name, None)
         return quantized_spec(weight_spec, is_grouped(w), "zero" in w, "row_groups" in w) if isinstance(w, dict) \
             else weight_spec
 
-    specs = (P(), P(), spec(w_gate, columns), spec(w_up, columns), spec(w_down, rows))
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(
-        x, router, w_gate, w_up, w_down)
+    specs = (P(), P(), *(spec(w, split) for w, split in zip(weights, mlp.split)))
+    partial_sum = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=False)(x, chosen,
+                                                                                                  *weights)
+    return _with_down_bias(partial_sum, chosen, down_bias, round_weights, x)
 
 
-def _moe_sum(x, router, w_gate, w_up, w_down, expert_offset, top_k, normalize_top_k, round_weights, impl,
-             block_rows) -> jax.Array:
-    """Route every token, run the assignments to the experts held, and combine: the float32 sum before the
-    final cast (a partial sum when the weights hold only some experts or some of I)."""
-    # x: (T, H); router: (H, E); w_*: (E_local, ...) -> (T, H) float32
-    weights, experts = route(linear(x, router), top_k, normalize_top_k)  # (T, k) float32, (T, k) int32
-    expert_out = routed_experts(x, experts, w_gate, w_up, w_down, expert_offset=expert_offset, impl=impl,
-                                block_rows=block_rows)  # (T, k, H)
-    return combine(expert_out, weights, round_weights)
+def _with_down_bias(summed: jax.Array, chosen: Routing, down_bias: jax.Array | None, round_weights: bool,
+                    x: jax.Array) -> jax.Array:
+    """The combined expert outputs (float32) plus each token's routing-weighted down-projection biases of its
+    experts (gpt-oss), cast to x's dtype."""
+    # summed: (T, H) float32; down_bias: (E, H)
+    if down_bias is not None:
+        summed = summed + combine(down_bias[chosen.experts].astype(x.dtype), chosen.weights, round_weights)
+    return summed.astype(x.dtype)
 
 
 def _check_impl(impl: str | None) -> str:

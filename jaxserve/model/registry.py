@@ -108,7 +108,7 @@ def copy_pages(caches: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) ->
 _MODELS: dict[str, Model] = {}
 # imported on the first lookup (they import this module)
 BUILTIN_MODULES = ("jaxserve.model.llama", "jaxserve.model.gemma", "jaxserve.model.moe_llama", "jaxserve.model.phi3",
-                   "jaxserve.model.granite", "jaxserve.model.olmo2")
+                   "jaxserve.model.granite", "jaxserve.model.olmo2", "jaxserve.model.gpt_oss")
 PLUGIN_GROUP = "jaxserve.models"  # entry points (module names) of installed packages that register architectures
 
 
