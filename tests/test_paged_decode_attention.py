@@ -7,10 +7,14 @@ wrongly treats as visible (wrong layer, wrong page, off-by-one mask) turns its o
 The kernel masks unseen slots in the scores and zeroes them in V (stale slots may hold anything),
 so a *masked* read of a poisoned page cannot show up as NaN; which pages each split walks is
 checked separately on `split_page_range`, the function the kernel takes its loop bounds from.
+
+`return_lse=True` (the log-sum-exp that attention sinks need, merged over the splits) is checked against the
+reference's LSE and, with random sinks, against a softmax-with-sink written out in numpy from the gathered K/V.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -26,6 +30,7 @@ from pallas_kernels.paged_decode_attention.tuning import (
     TARGET_PROGRAMS,
     choose_num_splits,
 )
+from pallas_kernels.tile_math import from_cache, to_cache
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 TOLERANCE = {F32: 1e-5, BF16: 1e-2}
@@ -160,6 +165,12 @@ def test_all_rows_padded_give_zeros():
     q, k, v, _, _, lens, table = make_case(5, [0, 0], 4, 16, 1, 2, 64, F32)
     out = paged_decode_attention(q, k, v, LAYER, lens, table, sm_scale=0.125, num_splits=2, interpret=True)
     assert np.all(np.asarray(out) == 0.0)
+    # the early return of an empty page table, with the LSE: out 0, lse exactly -inf (test_lse_and_sinks
+    # checks padded rows through the kernel)
+    out, lse = paged_decode_attention(q, k, v, LAYER, lens, table[:, :0], sm_scale=0.125, interpret=True,
+                                      return_lse=True)
+    assert np.all(np.asarray(out) == 0.0) and lse.shape == (2, 2) and lse.dtype == F32
+    assert np.all(np.asarray(lse) == -np.inf)
 
 
 def test_choose_num_splits_rules():
@@ -220,9 +231,13 @@ def test_combine_splits_log_sum_exp_without_nans():
     acc = jnp.zeros((3, 2, 4)).at[0, 0].set(1.0).at[1, 0].set(5.0)  # (NS, G, D)
     with jax.debug_nans(True):  # no NaN in any intermediate either
         out = np.asarray(combine_splits(m, l, acc))  # (G, D)
+        out_lse, lse = combine_splits(m, l, acc, return_lse=True)  # (G, D), (G,)
     w = math.exp(1.0 - 3.0)
     np.testing.assert_allclose(out[0], (w * 1.0 + 5.0) / (w * 2.0 + 1.0), rtol=1e-6)
     assert np.all(out[1] == 0.0)
+    assert np.array_equal(np.asarray(out_lse), out)
+    np.testing.assert_allclose(lse[0], math.log(math.exp(1.0) * 2.0 + math.exp(3.0) * 1.0), rtol=1e-6)
+    assert lse[1] == -np.inf
 
 
 @pytest.mark.parametrize(
@@ -242,12 +257,87 @@ def test_lowers_to_triton_ir(page_size, head_dim, group, dtype, sliding_window, 
     lens = jax.ShapeDtypeStruct((num_rows,), jnp.int32)  # (R,)
     table = jax.ShapeDtypeStruct((num_rows, width), jnp.int32)  # (R, W)
 
-    def attend(q, k, v, lens, table):
+    def attend(q, k, v, lens, table, return_lse=False):
         return paged_decode_attention(
             q, k, v, LAYER, lens, table, sm_scale=0.125, sliding_window=sliding_window,
             soft_cap=soft_cap, num_splits=2, num_warps=8, num_stages=3, pages_per_step=pages_per_step,
+            return_lse=return_lse,
         )
 
-    text = jax.jit(attend).trace(q, cache, cache, lens, table).lower(lowering_platforms=("cuda",)).as_text()
-    assert "xla.gpu.triton" in text
-    assert "num_stages = 3 : i32, num_warps = 8 : i32" in text  # the launch settings asked for
+    for function in (attend, functools.partial(attend, return_lse=True)):
+        text = jax.jit(function).trace(q, cache, cache, lens, table).lower(lowering_platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text
+        assert "num_stages = 3 : i32, num_warps = 8 : i32" in text  # the launch settings asked for
+
+
+def _attention_with_sinks(q, keys, values, sinks, *, sm_scale, soft_cap):
+    """Softmax over [scores..., sink] per query head with the sink's column dropped, in float64.
+
+    q: (Hq, D); keys, values: (K, Hkv, D), the keys the query sees; sinks: (Hq,). Returns (Hq, D).
+    """
+    group = q.shape[0] // keys.shape[1]
+    keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)  # (K, Hq, D): head h, kv h // G
+    scores = np.einsum("hd,khd->hk", q, keys) * sm_scale  # (Hq, K)
+    if soft_cap is not None:
+        scores = soft_cap * np.tanh(scores / soft_cap)
+    logits = np.concatenate([scores, sinks[:, None]], axis=1)  # (Hq, K + 1)
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    return np.einsum("hk,khd->hd", probs[:, :-1], values)  # (Hq, D)
+
+
+@pytest.mark.parametrize(
+    "group, num_kv_heads, page_size, head_dim, dtype, num_splits, pages_per_step, sliding_window, soft_cap, "
+    "cache_dtype, seq_lens",
+    # ragged lengths with 1, page boundaries and a padded row; splits left empty (3 splits of 4 slots for a
+    # 1-page row), two pages a step (a step past its split's end), a window, a soft cap (q scaled past it),
+    # an fp8 cache (e4m3 bits) under bfloat16 queries
+    [(1, 2, 8, 32, F32, 2, 2, None, 5.0, None, [1, 17, 0, 32]),
+     (3, 1, 8, 32, F32, 3, 1, 10, None, None, [1, 30, 0, 9]),
+     (2, 2, 8, 32, BF16, 2, 1, 12, 10.0, jnp.uint8, [0, 27, 3, 16])],
+    ids=["mha-cap-2-splits-2-pages-a-step", "group3-window-3-splits", "fp8-bf16-window-cap"],
+)
+def test_lse_and_sinks(group, num_kv_heads, page_size, head_dim, dtype, num_splits, pages_per_step,
+                       sliding_window, soft_cap, cache_dtype, seq_lens):
+    q, k_bad, v_bad, k_ok, v_ok, lens, table = make_case(
+        7, seq_lens, 4, page_size, num_kv_heads, group, head_dim, dtype, sliding_window=sliding_window,
+        q_scale=1.0 if soft_cap is None else 4.0,
+    )
+    if cache_dtype is not None:
+        k_bad, v_bad, k_ok, v_ok = (to_cache(x, cache_dtype) for x in (k_bad, v_bad, k_ok, v_ok))
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    run = functools.partial(paged_decode_attention, q, k_bad, v_bad, LAYER, lens, table, num_splits=num_splits,
+                            pages_per_step=pages_per_step, interpret=True, **options)
+    plain = run()  # (R, Hq, D)
+    out, lse = run(return_lse=True)  # (R, Hq, D), (R, Hq)
+    reference = jax.jit(functools.partial(paged_decode_attention_reference, return_lse=True, **options))
+    ref_out, ref_lse = reference(q, k_ok, v_ok, LAYER, lens, table)  # jitted: one compile, a faster test
+    num_rows, num_heads, _ = q.shape
+    assert out.dtype == plain.dtype and lse.shape == (num_rows, num_heads) and lse.dtype == F32
+    assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32)), "out changed"
+    lse, ref_lse = np.asarray(lse), np.asarray(ref_lse)
+    padded = np.asarray(seq_lens) == 0
+    assert not np.isnan(lse).any() and np.isfinite(lse[~padded]).all()
+    assert np.all(lse[padded] == -np.inf) and np.all(ref_lse[padded] == -np.inf)
+    np.testing.assert_allclose(lse[~padded], ref_lse[~padded], rtol=1e-5, atol=1e-5)
+    out = np.asarray(out, np.float32)
+    assert np.max(np.abs(out - np.asarray(ref_out, np.float32))) / np.max(np.abs(out)) < TOLERANCE[dtype]
+
+    # sinks: out * sigmoid(lse - sink) == softmax over [scores, sink] with the sink dropped
+    sinks = 2.0 * np.random.default_rng(8).standard_normal(num_heads).astype(np.float32)  # (Hq,)
+    with_sinks = out * np.asarray(jax.nn.sigmoid(lse - sinks))[..., None]  # (R, Hq, D)
+    assert np.all(np.isfinite(with_sinks)) and np.all(with_sinks[padded] == 0.0), "padded rows stay 0"
+    k = np.asarray(from_cache(k_ok[LAYER], dtype), np.float64)  # (P, S, Hkv, D) as the kernel reads it
+    v = np.asarray(from_cache(v_ok[LAYER], dtype), np.float64)
+    table = np.asarray(table)
+    direct = np.zeros(with_sinks.shape)  # (R, Hq, D)
+    for row, seq_len in enumerate(seq_lens):
+        if seq_len:
+            seen = np.arange(0 if sliding_window is None else max(seq_len - sliding_window, 0), seq_len)  # (K,)
+            pages = table[row, seen // page_size]  # (K,)
+            direct[row] = _attention_with_sinks(
+                np.asarray(q[row], np.float64), k[pages, seen % page_size], v[pages, seen % page_size],
+                sinks.astype(np.float64), sm_scale=sm_scale, soft_cap=soft_cap)
+    error = np.max(np.abs(with_sinks - direct)) / np.max(np.abs(direct))
+    assert error < TOLERANCE[dtype], f"relative error {error:.2e}"

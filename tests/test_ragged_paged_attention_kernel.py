@@ -8,7 +8,12 @@ and the slots past each row's length are NaN for the kernel (zeros for the refer
 of a slot a query must not see shows up in the output. Pallas interpret mode fills
 a kernel's outputs with NaN before it runs, so an element the kernel fails to write shows up too
 (the tests assert there is no NaN anywhere in the output).
+
+`return_lse=True` (the log-sum-exp that attention sinks need) is checked against the reference's LSE and,
+with random sinks, against a softmax-with-sink written out in numpy from the gathered K/V.
 """
+
+import functools
 
 import jax
 import numpy as np
@@ -26,15 +31,16 @@ from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
 from pallas_kernels.paged_kv_write import reference as kv_write_reference
 from pallas_kernels.ragged_paged_attention import kernel, reference
 from pallas_kernels.ragged_paged_attention.tuning import gpu_unsupported
+from pallas_kernels.tile_math import from_cache, to_cache
 
 # (cached tokens before this step, query tokens this step) per row
 ROWS = [(20, 7), (0, 16), (31, 1), (15, 1), (0, 5), (0, 0)]
 NUM_LAYERS, LAYER = 2, 1
 
 
-def _case(page_size, num_kv_heads, group, head_dim, dtype, rows=ROWS, seed=0):
+def _case(page_size, num_kv_heads, group, head_dim, dtype, rows=ROWS, seed=0, cache_dtype=None):
     """Random q, caches and metadata for `rows` ((cached, query) tokens each); slots no query may read
-    are NaN (the null page is finite)."""
+    are NaN (the null page is finite). The caches are in `cache_dtype` (default: q's), uint8 for fp8 bits."""
     rng = np.random.default_rng(seed)
     seq_lens = np.array([c + n for c, n in rows], np.int32)  # (R,)
     query_lens = np.array([n for _, n in rows], np.int32)  # (R,)
@@ -66,6 +72,9 @@ def _case(page_size, num_kv_heads, group, head_dim, dtype, rows=ROWS, seed=0):
     arrays = dict(q=q, k_cache=k_cache, v_cache=v_cache,  # the reference reads whole pages: it gets zeros
                   k_clean=np.nan_to_num(k_cache), v_clean=np.nan_to_num(v_cache))
     arrays = {name: jnp.asarray(value, dtype) for name, value in arrays.items()}
+    if cache_dtype is not None:
+        arrays.update({name: to_cache(jnp.asarray(value, jnp.float32), cache_dtype)
+                       for name, value in arrays.items() if name != "q"})
     return arrays, positions, query_start_loc, seq_lens, page_table
 
 
@@ -124,9 +133,10 @@ def test_kv_write_kernel_writes_in_place_and_nothing_else():
         assert np.isnan(out[untouched]).all()
 
 
-@pytest.mark.parametrize("name,tp", [("llama", 1), ("qwen2", 2), ("gemma2", 1)])
+@pytest.mark.parametrize("name,tp", [("llama", 1), ("qwen2", 2), ("gemma2", 1), ("gpt-oss", 2)])
 def test_engine_with_pallas_interpret_matches_xla(name, tp):
-    """gemma2: sliding (16 keys) and full layers in one scan, soft-capped scores, prompts past the window."""
+    """gemma2: sliding (16 keys) and full layers in one scan, soft-capped scores, prompts past the window; gpt-oss:
+    attention sinks (the kernels' log-sum-exp) split with their heads over two devices."""
     prompts = [{"prompt_token_ids": ids} for ids in expected(name)["prompts"][3:7]]  # 8 to 16 tokens
     params = SamplingParams(max_tokens=8, temperature=0)
     tokens = {}
@@ -171,14 +181,16 @@ def test_kernels_lower_to_triton_ir(page_size, num_kv_heads, group, head_dim, dt
     def ints(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
-    def attend(q, k_cache, v_cache, query_start_loc, seq_lens, page_table):
+    def attend(q, k_cache, v_cache, query_start_loc, seq_lens, page_table, return_lse=False):
         return kernel.ragged_paged_attention(q, k_cache, v_cache, LAYER, query_start_loc, seq_lens, page_table,
-                                             sm_scale=0.125, sliding_window=window, soft_cap=soft_cap)
+                                             sm_scale=0.125, sliding_window=window, soft_cap=soft_cap,
+                                             return_lse=return_lse)
 
     def write(k_cache, v_cache, k, v, slots):
         return kv_write_kernel.write_kv(k_cache, v_cache, LAYER, k, v, slots)
 
-    for function, args in ((attend, (q, cache, cache, ints(num_rows + 1), ints(num_rows), ints(num_rows, width))),
+    attend_args = (q, cache, cache, ints(num_rows + 1), ints(num_rows), ints(num_rows, width))
+    for function, args in ((attend, attend_args), (functools.partial(attend, return_lse=True), attend_args),
                            (write, (cache, cache, kv, kv, ints(num_tokens)))):
         text = jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text
@@ -211,3 +223,73 @@ def test_pure_decode_steps_take_the_decode_kernel():
     assert (np.asarray(out[real:]) == 0).all()
     only_decode = ragged_or_decode(*args, ragged=lambda *a: jnp.full_like(arrays["q"], 7.0), decode=decode)
     assert _relative_error(only_decode[:real], ref[:real]) < 1e-5  # the ragged branch was not taken
+
+
+# (cached, query) tokens per row: a chunk continuing a prefix, a fresh prompt, decodes (one at a page
+# boundary), an empty row; three padded tokens follow
+LSE_ROWS = [(9, 5), (0, 6), (17, 1), (8, 1), (0, 0)]
+LSE_CASES = [
+    pytest.param(8, 2, 1, 32, jnp.float32, None, None, None, id="mha"),
+    pytest.param(8, 1, 3, 32, jnp.float32, 6, None, None, id="group3-window"),  # the group padded to 4 rows
+    pytest.param(16, 1, 4, 16, jnp.float32, None, 5.0, None, id="group4-soft-cap"),  # 16 x 16 tiles: the dot path
+    pytest.param(8, 1, 2, 32, jnp.bfloat16, 5, 20.0, jnp.uint8, id="fp8-bf16-window-cap"),
+]
+
+
+def _attention_with_sinks(q, keys, values, sinks, *, sm_scale, soft_cap):
+    """Softmax over [scores..., sink] per query head with the sink's column dropped, in float64.
+
+    q: (Hq, D); keys, values: (K, Hkv, D), the keys the query sees; sinks: (Hq,). Returns (Hq, D).
+    """
+    group = q.shape[0] // keys.shape[1]
+    keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)  # (K, Hq, D): head h, kv h // G
+    scores = np.einsum("hd,khd->hk", q, keys) * sm_scale  # (Hq, K)
+    if soft_cap is not None:
+        scores = soft_cap * np.tanh(scores / soft_cap)
+    logits = np.concatenate([scores, sinks[:, None]], axis=1)  # (Hq, K + 1)
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    return np.einsum("hk,khd->hd", probs[:, :-1], values)  # (Hq, D)
+
+
+@pytest.mark.parametrize("page_size,num_kv_heads,group,head_dim,dtype,window,soft_cap,cache_dtype", LSE_CASES)
+def test_ragged_kernel_lse_and_sinks(page_size, num_kv_heads, group, head_dim, dtype, window, soft_cap, cache_dtype):
+    arrays, positions, query_start_loc, seq_lens, page_table = _case(
+        page_size, num_kv_heads, group, head_dim, dtype, rows=LSE_ROWS, seed=7, cache_dtype=cache_dtype)
+    sm_scale = head_dim**-0.5
+    options = dict(sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap)
+    args = (arrays["q"], arrays["k_cache"], arrays["v_cache"], jnp.int32(LAYER), jnp.asarray(query_start_loc),
+            jnp.asarray(seq_lens), jnp.asarray(page_table))
+    attend = functools.partial(kernel.ragged_paged_attention, interpret=True, **options)
+    plain = jax.jit(attend)(*args)  # jitted: one compile instead of many small eager ones (a faster test)
+    out, lse = jax.jit(functools.partial(attend, return_lse=True))(*args)
+    ref_out, ref_lse = jax.jit(functools.partial(reference.ragged_paged_attention, return_lse=True, **options))(
+        arrays["q"], arrays["k_clean"], arrays["v_clean"], jnp.int32(LAYER), jnp.asarray(positions),
+        jnp.asarray(query_start_loc), jnp.asarray(page_table),
+    )
+    num_tokens, num_heads, _ = arrays["q"].shape
+    real = int(query_start_loc[-1])
+    assert out.dtype == plain.dtype and lse.shape == (num_tokens, num_heads) and lse.dtype == jnp.float32
+    assert np.array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32)), "out changed"
+    lse = np.asarray(lse)
+    assert not np.isnan(lse).any() and np.isfinite(lse[:real]).all()
+    assert (lse[real:] == -np.inf).all(), "padded tokens: exactly -inf"
+    np.testing.assert_allclose(lse[:real], np.asarray(ref_lse)[:real], rtol=1e-5, atol=1e-5)
+    tolerance = 1e-5 if dtype == jnp.float32 else 1e-2
+    assert _relative_error(out[:real], ref_out[:real]) < tolerance
+
+    # sinks: out * sigmoid(lse - sink) == softmax over [scores, sink] with the sink dropped
+    sinks = 2.0 * np.random.default_rng(8).standard_normal(num_heads).astype(np.float32)  # (Hq,)
+    with_sinks = np.asarray(out, np.float32) * np.asarray(jax.nn.sigmoid(lse - sinks))[..., None]  # (T, Hq, D)
+    assert np.isfinite(with_sinks).all() and (with_sinks[real:] == 0).all(), "padded tokens stay 0"
+    q = np.asarray(arrays["q"], np.float64)  # (T, Hq, D)
+    k = np.asarray(from_cache(arrays["k_clean"][LAYER], dtype), np.float64)  # (P, S, Hkv, D) as the kernel reads it
+    v = np.asarray(from_cache(arrays["v_clean"][LAYER], dtype), np.float64)
+    row = np.searchsorted(query_start_loc, np.arange(real), side="right") - 1  # (real,)
+    direct = np.zeros((real, num_heads, head_dim))
+    for token in range(real):
+        seen = np.arange(0 if window is None else max(positions[token] - window + 1, 0), positions[token] + 1)
+        pages = page_table[row[token], seen // page_size]  # (K,)
+        direct[token] = _attention_with_sinks(q[token], k[pages, seen % page_size], v[pages, seen % page_size],
+                                              sinks.astype(np.float64), sm_scale=sm_scale, soft_cap=soft_cap)
+    assert _relative_error(with_sinks[:real], direct) < tolerance

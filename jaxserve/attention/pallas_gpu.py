@@ -29,20 +29,21 @@ def make_backend(mesh: Mesh, interpret: bool) -> AttentionBackend:
     """The GPU kernels (or their interpreted run) as a backend over the split cache layout."""
 
     @functools.cache
-    def sharded_attention(how: LayerAttention):
-        """The attention kernels for one way of attending, each device on its own heads."""
+    def sharded_attention(how: LayerAttention, sinks: bool):
+        """The attention kernels for one way of attending (with the heads' sinks, when `sinks`), each device on
+        its own heads."""
         options = dict(sm_scale=how.sm_scale, sliding_window=how.sliding_window, soft_cap=how.soft_cap,
-                       interpret=interpret)
+                       interpret=interpret, return_lse=sinks)
         attend = functools.partial(
             ragged_or_decode,
             ragged=functools.partial(attention_kernel.ragged_paged_attention, **options),
             decode=functools.partial(decode_kernel.paged_decode_attention, **options),
         )
-        return jax.shard_map(
-            attend, mesh=mesh,
-            in_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, P(), P(), P(), P()),
-            out_specs=HEADS_SPEC, check_vma=False,
-        )
+        if sinks:
+            attend = functools.partial(with_sinks, attend)
+        in_specs = (HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, P(), P(), P(), P())
+        in_specs += (P(MODEL_AXIS),) if sinks else ()  # the sinks split with their heads
+        return jax.shard_map(attend, mesh=mesh, in_specs=in_specs, out_specs=HEADS_SPEC, check_vma=False)
 
     sharded_write = jax.shard_map(
         functools.partial(kv_write_kernel.write_kv, interpret=interpret), mesh=mesh,
@@ -50,8 +51,9 @@ def make_backend(mesh: Mesh, interpret: bool) -> AttentionBackend:
         out_specs=(KV_CACHE_SPEC, KV_CACHE_SPEC), check_vma=False,
     )
 
-    def attention(q, caches, layer, batch: BatchDescriptor, how: LayerAttention) -> jax.Array:
-        return sharded_attention(how)(q, *caches, layer, batch.query_start_loc, batch.seq_lens, batch.page_table)
+    def attention(q, caches, layer, batch: BatchDescriptor, how: LayerAttention, sinks=None) -> jax.Array:
+        return sharded_attention(how, sinks is not None)(q, *caches, layer, batch.query_start_loc, batch.seq_lens,
+                                                         batch.page_table, *(() if sinks is None else (sinks,)))
 
     def write_kv(caches, layer, k, v, batch: BatchDescriptor):
         return sharded_write(*caches, layer, k, v, batch.slot_mapping)
@@ -60,9 +62,18 @@ def make_backend(mesh: Mesh, interpret: bool) -> AttentionBackend:
     return AttentionBackend(name, "split", attention, write_kv)
 
 
+def with_sinks(attend, q, k_cache, v_cache, layer, query_start_loc, seq_lens, page_table, sinks):
+    """`attend` (giving each query head's output and the log-sum-exp of its scores) with each head's attention
+    sink in its softmax's denominator: the output times sigmoid(lse - sink) (zero where a head saw no key)."""
+    # sinks: (Hq,) -> (T, Hq, D)
+    out, lse = attend(q, k_cache, v_cache, layer, query_start_loc, seq_lens, page_table)  # (T, Hq, D), (T, Hq)
+    scale = jax.nn.sigmoid(lse - sinks.astype(jnp.float32)[None, :])  # (T, Hq)
+    return (out.astype(jnp.float32) * scale[..., None]).astype(out.dtype)
+
+
 def ragged_or_decode(q, k_cache, v_cache, layer, query_start_loc, seq_lens, page_table, *, ragged, decode):
     """The decode kernel (split over the KV length) when every row has at most one query token,
-    else the ragged kernel; both read the same metadata."""
+    else the ragged kernel; both read the same metadata (and both give the log-sum-exp too when asked)."""
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); query_start_loc: (R + 1,) int32
     # seq_lens: (R,) int32; page_table: (R, W) int32
     num_tokens = q.shape[0]
@@ -73,7 +84,13 @@ def ragged_or_decode(q, k_cache, v_cache, layer, query_start_loc, seq_lens, page
         first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)  # (R,)
         rows = decode(q[first], k_cache, v_cache, layer, jnp.where(has_query, seq_lens, 0), page_table)  # (R, Hq, D)
         target = jnp.where(has_query, query_start_loc[:-1], num_tokens)  # (R,) out of range: dropped
-        return jnp.zeros_like(q).at[target].set(rows, mode="drop")  # (T, Hq, D)
+
+        def placed(values, fill):  # each row's values at its token, `fill` for the tokens no row writes
+            return jnp.full((num_tokens, *values.shape[1:]), fill, values.dtype).at[target].set(values, mode="drop")
+
+        if isinstance(rows, tuple):  # (output (R, Hq, D), log-sum-exp (R, Hq))
+            return placed(rows[0], 0), placed(rows[1], -jnp.inf)
+        return placed(rows, 0)  # (T, Hq, D)
 
     def ragged_step():
         return ragged(q, k_cache, v_cache, layer, query_start_loc, seq_lens, page_table)  # (T, Hq, D)

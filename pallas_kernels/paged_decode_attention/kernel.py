@@ -7,7 +7,9 @@ slots. It walks its pages with a `fori_loop`, `pages_per_step` pages a step, rea
 kernel; several pages a step are one `(n * S, D)` tile, as `pages_per_compute_block` in JAX's own
 Triton paged attention), and keeps an online softmax in float32: running max `m`, running sum `l`
 and the unnormalised output `acc`. Those partials go out per split; the wrapper merges the splits
-with a log-sum-exp in plain jnp.
+with a log-sum-exp in plain jnp. With `return_lse=True` that merge also gives each query head's
+log-sum-exp over all its keys (`m + log(l)` of the merged partials; attention sinks are
+`out * sigmoid(lse - sink)`); the kernel itself is the same either way.
 The caches are in q's dtype or hold e4m3 values (an fp8 KV cache, as float8 or as its uint8 bits,
 `tile_math.FP8_BITS`): pages are cast to q's dtype as they are loaded; the scales are the model's to fold in.
 
@@ -159,10 +161,14 @@ def _decode_kernel(
     acc_ref[...] = acc
 
 
-def combine_splits(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
+def combine_splits(
+    m: jax.Array, l: jax.Array, acc: jax.Array, *, return_lse: bool = False
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-sum-exp merge of per-split partials into normalised outputs (zeros where nothing was seen).
 
     Empty splits (m = -inf, l = 0, acc = 0) get weight 0; rows with no keys at all give 0, never NaN.
+    Returns `(..., G, D)` float32; with `return_lse=True`, `(out, lse)` where `lse` `(..., G)` float32 is
+    the log-sum-exp over every split's keys, `m_max + log(l_total)`, and exactly -inf where nothing was seen.
     """
     # m, l: (..., NS, G) float32; acc: (..., NS, G, D) float32
     m_max = jnp.max(m, axis=-2, keepdims=True)  # (..., 1, G)
@@ -172,14 +178,18 @@ def combine_splits(m: jax.Array, l: jax.Array, acc: jax.Array) -> jax.Array:
     acc_total = jnp.sum(weight[..., None] * acc, axis=-3)  # (..., G, D)
     seen = l_total > 0  # (..., G)
     out = acc_total / jnp.where(seen, l_total, 1.0)[..., None]  # (..., G, D)
-    return jnp.where(seen[..., None], out, 0.0)  # (..., G, D)
+    out = jnp.where(seen[..., None], out, 0.0)  # (..., G, D)
+    if not return_lse:
+        return out
+    lse = jnp.where(seen, m_max[..., 0, :] + jnp.log(jnp.where(seen, l_total, 1.0)), -jnp.inf)  # (..., G)
+    return out, lse
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
         "sm_scale", "sliding_window", "soft_cap", "num_splits", "num_warps", "num_stages", "pages_per_step",
-        "interpret",
+        "interpret", "return_lse",
     ),
 )
 def paged_decode_attention(
@@ -198,7 +208,8 @@ def paged_decode_attention(
     num_stages: int = TRITON_NUM_STAGES,
     pages_per_step: int = PAGES_PER_STEP,
     interpret: bool = False,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Decode attention of each row's single query (position `seq_lens[r] - 1`) over its paged K/V.
 
     Row r sees keys `0..seq_lens[r]-1` of the pages `page_table[r, :cdiv(seq_lens[r], S)]`
@@ -209,6 +220,11 @@ def paged_decode_attention(
     `pages_per_step` (a power of two) is how many pages a program reads per loop step, as one
     `(pages_per_step * S, D)` tile (JAX's Triton paged attention calls it `pages_per_compute_block`);
     the defaults are in `tuning`. `interpret=True` runs Pallas's interpreter (CPU).
+
+    `return_lse=True` returns `(out, lse)`: `lse` `(R, Hq)` float32 is each query head's log-sum-exp over
+    the keys it sees, of the scores as the softmax takes them (scaled, soft-capped, masked), merged over the
+    splits; padded rows get exactly -inf. An attention sink `sink` (Hq,) then gives
+    `out * sigmoid(lse - sink)[..., None]` (0 on padded rows, never NaN). `out` is the same either way.
     """
     # q: (R, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); layer: () int
     # seq_lens: (R,) int32; page_table: (R, W) int32
@@ -223,6 +239,8 @@ def paged_decode_attention(
         raise ValueError(f"the caches must be in q's dtype, float8_e4m3fn or its bits (uint8): {q.dtype}, "
                          f"{k_cache.dtype}, {v_cache.dtype}")
     if num_rows == 0 or num_slots == 0:
+        if return_lse:
+            return jnp.zeros_like(q), jnp.full((num_rows, num_heads), -jnp.inf, jnp.float32)  # (R, Hq, D), (R, Hq)
         return jnp.zeros_like(q)  # (R, Hq, D)
     if num_splits is None:
         num_splits = choose_num_splits(num_rows, num_kv_heads, num_slots)
@@ -282,7 +300,11 @@ def paged_decode_attention(
     )(layer_arr, seq_lens, page_table, q_groups, k_cache, v_cache)
     # m, l: (R, Hkv, NS, Gp) float32; acc: (R, Hkv, NS, Gp, D) float32
 
-    out = combine_splits(m[..., :group], l[..., :group], acc[..., :group, :])  # (R, Hkv, G, D)
+    merged = combine_splits(m[..., :group], l[..., :group], acc[..., :group, :], return_lse=return_lse)
+    out = merged[0] if return_lse else merged  # (R, Hkv, G, D)
     out = out.reshape(num_rows, num_heads, head_dim)  # (R, Hq, D)
     out = jnp.where(seq_lens[:, None, None] > 0, out, 0.0)  # (R, Hq, D)
-    return out.astype(q.dtype)
+    if not return_lse:
+        return out.astype(q.dtype)
+    lse = jnp.where(seq_lens[:, None] > 0, merged[1].reshape(num_rows, num_heads), -jnp.inf)  # (R, Hq)
+    return out.astype(q.dtype), lse

@@ -27,6 +27,12 @@ uses only operations the Triton lowering supports (2-D dots, exp, max, where, fo
 indexing); GQA groups are padded to a power of two and a tile has 16 query rows, but the kernel
 has not been compiled for a GPU yet (no GPU was available); `gpu_unsupported` lists the shapes the
 Triton lowering cannot take. Pages of 8 tokens use a multiply-and-sum instead of a dot.
+
+Log-sum-exp. With `return_lse=True` the kernel also writes, per query row of a tile, the log-sum-exp
+of the scores it saw (`running_max + log(running_sum)` of its online softmax, float32; -inf where it
+saw no key), as a second output; a static flag, so the default call compiles to the same program as
+before. Attention sinks (gpt-oss: one learned logit per query head in the softmax denominator only)
+are then `out * sigmoid(lse - sink)`, applied by the caller.
 """
 
 from __future__ import annotations
@@ -59,12 +65,19 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     block_q: int | None = None,
     interpret: bool = False,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal attention of every query token over its own request's pages (see the module docstring).
 
     Request `r` owns query tokens `query_start_loc[r]:query_start_loc[r+1]`, the last of its
-    `seq_lens[r]` tokens; their K/V must already be in the pages. Padded tokens (past
-    `query_start_loc[-1]`) and empty rows get zeros.
+    `seq_lens[r]` tokens; their K/V must already be in the pages. Returns `(T, Hq, D)` in q's dtype;
+    padded tokens (past `query_start_loc[-1]`) and empty rows get zeros.
+
+    `return_lse=True` returns `(out, lse)` instead: `lse` `(T, Hq)` float32 is each query head's
+    log-sum-exp over the keys it sees, of the scores as the softmax takes them (scaled by `sm_scale`,
+    soft-capped, masked), so an attention sink `sink` (Hq,) gives `out * sigmoid(lse - sink)[..., None]`.
+    Padded tokens get exactly -inf (sigmoid gives 0 there; never NaN). `out` is the same, bit for bit,
+    as without it.
     """
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); query_start_loc: (R + 1,) int32
     # seq_lens: (R,) int32; page_table: (R, W) int32
@@ -88,23 +101,34 @@ def ragged_paged_attention(
     )
     tile = pl.BlockSpec((None, None, rows_per_tile, head_dim), lambda b, h: (b, h, 0, 0))
     whole = pl.BlockSpec(memory_space=pl.ANY)
-    out_tiles = pl.pallas_call(
+    out_shape = jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows_per_tile, head_dim), q.dtype)
+    out_specs = tile
+    if return_lse:  # a second output, (NB, Hkv, BQ * G) float32: one log-sum-exp per tile row
+        out_shape = [out_shape, jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows_per_tile), jnp.float32)]
+        out_specs = [tile, pl.BlockSpec((None, None, rows_per_tile), lambda b, h: (b, h, 0))]
+    outputs = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_blocks, num_kv_heads, rows_per_tile, head_dim), q.dtype),
+        out_shape=out_shape,
         grid=(num_blocks, num_kv_heads),
         in_specs=[whole] * 6 + [tile, whole, whole],
-        out_specs=tile,
+        out_specs=out_specs,
         interpret=interpret,
         compiler_params=None if interpret else triton.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
         name="ragged_paged_attention",
     )(
         jnp.asarray(layer, jnp.int32).reshape(1), rows["row"], rows["first_position"], rows["num_queries"],
         seq_lens.astype(jnp.int32), page_table.astype(jnp.int32), q_tiles, k_cache, v_cache,
-    )  # (NB, Hkv, BQ * G, D)
+    )  # (NB, Hkv, BQ * G, D), and with return_lse (NB, Hkv, BQ * G) float32
+    out_tiles = outputs[0] if return_lse else outputs
 
     out_tiles = out_tiles.reshape(num_blocks, num_kv_heads, block_q, tile_group, head_dim)[:, :, :, :group]
     out_tokens = out_tiles.transpose(0, 2, 1, 3, 4).reshape(num_blocks * block_q, num_heads, head_dim)
-    return out_tokens[_token_slots(query_start_loc, rows["block_start"], num_tokens, block_q, num_blocks)]
+    slots = _token_slots(query_start_loc, rows["block_start"], num_tokens, block_q, num_blocks)  # (T,)
+    if not return_lse:
+        return out_tokens[slots]  # (T, Hq, D)
+    lse_tiles = outputs[1].reshape(num_blocks, num_kv_heads, block_q, tile_group)[:, :, :, :group]
+    lse_tokens = lse_tiles.transpose(0, 2, 1, 3).reshape(num_blocks * block_q, num_heads)  # (NB * BQ, Hq)
+    return out_tokens[slots], lse_tokens[slots]  # (T, Hq, D), (T, Hq) float32
 
 
 def _block_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int, block_q: int) -> dict:
@@ -145,9 +169,12 @@ def _token_slots(
 
 def _attention_kernel(
     layer_ref, row_ref, first_position_ref, num_queries_ref, seq_lens_ref, page_table_ref, q_ref, k_ref, v_ref,
-    o_ref, *, group: int, page_size: int, sm_scale: float, sliding_window: int | None, soft_cap: float | None,
+    o_ref, *lse_ref, group: int, page_size: int, sm_scale: float, sliding_window: int | None,
+    soft_cap: float | None,
 ):
-    """One program: `block_q` tokens x `group` heads of one request and one KV head."""
+    """One program: `block_q` tokens x `group` heads of one request and one KV head. Writes the
+    normalised output tile `o_ref` (M, D) and, when the call asked for it, `lse_ref` (M,) float32: each
+    row's log-sum-exp, -inf for rows that saw no key."""
     block = pl.program_id(0)
     kv_head = pl.program_id(1)
     layer = layer_ref[0]
@@ -197,7 +224,12 @@ def _attention_kernel(
         jnp.zeros((rows_per_tile, 1), jnp.float32),
         jnp.zeros((rows_per_tile, head_dim), jnp.float32),
     )
-    _, running_sum, acc = jax.lax.fori_loop(start_page, end_page, visit_page, init)
+    running_max, running_sum, acc = jax.lax.fori_loop(start_page, end_page, visit_page, init)
     out = jnp.where(running_sum > 0, acc / jnp.where(running_sum > 0, running_sum, 1.0), 0.0)  # (M, D)
     o_ref[...] = out.astype(o_ref.dtype)
+    if lse_ref:
+        # running_sum >= 1 once a key was seen (the max key adds exp(0)); rows that saw none: -inf
+        seen = running_sum[:, 0] > 0  # (M,)
+        lse = running_max[:, 0] + jnp.log(jnp.where(seen, running_sum[:, 0], 1.0))  # (M,)
+        lse_ref[0][...] = jnp.where(seen, lse, -jnp.inf)
 

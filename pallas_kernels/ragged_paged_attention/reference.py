@@ -59,24 +59,31 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-) -> jax.Array:
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal attention of every query token over its own request's paged K/V.
 
     A query at absolute position `p` sees the keys at positions `0..p` of its request (and only
     the last `sliding_window` of them when a window is set). Softmax runs in float32. The caches are in
     q's dtype, in float8_e4m3fn or in its bits (`tile_math.FP8_BITS`), read as q's dtype, unscaled (the model folds
-    the scales in).
+    the scales in). Returns `(T, Hq, D)` in q's dtype; padded tokens get whatever their positions give.
+
+    `return_lse=True` returns `(out, lse)`: `lse` `(T, Hq)` float32 is the log-sum-exp of the (scaled,
+    soft-capped) scores of the keys each query head sees, -inf where it sees none (out is NaN there);
+    an attention sink `sink` (Hq,) gives `out * sigmoid(lse - sink)[..., None]`.
     """
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); positions: (T,) int32
     # query_start_loc: (R + 1,) int32; page_table: (R, W) int32
     num_tokens = q.shape[0]
     token_pages = page_table[token_request_index(query_start_loc, num_tokens)]  # (T, W)
     return _attend_tokens(q, positions, token_pages, k_cache=k_cache, v_cache=v_cache, layer=layer,
-                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, return_lse=return_lse)
 
 
-def _attend_tokens(q, positions, token_pages, *, k_cache, v_cache, layer, sm_scale, sliding_window, soft_cap):
-    """Attention of a set of query tokens, each over the pages listed in its row of `token_pages`."""
+def _attend_tokens(q, positions, token_pages, *, k_cache, v_cache, layer, sm_scale, sliding_window, soft_cap,
+                   return_lse=False):
+    """Attention of a set of query tokens, each over the pages listed in its row of `token_pages`:
+    `(N, Hq, D)` in q's dtype, and with `return_lse` also each head's log-sum-exp `(N, Hq)` float32."""
     # q: (N, Hq, D); positions: (N,) int32; token_pages: (N, W) int32
     num_tokens, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[2], k_cache.shape[3]
@@ -97,4 +104,8 @@ def _attend_tokens(q, positions, token_pages, *, k_cache, v_cache, layer, sm_sca
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)  # (N, Hkv, G, K)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("thgk,tkhd->thgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    out = out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jax.nn.logsumexp(scores, axis=-1)  # (N, Hkv, G): -inf (not NaN) where every key is masked
+    return out, lse.reshape(num_tokens, num_heads)
