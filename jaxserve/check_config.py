@@ -92,6 +92,16 @@ PUBLISHED_MODELS = {
         "tie_word_embeddings": False, "use_sliding_window": False, "bos_token_id": 151643,
         "eos_token_id": [151645, 151643],  # generation_config.json's (config.json has 151645 alone)
     },
+    "gpt-oss-20b": {  # its config.json, the experts served in bfloat16 (the release's MXFP4 dequantized at load)
+        "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+        "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "attention_bias": True,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "truncate": False},
+        "torch_dtype": "bfloat16", "bos_token_id": 199998, "eos_token_id": 200002,
+    },
 }
 
 

@@ -37,6 +37,16 @@ Writes, each written by jaxserve/bench/quantized_checkpoint.py from a float test
   the stored tensors, its scales in float32. Install it apart, since its wheel also holds a top-level `tests`
   package that would shadow this repository's: `pip install --no-deps --target /tmp/auto-gptq auto-gptq==0.7.1`,
   then `PYTHONPATH=/tmp/auto-gptq python scripts/make_quantized_fixtures.py qwen2-gptq-asym ...`.
+- tests/fixtures/checkpoints/gpt-oss-mxfp4/: `gpt-oss` with its experts' gate_up_proj and down_proj in MXFP4 as
+  openai/gpt-oss-20b and -120b store them (`_blocks` uint8 (E, out, in / 32, 16), two FP4 e2m1 codes to a byte,
+  `_scales` uint8 (E, out, in / 32), a power-of-two scale per 32 inputs; quant_method mxfp4), written by our own
+  quantizer from the weights rounded to bfloat16 (the rules: jaxserve/bench/quantized_checkpoint.py's docstring;
+  the candidates are its scale rules, "fit" then "ocp", the block being the format's 32; the biases stay float32).
+  The reference is transformers loading the folder with Mxfp4Config(dequantize=True) (on the CPU it dequantizes
+  the experts as they load, into the model's float32), checked to hold exactly what jaxserve's own reader
+  (model/loader.py's Mxfp4Experts) makes of the stored blocks; its expected.json also records the smallest router
+  margin (k-th minus (k + 1)-th router logit) over every token, which must stay above make_test_checkpoints.py's
+  MIN_ROUTER_MARGIN too, since the quantized experts move the later layers' router inputs.
 The embeddings, norms, routers and LM head stay as they were. Each folder gets expected.json (the source's
 prompts, greedy tokens, the smallest top-1 margin) and expected_logits.npy (each prompt's last-position logits)
 as the other checkpoints have. The block or group is the first of the candidates whose greedy tokens keep every
@@ -76,14 +86,16 @@ FIXTURES = {"qwen3-fp8-block": ("qwen3", "fp8", ((32, 32), (32, 64), (64, 32), (
             "qwen3-gptq-channel": ("qwen3", "gptq", (None,)),
             "qwen2-gptq-act-order": ("qwen2", "gptq-act-order", (16, 32, 8)),
             "qwen3-moe-gptq-act-order": ("qwen3-moe", "gptq-asym-act-order", (16, 8, 32)),
-            "llama-gptq-int8": ("llama", "gptq-int8", (16, 32, 8))}
+            "llama-gptq-int8": ("llama", "gptq-int8", (16, 32, 8)),
+            "gpt-oss-mxfp4": ("gpt-oss", "mxfp4", ("fit", "ocp"))}  # MXFP4's block is 32: its scale rule varies
 
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
-from make_test_checkpoints import MIN_MARGIN, reference_outputs  # noqa: E402
+from make_test_checkpoints import MIN_MARGIN, MIN_ROUTER_MARGIN, reference_outputs, router_margins  # noqa: E402
 
 from jaxserve.bench.quantized_checkpoint import (  # noqa: E402
     write_awq_checkpoint, write_fp8_block_checkpoint, write_gptq_checkpoint, write_int4_checkpoint,
+    write_mxfp4_checkpoint,
 )
 
 WRITERS = {"fp8": write_fp8_block_checkpoint, "int4": write_int4_checkpoint,
@@ -94,7 +106,8 @@ WRITERS = {"fp8": write_fp8_block_checkpoint, "int4": write_int4_checkpoint,
                                                                                       act_order=True),
            "gptq-asym-act-order": lambda source, destination, group: write_gptq_checkpoint(source, destination, group,
                                                                                            False, True),
-           "gptq-int8": lambda source, destination, group: write_gptq_checkpoint(source, destination, group, bits=8)}
+           "gptq-int8": lambda source, destination, group: write_gptq_checkpoint(source, destination, group, bits=8),
+           "mxfp4": write_mxfp4_checkpoint}
 
 
 def make(name: str) -> None:
@@ -106,26 +119,55 @@ def make(name: str) -> None:
     for block in candidates:
         WRITERS[form](str(source), str(destination), block)
         decompressed = form in ("int4-asym", "awq") or form.startswith("gptq")
+        extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if form == "mxfp4" else {}
         model = AutoModelForCausalLM.from_pretrained(source if decompressed else destination, local_files_only=True,
-                                                     attn_implementation="eager", dtype=torch.float32).eval()
+                                                     attn_implementation="eager", dtype=torch.float32, **extra).eval()
         if decompressed:
             tensors = stored_tensors(destination, form, block)
             copy_into(model, gptq_weights(tensors) if form.startswith("gptq") else decompressed_weights(tensors, block))
         kinds = {type(module).__name__ for module in model.modules()}
-        assert "FP8Linear" not in kinds, f"transformers kept fp8 layers ({kinds}): the reference must be dequantized"
-        outputs, min_margin, logits = reference_outputs(model, prompts)
-        print(f"{name} block {block}: min margin {min_margin:.4f}")
-        if min_margin >= MIN_MARGIN:
+        assert not kinds & {"FP8Linear", "Mxfp4GptOssExperts"}, \
+            f"transformers kept quantized layers ({kinds}): the reference must be dequantized"
+        if form == "mxfp4":
+            check_mxfp4_experts(model, destination, source, block)
+        with router_margins(model) as routers:
+            outputs, min_margin, logits = reference_outputs(model, prompts)
+        min_router = min(routers) if routers and form == "mxfp4" else None
+        print(f"{name} block {block}: min margin {min_margin:.4f}, min router margin {min_router}")
+        if min_margin >= MIN_MARGIN and (min_router is None or min_router >= MIN_ROUTER_MARGIN):
             break
     else:
-        raise SystemExit(f"no block of {candidates} keeps every margin of {name} above {MIN_MARGIN}")
-    expected = {"prompts": prompts, "outputs": outputs, "min_margin": min_margin, "block": block,
+        raise SystemExit(f"no block of {candidates} keeps every margin of {name} above {MIN_MARGIN} (routers': "
+                         f"{MIN_ROUTER_MARGIN})")
+    expected = {"prompts": prompts, "outputs": outputs, "min_margin": min_margin,
+                **({"min_router_margin": min_router} if min_router is not None else {}), "block": block,
                 "torch_version": torch.__version__, "transformers_version": transformers.__version__,
                 "python_version": platform.python_version()}
     (destination / "expected.json").write_text(json.dumps(expected) + "\n")
     np.save(destination / "expected_logits.npy", logits)
     size = (destination / "model.safetensors").stat().st_size
     print(f"wrote {destination} ({size / 1e3:.0f} KB), block {block}, min margin {min_margin:.4f}")
+
+
+def check_mxfp4_experts(model: torch.nn.Module, folder: Path, source: Path, rule: str) -> None:
+    """Assert that transformers dequantized `folder`'s MXFP4 experts into `model` exactly as jaxserve's reader does
+    (model/loader.py's Mxfp4Experts over the stored blocks and scales), each within half an FP4 step of the float
+    `source`'s weight (a step is at most 2 at the block's scale, the gap between 4 and 6; under the "ocp" scale rule
+    2, a value up to 8 clamped to 6) and bfloat16's rounding of it."""
+    from jaxserve.model.loader import Mxfp4Experts, SafetensorsFolder
+
+    stored, floats = Mxfp4Experts(SafetensorsFolder(str(folder))), SafetensorsFolder(str(source))
+    for i, layer in enumerate(model.model.layers):
+        for projection in ("gate_up_proj", "down_proj"):
+            name = f"model.layers.{i}.mlp.experts.{projection}"
+            assert name not in SafetensorsFolder(str(folder)) and name + "_blocks" in stored, name
+            loaded = getattr(layer.mlp.experts, projection).detach().numpy()  # (E, in, out)
+            ours = stored.get(name).astype(np.float32)
+            assert loaded.dtype == np.float32 and np.array_equal(loaded, ours), f"{name}: transformers differs"
+            scale = np.repeat(np.ldexp(1.0, stored.source.get(name + "_scales").astype(np.int64) - 127), 32, axis=-1)
+            weight = floats.get(name)  # (E, in, out)
+            bound = np.swapaxes(scale, -1, -2) * (2 if rule == "ocp" else 1) + np.abs(weight) * 2.0**-8
+            assert np.all(np.abs(ours - weight) <= bound), f"{name}: off the float"
 
 
 def stored_tensors(folder: Path, form: str, group_size: int) -> dict[str, torch.Tensor]:

@@ -209,3 +209,17 @@ def test_lowers_for_tpu_on_the_cpu(tp):
     assert f"tensor<{num_layers * num_pages}x{page_size}x{16 // tp}x128xbf16>" in kernel, \
         "the kernel reads the (L * P, ...) view of the whole cache"
     assert not re.search(rf"dynamic_slice[^\n]*tensor<{num_layers}x{num_pages}x", text), "no copy of a layer"
+
+
+def test_a_model_with_attention_sinks_takes_the_xla_path_on_a_tpu():
+    """gpt-oss's sinks are not in JAX's TPU kernel: auto picks the XLA path there, pallas says why, and the kernel
+    backend refuses sinks passed to it."""
+    spec = ModelSpec.from_pretrained(checkpoint("gpt-oss"))
+    assert spec.attention_sinks
+    assert resolve_backend("auto", spec, 16, "tpu") == "xla"
+    assert resolve_backend("auto", dataclasses.replace(spec, attention_sinks=False), 16, "tpu") == "pallas"
+    with pytest.raises(ValueError, match="no attention sinks .* use attention_backend xla"):
+        resolve_backend("pallas-tpu-interpret", spec, 16)
+    backend = tpu.make_backend(make_mesh(1), interpret=True)
+    with pytest.raises(ValueError, match="no attention sinks"):
+        backend.attention(None, (None,), 0, None, LayerAttention(1.0), sinks=np.zeros(4, np.float32))

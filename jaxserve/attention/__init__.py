@@ -71,6 +71,9 @@ def kernels_unsupported(platform: str, spec: ModelSpec, page_size: int, tensor_p
     if platform == "tpu":
         from jaxserve.attention.tpu import tpu_unsupported
 
+        if spec.attention_sinks:
+            return "JAX's TPU ragged paged attention has no attention sinks (gpt-oss)"
+
         return tpu_unsupported(cache_kv_heads(spec, tensor_parallel_size) // tensor_parallel_size, cache_dtype)
     return None
 

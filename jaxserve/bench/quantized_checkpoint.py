@@ -22,6 +22,17 @@ are copied as they are, the LM head and MoE routers left in float.
   values: `qweight` (in * bits / 32, out) packed along the inputs, `qzeros` (groups, out * bits / 32) packed along
   the outputs and stored less one, float16 `scales`, `g_idx` (in,) = row // group size, or under act-order each
   row's group after the rows are taken in a permuted order.
+- MXFP4 (`write_mxfp4_checkpoint`, gpt-oss's release: openai/gpt-oss-20b, -120b): each expert projection X
+  (transformers' (E, in, out)), first rounded to bfloat16 (the release's experts were bfloat16, and transformers'
+  own quantizer casts to it before it quantizes), as `X_blocks` uint8 (E, out, in / 32, 16) and `X_scales` uint8
+  (E, out, in / 32), quant_method mxfp4. Each block of 32 inputs of an output row gets a power-of-two scale 2 ** e,
+  stored e + 127 (E8M0), and each value over it is rounded to the nearest FP4 e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4,
+  6 and their negatives; ties to the even code, as IEEE rounds; clamped to +-6). The scale rule "fit" takes the
+  smallest e under which the block's largest magnitude fits FP4's largest value, 6: e = ceil(log2(max / 6)), so
+  nothing saturates (triton_kernels' default, which transformers quantizes with); "ocp" takes OCP MX v1.0's
+  e = floor(log2(max)) - 2 (max / 2 ** e in [4, 8): finer steps, the largest values clamped to 6). e is kept to
+  [-127, 127] (an all-zero block: -127). Codes are packed two to a byte, the first input in the low nibble. The
+  biases, attention, routers, embeddings and LM head stay as they were.
 """
 
 from __future__ import annotations
@@ -37,7 +48,15 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from jaxserve.model.loader import AWQ_ORDER, GPTQ_ZERO_STORED_LESS, SafetensorsFolder, pack_int4_rows
+from jaxserve.model.loader import (
+    AWQ_ORDER,
+    E8M0_BIAS,
+    FP4_VALUES,
+    GPTQ_ZERO_STORED_LESS,
+    MXFP4_BLOCK,
+    SafetensorsFolder,
+    pack_int4_rows,
+)
 
 FP8_MAX = 448.0
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # experts' too
@@ -101,6 +120,35 @@ def quantize_gptq(weight: np.ndarray, group_size: int | None, symmetric: bool = 
     stored_zeros = (zero.T + half - GPTQ_ZERO_STORED_LESS) % (2 * half)  # (groups, out)
     return {"qweight": _pack_rows(values + half, bits).T.copy(), "qzeros": _pack_rows(stored_zeros, bits),
             "scales": scale.T.astype(np.float16), "g_idx": row_groups}
+
+
+def quantize_mxfp4(weight: np.ndarray, rule: str = "fit") -> dict[str, np.ndarray]:
+    """{"blocks": uint8 (..., out, in / 32, 16), "scales": uint8 (..., out, in / 32)} of a float weight (..., in, out)
+    (transformers' layout of gpt-oss's experts) in MXFP4, each block's scale by `rule` ("fit" or "ocp"), as the
+    module docstring says; `in` a multiple of 32."""
+    rows = np.swapaxes(np.asarray(weight, np.float64), -1, -2)  # (..., out, in)
+    if rows.shape[-1] % MXFP4_BLOCK:
+        raise ValueError(f"a weight of {weight.shape} has {rows.shape[-1]} inputs, not a multiple of {MXFP4_BLOCK}")
+    groups = rows.reshape(*rows.shape[:-1], rows.shape[-1] // MXFP4_BLOCK, MXFP4_BLOCK)  # (..., out, in / 32, 32)
+    largest = np.abs(groups).max(axis=-1)  # (..., out, in / 32)
+    fp4_max = FP4_VALUES.max()
+    with np.errstate(divide="ignore"):
+        exponent = np.ceil(np.log2(largest / fp4_max))  # then made exact: the smallest e with largest <= 6 * 2^e
+    exponent = np.where(largest > 0, exponent, -E8M0_BIAS)
+    exponent += largest > fp4_max * np.exp2(exponent)
+    exponent -= (largest > 0) & (largest <= fp4_max * np.exp2(exponent - 1))
+    if rule == "ocp":  # floor(log2(largest)) - 2: largest / 2^e in [4, 8) rather than (3, 6]
+        exponent -= (largest > 0) & (largest < 4 * np.exp2(exponent))
+    exponent = np.clip(exponent, -E8M0_BIAS, E8M0_BIAS)
+    scaled = np.minimum(np.abs(groups) / np.exp2(exponent)[..., None], fp4_max)  # (..., 32) magnitudes to round
+    magnitudes = FP4_VALUES[:8].astype(np.float64)  # codes 0..7
+    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2  # between codes i and i + 1: up above it, at it to the even
+    codes = (scaled[..., None] > midpoints).sum(-1) + (
+        (scaled[..., None] == midpoints) & (np.arange(7) % 2 == 1)).sum(-1)
+    codes = (codes + 8 * (groups < 0)).astype(np.uint8)  # the sign bit
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)  # (..., out, in / 32, 16): the first input in the low nibble
+    return {"blocks": np.ascontiguousarray(blocks, np.uint8),
+            "scales": np.ascontiguousarray(exponent + E8M0_BIAS, np.uint8)}
 
 
 def _pack_rows(values: np.ndarray, bits: int) -> np.ndarray:
@@ -199,6 +247,22 @@ def write_int4_checkpoint(source: str, destination: str, group_size: int, symmet
     _write(source, destination, quantize, describe)
 
 
+def write_mxfp4_checkpoint(source: str, destination: str, rule: str = "fit") -> None:
+    """`source`'s gpt-oss checkpoint in `destination` with its experts' gate_up_proj and down_proj rounded to
+    bfloat16 and then MXFP4 (each block's scale by `rule`, `quantize_mxfp4`'s), as gpt-oss's release stores them,
+    and config.json's quantization_config saying so (the release's)."""
+    def quantize(name: str, weight: np.ndarray) -> dict[str, np.ndarray]:
+        as_bfloat16 = weight.astype(ml_dtypes.bfloat16).astype(np.float32)  # as the release's were
+        return {name + "_" + part: array for part, array in quantize_mxfp4(as_bfloat16, rule).items()}
+
+    def describe(config: dict) -> dict:
+        return {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+    _write(source, destination, quantize, describe,
+           lambda name: name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")))
+
+
 def _routers(config: dict) -> list[str]:
     """A mixture of experts' router modules, which the quantized checkpoints leave in float."""
     return [f"model.layers.{i}.mlp.gate" for i in range(config["num_hidden_layers"])] if "num_experts" in config \
@@ -206,9 +270,11 @@ def _routers(config: dict) -> list[str]:
 
 
 def _write(source: str, destination: str, quantize: Callable[[str, np.ndarray], dict[str, np.ndarray]],
-           describe: Callable[[dict], dict]) -> None:
-    """`source` in `destination` with each decoder linear weight replaced by `quantize(name, float32 weight)`'s
-    tensors and config.json's quantization_config `describe(config)`."""
+           describe: Callable[[dict], dict], quantized: Callable[[str], bool] | None = None) -> None:
+    """`source` in `destination` with each decoder linear weight (each tensor whose name `quantized` accepts)
+    replaced by `quantize(name, float32 weight)`'s tensors and config.json's quantization_config
+    `describe(config)`."""
+    quantized = quantized or (lambda name: name.endswith(".weight") and name.split(".")[-2] in LINEAR)
     os.makedirs(destination, exist_ok=True)
     reader, tensors = SafetensorsFolder(source), {}
     for file in sorted(f for f in os.listdir(source) if f.endswith(".safetensors")):
@@ -216,10 +282,12 @@ def _write(source: str, destination: str, quantize: Callable[[str, np.ndarray], 
             names = list(f.keys())
         for name in names:
             tensor = reader.get(name)
-            if name.endswith(".weight") and name.split(".")[-2] in LINEAR:
+            if quantized(name):
                 tensors.update(quantize(name, tensor.astype(np.float32)))
             else:
                 tensors[name] = tensor
+    tensors = {name: np.ascontiguousarray(tensor) for name, tensor in tensors.items()}  # (safetensors 0.8's numpy
+    # save_file writes an array's memory as it lies, so a transposed view would be stored scrambled)
     save_file(tensors, os.path.join(destination, "model.safetensors"), metadata={"format": "pt"})
     for name in COPIED:
         if os.path.isfile(os.path.join(source, name)):

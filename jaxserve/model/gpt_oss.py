@@ -23,7 +23,11 @@ Params: the Llama family's attention (model/llama.py, with q/k/v biases) plus
     layers/w_gate_up (L, E, H, 2I)   layers/b_gate_up (L, E, 2I)      gate and up interleaved by column
     layers/w_down (L, E, I, H)       layers/b_down (L, E, H)
 The checkpoint's experts are one tensor per layer, (E, in, out) as stored by transformers (the Hub's BF16
-releases); the original MXFP4 release is refused (serve a BF16 copy).
+copies), or, in the original release (openai/gpt-oss-20b, -120b: quant_method mxfp4), MXFP4: each projection's
+`_blocks` (E, out, in / 32, 16) FP4 codes two to a byte and `_scales` (E, out, in / 32) power-of-two scales, one per
+32 inputs, which model/loader.py's Mxfp4Experts view dequantizes as they load (each device reading its experts'
+rows and blocks), as transformers' Mxfp4Config(dequantize=True) does: served in the dtype asked for, or quantized
+by `quantization` int8 / fp8 as a float checkpoint is.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from jaxserve.model.layers import StepContext, apply_rope, project, projection, 
 from jaxserve.model.moe_llama import MoeSpec
 from jaxserve.model.registry import Model, Weight, register
 from jaxserve.model.sharding import MODEL_AXIS
-from jaxserve.model.spec import llama_family_spec
+from jaxserve.model.spec import checkpoint_quantization_fields, llama_family_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,21 +61,19 @@ class GptOssSpec(MoeSpec):
 
 def gpt_oss_spec(arch: str, config: dict, generation_config: dict) -> GptOssSpec:
     """The spec of a gpt-oss config; a ValueError for what the module does not implement."""
-    quantization = (config.get("quantization_config") or {}).get("quant_method")
-    if quantization == "mxfp4":
-        raise ValueError("gpt-oss's MXFP4 checkpoint is not read: serve a BF16 copy of it (e.g. dequantized with "
-                         "transformers' Mxfp4Config(dequantize=True)), with quantization int8 or fp8 if it must "
-                         "be smaller")
+    quantization = checkpoint_quantization_fields(config.get("quantization_config"), mxfp4_experts=True)
     if not config.get("attention_bias", True):
         raise ValueError("gpt-oss without attention biases (attention_bias false) is not supported")
     num_layers = config["num_hidden_layers"]
-    dense = {key: value for key, value in config.items() if key not in ("attention_bias", "sliding_window")}
+    dense = {key: value for key, value in config.items()
+             if key not in ("attention_bias", "sliding_window", "quantization_config")}
     base = llama_family_spec("LlamaForCausalLM", dense, generation_config)
     return base.extended(
-        GptOssSpec, architecture=arch, qkv_bias=True, sliding_window=config.get("sliding_window"),
+        GptOssSpec, architecture=arch, qkv_bias=True, sliding_window=config.get("sliding_window"), attention_sinks=True,
         num_experts=config["num_local_experts"], num_experts_per_tok=config["num_experts_per_tok"],
         normalize_top_k=True, round_weights=True, layer_kinds=_layer_kinds(arch, config, num_layers),
-        swiglu_limit=float(config.get("swiglu_limit", 7.0)), swiglu_alpha=float(config.get("swiglu_alpha", 1.702)))
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)), swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+        **quantization)
 
 
 class GptOssLayer(llama.LlamaLayer):

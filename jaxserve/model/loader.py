@@ -1,5 +1,10 @@
 """Load a Hugging Face Llama-family folder's safetensors (or the same tensors in memory, by name) straight into
-sharded, stacked params; or load them anew into the params being served (`into`, a weight update)."""
+sharded, stacked params; or load them anew into the params being served (`into`, a weight update).
+
+A quantized checkpoint's tensors are read through views (`tensor_source`): compressed-tensors' packed int4 as bytes
+(`PackedInt4`), AutoAWQ's and GPTQ's forms as compressed-tensors' (`AwqGemm`, `GptqPacked`), which the params keep
+quantized; and gpt-oss's MXFP4 experts (`_blocks` and `_scales`, quant_method mxfp4), which `Mxfp4Experts`
+dequantizes as they load, each device reading its part, into float params like any other checkpoint's."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import json
 import os
 import struct
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -346,6 +352,86 @@ class FusedRows:
         return self.source.get(fused_name, (slice(first + start, first + stop), *rest))
 
 
+# MXFP4 (the OCP Microscaling format's FP4, gpt-oss's experts): an e2m1 code (sign bit 8) -> its value
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+MXFP4_BLOCK = 32  # values to a scale: 16 bytes, two codes to a byte, the first in the low nibble
+E8M0_BIAS = 127  # a block's scale byte s stands for 2 ** (s - 127)
+# a byte -> its two values, float32 side by side in one 64-bit word (one gather per byte)
+_FP4_PAIRS = np.ascontiguousarray(np.stack([FP4_VALUES[np.arange(256) & 0xF], FP4_VALUES[np.arange(256) >> 4]],
+                                           axis=1)).view(np.uint64)[:, 0]
+
+
+class Mxfp4Experts:
+    """A view of an MXFP4 checkpoint (gpt-oss's release, openai/gpt-oss-20b and -120b: quant_method "mxfp4") in
+    which a tensor X that the checkpoint stores as `X_blocks` uint8 (E, out, in / 32, 16) and `X_scales` uint8
+    (E, out, in / 32) reads as transformers dequantizes it (integrations/mxfp4.py's `convert_moe_packed_tensors`):
+    (E, in, out), its input j of output row o the FP4 e2m1 code (FP4_VALUES) in byte (j % 32) // 2 of block j // 32
+    of row o (the low nibble for even j, the high for odd) times 2 ** (the block's scale - 127) (E8M0). Only the
+    experts, output rows and blocks of 32 inputs that the index covers are read (a tensor-parallel shard's columns
+    of gate_up_proj, its rows of down_proj), each expert's apart (a few at once, on threads). The values come back
+    bfloat16, which holds every MXFP4 value exactly (two significant bits under a power-of-two scale within its
+    exponent range), for the loader to cast to the served dtype. Every other name reads as stored, so a BF16 copy
+    of the experts (or new weights given by name) reads as it is."""
+
+    def __init__(self, source: "SafetensorsFolder | TensorMapping"):
+        self.source = source
+
+    def _mxfp4(self, name: str) -> bool:
+        """Whether `name` is read from its `_blocks` and `_scales` (the checkpoint lacks it but has either)."""
+        return name not in self.source and (name + "_blocks" in self.source or name + "_scales" in self.source)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.source or self._mxfp4(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape; an MXFP4 one's dequantized (E, in, out), its blocks and scales checked to agree."""
+        if not self._mxfp4(name):
+            return self.source.shape(name)
+        for part, other in (("_blocks", "_scales"), ("_scales", "_blocks")):
+            if name + part not in self.source:
+                raise ValueError(f"MXFP4 weight {name}: the checkpoint has {name + other} but not {name + part}")
+        blocks, scales = self.source.shape(name + "_blocks"), self.source.shape(name + "_scales")
+        if len(blocks) != 4 or blocks[-1] != MXFP4_BLOCK // 2 or tuple(scales) != tuple(blocks[:-1]):
+            raise ValueError(f"MXFP4 weight {name}: {name}_blocks has shape {tuple(blocks)} and {name}_scales "
+                             f"{tuple(scales)}, where (experts, out, in / {MXFP4_BLOCK}, {MXFP4_BLOCK // 2}) bytes and "
+                             f"(experts, out, in / {MXFP4_BLOCK}) scales are needed")
+        experts, out, groups, _ = blocks
+        return experts, groups * MXFP4_BLOCK, out
+
+    def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """One tensor, or only its `index` part; an MXFP4 one dequantized (E, in, out) bfloat16 from the bytes and
+        scales of the experts, output rows and input blocks the index covers (the experts on a few threads)."""
+        if not self._mxfp4(name):
+            return self.source.get(name, index)
+        shape = self.shape(name)
+        experts, inputs, outputs = (*(index or ()), slice(None), slice(None), slice(None))[:3]
+        selected, columns = range(*experts.indices(shape[0])), range(*inputs.indices(shape[1]))
+        out = np.empty((len(selected), len(columns), len(range(*outputs.indices(shape[2])))), ml_dtypes.bfloat16)
+        if out.size == 0:
+            return out
+        first, last = min(columns) // MXFP4_BLOCK, -(-(max(columns) + 1) // MXFP4_BLOCK)  # the blocks holding them
+        offset = MXFP4_BLOCK * first
+        within = slice(columns.start - offset, columns.stop - offset) if columns.step == 1 else \
+            np.asarray(columns) - offset  # the inputs asked for among the blocks'
+
+        def dequantize(position: int, expert: int) -> None:
+            where = (slice(expert, expert + 1), outputs, slice(first, last))
+            blocks = self.source.get(name + "_blocks", (*where, slice(None)))[0]  # (rows, blocks, 16)
+            scales = self.source.get(name + "_scales", where)[0]  # (rows, blocks)
+            for part, array in (("_blocks", blocks), ("_scales", scales)):
+                if array.dtype != np.uint8:
+                    raise ValueError(f"MXFP4 weight {name}: {name + part} is {array.dtype}, not uint8")
+            values = _FP4_PAIRS[blocks].view(np.float32)  # (rows, blocks, 32)
+            with np.errstate(over="ignore", invalid="ignore"):  # a scale byte of 255 overflows, as transformers'
+                values *= np.ldexp(np.float32(1), scales.astype(np.int32) - E8M0_BIAS)[..., None]
+            out[position] = values.reshape(len(values), -1)[:, within].T  # (inputs, rows)
+
+        with ThreadPoolExecutor(min(len(selected), os.cpu_count() or 1, 8)) as pool:
+            list(pool.map(dequantize, range(len(selected)), selected))
+        return out
+
+
 def _unsigned_values(words: np.ndarray, bits: int) -> np.ndarray:
     """Unsigned `bits`-bit values (rows, words * 32 / bits) packed from the lowest bits up in int32 words (rows,
     words)."""
@@ -378,14 +464,17 @@ def unpack_int4_rows(words: np.ndarray) -> np.ndarray:
     return nibbles.reshape(words.shape[0], -1)
 
 
-TensorSource = SafetensorsFolder | TensorMapping | FusedRows | PackedInt4 | AwqGemm | GptqPacked
+TensorSource = SafetensorsFolder | TensorMapping | FusedRows | PackedInt4 | AwqGemm | GptqPacked | Mxfp4Experts
 
 
 def tensor_source(source: str | TensorSource, spec: ModelSpec) -> TensorSource:
     """The tensors of a checkpoint folder or of arrays by name, as the served model reads them (an int4
     checkpoint's packed weights as bytes, `PackedInt4`, over an AWQ or GPTQ one's as compressed-tensors', `AwqGemm`,
-    `GptqPacked`, which also reads 8-bit GPTQ weights as int8; a fused projection's parts apart, `FusedRows`)."""
+    `GptqPacked`, which also reads 8-bit GPTQ weights as int8; a fused projection's parts apart, `FusedRows`; an
+    MXFP4 checkpoint's experts dequantized, `Mxfp4Experts`)."""
     source = SafetensorsFolder(source) if isinstance(source, str) else source
+    if spec.checkpoint_format == "mxfp4":
+        source = Mxfp4Experts(source)
     fused = model_for(spec.architecture).fused_parts(spec)
     if fused:
         source = FusedRows(source, fused)
@@ -406,9 +495,10 @@ def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: 
     With `into` (params of the same model being served), each stacked leaf it holds is written over in place (it
     is donated: the devices hold the weights once plus one layer); the leaves it lacks are made anew. `declared`:
     the weights to read, when not the registered architecture's (an EAGLE head's, model/eagle.py)."""
+    declared = declared or model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
+    check_source(source, spec, num_cache_kv_heads, mesh.devices.size, declared)  # each tensor there, in its shape
     folder = tensor_source(source, spec)
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
-    declared = declared or model_for(spec.architecture).weights(spec, num_cache_kv_heads, mesh.devices.size)
 
     def load(name: str, weight: Weight, current: jax.Array | dict | None) -> jax.Array | dict:
         layout = _Layout(weight.transpose, kv_repeat if weight.kv_heads else 1, spec.head_dim)
@@ -423,12 +513,13 @@ def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: 
     return map_weights_with(load, declared, into or {})
 
 
-def check_source(source: TensorSource, spec: ModelSpec, num_cache_kv_heads: int, num_devices: int) -> None:
-    """ValueError naming the first tensor the model declares that `source` lacks or holds in another shape (a
-    quantized checkpoint's scales too), before anything is read."""
+def check_source(source: str | TensorSource, spec: ModelSpec, num_cache_kv_heads: int, num_devices: int,
+                 declared: dict | None = None) -> None:
+    """ValueError naming the first tensor the model declares (or `declared`, an EAGLE head's) that `source` lacks or
+    holds in another shape (a quantized checkpoint's scales too), before anything is read."""
     source = tensor_source(source, spec)
     kv_repeat = num_cache_kv_heads // spec.num_kv_heads
-    declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, num_devices)
+    declared = declared or model_for(spec.architecture).weights(spec, num_cache_kv_heads, num_devices)
 
     def check(_: str, weight: Weight) -> None:
         layout = _Layout(weight.transpose, kv_repeat if weight.kv_heads else 1, spec.head_dim)

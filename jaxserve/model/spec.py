@@ -203,13 +203,18 @@ class ModelSpec:
     # how the quantized tensors are named and packed: "compressed-tensors" (and quant_method fp8's weights with their
     # scales), "awq" (AutoAWQ's GEMM tensors `qweight`, `qzeros`, `scales`) or "gptq" (GPTQ's `qweight`, `qzeros`
     # stored less one, `scales`, `g_idx`), the last two read through model/loader.py's AwqGemm and GptqPacked views
-    # as the first)
+    # as the first); or "mxfp4": gpt-oss's MXFP4 experts (`X_blocks`, `X_scales`: quant_method mxfp4), dequantized
+    # as they load by model/loader.py's Mxfp4Experts view, so checkpoint_quantization stays "none" (the experts are
+    # served in float, or quantized by the engine's `quantization` as a float checkpoint's are)
     checkpoint_format: str = "compressed-tensors"
     # GPTQ's act-order (`desc_act` without `static_groups`): each weight's `g_idx` puts its input rows in any group
     checkpoint_act_order: bool = False
     # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
     # expert split like a dense MLP: EngineConfig.enable_expert_parallel, vLLM's flag (model/moe_llama.py).
     expert_parallel: bool = False
+    # Each attention head has a learned sink logit in its softmax's denominator (gpt-oss): the attention backend must
+    # take `sinks` (JAX's TPU kernel does not)
+    attention_sinks: bool = False
     # A sequence classifier (`XForSequenceClassification`, served under `architecture` XForCausalLM's module): its
     # score head replaces the LM head, so the model pools and classifies and never generates. None: a language model.
     classifier: ClassifierHead | None = None
@@ -424,14 +429,15 @@ def parse_eos(config: dict, generation_config: dict) -> tuple[int, ...]:
     return tuple(int(e) for e in eos)
 
 
-def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
+def checkpoint_quantization_fields(quantization_config: dict | None, mxfp4_experts: bool = False) -> dict:
     """The ModelSpec fields (checkpoint_quantization, checkpoint_weight_block, checkpoint_scale_suffix,
     checkpoint_zero_points, checkpoint_format, checkpoint_act_order) of the quantized checkpoint forms jaxserve
     reads, lm_head left
     alone: 8-bit float linear weights with a scale per output channel, per tensor or per block; 4-bit integer
     weights (compressed-tensors pack-quantized) with a scale per output channel or per group, or asymmetric with a
     scale and a zero point per group, as AutoAWQ's GEMM checkpoints and GPTQ's (AutoGPTQ, GPTQModel: groups of
-    consecutive input rows, symmetric or not) also store them. "none" without a
+    consecutive input rows, symmetric or not) also store them; with `mxfp4_experts` (an architecture that reads
+    them: gpt-oss), MXFP4 experts (quant_method mxfp4, gpt-oss's release), dequantized at load. "none" without a
     quantization_config; a ValueError naming any other form."""
     if not quantization_config:
         return {"checkpoint_quantization": "none"}
@@ -440,7 +446,12 @@ def checkpoint_quantization_fields(quantization_config: dict | None) -> dict:
                  "channel, per tensor or per block (compressed-tensors float-quantized, or quant_method fp8), and int4 "
                  "ones (compressed-tensors pack-quantized, a scale per channel or group, or asymmetric with a zero "
                  "point per group; 16-bit activations: W4A16; or AutoAWQ's GEMM form; or GPTQ's, 4 bits, or 8 bits "
-                 "symmetric)")
+                 "symmetric), and gpt-oss's MXFP4 experts (quant_method mxfp4)")
+    if method == "mxfp4":
+        if not mxfp4_experts:
+            raise ValueError("quantization_config quant_method 'mxfp4' (MXFP4 experts, as openai/gpt-oss's release "
+                             "stores them) is read for GptOssForCausalLM only, not for this architecture")
+        return {"checkpoint_quantization": "none", "checkpoint_format": "mxfp4"}
     if method == "fp8":
         kept = [name for name in quantization_config.get("modules_to_not_convert") or [] if not _stays_float(name)]
         if kept:
