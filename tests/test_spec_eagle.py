@@ -103,8 +103,9 @@ def test_proposals_after_the_prefill_equal_the_reference(method, whole_prompts):
     _finish(whole_prompts)
 
 
-def test_proposals_under_tensor_parallelism_equal_the_reference(method):
-    # the target, its features and the head (2 KV heads each) split over two devices
+def test_eagle3_proposals_under_tensor_parallelism_equal_the_reference():
+    # the target, its three layers' inputs and the head (2 KV heads each) split over two devices
+    method = "eagle3"
     llm = LLM(checkpoint(HEADS[method][0]), speculative_config=speculative_config(method), tensor_parallel_size=2,
               **small_engine_args(max_num_batched_tokens=512, max_num_seqs=16, skip_precompile=True))
     want = reference(method)
@@ -160,7 +161,9 @@ def test_seeded_sampling_gives_the_targets_tokens(method, plain, eagle):
     check_seeded_runs_give_plain_tokens(plain, eagle, reference(method)["prompts"][:6], params)
 
 
-def test_swap_preemption_keeps_the_features_with_the_pages(method):
+def test_swap_preemption_keeps_the_features_with_the_pages():
+    # EAGLE-3's three layers' inputs (3H) go to the host with the KV (EAGLE-1's final states, H, by the same copy)
+    method = "eagle3"
     target = HEADS[method][0]
     llm = LLM(checkpoint(target), speculative_config=speculative_config(method), preemption_mode="swap",
               swap_space=0.01, **small_engine_args(**ENGINE_ARGS, skip_precompile=True))
@@ -170,8 +173,7 @@ def test_swap_preemption_keeps_the_features_with_the_pages(method):
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected(target)["outputs"] * 2
     stats = llm.stats()
     assert stats["swapped_out_pages"] > 0, "the pool was sized to swap"
-    # the features go to the host with the KV: the final states (H), or three layers' inputs (3H)
-    assert llm.engine.core.runner.host_swap.pages[-1].shape[-1] == HIDDEN * (3 if method == "eagle3" else 1)
+    assert llm.engine.core.runner.host_swap.pages[-1].shape[-1] == 3 * HIDDEN
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
     assert stats["draft_kv_pages_free"] == stats["draft_kv_pages_total"]
 
