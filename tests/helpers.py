@@ -230,3 +230,22 @@ def tiny_llama_config(**fields) -> dict:
     """A tiny LlamaForCausalLM config.json (as a dict, with `fields` added), for checks made while parsing it."""
     return {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
             "num_attention_heads": 2, "intermediate_size": 32, **fields}
+
+
+# ---- attention with sinks, the kernels' tests' float64 reference (tests/test_*attention*.py) --------------------
+
+
+def attention_with_sinks(q, keys, values, sinks, *, sm_scale, soft_cap):
+    """Softmax over [scores..., sink] per query head with the sink's column dropped, in float64.
+
+    q: (Hq, D); keys, values: (K, Hkv, D), the keys the query sees; sinks: (Hq,). Returns (Hq, D).
+    """
+    group = q.shape[0] // keys.shape[1]
+    keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)  # (K, Hq, D): head h, kv h // G
+    scores = np.einsum("hd,khd->hk", q, keys) * sm_scale  # (Hq, K)
+    if soft_cap is not None:
+        scores = soft_cap * np.tanh(scores / soft_cap)
+    logits = np.concatenate([scores, sinks[:, None]], axis=1)  # (Hq, K + 1)
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    return np.einsum("hk,khd->hd", probs[:, :-1], values)  # (Hq, D)

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import attention_with_sinks
+
 from pallas_kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_reference
 from pallas_kernels.paged_decode_attention.kernel import combine_splits, split_page_range
 from pallas_kernels.paged_decode_attention.tuning import (
@@ -270,22 +272,6 @@ def test_lowers_to_triton_ir(page_size, head_dim, group, dtype, sliding_window, 
         assert "num_stages = 3 : i32, num_warps = 8 : i32" in text  # the launch settings asked for
 
 
-def _attention_with_sinks(q, keys, values, sinks, *, sm_scale, soft_cap):
-    """Softmax over [scores..., sink] per query head with the sink's column dropped, in float64.
-
-    q: (Hq, D); keys, values: (K, Hkv, D), the keys the query sees; sinks: (Hq,). Returns (Hq, D).
-    """
-    group = q.shape[0] // keys.shape[1]
-    keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)  # (K, Hq, D): head h, kv h // G
-    scores = np.einsum("hd,khd->hk", q, keys) * sm_scale  # (Hq, K)
-    if soft_cap is not None:
-        scores = soft_cap * np.tanh(scores / soft_cap)
-    logits = np.concatenate([scores, sinks[:, None]], axis=1)  # (Hq, K + 1)
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
-    return np.einsum("hk,khd->hd", probs[:, :-1], values)  # (Hq, D)
-
-
 @pytest.mark.parametrize(
     "group, num_kv_heads, page_size, head_dim, dtype, num_splits, pages_per_step, sliding_window, soft_cap, "
     "cache_dtype, seq_lens",
@@ -336,7 +322,7 @@ def test_lse_and_sinks(group, num_kv_heads, page_size, head_dim, dtype, num_spli
         if seq_len:
             seen = np.arange(0 if sliding_window is None else max(seq_len - sliding_window, 0), seq_len)  # (K,)
             pages = table[row, seen // page_size]  # (K,)
-            direct[row] = _attention_with_sinks(
+            direct[row] = attention_with_sinks(
                 np.asarray(q[row], np.float64), k[pages, seen % page_size], v[pages, seen % page_size],
                 sinks.astype(np.float64), sm_scale=sm_scale, soft_cap=soft_cap)
     error = np.max(np.abs(with_sinks - direct)) / np.max(np.abs(direct))

@@ -18,7 +18,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from helpers import checkpoint, expected, small_engine_args
+from helpers import attention_with_sinks, checkpoint, expected, small_engine_args
 
 import jax.numpy as jnp
 
@@ -236,22 +236,6 @@ LSE_CASES = [
 ]
 
 
-def _attention_with_sinks(q, keys, values, sinks, *, sm_scale, soft_cap):
-    """Softmax over [scores..., sink] per query head with the sink's column dropped, in float64.
-
-    q: (Hq, D); keys, values: (K, Hkv, D), the keys the query sees; sinks: (Hq,). Returns (Hq, D).
-    """
-    group = q.shape[0] // keys.shape[1]
-    keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)  # (K, Hq, D): head h, kv h // G
-    scores = np.einsum("hd,khd->hk", q, keys) * sm_scale  # (Hq, K)
-    if soft_cap is not None:
-        scores = soft_cap * np.tanh(scores / soft_cap)
-    logits = np.concatenate([scores, sinks[:, None]], axis=1)  # (Hq, K + 1)
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
-    return np.einsum("hk,khd->hd", probs[:, :-1], values)  # (Hq, D)
-
-
 @pytest.mark.parametrize("page_size,num_kv_heads,group,head_dim,dtype,window,soft_cap,cache_dtype", LSE_CASES)
 def test_ragged_kernel_lse_and_sinks(page_size, num_kv_heads, group, head_dim, dtype, window, soft_cap, cache_dtype):
     arrays, positions, query_start_loc, seq_lens, page_table = _case(
@@ -290,6 +274,6 @@ def test_ragged_kernel_lse_and_sinks(page_size, num_kv_heads, group, head_dim, d
     for token in range(real):
         seen = np.arange(0 if window is None else max(positions[token] - window + 1, 0), positions[token] + 1)
         pages = page_table[row[token], seen // page_size]  # (K,)
-        direct[token] = _attention_with_sinks(q[token], k[pages, seen % page_size], v[pages, seen % page_size],
+        direct[token] = attention_with_sinks(q[token], k[pages, seen % page_size], v[pages, seen % page_size],
                                               sinks.astype(np.float64), sm_scale=sm_scale, soft_cap=soft_cap)
     assert _relative_error(with_sinks[:real], direct) < tolerance
