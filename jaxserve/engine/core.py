@@ -36,6 +36,7 @@ from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 from jaxserve.lora_request import LoRARequest
 from jaxserve.model.checkpoint import is_checkpoint, load_weights
+from jaxserve.model.eagle import read_head_config
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping, check_source
 from jaxserve.model.lora import lora_slot_structs, read_adapter, with_lora_slots
 from jaxserve.model.registry import model_for
@@ -46,7 +47,7 @@ from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner.executables import CompileCounter
 from jaxserve.runner.runner import PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.spec.draft import DraftModelProposer
-from jaxserve.spec.eagle import EagleProposer, target_features
+from jaxserve.spec.eagle import EagleProposer
 from jaxserve.spec.metrics import SpecDecodeStats
 from jaxserve.spec.ngram import NgramProposer
 from jaxserve.spec.proposer import Proposer
@@ -89,6 +90,9 @@ class EngineCore:
                                                                dtype))
         self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
         method = (config.speculative_config or {}).get("method")  # speculative decoding's proposer
+        head = None  # an EAGLE head's folder, read once: what the target keeps for it, then the head
+        if method in EAGLE_METHODS:
+            head = read_head_config(config.speculative_config["model"], method, self.spec)
         self.runner = Runner(
             self.spec, params, self.mesh,
             page_size=config.page_size, num_cache_kv_heads=kv_heads,
@@ -96,7 +100,7 @@ class EngineCore:
             attention_backend=config.attention_backend,
             num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
             structured_outputs=config.enable_structured_outputs, pooling=pooling, logprobs_mode=config.logprobs_mode,
-            features=target_features(config, self.spec),  # what an EAGLE head reads of the target
+            features=head.features if head else None,  # what an EAGLE head reads of the target
         )
         # runner pooling: how prompts are pooled into embeddings or classes, and the sizes a Matryoshka model may cut
         # embeddings to
@@ -109,8 +113,7 @@ class EngineCore:
         if method == "draft_model":
             self.draft = DraftModelProposer.load(config, self.spec, self.mesh, self.ladders, self.max_model_len)
         elif method in EAGLE_METHODS:
-            self.draft = EagleProposer.load(config, self.spec, self.mesh, self.ladders, self.max_model_len,
-                                            self.runner)
+            self.draft = EagleProposer.load(config, head, self.mesh, self.ladders, self.max_model_len, self.runner)
         # The draft's pool has as many pages as the target's, so a page of each is sized together.
         self.num_pages = resolve_num_pages(config, self.max_model_len,
                                            [self.runner] + ([self.draft.runner] if self.draft else []))

@@ -25,18 +25,11 @@ import numpy as np
 from jaxserve.batch.builder import BucketLadders, padded_batch_arrays, padded_decode_step_arrays
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps
 from jaxserve.batch.packing import Layout, pack, unpack
-from jaxserve.config import EAGLE_METHODS, EngineConfig
+from jaxserve.config import EngineConfig
 from jaxserve.engine.scheduler import ScheduledRequest
 from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager
-from jaxserve.model.eagle import (
-    MidlayerNames,
-    TargetFeatures,
-    eagle3_weights,
-    eagle_forward,
-    eagle_weights,
-    read_head_config,
-)
+from jaxserve.model.eagle import HeadConfig, MidlayerNames, eagle3_weights, eagle_forward, eagle_weights
 from jaxserve.model.loader import SafetensorsFolder, load_params
 from jaxserve.model.sharding import cache_kv_heads, put_global
 from jaxserve.model.spec import ModelSpec
@@ -52,14 +45,6 @@ class FeatureSlots:
     """Where the target keeps the feature of each position a catch-up batch feeds."""
 
     slots: jax.Array  # (T,) int32 the target's page * page_size + offset of each token's position; pad 0
-
-
-def target_features(config: EngineConfig, target_spec: ModelSpec) -> TargetFeatures | None:
-    """What the target must keep of each token for config's EAGLE head (None without one)."""
-    speculative = config.speculative_config or {}
-    if speculative.get("method") not in EAGLE_METHODS:
-        return None
-    return read_head_config(speculative["model"], speculative["method"], target_spec).features
 
 
 class EagleRunner(DraftRunner):
@@ -125,12 +110,11 @@ class EagleProposer(DraftModelProposer):
     target_kv: KVCacheManager | None = None  # the target's pages (the engine sets it): where the features are
 
     @classmethod
-    def load(cls, config: EngineConfig, target_spec: ModelSpec, mesh, ladders: BucketLadders, max_model_len: int,
+    def load(cls, config: EngineConfig, head: HeadConfig, mesh, ladders: BucketLadders, max_model_len: int,
              target: Runner) -> "EagleProposer":
-        """The head that config's speculative_config names, in the target's dtype (never quantized); a ValueError
-        for a head that does not fit the target."""
+        """The head that config's speculative_config names (its folder's `head`, read_head_config's), in the
+        target's dtype (never quantized)."""
         path = config.speculative_config["model"]
-        head = read_head_config(path, config.speculative_config["method"], target_spec)
         spec = head.spec.for_max_model_len(max_model_len)
         kv_heads = cache_kv_heads(spec, mesh.devices.size)
         folder = SafetensorsFolder(path)
