@@ -43,7 +43,7 @@ ENGINE_FLAGS = (
     "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
     "enable_structured_outputs", "reasoning_parser", "enable_lora", "max_loras", "max_lora_rank", "lora_modules",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
-    "runner", "pooler_config", "enable_sleep_mode", "logprobs_mode",
+    "runner", "pooler_config", "enable_sleep_mode", "logprobs_mode", "structured_outputs_in_reasoning",
 )
 
 
@@ -71,9 +71,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-structured-outputs", action=argparse.BooleanOptionalAction,
                         help="compile the sampler for constrained requests too (default on)")
     parser.add_argument("--reasoning-parser", choices=list(VALID_REASONING_PARSERS),
-                        help="a reasoning model's markers (<think> ... </think>; mistral: [THINK] ... [/THINK]): "
-                             "structured output constrains the answer after the thinking, and chat replies carry "
-                             "the thinking in `reasoning`")
+                        help="a reasoning model's markers (<think> ... </think>; mistral: [THINK] ... [/THINK]; "
+                             "openai_gptoss: harmony's analysis and final channels): structured output constrains "
+                             "the answer after the thinking, and chat replies carry the thinking in `reasoning`")
+    parser.add_argument("--structured-outputs-in-reasoning", action=argparse.BooleanOptionalAction,
+                        help="with a reasoning parser, constrain the whole reply, thinking included (vLLM's "
+                             "structured outputs enable_in_reasoning)")
     parser.add_argument("--logprobs-mode", choices=list(VALID_LOGPROBS_MODES),
                         help="what logprobs report: the raw distribution's (raw_logprobs, default; raw_logits) or "
                              "the processed one each token was sampled from (processed_logprobs, processed_logits)")
@@ -241,6 +244,7 @@ def serve(args: argparse.Namespace) -> int:
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
         max_stored_responses=args.max_stored_responses, enable_weight_updates=args.enable_weight_updates,
     )
+    server_config.check_engine(engine_config)  # before the engine loads
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
     app = build_app(engine, server_config)

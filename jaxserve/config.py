@@ -28,11 +28,11 @@ VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas
 VALID_BATCHING = ("continuous", "static")
 # Reasoning models' parsers (vLLM's names; engine/reasoning.py): a constrained request's grammar applies after the
 # thinking, and the server splits chat replies into reasoning and content.
-VALID_REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral")
+VALID_REASONING_PARSERS = ("deepseek_r1", "qwen3", "mistral", "openai_gptoss")
 # The server's tool call parsers (vLLM's names; server/tools.py's TOOL_PARSERS), named here for the CLI, which does
 # not import the server.
 VALID_TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic", "granite",
-                           "phi4_mini_json")
+                           "phi4_mini_json", "openai")
 # generate: the engine samples tokens; pooling: it also compiles the pooling buckets, and serves embeddings (a
 # prompt's final hidden states pooled into one vector, pooling/) beside generation, or a sequence classifier's
 # classes; auto: pooling for a sequence classifier, else generate (vLLM's `runner`).
@@ -91,6 +91,9 @@ class EngineConfig:
     # A reasoning model's parser (VALID_REASONING_PARSERS; None: the model does not think): structured output
     # constrains the text after the thinking, and chat replies carry the thinking in `reasoning`.
     reasoning_parser: str | None = None
+    # Structured output constrains the thinking too, from the reply's first token (vLLM's structured outputs
+    # option enable_in_reasoning): for a grammar that spells out the whole reply, a reasoning model's format included.
+    structured_outputs_in_reasoning: bool = False
     # What logprobs report (VALID_LOGPROBS_MODES): raw_logprobs (default), raw_logits, or the processed distribution
     # a token was sampled from (an RL trainer's importance ratios), as logprobs or logits. Prompt logprobs stay raw.
     logprobs_mode: str = "raw_logprobs"

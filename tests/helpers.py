@@ -111,6 +111,31 @@ def small_engine_args(**overrides) -> dict:
     return args
 
 
+def renamed_model(parent, markers: dict[int, str], special: bool) -> str:
+    """A copy of the bundled model under `parent` whose tokenizer calls each token id of `markers` by its marker,
+    an added token (special or not)."""
+    folder = parent / "model"
+    from jaxserve.engine.llm_engine import default_model_path
+
+    shutil.copytree(default_model_path(), folder)
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    vocab = spec["model"]["vocab"]
+    names = {token_id: name for name, token_id in vocab.items()}
+    for token_id, marker in markers.items():
+        old = names[token_id]
+        del vocab[old]
+        vocab[marker] = token_id
+        # merges that make or use the renamed token go with it
+        spec["model"]["merges"] = [m for m in spec["model"]["merges"] if old not in m and "".join(m) != old]
+        spec["added_tokens"].append({"id": token_id, "content": marker, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": special})
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    return str(folder)
+
+
 @contextlib.contextmanager
 def running_server(app):
     """Serve an ASGI app with a real uvicorn server on a free localhost port; yields its base URL."""

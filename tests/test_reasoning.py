@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import re
-import shutil
 
 import jsonschema
 import openai
@@ -27,7 +25,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
-from helpers import running_server, small_engine_args
+from helpers import renamed_model, running_server, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
@@ -114,12 +112,12 @@ def test_a_grammar_that_starts_after_a_token_is_free_until_that_token():
     compiled.result()
     (digit,) = tokenizer.encode("7", add_special_tokens=False)
     (word,) = tokenizer.encode("def", add_special_tokens=False)
-    grammar = compiler.request_grammar(compiled, starts_after=word)
+    grammar = compiler.request_grammar(compiled, starts_after=(word,))
     assert grammar.accept(digit) and grammar.accept(digit) and not grammar.is_finished  # free: no grammar yet
     assert grammar.accept(word) and grammar.starts_after is None  # from here on, two digits
     assert grammar.accept(digit) and not grammar.is_finished
     assert grammar.accept(digit) and grammar.is_finished
-    constrained = compiler.request_grammar(compiled, starts_after=word)
+    constrained = compiler.request_grammar(compiled, starts_after=(word,))
     assert constrained.accept(word) and not constrained.accept(word)
 
 
@@ -146,34 +144,11 @@ def greedy():
     return prompt, reply, k, start
 
 
-def _renamed_model(parent, markers: dict[int, str], special: bool) -> str:
-    """A copy of the bundled model under `parent` whose tokenizer calls each token id of `markers` by its marker,
-    an added token (special or not)."""
-    folder = parent / "model"
-    shutil.copytree(default_model_path(), folder)
-    path = os.path.join(folder, "tokenizer.json")
-    with open(path) as f:
-        spec = json.load(f)
-    vocab = spec["model"]["vocab"]
-    names = {token_id: name for name, token_id in vocab.items()}
-    for token_id, marker in markers.items():
-        old = names[token_id]
-        del vocab[old]
-        vocab[marker] = token_id
-        # merges that make or use the renamed token go with it
-        spec["model"]["merges"] = [m for m in spec["model"]["merges"] if old not in m and "".join(m) != old]
-        spec["added_tokens"].append({"id": token_id, "content": marker, "single_word": False, "lstrip": False,
-                                     "rstrip": False, "normalized": False, "special": special})
-    with open(path, "w") as f:
-        json.dump(spec, f)
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def thinking_model(tmp_path_factory, greedy):
     """The bundled model whose tokenizer calls the reply's k-th token `</think>` and another `<think>`."""
     _, reply, k, start = greedy
-    folder = _renamed_model(tmp_path_factory.mktemp("thinking"), {start: "<think>", reply[k]: "</think>"}, False)
+    folder = renamed_model(tmp_path_factory.mktemp("thinking"), {start: "<think>", reply[k]: "</think>"}, False)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert tokenizer.encode(rendered, add_special_tokens=False) == greedy[0], "the renaming changed the prompt's ids"
@@ -326,7 +301,7 @@ def magistral(tmp_path_factory):
     del llm
     assert reply[0] not in prompt, "the reply's first token must not be the prompt's"
     k = next(i for i in range(2, len(reply) - 4) if reply[i] not in reply[:i] and reply[i] not in prompt)
-    folder = _renamed_model(tmp_path_factory.mktemp("magistral"), {reply[0]: "[THINK]", reply[k]: "[/THINK]"}, True)
+    folder = renamed_model(tmp_path_factory.mktemp("magistral"), {reply[0]: "[THINK]", reply[k]: "[/THINK]"}, True)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     rendered = tokenizer.apply_chat_template(OPENING, tokenize=False, add_generation_prompt=True,
                                              chat_template=PLAIN_TEMPLATE)

@@ -12,6 +12,8 @@ from jaxserve.config import VALID_TOOL_CALL_PARSERS
 from jaxserve.server.tools import (
     TOOL_PARSERS,
     GraniteParser,
+    HarmonyOrConstrained,
+    HarmonyParser,
     HermesParser,
     Llama3JsonParser,
     MistralParser,
@@ -103,6 +105,24 @@ CASES = [
     (Phi4MiniJsonParser(), 'functools[{"name": "now", "arguments": {}}]', "", [ToolCall("now", "{}")]),
     (Phi4MiniJsonParser(), "functional programming", "functional programming", []),
     (Phi4MiniJsonParser(), "functools[]", "functools[]", []),
+    # gpt-oss (harmony): messages to functions.NAME are calls; final and preamble text is content, analysis is not
+    (HarmonyParser(), '<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant<|channel|>commentary '
+                      'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris", "days": 3}<|call|>', "",
+     [ToolCall("get_weather", '{"city": "Paris", "days": 3}')]),
+    (HarmonyParser(), '<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.now'
+                      '<|channel|>commentary json<|message|>{}', "Checking.", [ToolCall("now", "{}")]),
+    (HarmonyParser(), "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.",
+     "Sunny.", []),
+    (HarmonyParser(), "<|channel|>commentary to=functions.f <|constrain|>json<|message|>not json<|call|>", "",
+     [ToolCall("f", "not json")]),
+    (HarmonyParser(), "<|channel|>analysis to=browser.search<|message|>{}<|call|>", "", []),  # a built-in tool
+    (HarmonyParser(), "no header at all", "no header at all", []),
+    (HarmonyParser(), "<|channel|>final<|message|>cut <|", "cut <|", []),
+    # required or a named function on gpt-oss: the constrained final text, or the model's own harmony call
+    (HarmonyOrConstrained(NamedCall("f")), '{"x": 1}', "", [ToolCall("f", '{"x": 1}')]),
+    (HarmonyOrConstrained(NamedCall("f")), '<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json'
+                                           '<|message|>{"x":1}', "", [ToolCall("f", '{"x": 1}')]),
+    (HarmonyOrConstrained(RequiredCalls()), '[{"name": "a", "parameters": {}}]', "", [ToolCall("a", "{}")]),
 ]
 
 
@@ -132,7 +152,9 @@ def test_streamed_deltas_add_up_to_the_whole_replys_split(extractor, reply, cont
 
 def test_the_cli_names_every_parser_the_server_has():
     assert tuple(TOOL_PARSERS) == VALID_TOOL_CALL_PARSERS
-    assert [name for name, parser in TOOL_PARSERS.items() if parser.keeps_special_tokens] == ["mistral", "granite"]
+    assert [name for name, parser in TOOL_PARSERS.items() if parser.keeps_special_tokens] == ["mistral", "granite",
+                                                                                               "openai"]
+    assert [name for name, parser in TOOL_PARSERS.items() if parser.named] == []  # "auto": the model chose
 
 
 def test_required_schema_takes_one_call_of_each_tool_and_no_other():

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore
 from jaxserve.engine.generation_config import load_generation_defaults
+from jaxserve.engine.harmony import HarmonyReasoning
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.reasoning import ReasoningParser
 from jaxserve.engine.tokenizer import load_tokenizer
@@ -63,6 +64,12 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return sequences
 
 
+def _reasoning_parser(name: str, tokenizer) -> ReasoningParser | HarmonyReasoning:
+    """The reasoning parser `name` (config's VALID_REASONING_PARSERS) for `tokenizer`; ValueError when the tokenizer
+    lacks its markers."""
+    return HarmonyReasoning.load(tokenizer) if name == "openai_gptoss" else ReasoningParser.load(name, tokenizer)
+
+
 class LLMEngine:
     """Tokenizes and validates requests, drives EngineCore, and detokenizes its results."""
 
@@ -76,8 +83,8 @@ class LLMEngine:
             raise ValueError(f"model folder {self.model_path!r} does not exist")
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         # A reasoning model's markers (engine/reasoning.py), checked against the tokenizer before anything loads.
-        self.reasoning = None if config.reasoning_parser is None else ReasoningParser.load(config.reasoning_parser,
-                                                                                          self.tokenizer)
+        self.reasoning = None if config.reasoning_parser is None else _reasoning_parser(config.reasoning_parser,
+                                                                                        self.tokenizer)
         self.core = EngineCore(config, self.model_path, show_progress, first_device)
         if not self.core.is_leader:
             self.core.follow_leader()
@@ -178,9 +185,8 @@ class LLMEngine:
         # A reasoning model's constraint applies to the answer: after the end of the thinking, unless the prompt
         # has closed it.
         starts_after = opens_with = None
-        if self.reasoning is not None and not self.reasoning.prompt_ends_reasoning(token_ids):
-            starts_after = self.reasoning.end_token_id
-            opens_with = self.reasoning.start_token_id if self.reasoning.opens_in_reply else None
+        if self.reasoning is not None and not self.config.structured_outputs_in_reasoning:
+            starts_after, opens_with = self.reasoning.grammar_start(token_ids)
         children = []
         for index in range(num_samples):
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(64)

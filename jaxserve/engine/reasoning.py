@@ -4,12 +4,15 @@ DeepSeek-R1 (and its Llama / Qwen distills, QwQ) and Qwen3 think between `<think
 of their vocabulary, then answer. The chat template may open the thinking in the prompt (R1 writes `<think>\\n`
 after the generation prompt), so the output usually holds only the closing marker. Mistral's reasoning models
 (Magistral) think between `[THINK]` and `[/THINK]`, special tokens of their tokenizer, and open the thinking
-themselves: a reply that does not begin with `[THINK]` is all answer (`opens_in_reply`). Markers that are special
-tokens are kept in the chat route's decoded text (`keeps_special_tokens`), else decoding would drop them. Two
-users:
+themselves: a reply that does not begin with `[THINK]` is all answer (`opens_in_reply`). gpt-oss writes OpenAI's
+harmony messages (engine/harmony.py): its thinking is the `analysis` channel, its answer the `final` channel
+(`HarmonyReasoning`). Markers that are special tokens are kept in the chat route's decoded text
+(`keeps_special_tokens`), else decoding would drop them. Every parser answers the same questions
+(`starts_thinking`, `grammar_start`, `split`, `reasoning_tokens`) for two users:
 
-- the engine: a request's structured output constrains the answer, not the thinking (vLLM's rule). Its grammar
-  starts after the end marker is sampled (`RequestGrammar(starts_after=...)`), or at once when the prompt has
+- the engine: a request's structured output constrains the answer, not the thinking (vLLM's rule, unless
+  `structured_outputs_in_reasoning`). Its grammar starts after the end marker's tokens are sampled
+  (`RequestGrammar(starts_after=...)`; harmony's is `<|channel|>final<|message|>`), or at once when the prompt has
   already closed the thinking: Qwen3's template with `enable_thinking: false` writes an empty
   `<think>\\n\\n</think>` into the prompt (`prompt_ends_reasoning`); for a model that opens its thinking
   itself, the first token is the start marker or the grammar's (`RequestGrammar(opens_with=...)`);
@@ -54,6 +57,24 @@ class ReasoningParser:
                                                         getattr(tokenizer, "added_tokens_decoder", {}).values()
                                                         if token.special}
         return cls(start, end, vocab[start], vocab[end], opens_in_reply, bool({start, end} & special))
+
+    def starts_thinking(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether the reply starts in the thinking: the prompt has not closed it."""
+        return not self.prompt_ends_reasoning(prompt_token_ids)
+
+    def grammar_start(self, prompt_token_ids: Sequence[int]) -> tuple[tuple[int, ...] | None, int | None]:
+        """How a constraint waits for the answer (RequestGrammar's `starts_after`, `opens_with`): free until the end
+        marker, and a first token that may open the thinking for a model that opens it itself; (None, None) once
+        the prompt has closed the thinking."""
+        if self.prompt_ends_reasoning(prompt_token_ids):
+            return None, None
+        return (self.end_token_id,), self.start_token_id if self.opens_in_reply else None
+
+    def reasoning_tokens(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> int:
+        """How many of the reply's tokens are its thinking, the end marker included."""
+        if self.prompt_ends_reasoning(prompt_token_ids):
+            return 0
+        return token_ids.index(self.end_token_id) + 1 if self.end_token_id in token_ids else len(token_ids)
 
     def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether the prompt has closed the thinking: its last marker is the end marker."""

@@ -60,3 +60,9 @@ class ServerConfig:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if not self.metrics_prefix.replace("_", "").isalnum():
             raise ValueError(f"metrics_prefix must be letters, digits and underscores, got {self.metrics_prefix!r}")
+
+    def check_engine(self, engine_config) -> None:
+        """ValueError when this server's options do not fit the engine's (`engine_config`, an EngineConfig)."""
+        if self.tool_call_parser == "openai" and engine_config.reasoning_parser != "openai_gptoss":
+            raise ValueError("tool_call_parser openai reads gpt-oss's harmony messages with the reasoning parser "
+                             "openai_gptoss: start the engine with --reasoning-parser openai_gptoss")

@@ -328,9 +328,7 @@ class ResponsesServing:
     def _reasoning_tokens(self, output: RequestOutput, c: CompletionOutput) -> int:
         """Tokens of the reply's thinking, its end marker included (0 without a reasoning parser)."""
         parser = self.serving.engine.engine.reasoning
-        if parser is None or parser.prompt_ends_reasoning(output.prompt_token_ids):
-            return 0
-        return c.token_ids.index(parser.end_token_id) + 1 if parser.end_token_id in c.token_ids else len(c.token_ids)
+        return 0 if parser is None else parser.reasoning_tokens(output.prompt_token_ids, c.token_ids)
 
     def _keeps(self, body: ResponsesRequest) -> bool:
         return body.store and self.max_stored > 0

@@ -57,6 +57,7 @@ from jaxserve.server.responses import (
 )
 from jaxserve.server.tools import (
     TOOL_PARSERS,
+    HarmonyOrConstrained,
     NamedCall,
     RequiredCalls,
     ToolCallExtractor,
@@ -88,6 +89,7 @@ class OpenAIServing:
     """Handlers of /v1/completions, /v1/chat/completions, /v1/models, /tokenize and /detokenize."""
 
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig):
+        config.check_engine(engine.engine.config)
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
@@ -297,7 +299,7 @@ class OpenAIServing:
         parser = self.engine.engine.reasoning
         if parser is None:
             return None
-        return ReasoningStream(parser, thinking=not parser.prompt_ends_reasoning(output.prompt_token_ids))
+        return ReasoningStream(parser, thinking=parser.starts_thinking(output.prompt_token_ids))
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """POST /v1/load_lora_adapter: the adapter into a free slot, between two steps; 400 for a name in use, a
@@ -372,10 +374,10 @@ class OpenAIServing:
         choice = body.tool_choice_name()
         if choice == "none":
             return None
-        if choice == "required":
-            return RequiredCalls()
-        if choice == "function":
-            return NamedCall(body.tool_choice.function.name)
+        if choice in ("required", "function"):
+            constrained = RequiredCalls() if choice == "required" else NamedCall(body.tool_choice.function.name)
+            harmony = self.engine.engine.config.reasoning_parser == "openai_gptoss"
+            return HarmonyOrConstrained(constrained) if harmony else constrained
         if self.config.tool_call_parser is None:
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
                                 f"--tool-call-parser ({', '.join(TOOL_PARSERS)}); give tool_choice \"required\", a "
@@ -665,7 +667,7 @@ def _reasoning_fields(thought: str) -> dict:
 def _finish_reason(finish_reason: str | None, called: bool, tools: ToolCallExtractor) -> str | None:
     """A reply's finish reason with tools: "tool_calls" for a reply that stopped after calling tools on its own
     or as `required` asked; a named function's reply keeps "stop" (OpenAI's and vLLM's rule)."""
-    if finish_reason == "stop" and called and not isinstance(tools, NamedCall):
+    if finish_reason == "stop" and called and not tools.named:
         return "tool_calls"
     return finish_reason
 

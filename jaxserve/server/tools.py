@@ -21,7 +21,9 @@ successive splits are the streamed deltas (`ToolCallStream`).
   - `pythonic` (Llama 3.2 / 4 and others: the reply is a Python list of calls, `[f(a=1), g(b="x")]`, literal
     arguments only; the calls come with the final split, since text after the list would make it content);
   - `granite` (Granite 3.x: the reply is `<|tool_call|>` or `<tool_call>` then a JSON array of calls; decoded with
-    special tokens) and `phi4_mini_json` (Phi-4-mini: `functools` then a JSON array of calls).
+    special tokens) and `phi4_mini_json` (Phi-4-mini: `functools` then a JSON array of calls);
+  - `openai` (gpt-oss: harmony messages `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`;
+    special tokens; with the `openai_gptoss` reasoning parser, which it needs).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxserve.engine.harmony import CHANNEL, START, HarmonyMessage, parse_reply
 from jaxserve.engine.reasoning import partial_suffix
 
 _DECODER = json.JSONDecoder()
@@ -85,6 +88,7 @@ class ToolCallExtractor:
     """Splits a model's output into (content, tool calls); see the module docstring. `tools`: the request's."""
 
     keeps_special_tokens = False  # the format's markers are special tokens: decode the reply with them
+    named = False  # the request named the function: a reply that calls it still finishes "stop"
 
     def __init__(self, tools: list[Tool] | None = None):
         self.tools = tools or []
@@ -138,6 +142,8 @@ class RequiredCalls(ToolCallExtractor):
 
 class NamedCall(ToolCallExtractor):
     """A named function: the constrained output is its arguments."""
+
+    named = True
 
     def __init__(self, name: str):
         super().__init__()
@@ -357,10 +363,58 @@ class Phi4MiniJsonParser(PrefixedArrayParser):
     PREFIXES = ("functools",)
 
 
+class HarmonyParser(ToolCallExtractor):
+    """gpt-oss's calls (vLLM's `openai`): harmony messages addressed `to=functions.NAME` (engine/harmony.py), each a
+    call once its message has ended (`<|call|>` or the reply's end), its text the arguments (re-serialized when it
+    is JSON, as its content type says or by default, else as written). The text of messages without a recipient
+    is content, but for the analysis channel's (the `openai_gptoss` reasoning parser's reasoning); messages to
+    other recipients (built-in tools such as `browser`) are neither."""
+
+    keeps_special_tokens = True
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        content, calls = [], []
+        for message in parse_reply(text, final):
+            if message.function is not None and message.complete:
+                calls.append(ToolCall(message.function, _harmony_arguments(message)))
+            elif message.recipient is None and message.channel != "analysis":
+                content.append(message.text)
+        return "".join(content), calls
+
+
+class HarmonyOrConstrained(ToolCallExtractor):
+    """`required` or a named function on gpt-oss (the `openai_gptoss` reasoning parser): the constraint shapes the
+    final channel's text, which `constrained` reads; a reply that calls a function in harmony's own form instead (a
+    message to=functions.NAME, which the constraint does not reach) is read as that call."""
+
+    keeps_special_tokens = True
+
+    def __init__(self, constrained: ToolCallExtractor):
+        super().__init__(constrained.tools)
+        self.constrained = constrained
+        self.named = constrained.named
+
+    def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        header = text.startswith((START, CHANNEL)) or not final and any(m.startswith(text) for m in (START, CHANNEL))
+        if header or any(message.function is not None for message in parse_reply(text, final)):
+            return HarmonyParser(self.tools).extract(text, final)
+        return self.constrained.extract(text, final)
+
+
+def _harmony_arguments(message: HarmonyMessage) -> str:
+    """A harmony call's arguments: its JSON text re-serialized, or its text as written when it is not JSON."""
+    if message.content_type is None or "json" in message.content_type:
+        try:
+            return json.dumps(json.loads(message.text), ensure_ascii=False)
+        except json.JSONDecodeError:
+            pass
+    return message.text
+
+
 TOOL_PARSERS: dict[str, type[ToolCallExtractor]] = {
     "hermes": HermesParser, "llama3_json": Llama3JsonParser, "qwen3_coder": Qwen3CoderParser,
     "mistral": MistralParser, "pythonic": PythonicParser, "granite": GraniteParser,
-    "phi4_mini_json": Phi4MiniJsonParser,
+    "phi4_mini_json": Phi4MiniJsonParser, "openai": HarmonyParser,
 }
 
 

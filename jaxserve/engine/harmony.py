@@ -1,0 +1,174 @@
+"""OpenAI's harmony format (gpt-oss): a reply as a sequence of messages, read from its text.
+
+gpt-oss writes each message as a header, `<|message|>`, its text and a terminator, all markers special tokens of
+its tokenizer (so the reply is decoded with them):
+
+    <|channel|>analysis<|message|>The user wants the weather.<|end|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Oslo"}
+    <|call|>
+
+(the reply is one line: the breaks are this page's).
+
+The chat template ends the prompt with `<|start|>assistant`, so the reply's first header starts at `<|channel|>`;
+later ones at `<|start|>`. A header names the channel (`analysis`: the thinking; `commentary`: tool calls and their
+preambles; `final`: the answer), perhaps a recipient (`to=functions.NAME`, also written before the channel) and a
+content type (`<|constrain|>json`, or a bare `json`). A message ends at `<|end|>`, `<|call|>` (a tool call: the
+reply stops there), `<|return|>` (the reply's end) or where the next header starts; `<|call|>` and `<|return|>`
+are end-of-sequence tokens, so a reply's text usually ends without them. Text before any header belongs to the
+message the prompt opened.
+
+`parse_reply` reads a reply so far. Before the reply ends (`final` false) it holds back a header in the making and
+text that may still become a marker, so every message it returns keeps its header, and its text and source grow
+only by what comes after them in later reads: what a stream sends never has to be taken back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jaxserve.engine.reasoning import partial_suffix
+
+START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
+MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
+TERMINATORS = (END, CALL, RETURN)
+FINAL_HEADER = f"{CHANNEL}final{MESSAGE}"  # where the answer starts
+FUNCTIONS = "functions."  # the recipient prefix of the request's tools
+
+
+@dataclasses.dataclass(frozen=True)
+class HarmonyMessage:
+    """One message of a reply: its header's fields, its text so far, and the reply's text it was read from."""
+
+    channel: str | None  # analysis, commentary, final; None: no header (text in the message the prompt opened)
+    recipient: str | None  # a tool call's addressee, e.g. functions.get_weather
+    content_type: str | None  # e.g. json
+    text: str  # the message's text (between `<|message|>` and its terminator)
+    source: str  # the message as the reply wrote it: header, text and terminator
+    complete: bool  # its terminator came, or the reply ended
+
+    @property
+    def function(self) -> str | None:
+        """The name of the request's tool this message calls, or None."""
+        if self.recipient is not None and self.recipient.startswith(FUNCTIONS):
+            return self.recipient[len(FUNCTIONS):]
+        return None
+
+
+def parse_reply(text: str, final: bool) -> list[HarmonyMessage]:
+    """The messages of a reply's text so far (module docstring); `final`: the reply has ended."""
+    messages, position = [], 0
+    while position < len(text):
+        if text.startswith((START, CHANNEL), position):
+            header_end = text.find(MESSAGE, position)
+            if header_end < 0:  # a header in the making; once the reply has ended, a message with no text
+                if final:
+                    messages.append(HarmonyMessage(*_header(text[position:]), "", text[position:], True))
+                break
+            fields, body = _header(text[position:header_end]), header_end + len(MESSAGE)
+        else:
+            fields, body = (None, None, None), position
+        end = _next_marker(text, body)
+        if end < 0:  # the reply's last message: open unless the reply ended
+            kept = len(text) if final else len(text) - max(partial_suffix(text, marker) for marker in MARKERS)
+            kept = max(kept, body)
+            messages.append(HarmonyMessage(*fields, text[body:kept], text[position:kept], final))
+            break
+        closing = next((marker for marker in TERMINATORS if text.startswith(marker, end)), "")
+        messages.append(HarmonyMessage(*fields, text[body:end], text[position:end + len(closing)], True))
+        position = end + len(closing)
+    return messages
+
+
+def _header(header: str) -> tuple[str | None, str | None, str | None]:
+    """(channel, recipient, content type) of a message header: `[<|start|>ROLE[ to=R]]<|channel|>CHANNEL[ to=R]
+    [ <|constrain|>TYPE | TYPE]` up to `<|message|>`."""
+    role, has_channel, channel_part = header.removeprefix(START).partition(CHANNEL)
+    words = channel_part.replace(CONSTRAIN, " ").split()
+    recipient = next((word[3:] for word in role.split() + words if word.startswith("to=")), None)
+    others = [word for word in words if not word.startswith("to=")]
+    channel = others[0] if has_channel and others else None
+    content_type = others[1] if len(others) > 1 else None
+    return channel, recipient, content_type
+
+
+def _next_marker(text: str, start: int) -> int:
+    """Where the first marker that ends a message's text (a terminator or the next header) is, from `start`;
+    -1 for none."""
+    found = [at for marker in (*TERMINATORS, START, CHANNEL) if (at := text.find(marker, start)) >= 0]
+    return min(found, default=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class HarmonyReasoning:
+    """`reasoning_parser: openai_gptoss`: a harmony reply's `analysis` messages are its reasoning (joined by new
+    lines); its `final` messages and the `commentary` preambles without a recipient are its content. A message with
+    a recipient (a tool call) stays in the content as the reply wrote it, for the `openai` tool call parser
+    (server/tools.py) to read. A constraint applies to the final channel's text, after `<|channel|>final<|message|>`.
+    The markers are special tokens: chat replies are decoded with them."""
+
+    ids: dict[str, int]  # each marker's token id
+    final_header: tuple[int, ...]  # the token ids of `<|channel|>final<|message|>`
+    analysis_header: tuple[int, ...]  # the token ids of `<|channel|>analysis<|message|>`
+    keeps_special_tokens: bool = True
+
+    @classmethod
+    def load(cls, tokenizer) -> "HarmonyReasoning":
+        """The parser for `tokenizer`; ValueError when a harmony marker is not one token of it."""
+        vocab = tokenizer.get_vocab()
+        missing = [marker for marker in MARKERS if marker not in vocab]
+        if missing:
+            raise ValueError(f"reasoning_parser openai_gptoss: the tokenizer has no token {missing[0]!r}; the parser "
+                             f"is for models that write OpenAI's harmony format (gpt-oss)")
+
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+
+        return cls({marker: vocab[marker] for marker in MARKERS}, encode(FINAL_HEADER),
+                   encode(f"{CHANNEL}analysis{MESSAGE}"))
+
+    def _open_channel(self, prompt_token_ids: Sequence[int]) -> str | None:
+        """The channel of the message the prompt leaves open (analysis or final, for a prompt that writes the
+        reply's start), None when the reply starts a message of its own."""
+        boundaries = {self.ids[marker] for marker in (START, *TERMINATORS)}
+        last = max((i for i, token in enumerate(prompt_token_ids) if token in boundaries), default=-1)
+        tail = tuple(prompt_token_ids[last + 1:])
+        for channel, header in (("final", self.final_header), ("analysis", self.analysis_header)):
+            if any(tail[i:i + len(header)] == header for i in range(len(tail))):
+                return channel
+        return None
+
+    def starts_thinking(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether the reply goes on with an analysis message the prompt opened."""
+        return self._open_channel(prompt_token_ids) == "analysis"
+
+    def grammar_start(self, prompt_token_ids: Sequence[int]) -> tuple[tuple[int, ...] | None, None]:
+        """A constraint waits for the final channel's header, unless the prompt has opened the final message."""
+        return (None if self._open_channel(prompt_token_ids) == "final" else self.final_header), None
+
+    def reasoning_tokens(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> int:
+        """How many of the reply's tokens are its thinking: up to the terminator of its last analysis message (all
+        of them when the reply ends in one)."""
+        boundaries = {self.ids[marker] for marker in (START, *TERMINATORS)}
+        header = self.analysis_header
+        thinking, counted = self.starts_thinking(prompt_token_ids), 0
+        for i, token in enumerate(token_ids):
+            if tuple(token_ids[i:i + len(header)]) == header:
+                thinking = True
+            elif thinking and token in boundaries:
+                thinking, counted = False, i + 1
+        return len(token_ids) if thinking else counted
+
+    def split(self, text: str, thinking: bool, final: bool) -> tuple[str, str]:
+        """(reasoning, content) of a reply's text so far; `thinking`: text before any header is analysis (the prompt
+        opened an analysis message). Each split's parts are prefixes of the next split's."""
+        reasoning, content = [], []
+        for index, message in enumerate(parse_reply(text, final)):
+            if message.recipient is not None:
+                content.append(message.source)
+            elif message.channel == "analysis" or (message.channel is None and index == 0 and thinking):
+                reasoning.append(message.text)
+            else:
+                content.append(message.text)
+        return "\n".join(reasoning), "".join(content)
