@@ -34,8 +34,9 @@ from jaxserve.structured.grammar import GrammarCompiler
 from jaxserve.structured.params import StructuredOutputsParams
 
 ENGINE = small_engine_args(max_model_len=256, num_pages=96, max_num_seqs=8, enable_structured_outputs=True)
-TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
-            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+TEMPLATE = ("{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>"
+            "{% endif %}{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")  # gpt-oss's reads reasoning_effort too
 IDS = {marker: 4095 - i for i, marker in enumerate(MARKERS)}  # the renamed tokens
 PARSER = HarmonyReasoning(IDS, (IDS["<|channel|>"], 9, IDS["<|message|>"]), (IDS["<|channel|>"], 8, IDS["<|message|>"]))
 CALL = ('<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1, "b": 2}'
@@ -263,3 +264,17 @@ def test_a_named_function_is_called_with_its_constrained_arguments(client):
 def test_every_page_comes_back(server):
     stats = server[1].stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_reasoning_effort_reaches_the_chat_template(client, tokenizer):
+    """OpenAI's `reasoning_effort` goes to the template as `reasoning_effort` (gpt-oss's writes it into its system
+    message); `chat_template_kwargs` naming it win."""
+    def prompt(kwargs: dict | None = None, **fields) -> str:
+        chat = client.chat.completions.create(model="tiny-stdlib-llama", messages=MESSAGES, max_tokens=1,
+                                              extra_body={"return_token_ids": True, "chat_template_kwargs": kwargs},
+                                              **fields)
+        return tokenizer.decode(chat.prompt_token_ids, skip_special_tokens=False)
+
+    assert prompt(reasoning_effort="high").startswith("<|start|>system<|message|>Reasoning: high<|end|>")
+    assert "Reasoning" not in prompt()
+    assert "Reasoning: low" in prompt({"reasoning_effort": "low"}, reasoning_effort="high")

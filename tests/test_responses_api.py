@@ -91,7 +91,7 @@ def test_request_fields_become_the_chat_requests():
     assert (chat.logprobs, chat.top_logprobs) == (True, 2)
     assert chat.tools[0].function.name == "answer" and chat.tools[0].function.parameters == SCHEMA
     assert isinstance(chat.tool_choice, NamedToolChoice) and chat.tool_choice.function.name == "answer"
-    assert chat.chat_template_kwargs == {"reasoning_effort": "low"}
+    assert chat.reasoning_effort == "low" and chat.template_kwargs() == {"reasoning_effort": "low"}
     formatted = ResponsesRequest(input="hi", text={"format": {"type": "json_schema", "name": "a", "schema": SCHEMA}})
     assert formatted.to_chat([]).structured_output().json == SCHEMA
     assert ResponsesRequest(input="hi", text={"format": {"type": "json_object"}}).to_chat([]).structured_output() \

@@ -340,6 +340,10 @@ class CompletionRequest(_SamplingFields):
                     best_of=self.best_of)
 
 
+# OpenAI's reasoning effort levels (chat's `reasoning_effort`, the Responses API's `reasoning.effort`)
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class TextPart(BaseModel):
     """A `{"type": "text", "text": ...}` part of a message's content."""
 
@@ -386,6 +390,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # with a reasoning parser: false leaves the thinking out of the reply (vLLM's)
+    reasoning_effort: ReasoningEffort | None = None  # OpenAI's: to the chat template as `reasoning_effort`
 
     def check(self) -> None:
         super().check()
@@ -410,6 +415,14 @@ class ChatCompletionRequest(_SamplingFields):
         if prompt_logprobs is None and self.echo and not self.stream:
             prompt_logprobs = self.top_logprobs or 0
         return dict(max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: `chat_template_kwargs`, with `reasoning_effort` where they leave it
+        unset (gpt-oss's template reads it; a template that does not ignores it)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs or None
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template sees them."""

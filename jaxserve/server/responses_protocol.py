@@ -21,6 +21,7 @@ from jaxserve.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     JsonSchemaFormat,
+    ReasoningEffort,
     ResponseFormat,
     _false,
     _one_of,
@@ -68,7 +69,7 @@ class ReasoningConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: ReasoningEffort | None = None
     summary: None = None
     generate_summary: None = None
 
@@ -137,13 +138,11 @@ class ResponsesRequest(_SamplingFields):
             raise APIError(400, "input holds no message", "input")
         fields = {**(self.model_extra or {}),
                   **{name: getattr(self, name) for name in _SamplingFields.model_fields}}
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.reasoning is not None and self.reasoning.effort is not None:
-            kwargs.setdefault("reasoning_effort", self.reasoning.effort)
         fields.update(messages=messages, max_completion_tokens=self.max_output_tokens,
                       logprobs=self.wants_logprobs(), top_logprobs=self.top_logprobs if self.wants_logprobs() else None,
                       tools=self._chat_tools(), tool_choice=self._chat_tool_choice(),
-                      parallel_tool_calls=self.parallel_tool_calls, chat_template_kwargs=kwargs or None)
+                      parallel_tool_calls=self.parallel_tool_calls, chat_template_kwargs=self.chat_template_kwargs,
+                      reasoning_effort=self.reasoning.effort if self.reasoning is not None else None)
         text_format = self.text.format if self.text is not None else None
         if text_format is not None and text_format.type != "text":
             if self.response_format is not None:

@@ -269,7 +269,7 @@ class OpenAIServing:
         template cannot render it."""
         try:
             return render_chat(self.tokenizer, body.conversation(), body.add_generation_prompt,
-                               body.continue_final_message, body.chat_template_kwargs, body.template_tools(),
+                               body.continue_final_message, body.template_kwargs(), body.template_tools(),
                                self.config.chat_template)
         except (ValueError, TypeError) as error:
             raise APIError(400, str(error), "messages") from error
