@@ -244,7 +244,6 @@ def serve(args: argparse.Namespace) -> int:
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
         max_stored_responses=args.max_stored_responses, enable_weight_updates=args.enable_weight_updates,
     )
-    server_config.check_engine(engine_config)  # before the engine loads
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
     app = build_app(engine, server_config)

@@ -111,13 +111,13 @@ def small_engine_args(**overrides) -> dict:
     return args
 
 
-def renamed_model(parent, markers: dict[int, str], special: bool) -> str:
-    """A copy of the bundled model under `parent` whose tokenizer calls each token id of `markers` by its marker,
-    an added token (special or not)."""
-    folder = parent / "model"
+def renamed_model(parent, markers: dict[int, str], special: bool, source: str | None = None) -> str:
+    """A copy of the model folder `source` (default: the bundled model) under `parent` whose tokenizer calls each
+    token id of `markers` by its marker, an added token (special or not)."""
     from jaxserve.engine.llm_engine import default_model_path
 
-    shutil.copytree(default_model_path(), folder)
+    folder = parent / "model"
+    shutil.copytree(source or default_model_path(), folder)
     path = os.path.join(folder, "tokenizer.json")
     with open(path) as f:
         spec = json.load(f)

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
-from helpers import renamed_model, running_server, small_engine_args
+from helpers import checkpoint, renamed_model, running_server, small_engine_args
 from jaxserve.config import EngineConfig
 from jaxserve.engine.harmony import MARKERS, HarmonyReasoning, parse_reply
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
@@ -163,11 +163,25 @@ def test_a_constraint_waits_for_every_token_of_the_final_header(tokenizer):
     assert all(refusing.accept(token) for token in parser.final_header) and not refusing.accept(channel)
 
 
+def test_gpt_oss_reads_harmony_unless_told_otherwise_or_its_tokenizer_lacks_the_markers(tmp_path):
+    """As vLLM, a gpt-oss engine splits its replies as harmony without a reasoning_parser; a named parser wins, and
+    a tokenizer without harmony's markers (the fixture's) gets none."""
+    fixture = checkpoint("gpt-oss")
+    vocabulary = len(AutoTokenizer.from_pretrained(fixture))
+    markers = (*MARKERS, "<think>", "</think>")
+    harmony = renamed_model(tmp_path, {vocabulary - 1 - i: marker for i, marker in enumerate(markers)}, True, fixture)
+    options = small_engine_args(skip_precompile=True, max_num_seqs=4, num_pages=16)
+    options.pop("show_progress")
+    parsers = [LLMEngine(EngineConfig.for_model(model, **options, **named), show_progress=False).reasoning
+               for model, named in ((harmony, {}), (harmony, {"reasoning_parser": "qwen3"}), (fixture, {}))]
+    assert isinstance(parsers[0], HarmonyReasoning) and parsers[1].end == "</think>" and parsers[2] is None
+
+
 def test_a_tokenizer_without_harmony_markers_and_a_tool_parser_without_its_reasoning_are_refused():
     with pytest.raises(ValueError, match="no token '<|start|>'"):
         HarmonyReasoning.load(AutoTokenizer.from_pretrained(default_model_path()))
     with pytest.raises(ValueError, match="--reasoning-parser openai_gptoss"):
-        ServerConfig(tool_call_parser="openai").check_engine(EngineConfig(reasoning_parser="qwen3"))
+        ServerConfig(tool_call_parser="openai").check_reasoning(None)
 
 
 # ---- end to end --------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import concurrent.futures
 import functools
 import gc
 import json
+import logging
 import os
 import random
 import time
@@ -25,6 +26,7 @@ from jaxserve.pooling.pooled import PER_TOKEN, PooledPrompt
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
+logger = logging.getLogger("jaxserve")
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
 DEFAULT_MODEL_NAME = "tiny-stdlib-llama"
 
@@ -70,6 +72,18 @@ def _reasoning_parser(name: str, tokenizer) -> ReasoningParser | HarmonyReasonin
     return HarmonyReasoning.load(tokenizer) if name == "openai_gptoss" else ReasoningParser.load(name, tokenizer)
 
 
+def _default_reasoning_parser(name: str, tokenizer) -> ReasoningParser | HarmonyReasoning | None:
+    """The parser an architecture's replies need (ModelSpec.reasoning_parser) when the engine names none; None, and a
+    warning, when the tokenizer lacks its markers."""
+    try:
+        parser = _reasoning_parser(name, tokenizer)
+    except ValueError as error:
+        logger.warning("no reasoning parser: %s", error)
+        return None
+    logger.info("reasoning parser %s (the model's own; set reasoning_parser to choose another)", name)
+    return parser
+
+
 class LLMEngine:
     """Tokenizes and validates requests, drives EngineCore, and detokenizes its results."""
 
@@ -89,6 +103,8 @@ class LLMEngine:
         if not self.core.is_leader:
             self.core.follow_leader()
             raise SystemExit(0)
+        if self.reasoning is None and self.core.spec.reasoning_parser is not None:
+            self.reasoning = _default_reasoning_parser(self.core.spec.reasoning_parser, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         # SamplingParams field -> the model's default, for the fields a request leaves unset (vLLM's rule).
         self.generation_defaults = load_generation_defaults(config.generation_config, self.model_path)

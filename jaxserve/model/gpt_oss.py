@@ -73,7 +73,7 @@ def gpt_oss_spec(arch: str, config: dict, generation_config: dict) -> GptOssSpec
         num_experts=config["num_local_experts"], num_experts_per_tok=config["num_experts_per_tok"],
         normalize_top_k=True, round_weights=True, layer_kinds=_layer_kinds(arch, config, num_layers),
         swiglu_limit=float(config.get("swiglu_limit", 7.0)), swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
-        **quantization)
+        reasoning_parser="openai_gptoss", **quantization)
 
 
 class GptOssLayer(llama.LlamaLayer):

@@ -215,6 +215,9 @@ class ModelSpec:
     # Each attention head has a learned sink logit in its softmax's denominator (gpt-oss): the attention backend must
     # take `sinks` (JAX's TPU kernel does not)
     attention_sinks: bool = False
+    # The reasoning parser its replies need when the engine names none (gpt-oss: openai_gptoss, as vLLM always reads
+    # gpt-oss's replies as harmony); applied when the tokenizer has the parser's markers
+    reasoning_parser: str | None = None
     # A sequence classifier (`XForSequenceClassification`, served under `architecture` XForCausalLM's module): its
     # score head replaces the LM head, so the model pools and classifies and never generates. None: a language model.
     classifier: ClassifierHead | None = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.engine.harmony import HarmonyReasoning
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -61,8 +63,9 @@ class ServerConfig:
         if not self.metrics_prefix.replace("_", "").isalnum():
             raise ValueError(f"metrics_prefix must be letters, digits and underscores, got {self.metrics_prefix!r}")
 
-    def check_engine(self, engine_config) -> None:
-        """ValueError when this server's options do not fit the engine's (`engine_config`, an EngineConfig)."""
-        if self.tool_call_parser == "openai" and engine_config.reasoning_parser != "openai_gptoss":
+    def check_reasoning(self, reasoning) -> None:
+        """ValueError when this server's tool call parser does not fit the engine's reasoning parser (`reasoning`:
+        LLMEngine.reasoning, None without one)."""
+        if self.tool_call_parser == "openai" and not isinstance(reasoning, HarmonyReasoning):
             raise ValueError("tool_call_parser openai reads gpt-oss's harmony messages with the reasoning parser "
                              "openai_gptoss: start the engine with --reasoning-parser openai_gptoss")

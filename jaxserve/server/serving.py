@@ -27,6 +27,7 @@ from jaxserve.engine.beam_search import (
     request_output,
     run_beam_search_async,
 )
+from jaxserve.engine.harmony import HarmonyReasoning
 from jaxserve.engine.reasoning import ReasoningStream
 from jaxserve.engine.tokenizer import render_chat, render_chat_text
 from jaxserve.lora_request import LoRARequest
@@ -89,7 +90,7 @@ class OpenAIServing:
     """Handlers of /v1/completions, /v1/chat/completions, /v1/models, /tokenize and /detokenize."""
 
     def __init__(self, engine: AsyncLLMEngine, config: ServerConfig):
-        config.check_engine(engine.engine.config)
+        config.check_reasoning(engine.engine.reasoning)
         self.engine = engine
         self.config = config
         self.tokenizer = engine.tokenizer
@@ -376,7 +377,7 @@ class OpenAIServing:
             return None
         if choice in ("required", "function"):
             constrained = RequiredCalls() if choice == "required" else NamedCall(body.tool_choice.function.name)
-            harmony = self.engine.engine.config.reasoning_parser == "openai_gptoss"
+            harmony = isinstance(self.engine.engine.reasoning, HarmonyReasoning)
             return HarmonyOrConstrained(constrained) if harmony else constrained
         if self.config.tool_call_parser is None:
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
