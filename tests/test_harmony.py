@@ -23,6 +23,7 @@ from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
 from helpers import checkpoint, renamed_model, running_server, small_engine_args
+from benchmarks import reply_parsing
 from jaxserve.config import EngineConfig
 from jaxserve.engine.harmony import MARKERS, HarmonyReasoning, parse_reply
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
@@ -82,6 +83,21 @@ def test_text_that_may_still_become_a_marker_waits(text, final, expected):
 ])
 def test_a_whole_reply_splits_by_channel(text, thinking, reasoning, content):
     assert PARSER.split(text, thinking, final=True) == (reasoning, content)
+    assert _channel_split(text, thinking, final=True) == (reasoning, content)
+
+
+def _channel_split(text: str, thinking: bool, final: bool) -> tuple[str, str]:
+    """The split's definition over `parse_reply`'s messages, read whole: analysis texts joined by new lines (and
+    text before any header when the prompt opened an analysis message); calls as written, other texts the content."""
+    reasoning, content = [], []
+    for index, message in enumerate(parse_reply(text, final)):
+        if message.recipient is not None:
+            content.append(message.source)
+        elif message.channel == "analysis" or (message.channel is None and index == 0 and thinking):
+            reasoning.append(message.text)
+        else:
+            content.append(message.text)
+    return "\n".join(reasoning), "".join(content)
 
 
 def _cut(text: str, cuts: list[int]) -> list[tuple[str, bool]]:
@@ -98,22 +114,34 @@ PIECES = ["<|start|>", "assistant", "<|channel|>", "analysis", "final", "comment
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.sampled_from(PIECES), max_size=14), st.lists(st.integers(0, 120), max_size=8), st.booleans())
 def test_streamed_deltas_add_up_to_the_whole_split(pieces, cuts, thinking):
-    """However a reply is cut into deltas, the reasoning and content deltas, and then the tool call parser's
-    content and calls over that content, add up to the whole reply's."""
+    """However a reply is cut into deltas, the stream's reasoning and content so far are the split of the text so
+    far read whole (held back alike), and the tool call parser's content and calls over that content add up to the
+    whole reply's."""
     text = "".join(pieces)
-    stream, calls, reasoning, content = ReasoningStream(PARSER, thinking), ToolCallStream(HarmonyParser()), "", ""
-    sent_calls = []
+    stream, calls, reasoning, content = PARSER.stream(thinking), ToolCallStream(HarmonyParser()), "", ""
+    sent_calls, read, split = [], "", ""
     for piece, final in _cut(text, cuts):
         thought, said = stream.advance(piece, final)
+        read, split = read + piece, split + said
+        reasoning = reasoning + thought
+        assert (reasoning, split) == _channel_split(read, thinking, final)
         delta = calls.advance(said, final)
-        reasoning, content = reasoning + thought, content + delta.get("content", "")
+        content = content + delta.get("content", "")
         for call in delta.get("tool_calls", []):
             if call["index"] == len(sent_calls):
                 sent_calls.append([call["function"]["name"], ""])
             sent_calls[call["index"]][1] += call["function"]["arguments"]
-    whole_reasoning, whole_content = PARSER.split(text, thinking, final=True)
-    assert reasoning == whole_reasoning
-    assert (content, [ToolCall(*c) for c in sent_calls]) == HarmonyParser().extract(whole_content, final=True)
+    assert (content, [ToolCall(*c) for c in sent_calls]) == HarmonyParser().extract(split, final=True)
+
+
+def test_the_parsing_benchmark_streams_its_replies_alike():
+    """benchmarks/reply_parsing.py at a small size: both harmony splits hand out the reply's reasoning and answer."""
+    harmony, _ = reply_parsing.replies(40, seed=1)
+    whole = reply_parsing.stream_reply(harmony, ReasoningStream(reply_parsing.HARMONY, False),
+                                       ToolCallStream(HarmonyParser()))[1]
+    streamed = reply_parsing.stream_reply(harmony, reply_parsing.HARMONY.stream(False),
+                                          ToolCallStream(HarmonyParser()))[1]
+    assert streamed == whole == ("".join(harmony[3:43]), "".join(harmony[49:]))
 
 
 @pytest.fixture(scope="module")

@@ -163,12 +163,74 @@ class HarmonyReasoning:
     def split(self, text: str, thinking: bool, final: bool) -> tuple[str, str]:
         """(reasoning, content) of a reply's text so far; `thinking`: text before any header is analysis (the prompt
         opened an analysis message). Each split's parts are prefixes of the next split's."""
+        return self.stream(thinking).advance(text, final)
+
+    def stream(self, thinking: bool) -> "HarmonyStream":
+        """A reply's split as it grows, in deltas."""
+        return HarmonyStream(thinking)
+
+
+class HarmonyStream:
+    """HarmonyReasoning's split of a growing reply, handed out in (reasoning, content) deltas, in time proportional
+    to what each call adds: a long thinking is one message, which a re-read of the whole reply at each token would
+    make quadratic. It reads the messages as `parse_reply` does: a header is taken once `<|message|>` ends it, a
+    message's text until the next marker, text that may still become a marker (or a header) waits."""
+
+    def __init__(self, thinking: bool):
+        self.thinking = thinking  # text before any header is analysis
+        self.pending = ""  # text not consumed yet: a header, or the end of a text that may still become a marker
+        self.part: str | None = None  # the open message's part (reasoning, content, call); None between messages
+        self.messages = 0  # messages begun
+        self.reasoned = False  # a reasoning part has begun: the next one is joined to it by a new line
+
+    def advance(self, text: str, final: bool) -> tuple[str, str]:
+        """The (reasoning, content) deltas after `text` more of the reply (`final`: the reply has ended)."""
+        self.pending += text
         reasoning, content = [], []
-        for index, message in enumerate(parse_reply(text, final)):
-            if message.recipient is not None:
-                content.append(message.source)
-            elif message.channel == "analysis" or (message.channel is None and index == 0 and thinking):
-                reasoning.append(message.text)
-            else:
-                content.append(message.text)
-        return "\n".join(reasoning), "".join(content)
+        while self.pending:
+            if self.part is None:
+                if not self._begin(final, reasoning, content):
+                    break
+                continue
+            said = reasoning if self.part == "reasoning" else content
+            end = _next_marker(self.pending, 0)
+            if end < 0:  # the message goes on: all but what may still become a marker
+                kept = len(self.pending) if final else len(self.pending) - max(partial_suffix(self.pending, marker)
+                                                                                for marker in MARKERS)
+                said.append(self.pending[:kept])
+                self.pending = self.pending[kept:]
+                break
+            closing = next((marker for marker in TERMINATORS if self.pending.startswith(marker, end)), "")
+            said.append(self.pending[:end] + (closing if self.part == "call" else ""))
+            self.pending, self.part = self.pending[end + len(closing):], None
+        return "".join(reasoning), "".join(content)
+
+    def _begin(self, final: bool, reasoning: list[str], content: list[str]) -> bool:
+        """Open the next message from the pending text, its header read when it has one (a call's header goes to
+        the content as written, a second reasoning part starts with a new line); False while the header is in the
+        making, or the text may still become one."""
+        header, fields, cut = "", (None, None, None), False
+        if self.pending.startswith((START, CHANNEL)):
+            header_end = self.pending.find(MESSAGE)
+            if header_end < 0 and not final:
+                return False
+            cut = header_end < 0  # the reply ended in the header: a message with no text
+            header = self.pending if cut else self.pending[:header_end + len(MESSAGE)]
+            fields = _header(self.pending if cut else self.pending[:header_end])
+        elif not final and any(marker.startswith(self.pending) for marker in (START, CHANNEL)):
+            return False
+        channel, recipient, _ = fields
+        if recipient is not None:
+            self.part = "call"
+            content.append(header)
+        elif channel == "analysis" or (channel is None and self.messages == 0 and self.thinking):
+            self.part = "reasoning"
+            reasoning.append("\n" if self.reasoned else "")
+            self.reasoned = True
+        else:
+            self.part = "content"
+        self.messages += 1
+        self.pending = self.pending[len(header):]
+        if cut:
+            self.part = None
+        return True

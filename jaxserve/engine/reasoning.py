@@ -8,7 +8,7 @@ themselves: a reply that does not begin with `[THINK]` is all answer (`opens_in_
 harmony messages (engine/harmony.py): its thinking is the `analysis` channel, its answer the `final` channel
 (`HarmonyReasoning`). Markers that are special tokens are kept in the chat route's decoded text
 (`keeps_special_tokens`), else decoding would drop them. Every parser answers the same questions
-(`starts_thinking`, `grammar_start`, `split`, `reasoning_tokens`) for two users:
+(`starts_thinking`, `grammar_start`, `split` and its `stream`, `reasoning_tokens`) for two users:
 
 - the engine: a request's structured output constrains the answer, not the thinking (vLLM's rule, unless
   `structured_outputs_in_reasoning`). Its grammar starts after the end marker's tokens are sampled
@@ -75,6 +75,10 @@ class ReasoningParser:
         if self.prompt_ends_reasoning(prompt_token_ids):
             return 0
         return token_ids.index(self.end_token_id) + 1 if self.end_token_id in token_ids else len(token_ids)
+
+    def stream(self, thinking: bool) -> "ReasoningStream":
+        """A reply's split as it grows, in deltas."""
+        return ReasoningStream(self, thinking)
 
     def prompt_ends_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether the prompt has closed the thinking: its last marker is the end marker."""

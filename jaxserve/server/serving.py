@@ -27,7 +27,7 @@ from jaxserve.engine.beam_search import (
     request_output,
     run_beam_search_async,
 )
-from jaxserve.engine.harmony import HarmonyReasoning
+from jaxserve.engine.harmony import HarmonyReasoning, HarmonyStream
 from jaxserve.engine.reasoning import ReasoningStream
 from jaxserve.engine.tokenizer import render_chat, render_chat_text
 from jaxserve.lora_request import LoRARequest
@@ -294,13 +294,13 @@ class OpenAIServing:
         message["tool_calls"] = [tool_call_field(call, call_id()) for call in calls]
         return message, _finish_reason(c.finish_reason, bool(calls), tools)
 
-    def reasoning_stream(self, output: RequestOutput) -> ReasoningStream | None:
+    def reasoning_stream(self, output: RequestOutput) -> ReasoningStream | HarmonyStream | None:
         """The split of a reply into reasoning and content (engine/reasoning.py), None without a reasoning parser;
         the reply starts in the thinking unless its prompt has closed it."""
         parser = self.engine.engine.reasoning
         if parser is None:
             return None
-        return ReasoningStream(parser, thinking=parser.starts_thinking(output.prompt_token_ids))
+        return parser.stream(parser.starts_thinking(output.prompt_token_ids))
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """POST /v1/load_lora_adapter: the adapter into a free slot, between two steps; 400 for a name in use, a
