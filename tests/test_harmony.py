@@ -27,7 +27,6 @@ from benchmarks import reply_parsing
 from jaxserve.config import EngineConfig
 from jaxserve.engine.harmony import MARKERS, HarmonyReasoning, parse_reply
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
-from jaxserve.engine.reasoning import ReasoningStream
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.tools import HarmonyParser, ToolCall, ToolCallStream
@@ -137,7 +136,7 @@ def test_streamed_deltas_add_up_to_the_whole_split(pieces, cuts, thinking):
 def test_the_parsing_benchmark_streams_its_replies_alike():
     """benchmarks/reply_parsing.py at a small size: both harmony splits hand out the reply's reasoning and answer."""
     harmony, _ = reply_parsing.replies(40, seed=1)
-    whole = reply_parsing.stream_reply(harmony, ReasoningStream(reply_parsing.HARMONY, False),
+    whole = reply_parsing.stream_reply(harmony, reply_parsing.Resplit(reply_parsing.HARMONY, False),
                                        ToolCallStream(HarmonyParser()))[1]
     streamed = reply_parsing.stream_reply(harmony, reply_parsing.HARMONY.stream(False),
                                           ToolCallStream(HarmonyParser()))[1]

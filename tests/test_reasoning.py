@@ -29,7 +29,7 @@ from helpers import renamed_model, running_server, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
-from jaxserve.engine.reasoning import ReasoningParser, ReasoningStream
+from jaxserve.engine.reasoning import ReasoningParser
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.structured.grammar import GrammarCompiler
@@ -64,16 +64,17 @@ def test_a_whole_reply_splits_at_the_end_marker(text, thinking, reasoning, conte
                 max_size=12),
        st.lists(st.integers(0, 40), max_size=6), st.booleans())
 def test_streamed_deltas_add_up_to_the_whole_split(pieces, cuts, thinking):
-    """However a reply is cut into deltas, the deltas add up to the whole reply's split, and every split before
-    the end holds parts that the next split extends (for a model whose thinking opens in the prompt, and for one
-    that opens it itself)."""
+    """However a reply is cut into deltas, what the stream has handed out is the split of the text so far read
+    whole, held back alike, up to the whole reply's split (for a model whose thinking opens in the prompt, and for
+    one that opens it itself)."""
     text = "".join(pieces)
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     for parser in (PARSER, OPENS_ITSELF):
-        stream, reasoning, content = ReasoningStream(parser, thinking), "", ""
+        stream, reasoning, content = parser.stream(thinking), "", ""
         for start, end in zip(bounds, bounds[1:]):
             thought, said = stream.advance(text[start:end], final=end == len(text))
             reasoning, content = reasoning + thought, content + said
+            assert (reasoning, content) == parser.split(text[:end], thinking, final=end == len(text))
         if len(bounds) == 1:
             reasoning, content = stream.advance("", final=True)
         assert (reasoning, content) == parser.split(text, thinking, final=True)

@@ -27,12 +27,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from jaxserve.engine.reasoning import partial_suffix
-
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
 TERMINATORS = (END, CALL, RETURN)
+LONGEST = max(len(marker) for marker in MARKERS)
 FINAL_HEADER = f"{CHANNEL}final{MESSAGE}"  # where the answer starts
 FUNCTIONS = "functions."  # the recipient prefix of the request's tools
 
@@ -71,7 +70,7 @@ def parse_reply(text: str, final: bool) -> list[HarmonyMessage]:
             fields, body = (None, None, None), position
         end = _next_marker(text, body)
         if end < 0:  # the reply's last message: open unless the reply ended
-            kept = len(text) if final else len(text) - max(partial_suffix(text, marker) for marker in MARKERS)
+            kept = len(text) if final else len(text) - _held_back(text)
             kept = max(kept, body)
             messages.append(HarmonyMessage(*fields, text[body:kept], text[position:kept], final))
             break
@@ -91,6 +90,14 @@ def _header(header: str) -> tuple[str | None, str | None, str | None]:
     channel = others[0] if has_channel and others else None
     content_type = others[1] if len(others) > 1 else None
     return channel, recipient, content_type
+
+
+def _held_back(text: str) -> int:
+    """How many characters at the end of `text` may still become a marker: a proper beginning of one (every marker
+    starts with `<` and holds no other, so only the last `<` can start it)."""
+    at = text.rfind("<", max(0, len(text) - LONGEST + 1))
+    tail = text[at:]
+    return len(tail) if at >= 0 and any(marker.startswith(tail) and marker != tail for marker in MARKERS) else 0
 
 
 def _next_marker(text: str, start: int) -> int:
@@ -195,8 +202,7 @@ class HarmonyStream:
             said = reasoning if self.part == "reasoning" else content
             end = _next_marker(self.pending, 0)
             if end < 0:  # the message goes on: all but what may still become a marker
-                kept = len(self.pending) if final else len(self.pending) - max(partial_suffix(self.pending, marker)
-                                                                                for marker in MARKERS)
+                kept = len(self.pending) if final else len(self.pending) - _held_back(self.pending)
                 said.append(self.pending[:kept])
                 self.pending = self.pending[kept:]
                 break

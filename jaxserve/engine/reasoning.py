@@ -18,7 +18,8 @@ harmony messages (engine/harmony.py): its thinking is the `analysis` channel, it
   itself, the first token is the start marker or the grammar's (`RequestGrammar(opens_with=...)`);
 - the server: a chat reply is split into `reasoning` (the text before the end marker) and `content` (the text after
   it); an output without the end marker is all reasoning (it was cut short), unless the prompt closed the thinking
-  (all content). `ReasoningStream` hands out the split's deltas while the reply streams.
+  (all content). Each parser's `stream` hands out the split's deltas while the reply streams (`ReasoningStream`
+  here), reading each delta once.
 """
 
 from __future__ import annotations
@@ -119,18 +120,43 @@ def partial_suffix(text: str, marker: str) -> int:
 
 
 class ReasoningStream:
-    """What of one reply's reasoning and content has been streamed; hands out the next deltas."""
+    """A marker parser's split of a growing reply, handed out in (reasoning, content) deltas, in time proportional to
+    what each call adds (a re-split of the whole reply at every token would be quadratic in its length). It decides
+    as `split` does: first whether the reply opens with the start marker (waiting while it may), then the thinking
+    until the end marker (holding back text that may still become it), then the answer."""
 
     def __init__(self, parser: ReasoningParser, thinking: bool):
         self.parser = parser
-        self.thinking = thinking
-        self.text = ""
-        self.sent = (0, 0)  # characters of (reasoning, content) handed out
+        self.phase = "opening" if thinking else "answer"  # then "thinking", then "answer"
+        self.pending = ""  # text not handed out yet: the opening in the making, or an end marker in the making
 
     def advance(self, text: str, final: bool) -> tuple[str, str]:
         """The (reasoning, content) deltas after `text` more of the reply (either may be empty)."""
-        self.text += text
-        reasoning, content = self.parser.split(self.text, self.thinking, final)
-        deltas = reasoning[self.sent[0]:], content[self.sent[1]:]
-        self.sent = (len(reasoning), len(content))
-        return deltas
+        self.pending += text
+        if self.phase == "opening" and not self._open(final):
+            return "", ""
+        if self.phase == "answer":
+            content, self.pending = self.pending, ""
+            return "", content
+        end = self.parser.end
+        reasoning, marker, content = self.pending.partition(end)
+        if marker:
+            self.phase, self.pending = "answer", ""
+            return reasoning, content
+        kept = len(reasoning) if final else len(reasoning) - partial_suffix(reasoning, end)
+        self.pending = reasoning[kept:]
+        return reasoning[:kept], ""
+
+    def _open(self, final: bool) -> bool:
+        """Decide how the reply opens (False while the start marker may still be in the making): after the start
+        marker the thinking (the whitespace before it dropped); without it the answer for a model that opens its
+        thinking itself, else the thinking."""
+        start = self.parser.start
+        opening = self.pending.lstrip()
+        if opening.startswith(start):
+            self.phase, self.pending = "thinking", opening[len(start):]
+        elif not final and start.startswith(opening):
+            return False
+        else:
+            self.phase = "answer" if self.parser.opens_in_reply else "thinking"
+        return True

@@ -603,7 +603,7 @@ class OpenAIServing:
         return chunks
 
     def _chat_delta(self, encoder: ChunkEncoder, state: ChoiceStream, calls: ToolCallStream | None,
-                    reasoning: ReasoningStream | None, output: RequestOutput, c: CompletionOutput,
+                    reasoning: ReasoningStream | HarmonyStream | None, output: RequestOutput, c: CompletionOutput,
                     body: ChatCompletionRequest, params: SamplingParams, continuous: bool) -> bytes | None:
         """The next chunk of sample `c` of a streamed chat (its text; with a reasoning parser its reasoning and
         content; with tools its content and tool call deltas), or None when there is nothing to send."""
@@ -624,7 +624,7 @@ class OpenAIServing:
         return encoder.choice(choice, usage=_chunk_usage(continuous, output, state))
 
 
-def reply_delta(state: ChoiceStream, calls: ToolCallStream | None, reasoning: ReasoningStream | None,
+def reply_delta(state: ChoiceStream, calls: ToolCallStream | None, reasoning: ReasoningStream | HarmonyStream | None,
                 c: CompletionOutput, include_reasoning: bool = True) -> tuple[dict, int, str | None] | None:
     """The next delta of a streamed chat reply `c`: (its message: `reasoning` / `reasoning_content` with a
     reasoning parser, `content`, `tool_calls` deltas with tools, each only when it has something; the index of
