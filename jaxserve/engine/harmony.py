@@ -19,7 +19,9 @@ message the prompt opened.
 
 `parse_reply` reads a reply so far. Before the reply ends (`final` false) it holds back a header in the making and
 text that may still become a marker, so every message it returns keeps its header, and its text and source grow
-only by what comes after them in later reads: what a stream sends never has to be taken back.
+only by what comes after them in later reads: what a stream sends never has to be taken back. `HarmonyReasoning`
+(`reasoning_parser: openai_gptoss`) splits a reply into reasoning and content by channel; its `HarmonyStream` does
+so for a streamed reply, reading each delta once.
 """
 
 from __future__ import annotations
