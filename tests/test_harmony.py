@@ -29,14 +29,19 @@ from jaxserve.engine.harmony import MARKERS, HarmonyReasoning, parse_reply
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
+from jaxserve.server.protocol import ChatMessage
 from jaxserve.server.tools import HarmonyParser, ToolCall, ToolCallStream
 from jaxserve.structured.grammar import GrammarCompiler
 from jaxserve.structured.params import StructuredOutputsParams
 
 ENGINE = small_engine_args(max_model_len=256, num_pages=96, max_num_seqs=8, enable_structured_outputs=True)
+# gpt-oss's template reads reasoning_effort and an assistant's thinking too
 TEMPLATE = ("{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>"
-            "{% endif %}{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
-            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")  # gpt-oss's reads reasoning_effort too
+            "{% endif %}{% for m in messages %}{% if m.get('thinking') %}"
+            "{% if m.get('tool_calls') and m.get('content') %}{{ raise_exception('Cannot pass both') }}{% endif %}"
+            "<|start|>assistant<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|>{% endif %}"
+            "<|start|>{{ m['role'] }}<|message|>{{ m.get('content') or '' }}<|end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 IDS = {marker: 4095 - i for i, marker in enumerate(MARKERS)}  # the renamed tokens
 PARSER = HarmonyReasoning(IDS, (IDS["<|channel|>"], 9, IDS["<|message|>"]), (IDS["<|channel|>"], 8, IDS["<|message|>"]))
 CALL = ('<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a": 1, "b": 2}'
@@ -300,6 +305,39 @@ def test_a_named_function_is_called_with_its_constrained_arguments(client):
     (call,) = choice.message.tool_calls
     assert call.function.name == "add"
     jsonschema.validate(json.loads(call.function.arguments), ADD)
+
+
+def test_an_assistants_reasoning_reaches_the_template_as_its_thinking(client, tokenizer):
+    """The reasoning a client gives back with a tool call (vLLM's `reasoning`, or `reasoning_content`) is the
+    `thinking` gpt-oss's template writes before the call; a preamble given back beside it is left out, since that
+    template refuses a tool call's message with both (as this test's template does)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}
+
+    def prompt(assistant: dict) -> str:
+        history = [*MESSAGES, {"role": "assistant", "tool_calls": [call], **assistant},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+        chat = client.chat.completions.create(model="tiny-stdlib-llama", messages=history, max_tokens=1, tools=TOOLS,
+                                              extra_body={"return_token_ids": True})
+        return tokenizer.decode(chat.prompt_token_ids, skip_special_tokens=False)
+
+    analysis = "<|start|>assistant<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|message|><|end|>"
+    assert analysis in prompt({"content": None, "reasoning": "Use the tool."})
+    assert analysis in prompt({"reasoning_content": "Use the tool."})
+    assert analysis in prompt({"content": "Adding.", "reasoning": "Use the tool."})
+    assert "<|message|>Adding.<|end|>" in prompt({"content": "Adding."})  # no reasoning: the content as it is
+
+
+def test_messages_reach_templates_as_vllm_gives_them():
+    assistant = ChatMessage(role="assistant", content="Hi", reasoning_content="Hm.")
+    assert assistant.for_template() == {"role": "assistant", "content": "Hi", "reasoning": "Hm.",
+                                        "reasoning_content": "Hm."}
+    assert ChatMessage(role="user", content="Hi").for_template() == {"role": "user", "content": "Hi"}
+    with_call = {"role": "assistant", "content": "Adding.", "reasoning": "Hm.", "tool_calls": [{}]}
+    assert PARSER.template_message(with_call) == {"role": "assistant", "reasoning": "Hm.", "tool_calls": [{}],
+                                                  "thinking": "Hm."}
+    assert PARSER.template_message({"role": "assistant", "content": "Yes."}) == {"role": "assistant",
+                                                                                 "content": "Yes."}
+    assert "thinking" not in PARSER.template_message({"role": "user", "content": "x", "reasoning": "y"})
 
 
 def test_every_page_comes_back(server):

@@ -174,6 +174,19 @@ class HarmonyReasoning:
         opened an analysis message). Each split's parts are prefixes of the next split's."""
         return self.stream(thinking).advance(text, final)
 
+    def template_message(self, message: dict) -> dict:
+        """A conversation's message as gpt-oss's chat template reads it: an assistant's reasoning (`reasoning`,
+        `reasoning_content` or `thinking`) as `thinking`, the analysis that template writes before the message's
+        tool call (for the last turn, the thinking the model goes on from). A tool call's message with content too
+        loses its content: that template writes one analysis before a call, and refuses a message with both."""
+        reasoning = next((message[key] for key in ("thinking", "reasoning", "reasoning_content") if message.get(key)),
+                         None)
+        if message.get("role") != "assistant" or reasoning is None:
+            return message
+        if message.get("tool_calls"):
+            message = {key: value for key, value in message.items() if key != "content"}
+        return {**message, "thinking": reasoning}
+
     def stream(self, thinking: bool) -> "HarmonyStream":
         """A reply's split as it grows, in deltas."""
         return HarmonyStream(thinking)

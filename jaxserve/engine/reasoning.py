@@ -77,6 +77,11 @@ class ReasoningParser:
             return 0
         return token_ids.index(self.end_token_id) + 1 if self.end_token_id in token_ids else len(token_ids)
 
+    def template_message(self, message: dict) -> dict:
+        """A conversation's message as this model's chat template reads it: as it is (templates of `<think>`
+        models read an assistant's `reasoning_content`)."""
+        return message
+
     def stream(self, thinking: bool) -> "ReasoningStream":
         """A reply's split as it grows, in deltas."""
         return ReasoningStream(self, thinking)

@@ -360,10 +360,15 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it, with text parts joined."""
+        """The message as the chat template sees it, with text parts joined; an assistant's reasoning (vLLM's
+        `reasoning`, or `reasoning_content`) under both names, as vLLM gives it (Qwen3's template reads the
+        second)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "".join(part.text for part in self.content)
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        if self.role == "assistant" and isinstance(reasoning, str) and reasoning:
+            message.update(reasoning=reasoning, reasoning_content=reasoning)
         return message
 
 

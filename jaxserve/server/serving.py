@@ -266,10 +266,13 @@ class OpenAIServing:
         return params, tools, self._submit(request_id, [prompt], body, params)
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        """The token ids of a chat request's conversation (and tools) under the chat template; 400 when the
-        template cannot render it."""
+        """The token ids of a chat request's conversation (and tools) under the chat template, each message as the
+        reasoning parser's models read it; 400 when the template cannot render it."""
+        conversation, parser = body.conversation(), self.engine.engine.reasoning
+        if parser is not None:
+            conversation = [parser.template_message(message) for message in conversation]
         try:
-            return render_chat(self.tokenizer, body.conversation(), body.add_generation_prompt,
+            return render_chat(self.tokenizer, conversation, body.add_generation_prompt,
                                body.continue_final_message, body.template_kwargs(), body.template_tools(),
                                self.config.chat_template)
         except (ValueError, TypeError) as error:
