@@ -108,20 +108,21 @@ CASES = [
     # gpt-oss (harmony): messages to functions.NAME are calls; final and preamble text is content, analysis is not
     (HarmonyParser(), '<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant<|channel|>commentary '
                       'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris", "days": 3}<|call|>', "",
-     [ToolCall("get_weather", '{"city": "Paris", "days": 3}')]),
+     [ToolCall("get_weather", '{"city":"Paris", "days": 3}')]),  # the arguments as written
     (HarmonyParser(), '<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant to=functions.now'
                       '<|channel|>commentary json<|message|>{}', "Checking.", [ToolCall("now", "{}")]),
     (HarmonyParser(), "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.",
      "Sunny.", []),
     (HarmonyParser(), "<|channel|>commentary to=functions.f <|constrain|>json<|message|>not json<|call|>", "",
      [ToolCall("f", "not json")]),
+    (HarmonyParser(), '<|channel|>commentary to=functions.f json<|message|>{"x": ', "", [ToolCall("f", '{"x": ')]),
     (HarmonyParser(), "<|channel|>analysis to=browser.search<|message|>{}<|call|>", "", []),  # a built-in tool
     (HarmonyParser(), "no header at all", "no header at all", []),
     (HarmonyParser(), "<|channel|>final<|message|>cut <|", "cut <|", []),
     # required or a named function on gpt-oss: the constrained final text, or the model's own harmony call
     (HarmonyOrConstrained(NamedCall("f")), '{"x": 1}', "", [ToolCall("f", '{"x": 1}')]),
     (HarmonyOrConstrained(NamedCall("f")), '<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json'
-                                           '<|message|>{"x":1}', "", [ToolCall("f", '{"x": 1}')]),
+                                           '<|message|>{"x":1}', "", [ToolCall("f", '{"x":1}')]),
     (HarmonyOrConstrained(RequiredCalls()), '[{"name": "a", "parameters": {}}]', "", [ToolCall("a", "{}")]),
 ]
 

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.engine.harmony import CHANNEL, START, HarmonyMessage, parse_reply
+from jaxserve.engine.harmony import CHANNEL, START, parse_reply
 from jaxserve.engine.reasoning import partial_suffix
 
 _DECODER = json.JSONDecoder()
@@ -365,18 +365,18 @@ class Phi4MiniJsonParser(PrefixedArrayParser):
 
 class HarmonyParser(ToolCallExtractor):
     """gpt-oss's calls (vLLM's `openai`): harmony messages addressed `to=functions.NAME` (engine/harmony.py), each a
-    call once its message has ended (`<|call|>` or the reply's end), its text the arguments (re-serialized when it
-    is JSON, as its content type says or by default, else as written). The text of messages without a recipient
-    is content, but for the analysis channel's (the `openai_gptoss` reasoning parser's reasoning); messages to
-    other recipients (built-in tools such as `browser`) are neither."""
+    call from the moment its header is read, its text the arguments as the model writes them (streamed as they
+    grow). The text of messages without a recipient is content, but for the analysis channel's (the
+    `openai_gptoss` reasoning parser's reasoning); messages to other recipients (built-in tools such as `browser`)
+    are neither."""
 
     keeps_special_tokens = True
 
     def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         content, calls = [], []
         for message in parse_reply(text, final):
-            if message.function is not None and message.complete:
-                calls.append(ToolCall(message.function, _harmony_arguments(message)))
+            if message.function is not None:
+                calls.append(ToolCall(message.function, message.text))
             elif message.recipient is None and message.channel != "analysis":
                 content.append(message.text)
         return "".join(content), calls
@@ -399,16 +399,6 @@ class HarmonyOrConstrained(ToolCallExtractor):
         if header or any(message.function is not None for message in parse_reply(text, final)):
             return HarmonyParser(self.tools).extract(text, final)
         return self.constrained.extract(text, final)
-
-
-def _harmony_arguments(message: HarmonyMessage) -> str:
-    """A harmony call's arguments: its JSON text re-serialized, or its text as written when it is not JSON."""
-    if message.content_type is None or "json" in message.content_type:
-        try:
-            return json.dumps(json.loads(message.text), ensure_ascii=False)
-        except json.JSONDecodeError:
-            pass
-    return message.text
 
 
 TOOL_PARSERS: dict[str, type[ToolCallExtractor]] = {
