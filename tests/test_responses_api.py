@@ -56,13 +56,25 @@ def test_input_items_become_chat_messages():
     assert [m.for_template() for m in conversation(items)] == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "ab"},
-        {"role": "assistant", "content": "calling", "tool_calls": [
+        {"role": "assistant", "content": "calling", "reasoning": "hm", "reasoning_content": "hm", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
             {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
         {"role": "tool", "content": "one", "tool_call_id": "call_1"},
         {"role": "tool", "content": "two", "tool_call_id": "call_2"},
         {"role": "assistant", "tool_calls": [
             {"id": "call_3", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ]
+    thought_then_call = [{"role": "user", "content": "a"},
+                         {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "use f"}]},
+                         {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+                         {"type": "reasoning", "summary": [{"type": "summary_text", "text": "no text"}]},
+                         {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "left over"}]},
+                         {"role": "user", "content": "b"}]
+    assert [m.for_template() for m in conversation(thought_then_call)] == [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "reasoning": "use f", "reasoning_content": "use f", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "b"},
     ]
 
 

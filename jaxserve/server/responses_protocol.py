@@ -181,7 +181,9 @@ class ResponsesRequest(_SamplingFields):
 
 def conversation(items: list[dict[str, Any]]) -> list[ChatMessage]:
     """Chat messages of input items: messages, the assistant's function calls (joined to the assistant message
-    before them) and their outputs (tool messages); reasoning items are dropped. 400 naming the item otherwise."""
+    before them) and their outputs (tool messages); a reasoning item's text is the `reasoning` of the assistant
+    message or calls after it (templates that keep a tool call's thinking, as gpt-oss's, write it), and is dropped
+    with nothing after it. 400 naming the item otherwise."""
     messages: list[ChatMessage] = []
     for index, item in enumerate(items):
         where = f"input[{index}]"
@@ -193,8 +195,11 @@ def conversation(items: list[dict[str, Any]]) -> list[ChatMessage]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise APIError(400, f"{where}.role must be user, assistant, system or developer; got {role!r:.40}",
                                "input")
-            messages.append(ChatMessage(role="system" if role == "developer" else role,
-                                        content=_text(item.get("content"), f"{where}.content")))
+            text = _text(item.get("content"), f"{where}.content")
+            if role == "assistant" and messages and _thought_only(messages[-1]):
+                messages[-1].content = text  # the reply the reasoning item before it thought
+            else:
+                messages.append(ChatMessage(role="system" if role == "developer" else role, content=text))
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -206,10 +211,21 @@ def conversation(items: list[dict[str, Any]]) -> list[ChatMessage]:
         elif kind == "function_call_output":
             messages.append(ChatMessage(role="tool", tool_call_id=_string(item, "call_id", where),
                                         content=_text(item.get("output"), f"{where}.output")))
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            thought = "".join(part.get("text", "") for part in item.get("content") or []
+                              if isinstance(part, dict) and isinstance(part.get("text"), str))
+            if thought:
+                messages.append(ChatMessage(role="assistant", content=None, reasoning=thought))
+        else:
             raise APIError(400, f"{where}: items of type {kind!r:.40} are not supported (messages, function_call, "
                                 "function_call_output and reasoning items are)", "input")
-    return messages
+    return [message for message in messages if not _thought_only(message)]
+
+
+def _thought_only(message: ChatMessage) -> bool:
+    """An assistant message made of a reasoning item alone so far (no reply, no calls)."""
+    return message.role == "assistant" and message.content is None and not getattr(message, "tool_calls", None) \
+        and getattr(message, "reasoning", None) is not None
 
 
 def _text(content: Any, where: str) -> str:
