@@ -64,7 +64,7 @@ def test_messages_and_blocks_become_chat_messages():
     assert [m.for_template() for m in request.to_chat().messages] == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "ab"},
-        {"role": "assistant", "content": "calling", "tool_calls": [
+        {"role": "assistant", "content": "calling", "reasoning": "hm", "reasoning_content": "hm", "tool_calls": [
             {"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
             {"id": "toolu_2", "type": "function", "function": {"name": "g", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "one"},
@@ -100,6 +100,8 @@ def test_request_fields_become_the_chat_requests():
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]}, "messages",
      "not supported in a assistant message"),
     ({"messages": []}, "messages", "at least one message"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "thinking", "signature": "s"}]}]}, "messages",
+     "needs its thinking as a string"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools", "only custom tools"),
     ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "tool_choice", "needs the tool's name"),
     ({"thinking": {"type": "enabled"}}, "thinking", "budget_tokens"),

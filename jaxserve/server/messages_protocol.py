@@ -5,8 +5,8 @@ A Messages request means a chat completion request, and the server answers it on
 (`MessagesRequest.to_chat`): `system` (a string or text blocks) becomes a system message; each message's content
 (a string or content blocks) becomes chat messages: `text` blocks the message's text, an assistant's `tool_use`
 blocks its tool calls (their `input` as JSON arguments), a user's `tool_result` blocks tool messages (before the
-user's own text, in order), `thinking` and `redacted_thinking` blocks dropped (chat templates drop earlier
-thinking too). `tools` (name, description, input_schema) become function tools; `tool_choice` auto / any / tool /
+user's own text, in order), an assistant's `thinking` blocks its `reasoning` (templates that keep a tool call's
+thinking write it, gpt-oss's and Qwen3's), `redacted_thinking` blocks dropped. `tools` (name, description, input_schema) become function tools; `tool_choice` auto / any / tool /
 none become auto / required / the named function / none (`disable_parallel_tool_use` one call at most);
 `stop_sequences` stop strings; `metadata.user_id` the user; `thinking: {"type": "disabled"}` closes a reasoning
 template's thinking (`enable_thinking: false`, Qwen3's switch; enabled and adaptive leave the template's default,
@@ -172,7 +172,7 @@ def _chat_messages(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise APIError(400, f"{where}.content must be a string or a list of content blocks", "messages")
-    texts, calls, results = [], [], []
+    texts, thoughts, calls, results = [], [], [], []
     for index, block in enumerate(content):
         here = f"{where}.content[{index}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -192,11 +192,16 @@ def _chat_messages(message: dict[str, Any], where: str) -> list[dict[str, Any]]:
             if block.get("is_error"):
                 output = f"Error: {output}"
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": output})
-        elif kind not in ("thinking", "redacted_thinking") or role != "assistant":
+        elif kind == "thinking" and role == "assistant":
+            if not isinstance(block.get("thinking"), str):
+                raise APIError(400, f"{here}: a thinking block needs its thinking as a string", "messages")
+            thoughts.append(block["thinking"])
+        elif kind != "redacted_thinking" or role != "assistant":
             raise APIError(400, f"{here}: {kind!r:.40} blocks are not supported in a {role} message (text, an "
                                 "assistant's tool_use and thinking, a user's tool_result are)", "messages")
     if role == "assistant":
-        return [{"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})}]
+        return [{"role": "assistant", "content": "".join(texts) or None,
+                 **({"reasoning": "".join(thoughts)} if thoughts else {}), **({"tool_calls": calls} if calls else {})}]
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 
