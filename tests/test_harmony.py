@@ -9,7 +9,8 @@ makes a tokenizer that has harmony's markers as special tokens (the bundled mode
 and a harmony chat template, and the server constrains the whole reply (`structured_outputs_in_reasoning`): a
 Lark grammar makes the model write an analysis message and then an answer, or a preamble and a tool call whose
 arguments a JSON schema constrains. The replies come back split: reasoning, content, tool calls, finish reasons,
-streamed or not, in /v1/chat/completions and /v1/responses.
+streamed or not, in /v1/chat/completions and /v1/responses; a named function's constrained call; what reaches the
+template (`reasoning_effort`, an assistant's reasoning as `thinking`). A gpt-oss engine takes the parser by default.
 """
 
 from __future__ import annotations
