@@ -321,7 +321,8 @@ def test_an_assistants_reasoning_reaches_the_template_as_its_thinking(client, to
                                               extra_body={"return_token_ids": True})
         return tokenizer.decode(chat.prompt_token_ids, skip_special_tokens=False)
 
-    analysis = "<|start|>assistant<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant<|message|><|end|>"
+    analysis = ("<|start|>assistant<|channel|>analysis<|message|>Use the tool.<|end|>"
+                "<|start|>assistant<|message|><|end|>")
     assert analysis in prompt({"content": None, "reasoning": "Use the tool."})
     assert analysis in prompt({"reasoning_content": "Use the tool."})
     assert analysis in prompt({"content": "Adding.", "reasoning": "Use the tool."})

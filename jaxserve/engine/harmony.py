@@ -137,10 +137,15 @@ class HarmonyReasoning:
         return cls({marker: vocab[marker] for marker in MARKERS}, encode(FINAL_HEADER),
                    encode(f"{CHANNEL}analysis{MESSAGE}"))
 
+    @property
+    def _boundaries(self) -> set[int]:
+        """The token ids that end a message or start the next: `<|start|>` and the terminators."""
+        return {self.ids[marker] for marker in (START, *TERMINATORS)}
+
     def _open_channel(self, prompt_token_ids: Sequence[int]) -> str | None:
         """The channel of the message the prompt leaves open (analysis or final, for a prompt that writes the
         reply's start), None when the reply starts a message of its own."""
-        boundaries = {self.ids[marker] for marker in (START, *TERMINATORS)}
+        boundaries = self._boundaries
         last = max((i for i, token in enumerate(prompt_token_ids) if token in boundaries), default=-1)
         tail = tuple(prompt_token_ids[last + 1:])
         for channel, header in (("final", self.final_header), ("analysis", self.analysis_header)):
@@ -159,8 +164,7 @@ class HarmonyReasoning:
     def reasoning_tokens(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> int:
         """How many of the reply's tokens are its thinking: up to the terminator of its last analysis message (all
         of them when the reply ends in one)."""
-        boundaries = {self.ids[marker] for marker in (START, *TERMINATORS)}
-        header = self.analysis_header
+        boundaries, header = self._boundaries, self.analysis_header
         thinking, counted = self.starts_thinking(prompt_token_ids), 0
         for i, token in enumerate(token_ids):
             if tuple(token_ids[i:i + len(header)]) == header:

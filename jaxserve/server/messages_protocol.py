@@ -6,8 +6,9 @@ A Messages request means a chat completion request, and the server answers it on
 (a string or content blocks) becomes chat messages: `text` blocks the message's text, an assistant's `tool_use`
 blocks its tool calls (their `input` as JSON arguments), a user's `tool_result` blocks tool messages (before the
 user's own text, in order), an assistant's `thinking` blocks its `reasoning` (templates that keep a tool call's
-thinking write it, gpt-oss's and Qwen3's), `redacted_thinking` blocks dropped. `tools` (name, description, input_schema) become function tools; `tool_choice` auto / any / tool /
-none become auto / required / the named function / none (`disable_parallel_tool_use` one call at most);
+thinking write it, gpt-oss's and Qwen3's), `redacted_thinking` blocks dropped. `tools` (name, description,
+input_schema) become function tools; `tool_choice` auto / any / tool / none become auto / required / the named
+function / none (`disable_parallel_tool_use` one call at most);
 `stop_sequences` stop strings; `metadata.user_id` the user; `thinking: {"type": "disabled"}` closes a reasoning
 template's thinking (`enable_thinking: false`, Qwen3's switch; enabled and adaptive leave the template's default,
 the thinking bounded by max_tokens alone); `output_config.format` (a JSON schema) constrains the reply as the

@@ -284,13 +284,13 @@ class OpenAIServing:
         from its content; with tools the calls found in its content."""
         message, text = {"role": body.reply_role()}, c.text
         echo = body.echo_text()
-        reasoning = self.reasoning_stream(output)
-        if reasoning is not None:
-            thought, text = reasoning.advance(text, final=True)
+        parser = self.engine.engine.reasoning
+        if parser is not None:
+            thought, text = parser.split(text, parser.starts_thinking(output.prompt_token_ids), final=True)
             message.update(_reasoning_fields(thought if body.include_reasoning else ""))
         if tools is None:
             # (with a reasoning parser, an answer the reply never reached is null, as in vLLM)
-            message["content"] = (echo + text) or (None if reasoning is not None else "")
+            message["content"] = (echo + text) or (None if parser is not None else "")
             return message, c.finish_reason
         content, calls = tools.extract(text, final=True)
         message["content"] = (echo + content) or None

@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxserve.engine.harmony import CHANNEL, START, parse_reply
+from jaxserve.engine.harmony import CHANNEL, START, HarmonyMessage, parse_reply
 from jaxserve.engine.reasoning import partial_suffix
 
 _DECODER = json.JSONDecoder()
@@ -373,13 +373,18 @@ class HarmonyParser(ToolCallExtractor):
     keeps_special_tokens = True
 
     def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        content, calls = [], []
-        for message in parse_reply(text, final):
-            if message.function is not None:
-                calls.append(ToolCall(message.function, message.text))
-            elif message.recipient is None and message.channel != "analysis":
-                content.append(message.text)
-        return "".join(content), calls
+        return _harmony_calls(parse_reply(text, final))
+
+
+def _harmony_calls(messages: list[HarmonyMessage]) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a harmony reply's messages (HarmonyParser)."""
+    content, calls = [], []
+    for message in messages:
+        if message.function is not None:
+            calls.append(ToolCall(message.function, message.text))
+        elif message.recipient is None and message.channel != "analysis":
+            content.append(message.text)
+    return "".join(content), calls
 
 
 class HarmonyOrConstrained(ToolCallExtractor):
@@ -396,8 +401,9 @@ class HarmonyOrConstrained(ToolCallExtractor):
 
     def extract(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
         header = text.startswith((START, CHANNEL)) or not final and any(m.startswith(text) for m in (START, CHANNEL))
-        if header or any(message.function is not None for message in parse_reply(text, final)):
-            return HarmonyParser(self.tools).extract(text, final)
+        messages = parse_reply(text, final)
+        if header or any(message.function is not None for message in messages):
+            return _harmony_calls(messages)
         return self.constrained.extract(text, final)
 
 
