@@ -44,6 +44,7 @@ ENGINE_FLAGS = (
     "enable_structured_outputs", "reasoning_parser", "enable_lora", "max_loras", "max_lora_rank", "lora_modules",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
     "runner", "pooler_config", "enable_sleep_mode", "logprobs_mode", "structured_outputs_in_reasoning",
+    "reasoning_config",
 )
 
 
@@ -77,6 +78,10 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--structured-outputs-in-reasoning", action=argparse.BooleanOptionalAction,
                         help="with a reasoning parser, constrain the whole reply, thinking included (vLLM's "
                              "structured outputs enable_in_reasoning)")
+    parser.add_argument("--reasoning-config",
+                        help='vLLM\'s reasoning config as JSON: \'{"reasoning_end_str": "TEXT"}\', the text forced '
+                             'when a request\'s thinking_token_budget runs out (a transition phrase, then the end '
+                             'of thinking, e.g. "I have to answer now.</think>"; default: the end of thinking alone)')
     parser.add_argument("--logprobs-mode", choices=list(VALID_LOGPROBS_MODES),
                         help="what logprobs report: the raw distribution's (raw_logprobs, default; raw_logits) or "
                              "the processed one each token was sampled from (processed_logprobs, processed_logits)")

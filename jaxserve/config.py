@@ -94,6 +94,9 @@ class EngineConfig:
     # Structured output constrains the thinking too, from the reply's first token (vLLM's structured outputs
     # option enable_in_reasoning): for a grammar that spells out the whole reply, a reasoning model's format included.
     structured_outputs_in_reasoning: bool = False
+    # vLLM's reasoning config: {"reasoning_end_str": TEXT}, the text forced when a request's thinking_token_budget
+    # runs out (a transition phrase, then the parser's end of thinking); default: the parser's end of thinking alone.
+    reasoning_config: dict | None = None
     # What logprobs report (VALID_LOGPROBS_MODES): raw_logprobs (default), raw_logits, or the processed distribution
     # a token was sampled from (an RL trainer's importance ratios), as logprobs or logits. Prompt logprobs stay raw.
     logprobs_mode: str = "raw_logprobs"
@@ -176,6 +179,8 @@ class EngineConfig:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, VALID_KV_CACHE_DTYPES)
         if self.reasoning_parser is not None:
             _check_choice("reasoning_parser", self.reasoning_parser, VALID_REASONING_PARSERS)
+        if self.reasoning_config is not None:
+            object.__setattr__(self, "reasoning_config", _checked_reasoning_config(self.reasoning_config))
         _check_choice("logprobs_mode", self.logprobs_mode, VALID_LOGPROBS_MODES)
         if not isinstance(self.calculate_kv_scales, bool):
             raise ValueError(f"calculate_kv_scales must be true or false, got {self.calculate_kv_scales!r}")
@@ -313,6 +318,16 @@ def runs_pooling(config: EngineConfig, spec) -> bool:
     if config.pooler_config is not None and not pooling:
         raise ValueError("pooler_config is for runner pooling: set runner pooling too")
     return pooling
+
+
+def _checked_reasoning_config(value) -> dict:
+    """reasoning_config: its one key, reasoning_end_str, a non-empty string (the parser knows where the thinking
+    starts)."""
+    value = _mapping_option("reasoning_config", value, ("reasoning_end_str",))
+    end = value.get("reasoning_end_str")
+    if not isinstance(end, str) or not end:
+        raise ValueError(f"reasoning_config reasoning_end_str must be a non-empty string, got {end!r}")
+    return value
 
 
 def _checked_pooler_config(value) -> dict:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from jaxserve.pooling.pooled import PooledPrompt
 from jaxserve.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the grammar engine loads only for requests that use it
-    from jaxserve.structured.grammar import RequestGrammar
+if TYPE_CHECKING:  # for type hints only
+    from jaxserve.structured.constraint import ReplyConstraint
 
 
 class RequestStatus(enum.IntEnum):
@@ -88,7 +88,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     error: str | None = None  # why the engine failed this request (status FINISHED_ERROR)
-    grammar: RequestGrammar | None = None  # structured output: the constraint's compile and matcher
+    # What its next token may be (structured/constraint.py): a thinking budget's forced end, an answer's grammar
+    constraint: ReplyConstraint | None = None
     # A pooling (embedding) request's pool of its prompt's final hidden states; it generates nothing (max_tokens 0)
     pooled: PooledPrompt | None = None
     num_preemptions: int = 0
@@ -122,7 +123,7 @@ class Request:
     @property
     def needs_output_on_host(self) -> bool:
         """True when building this request's next sampling row reads its output token ids (penalties,
-        bad words), so a step must not be planned while one of its tokens is still on the device. (A grammar's mask
+        bad words), so a step must not be planned while one of its tokens is still on the device. (A constraint's mask
         is filled after planning, once the step in flight is back: EngineCore._launch.)"""
         return self.sampling_params.needs_penalties or bool(self.bad_words_token_ids)
 

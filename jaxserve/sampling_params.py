@@ -98,6 +98,9 @@ class SamplingParams:
     # The output must match a JSON schema, regex, choice, grammar or structural tag (jaxserve/structured/); a
     # mapping of StructuredOutputsParams' fields is taken too.
     structured_outputs: StructuredOutputsParams | None = None
+    # A reasoning model's thinking ends after at most this many tokens (vLLM's): the end of thinking is then forced
+    # (structured/constraint.py); None (or vLLM's -1): no bound but max_tokens.
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -158,7 +161,7 @@ class SamplingParams:
             check_int("seed", self.seed, INT64_MIN, INT64_MAX)
 
     def _verify_length_args(self) -> None:
-        """Check max_tokens, min_tokens and truncate_prompt_tokens."""
+        """Check max_tokens, min_tokens, thinking_token_budget and truncate_prompt_tokens."""
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
             raise ValueError(f"max_tokens must be an int >= 0 or None, got {self.max_tokens!r}.")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -167,6 +170,15 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
+            )
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
+        if self.thinking_token_budget is not None and (
+            not _is_int(self.thinking_token_budget) or self.thinking_token_budget < 0
+        ):
+            raise ValueError(
+                f"thinking_token_budget must be an int >= 0, or -1 or None for no budget, got "
+                f"{self.thinking_token_budget!r}."
             )
         if self.truncate_prompt_tokens is not None and (
             not _is_int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1

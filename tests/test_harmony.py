@@ -32,6 +32,7 @@ from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.protocol import ChatMessage
 from jaxserve.server.tools import HarmonyParser, ToolCall, ToolCallStream
+from jaxserve.structured.constraint import ReplyConstraint, ThinkingSection
 from jaxserve.structured.grammar import GrammarCompiler
 from jaxserve.structured.params import StructuredOutputsParams
 
@@ -172,7 +173,7 @@ def test_the_prompt_says_which_message_the_reply_goes_on_with(tokenizer):
     for prompt, thinking, waits in ((fresh, False, True), (history, False, True), (in_final, False, False),
                                     (in_analysis, True, True)):
         assert parser.starts_thinking(prompt) is thinking
-        assert parser.grammar_start(prompt) == ((parser.final_header if waits else None), None)
+        assert parser.thinking_markers(prompt) == ((parser.final_header if waits else None), None)
     reply = encode("<|channel|>analysis<|message|>Hm hm<|end|><|start|>assistant<|channel|>final<|message|>Yes")
     assert parser.reasoning_tokens(fresh, reply) == reply.index(IDS["<|end|>"]) + 1
     cut = len(parser.analysis_header) + 2
@@ -187,12 +188,16 @@ def test_a_constraint_waits_for_every_token_of_the_final_header(tokenizer):
     compiled.result()
     (digit,) = tokenizer.encode("7", add_special_tokens=False)
     channel, final, message = parser.final_header
-    grammar = compiler.request_grammar(compiled, starts_after=parser.final_header)
+    def constraint() -> ReplyConstraint:
+        thinking = ThinkingSection(parser.final_header, None, None, parser.budget_end, ())
+        return ReplyConstraint(compiler.request_grammar(compiled), thinking)
+
+    grammar = constraint()
     for token in (channel, digit, message, final, message, channel, final):  # the header broken, then begun again
-        assert grammar.accept(token) and grammar.starts_after is not None
-    assert grammar.accept(message) and grammar.starts_after is None  # from here on, two digits
+        assert grammar.accept(token) and grammar.thinking is not None
+    assert grammar.accept(message) and grammar.thinking is None  # from here on, two digits
     assert grammar.accept(digit) and grammar.accept(digit) and grammar.is_finished
-    refusing = compiler.request_grammar(compiled, starts_after=parser.final_header)
+    refusing = constraint()
     assert all(refusing.accept(token) for token in parser.final_header) and not refusing.accept(channel)
 
 
@@ -340,6 +345,35 @@ def test_messages_reach_templates_as_vllm_gives_them():
     assert PARSER.template_message({"role": "assistant", "content": "Yes."}) == {"role": "assistant",
                                                                                  "content": "Yes."}
     assert "thinking" not in PARSER.template_message({"role": "user", "content": "x", "reasoning": "y"})
+
+
+def test_a_thinking_budget_forces_the_final_message(client, server):
+    """gpt-oss under thinking_token_budget: after that many tokens the final channel's message is forced from where
+    the reply stands (here the bundled model's free text after `<|start|>assistant`, a header, closed empty), then
+    the model answers on; a budget of 0 opens the final message at once, so the whole reply is content. A budget
+    beside a grammar that spells out the whole reply (structured_outputs_in_reasoning) is a 400."""
+    engine, parser = server[1], server[1].reasoning
+
+    def complete(ids: list[int], max_tokens: int, **extra) -> list[int]:
+        return client.completions.create(model="tiny-stdlib-llama", prompt=ids, max_tokens=max_tokens, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True, **extra}
+                                         ).choices[0].token_ids
+
+    chat = client.chat.completions.create(model="tiny-stdlib-llama", messages=MESSAGES, max_tokens=1,
+                                          extra_body={"return_token_ids": True})
+    prompt, free = chat.prompt_token_ids, complete(chat.prompt_token_ids, 4)
+    forced = [*free, *parser.budget_end(tuple(prompt[-8:] + free))]
+    assert forced[4:] == [IDS["<|message|>"], IDS["<|end|>"], IDS["<|start|>"], *engine.tokenizer.encode(
+        "assistant", add_special_tokens=False), *parser.final_header]
+    assert complete(prompt, 24, thinking_token_budget=4) == forced + complete(prompt + forced, 24 - len(forced))
+    answer = client.completions.create(model="tiny-stdlib-llama", prompt=prompt + list(parser.final_header),
+                                       max_tokens=10, temperature=0).choices[0].text
+    message = client.chat.completions.create(model="tiny-stdlib-llama", messages=MESSAGES, temperature=0,
+                                             max_tokens=10 + len(parser.final_header),
+                                             extra_body={"thinking_token_budget": 0}).choices[0].message
+    assert (message.reasoning, message.content) == (None, answer)
+    with pytest.raises(openai.BadRequestError, match="structured_outputs_in_reasoning"):
+        _chat(client, False, ANSWER, extra_body={"guided_grammar": ANSWER, "thinking_token_budget": 8})
 
 
 def test_every_page_comes_back(server):

@@ -19,6 +19,7 @@ import concurrent.futures
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -32,6 +33,7 @@ from jaxserve.engine.llm_engine import LLMEngine, default_model_path
 from jaxserve.engine.reasoning import ReasoningParser
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
+from jaxserve.structured.constraint import ReplyConstraint, ThinkingSection
 from jaxserve.structured.grammar import GrammarCompiler
 from jaxserve.structured.params import StructuredOutputsParams
 
@@ -113,12 +115,16 @@ def test_a_grammar_that_starts_after_a_token_is_free_until_that_token():
     compiled.result()
     (digit,) = tokenizer.encode("7", add_special_tokens=False)
     (word,) = tokenizer.encode("def", add_special_tokens=False)
-    grammar = compiler.request_grammar(compiled, starts_after=(word,))
+    def constraint() -> ReplyConstraint:
+        thinking = ThinkingSection((word,), None, None, lambda recent: (word,), ())
+        return ReplyConstraint(compiler.request_grammar(compiled), thinking)
+
+    grammar = constraint()
     assert grammar.accept(digit) and grammar.accept(digit) and not grammar.is_finished  # free: no grammar yet
-    assert grammar.accept(word) and grammar.starts_after is None  # from here on, two digits
+    assert grammar.accept(word) and grammar.thinking is None  # from here on, two digits
     assert grammar.accept(digit) and not grammar.is_finished
     assert grammar.accept(digit) and grammar.is_finished
-    constrained = compiler.request_grammar(compiled, starts_after=(word,))
+    constrained = constraint()
     assert constrained.accept(word) and not constrained.accept(word)
 
 
@@ -281,6 +287,111 @@ def test_completions_keep_the_markers_and_constrain_after_them(server, greedy):
                                 answer_text), text
     assert "</think>" in greedy_choice.text
     stats = engine.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+# ---- thinking_token_budget ---------------------------------------------------------------------------------------
+
+def _budgets(k: int) -> list[int]:
+    """Budgets around the greedy reply's thinking of k tokens: forced at once, early, just before its own end, and
+    never (k and more)."""
+    return sorted({0, 1, 3, k - 1, k, k + 2})
+
+
+def _with_budget(complete, prompt: list[int], reply: list[int], k: int, end: int, budget: int,
+                 max_tokens: int) -> list[int]:
+    """The greedy reply under `budget`: the reply itself when it ends its thinking within it, else its first `budget`
+    tokens, the end marker, and the greedy continuation of those (`complete(prompt ids, max_tokens)`)."""
+    if budget >= k:
+        return reply[:max_tokens]
+    forced = [*reply[:budget], end]
+    return forced + complete(prompt + forced, max_tokens - len(forced))
+
+
+def test_a_thinking_budget_forces_the_end_marker_after_that_many_tokens(server, greedy):
+    """thinking_token_budget b (vLLM's field): the first b tokens as the model writes them, then `</think>` however
+    likely, then the answer as the model goes on from there; a budget the thinking keeps changes nothing. Every
+    page comes back."""
+    url, engine = server
+    prompt, reply, k, _ = greedy
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+    def complete(ids: list[int], max_tokens: int, **extra) -> list[int]:
+        return client.completions.create(model="tiny-stdlib-llama", prompt=ids, max_tokens=max_tokens, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True, **extra}
+                                         ).choices[0].token_ids
+
+    end = engine.reasoning.end_token_id
+    for budget in _budgets(k):
+        want = _with_budget(complete, prompt, reply, k, end, budget, MAX_TOKENS)
+        assert complete(prompt, MAX_TOKENS, thinking_token_budget=budget) == want, f"budget {budget}"
+    assert complete(prompt, MAX_TOKENS, thinking_token_budget=-1) == reply[:MAX_TOKENS]  # vLLM's "no budget"
+    stats = engine.stats()
+    assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_chat_under_a_thinking_budget_reasons_that_long_then_answers(client, server, greedy, stream):
+    """The forced end splits the reply like the model's own: the reasoning is the budget's tokens, the content what
+    follows the marker; the Messages API's enabled thinking takes budget_tokens as the budget."""
+    url, engine = server
+    prompt, reply, k, _ = greedy
+    budget, tokenizer = 2, engine.tokenizer
+    forced = [*reply[:budget], engine.reasoning.end_token_id]
+    answer = client.completions.create(model="tiny-stdlib-llama", prompt=prompt + forced,
+                                       max_tokens=MAX_TOKENS - len(forced), temperature=0,
+                                       extra_body={"ignore_eos": True}).choices[0].text
+    reasoning, _, content = _chat(client, stream, messages=MESSAGES, max_tokens=MAX_TOKENS,
+                                  extra_body={"ignore_eos": True, "thinking_token_budget": budget})
+    assert (reasoning, content) == (tokenizer.decode(reply[:budget]), answer)
+    if not stream:
+        body = {"model": "tiny-stdlib-llama", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "thinking": {"type": "enabled", "budget_tokens": budget}}
+        blocks = httpx.post(f"{url}/v1/messages", json=body, timeout=60).json()["content"]
+        assert blocks[0]["type"] == "thinking" and blocks[0]["thinking"] == tokenizer.decode(reply[:budget])
+
+
+@pytest.fixture(scope="module", params=["ngram", "async+multistep4"])
+def budget_engine(request, thinking_model):
+    """An offline engine over the thinking model that may sample several tokens of a row per step: speculation
+    (n-gram proposals, a guess from any one token seen) or async scheduling with four steps per call."""
+    options = {"ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_min": 1, "prompt_lookup_max": 2}},
+               "async+multistep4": {"async_scheduling": True, "num_scheduler_steps": 4}}[request.param]
+    llm = LLM(thinking_model, reasoning_parser="deepseek_r1", **{**ENGINE, **options})
+    yield request.param, llm
+    del llm
+
+
+def test_a_thinking_budget_holds_when_a_step_samples_several_tokens(budget_engine, greedy, monkeypatch):
+    """A row may verify proposals, or take several steps in a call, only while its next tokens are certainly free
+    (before its budget runs out): the forced end lands at the same token as one step at a time, in one batch of
+    every budget, and speculation and multi-step decoding do run on the free rows."""
+    name, llm = budget_engine
+    prompt, reply, k, _ = greedy
+    end = llm.engine.reasoning.end_token_id
+    greedy_params = dict(temperature=0, ignore_eos=True)
+
+    def complete(ids: list[int], max_tokens: int) -> list[int]:
+        output = llm.generate([ids], SamplingParams(max_tokens=max_tokens, **greedy_params), use_tqdm=False)[0]
+        return list(output.outputs[0].token_ids)
+
+    budgets = _budgets(k)
+    want = [_with_budget(complete, prompt, reply, k, end, budget, MAX_TOKENS) for budget in budgets]
+    scheduler, steps = llm.engine.core.scheduler, []
+
+    def recorded(schedule=scheduler.schedule):
+        steps.append(schedule())
+        return steps[-1]
+
+    monkeypatch.setattr(scheduler, "schedule", recorded)
+    outputs = llm.generate([prompt] * len(budgets), [SamplingParams(max_tokens=MAX_TOKENS, thinking_token_budget=b,
+                                                                    **greedy_params) for b in budgets],
+                           use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+    several = [item for step in steps for item in step.scheduled if item.spec_token_ids or item.num_steps > 1]
+    assert several, f"{name}: no row sampled several tokens in a step"
+    stats = llm.engine.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
 
 

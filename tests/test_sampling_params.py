@@ -36,6 +36,7 @@ VLLM_DEFAULTS = {
     "allowed_token_ids": None,
     "truncate_prompt_tokens": None,
     "structured_outputs": None,
+    "thinking_token_budget": None,
 }
 
 

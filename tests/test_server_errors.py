@@ -51,6 +51,10 @@ BAD_COMPLETIONS = [
     pytest.param({**GOOD, "logit_bias": {"5": 101}}, "logit_bias", "logit_bias", id="logit_bias-range"),
     pytest.param({**GOOD, "priority": 3}, "priority", "scheduling-policy", id="priority-under-fcfs"),
     pytest.param({**GOOD, "min_tokens": 9}, "min_tokens", "min_tokens", id="min_tokens-over-max_tokens"),
+    pytest.param({**GOOD, "thinking_token_budget": -2}, "thinking_token_budget", "int >= 0",
+                 id="negative-thinking_token_budget"),
+    pytest.param({**GOOD, "thinking_token_budget": 8}, "thinking_token_budget", "reasoning_parser",
+                 id="thinking_token_budget-without-a-reasoning-parser"),
 ]
 
 

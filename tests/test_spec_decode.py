@@ -133,7 +133,8 @@ def test_a_constrained_request_shares_the_verifying_steps(engines, monkeypatch):
     got, _ = spec_generate(engines["spec"], prompts, [constrained] + [GREEDY] * (len(prompts) - 1))
     assert got[1:] == want
     assert engines["spec"].get_tokenizer().decode(got[0][0]) in choices
-    assert any(any(i.spec_token_ids for i in o.scheduled) and any(i.request.grammar and i.samples for i in o.scheduled)
+    assert any(any(i.spec_token_ids for i in o.scheduled)
+               and any(i.request.constraint and i.samples for i in o.scheduled)
                for o in steps), "no step verified proposals beside the constrained request's sample"
 
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxserve.batch.buckets import geometric_ladder, pick_bucket
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PoolingBatch, PromptLogprobBatch
-from jaxserve.engine.scheduler import SchedulerOutput
+from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.request import Request
@@ -297,11 +297,11 @@ def padded_prompt_logprob_arrays(num_tokens: int) -> dict[str, np.ndarray]:
 def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: BucketLadders,
                          vocab_size: int) -> SamplingBatch:
     """Per-row sampling parameters, padded to `num_rows`; penalty/ban token lists padded to a P bucket; room for the
-    token bitmask of each sampling row with a grammar (structured output) when one has, every bit set until
-    `fill_token_bitmasks`."""
+    token bitmask of each sampling row under a constraint (structured output, a thinking budget) when one is, every
+    bit set until `fill_token_bitmasks`."""
     aux_rows = [_aux_tokens(item.request, item.sample_index) for item in output.scheduled]
     aux_width = pick_bucket(ladders.aux_widths, max((len(ids) for ids, _, _ in aux_rows), default=0))
-    constrained = any(item.request.grammar is not None and item.samples for item in output.scheduled)
+    constrained = any(_masked(item) for item in output.scheduled)
 
     arrays = padded_sampling_arrays(num_rows, aux_width, bitmask_width(vocab_size) if constrained else 0)
     need_logprobs = False
@@ -330,14 +330,20 @@ def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: Bucket
 
 def fill_token_bitmasks(sampling: SamplingBatch, output: SchedulerOutput) -> None:
     """Write each constrained sampling row's mask of allowed tokens into `sampling.token_bitmask` (R, M), from its
-    grammar's matcher: once the matcher has taken every token before the row's (the step in flight brought), just
+    request's constraint: once it has taken every token before the row's (the step in flight brought), just
     before the step is dispatched. Rows of requests that ended meanwhile keep every bit set (their samples are
     dropped)."""
     if sampling.token_bitmask.shape[1] == 0:
         return
     for row, item in enumerate(output.scheduled):
-        if item.request.grammar is not None and item.samples and not item.request.is_finished:
-            item.request.grammar.fill(sampling.token_bitmask, row)
+        if _masked(item) and not item.request.is_finished:
+            item.request.constraint.fill(sampling.token_bitmask, row)
+
+
+def _masked(item: ScheduledRequest) -> bool:
+    """Whether a scheduled row samples under its request's constraint: a token not certainly free."""
+    constraint = item.request.constraint
+    return bool(item.samples) and constraint is not None and not constraint.is_free(item.sample_index)
 
 
 def padded_sampling_arrays(num_rows: int, aux_width: int, mask_width: int = 0) -> dict[str, np.ndarray]:

@@ -120,7 +120,9 @@ class HarmonyReasoning:
     ids: dict[str, int]  # each marker's token id
     final_header: tuple[int, ...]  # the token ids of `<|channel|>final<|message|>`
     analysis_header: tuple[int, ...]  # the token ids of `<|channel|>analysis<|message|>`
+    assistant: tuple[int, ...] = ()  # the token ids of `assistant`, the role after `<|start|>`
     keeps_special_tokens: bool = True
+    forced_end: tuple[int, ...] = ()  # reasoning_config's reasoning_end_str, tokenized (reasoning.with_budget_end)
 
     @classmethod
     def load(cls, tokenizer) -> "HarmonyReasoning":
@@ -135,7 +137,7 @@ class HarmonyReasoning:
             return tuple(tokenizer.encode(text, add_special_tokens=False))
 
         return cls({marker: vocab[marker] for marker in MARKERS}, encode(FINAL_HEADER),
-                   encode(f"{CHANNEL}analysis{MESSAGE}"))
+                   encode(f"{CHANNEL}analysis{MESSAGE}"), encode("assistant"))
 
     @property
     def _boundaries(self) -> set[int]:
@@ -157,9 +159,37 @@ class HarmonyReasoning:
         """Whether the reply goes on with an analysis message the prompt opened."""
         return self._open_channel(prompt_token_ids) == "analysis"
 
-    def grammar_start(self, prompt_token_ids: Sequence[int]) -> tuple[tuple[int, ...] | None, None]:
-        """A constraint waits for the final channel's header, unless the prompt has opened the final message."""
+    @property
+    def thinking_end(self) -> tuple[int, ...]:
+        """The token ids that end the thinking: the final channel's header."""
+        return self.final_header
+
+    def thinking_markers(self, prompt_token_ids: Sequence[int]) -> tuple[tuple[int, ...] | None, None]:
+        """The thinking lasts until the final channel's header, unless the prompt has opened the final message (no
+        thinking then); nothing opens it."""
         return (None if self._open_channel(prompt_token_ids) == "final" else self.final_header), None
+
+    def budget_end(self, recent: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens forced when a thinking budget runs out after `recent` (the last token ids): reasoning_config's
+        reasoning_end_str, else the final channel's message from where the reply stands: after a message's text
+        `<|end|><|start|>assistant<|channel|>final<|message|>`, after `<|end|>` (or in a header that may still
+        become the final one) the rest of that, in another header the `<|message|>` that closes it and an empty
+        message's end first."""
+        if self.forced_end:
+            return self.forced_end
+        start, end, message = self.ids[START], self.ids[END], self.ids[MESSAGE]
+        new_final = (start, *self.assistant, *self.final_header)
+        markers = set(self.ids.values())
+        last = max((i for i, token in enumerate(recent) if token in markers), default=None)
+        if last is None or recent[last] == message:  # in a message's text
+            return (end, *new_final)
+        if recent[last] == end:
+            return new_final
+        opened = max((i for i, token in enumerate(recent) if token == start), default=None)
+        header = tuple(recent[opened:]) if opened is not None else ()  # (<= HISTORY,) the header so far
+        if header and new_final[:len(header)] == header:
+            return new_final[len(header):]
+        return (message, end, *new_final)  # in another header
 
     def reasoning_tokens(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> int:
         """How many of the reply's tokens are its thinking: up to the terminator of its last analysis message (all

@@ -17,7 +17,7 @@ from jaxserve.engine.core import EngineCore
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.harmony import HarmonyReasoning
 from jaxserve.engine.output_processor import OutputProcessor
-from jaxserve.engine.reasoning import ReasoningParser
+from jaxserve.engine.reasoning import ReasoningParser, with_budget_end
 from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput
@@ -25,6 +25,7 @@ from jaxserve.pooling.params import CLASSIFIER_TASKS, POOLING_TASKS, PoolingPara
 from jaxserve.pooling.pooled import PER_TOKEN, PooledPrompt
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from jaxserve.structured.constraint import ReplyConstraint, ThinkingSection
 
 logger = logging.getLogger("jaxserve")
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")
@@ -105,6 +106,11 @@ class LLMEngine:
             raise SystemExit(0)
         if self.reasoning is None and self.core.spec.reasoning_parser is not None:
             self.reasoning = _default_reasoning_parser(self.core.spec.reasoning_parser, self.tokenizer)
+        if config.reasoning_config is not None:
+            if self.reasoning is None:
+                raise ValueError("reasoning_config is for a reasoning model: set reasoning_parser too")
+            self.reasoning = with_budget_end(self.reasoning, config.reasoning_config["reasoning_end_str"],
+                                             self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         # SamplingParams field -> the model's default, for the fields a request leaves unset (vLLM's rule).
         self.generation_defaults = load_generation_defaults(config.generation_config, self.model_path)
@@ -198,11 +204,7 @@ class LLMEngine:
         # best_of samples (n when unset); with best_of > n they also compute their tokens' logprobs, to be ranked.
         num_samples, sample_params = params.num_samples, params.engine_params()
         compiled = self._grammar_compile(params)
-        # A reasoning model's constraint applies to the answer: after the end of the thinking, unless the prompt
-        # has closed it.
-        starts_after = opens_with = None
-        if self.reasoning is not None and not self.config.structured_outputs_in_reasoning:
-            starts_after, opens_with = self.reasoning.grammar_start(token_ids)
+        self._check_thinking_budget(params)
         children = []
         for index in range(num_samples):
             seed = params.seed + index if params.seed is not None else self._seed_rng.getrandbits(64)
@@ -216,8 +218,7 @@ class LLMEngine:
                 prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
                 fork_source=None if index == 0 else children[0].request_id,
                 cache_salt=salt, lora_slot=-1 if lora is None else lora.slot,
-                grammar=None if compiled is None else self.grammars.request_grammar(compiled, starts_after,
-                                                                                      opens_with),
+                constraint=self._reply_constraint(token_ids, params, compiled),
             ))
         return text, children
 
@@ -308,6 +309,36 @@ class LLMEngine:
             raise ValueError("structured_outputs: this engine runs with enable_structured_outputs off; start it with "
                              "it on to constrain outputs")
         return self.grammars.submit(params.structured_outputs)
+
+    def _check_thinking_budget(self, params: SamplingParams) -> None:
+        """ValueError for a thinking_token_budget this engine cannot keep."""
+        if params.thinking_token_budget is None:
+            return
+        if self.reasoning is None:
+            raise ValueError("thinking_token_budget bounds a reasoning model's thinking: start the engine with "
+                             "reasoning_parser set to the model's (the markers its thinking ends at)")
+        if not self.config.enable_structured_outputs:
+            raise ValueError("thinking_token_budget forces the end of thinking through the structured-output token "
+                             "mask: start the engine with enable_structured_outputs on")
+        if params.structured_outputs is not None and self.config.structured_outputs_in_reasoning:
+            raise ValueError("thinking_token_budget cannot bound a thinking that the request's grammar spells out "
+                             "(structured_outputs_in_reasoning): bound it in the grammar")
+
+    def _reply_constraint(self, prompt_token_ids: list[int], params: SamplingParams,
+                          compiled: concurrent.futures.Future | None) -> ReplyConstraint | None:
+        """A new sample's constraint (structured/constraint.py), None when nothing constrains it: its grammar
+        (`compiled`) constrains the answer, after a reasoning model's thinking (vLLM's rule, unless
+        structured_outputs_in_reasoning: then from the first token), and the thinking's end is forced once its
+        thinking_token_budget is spent; a prompt that closed the thinking leaves the reply none."""
+        grammar = None if compiled is None else self.grammars.request_grammar(compiled)
+        budget = params.thinking_token_budget
+        ends_with = opens_with = None
+        if self.reasoning is not None and (budget is not None or (grammar is not None and
+                                                                  not self.config.structured_outputs_in_reasoning)):
+            ends_with, opens_with = self.reasoning.thinking_markers(prompt_token_ids)
+        thinking = None if ends_with is None else ThinkingSection(ends_with, opens_with, budget,
+                                                                  self.reasoning.budget_end, prompt_token_ids)
+        return None if grammar is None and thinking is None else ReplyConstraint(grammar, thinking)
 
     def submit(self, request_id: str, made: tuple[str | None, list[Request]]) -> None:
         """Queue engine requests built by `make_requests`."""

@@ -8,14 +8,15 @@ themselves: a reply that does not begin with `[THINK]` is all answer (`opens_in_
 harmony messages (engine/harmony.py): its thinking is the `analysis` channel, its answer the `final` channel
 (`HarmonyReasoning`). Markers that are special tokens are kept in the chat route's decoded text
 (`keeps_special_tokens`), else decoding would drop them. Every parser answers the same questions
-(`starts_thinking`, `grammar_start`, `split` and its `stream`, `reasoning_tokens`) for two users:
+(`starts_thinking`, `thinking_markers`, `budget_end`, `split` and its `stream`, `reasoning_tokens`) for two users:
 
-- the engine: a request's structured output constrains the answer, not the thinking (vLLM's rule, unless
-  `structured_outputs_in_reasoning`). Its grammar starts after the end marker's tokens are sampled
-  (`RequestGrammar(starts_after=...)`; harmony's is `<|channel|>final<|message|>`), or at once when the prompt has
-  already closed the thinking: Qwen3's template with `enable_thinking: false` writes an empty
-  `<think>\\n\\n</think>` into the prompt (`prompt_ends_reasoning`); for a model that opens its thinking
-  itself, the first token is the start marker or the grammar's (`RequestGrammar(opens_with=...)`);
+- the engine (structured/constraint.py's `ThinkingSection`): a request's structured output constrains the answer,
+  not the thinking (vLLM's rule, unless `structured_outputs_in_reasoning`), and a `thinking_token_budget` bounds the
+  thinking. The thinking ends once the end marker's tokens are sampled (`thinking_markers`; harmony's are
+  `<|channel|>final<|message|>`), or is over before the reply when the prompt has already closed it: Qwen3's
+  template with `enable_thinking: false` writes an empty `<think>\\n\\n</think>` into the prompt
+  (`prompt_ends_reasoning`); for a model that opens its thinking itself, the first token is the start marker or
+  the answer's. A spent budget forces `budget_end`;
 - the server: a chat reply is split into `reasoning` (the text before the end marker) and `content` (the text after
   it); an output without the end marker is all reasoning (it was cut short), unless the prompt closed the thinking
   (all content). Each parser's `stream` hands out the split's deltas while the reply streams (`ReasoningStream`
@@ -43,6 +44,7 @@ class ReasoningParser:
     end_token_id: int
     opens_in_reply: bool = False  # the model writes the start marker: a reply without it is all answer
     keeps_special_tokens: bool = False  # the markers are special tokens: chat replies are decoded with them
+    forced_end: tuple[int, ...] = ()  # reasoning_config's reasoning_end_str, tokenized (with_budget_end)
 
     @classmethod
     def load(cls, name: str, tokenizer) -> "ReasoningParser":
@@ -63,13 +65,23 @@ class ReasoningParser:
         """Whether the reply starts in the thinking: the prompt has not closed it."""
         return not self.prompt_ends_reasoning(prompt_token_ids)
 
-    def grammar_start(self, prompt_token_ids: Sequence[int]) -> tuple[tuple[int, ...] | None, int | None]:
-        """How a constraint waits for the answer (RequestGrammar's `starts_after`, `opens_with`): free until the end
-        marker, and a first token that may open the thinking for a model that opens it itself; (None, None) once
-        the prompt has closed the thinking."""
+    @property
+    def thinking_end(self) -> tuple[int, ...]:
+        """The token ids that end the thinking: the end marker."""
+        return (self.end_token_id,)
+
+    def thinking_markers(self, prompt_token_ids: Sequence[int]) -> tuple[tuple[int, ...] | None, int | None]:
+        """Where the reply's thinking ends and how it opens (ThinkingSection's `ends_with`, `opens_with`): at the
+        end marker, and a first token that may open it for a model that opens it itself; (None, None) once the
+        prompt has closed the thinking."""
         if self.prompt_ends_reasoning(prompt_token_ids):
             return None, None
-        return (self.end_token_id,), self.start_token_id if self.opens_in_reply else None
+        return self.thinking_end, self.start_token_id if self.opens_in_reply else None
+
+    def budget_end(self, recent: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens forced when a thinking budget runs out after `recent` (the last token ids): reasoning_config's
+        reasoning_end_str, else the end marker."""
+        return self.forced_end or self.thinking_end
 
     def reasoning_tokens(self, prompt_token_ids: Sequence[int], token_ids: Sequence[int]) -> int:
         """How many of the reply's tokens are its thinking, the end marker included."""
@@ -114,6 +126,17 @@ class ReasoningParser:
         if final:
             return text, ""
         return text[:len(text) - partial_suffix(text, self.end)], ""
+
+
+def with_budget_end(parser, text: str, tokenizer):
+    """`parser` (either kind) forcing `text` (reasoning_config's reasoning_end_str) when a thinking budget runs out;
+    ValueError unless its tokens end with the parser's own end of thinking (else the thinking would not end)."""
+    tokens = tuple(tokenizer.encode(text, add_special_tokens=False))
+    end = parser.thinking_end
+    if tokens[-len(end):] != end:
+        raise ValueError(f"reasoning_config reasoning_end_str {text!r} must end with the end of thinking, "
+                         f"{tokenizer.decode(list(end))!r} (its tokens, {list(end)}), got the tokens {list(tokens)}")
+    return dataclasses.replace(parser, forced_end=tokens)
 
 
 def partial_suffix(text: str, marker: str) -> int:

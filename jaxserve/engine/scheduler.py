@@ -164,7 +164,8 @@ class Scheduler:
         else:
             candidates = [r for r in self._waiting_in_order() if not self._waits_for_fork(r)]
         # a request whose grammar is compiling waits; one whose compile failed is ended by fail_grammars
-        candidates = [r for r in candidates if r.grammar is None or (r.grammar.ready and r.grammar.error is None)]
+        candidates = [r for r in candidates
+                      if r.constraint is None or (r.constraint.ready and r.constraint.error is None)]
         for request in candidates:
             if request.request_id in plan.preempted_ids:
                 continue  # never readmitted in the step that preempted it
@@ -189,14 +190,15 @@ class Scheduler:
 
     def pending_compiles(self) -> list[concurrent.futures.Future]:
         """The grammar compiles that waiting requests wait for."""
-        return [r.grammar.compile for r in self.waiting if r.grammar is not None and not r.grammar.ready]
+        return [r.constraint.grammar.compile for r in self.waiting
+                if r.constraint is not None and not r.constraint.ready]
 
     def fail_grammars(self) -> list[Request]:
         """End the waiting requests whose constraint failed to compile (the server refuses those before they get
         here; this catches the rest), with the compiler's reason; returns them."""
-        failed = [r for r in self.waiting if r.grammar is not None and r.grammar.error is not None]
+        failed = [r for r in self.waiting if r.constraint is not None and r.constraint.error is not None]
         for request in failed:
-            request.error = request.grammar.error
+            request.error = request.constraint.error
             self._end(request, RequestStatus.FINISHED_ERROR)
         return failed
 
@@ -210,7 +212,7 @@ class Scheduler:
         """Multi-step decoding: when every row is a plain decode, give each up to num_scheduler_steps samples
         (fewer near its max_tokens or max_model_len), with pages for them all; a row whose pages cannot be
         had takes one step. Otherwise the step stays as it is."""
-        if not scheduled or not all(_decodes_plainly(item) for item in scheduled):
+        if not scheduled or not all(_decodes_plainly(item, self.config.num_scheduler_steps) for item in scheduled):
             return scheduled
         stepped = []
         for item in scheduled:
@@ -231,7 +233,7 @@ class Scheduler:
         room = {item.request.request_id: min(self.config.num_speculative_tokens,
                                              item.request.max_tokens - item.sample_index - 1,
                                              self.config.max_model_len - 2 - item.num_computed_tokens)
-                for item in scheduled if _can_propose(item.request)}
+                for item in scheduled if _can_propose(item.request, self.config.num_speculative_tokens)}
         asking, wanted = [], 0
         for item in scheduled:
             if wanted < budget and room.get(item.request.request_id, 0) > 0:
@@ -431,11 +433,11 @@ class Scheduler:
             request.first_token_time = now
             self.num_prompt_tokens += len(request.prompt_token_ids)
         status = self._stop_status(request, sample.token_id)
-        if request.grammar is not None and status is None:  # the sampler drew it from the grammar's mask
-            if not request.grammar.accept(sample.token_id):
-                request.error = f"token {sample.token_id} is outside the request's grammar"
+        if request.constraint is not None and status is None:  # the sampler drew it from the constraint's mask
+            if not request.constraint.accept(sample.token_id):
+                request.error = f"token {sample.token_id} is outside the request's constraint"
                 status = RequestStatus.FINISHED_ERROR
-            elif request.grammar.is_finished:
+            elif request.constraint.is_finished:
                 status = RequestStatus.FINISHED_STOPPED  # the output is complete
         if status is not None:
             self._end(request, status)
@@ -590,24 +592,26 @@ class _StepPlan:
             kv.restore_copies(request.request_id, list(entry.page_copies))
 
 
-def _decodes_plainly(item: ScheduledRequest) -> bool:
+def _decodes_plainly(item: ScheduledRequest, steps: int) -> bool:
     """True for a one-token decode whose sampling reads nothing but its logits and seed (no penalties, bans,
-    grammar, biases, allowed ids or logprobs), so several of its tokens can be sampled on the device in a row."""
+    constraint over its next `steps` tokens, biases, allowed ids or logprobs), so several of its tokens can be
+    sampled on the device in a row."""
     request, params = item.request, item.request.sampling_params
-    return (item.samples and item.num_new_tokens == 1 and not request.needs_output_on_host and request.grammar is None
+    return (item.samples and item.num_new_tokens == 1 and not request.needs_output_on_host
+            and (request.constraint is None or request.constraint.is_free(item.sample_index + steps - 1))
             and item.sample_index >= params.min_tokens and not params.allowed_token_ids and not params.logit_bias
             and params.logprobs is None and not request.num_prompt_logprobs_missing
             and len(request.eos_token_ids) <= MAX_EOS_TOKEN_IDS)
 
 
-def _can_propose(request: Request) -> bool:
+def _can_propose(request: Request, num_proposals: int) -> bool:
     """True for a scheduled decode (one token to compute, sampled) that can verify proposals: the device draws
     the samples of the positions after its token knowing only the proposals (penalties, logit biases and
     allowed ids apply there, the proposals joining the penalty history; logprobs are those of each emitted
-    token); not with bad words, a grammar, or min_tokens still banning stop ids (whose bans at the next
-    positions the host decides)."""
+    token); not with bad words, a constraint over the tokens it may emit (its token and `num_proposals` more), or
+    min_tokens still banning stop ids (whose bans at the next positions the host decides)."""
     params = request.sampling_params
     return (request.num_tokens - request.num_computed_tokens == 1
             and not request.num_output_placeholders and not request.bad_words_token_ids
-            and request.grammar is None and request.num_sampled_tokens >= params.min_tokens
-            and not request.num_prompt_logprobs_missing)
+            and (request.constraint is None or request.constraint.is_free(request.num_sampled_tokens + num_proposals))
+            and request.num_sampled_tokens >= params.min_tokens and not request.num_prompt_logprobs_missing)

@@ -130,7 +130,10 @@ class MessagesServing:
     async def create(self, body: MessagesRequest, raw: Request) -> Response | dict:
         """POST /v1/messages."""
         self.serving.check_model(body.model)
-        chat = body.to_chat()
+        # a reasoning model's thinking is bounded by budget_tokens, as Anthropic's is; a model that does not think
+        # (no reasoning parser) has no thinking to bound
+        thinking = self.serving.engine.engine.reasoning is not None
+        chat = body.to_chat(thinking_token_budget=body.thinking_budget() if thinking else None)
         message_id = f"msg_{uuid.uuid4().hex}"
         try:
             params, tools, streams = await self.serving.start_chat(message_id, chat)

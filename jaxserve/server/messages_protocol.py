@@ -10,8 +10,9 @@ thinking write it, gpt-oss's and Qwen3's), `redacted_thinking` blocks dropped. `
 input_schema) become function tools; `tool_choice` auto / any / tool / none become auto / required / the named
 function / none (`disable_parallel_tool_use` one call at most);
 `stop_sequences` stop strings; `metadata.user_id` the user; `thinking: {"type": "disabled"}` closes a reasoning
-template's thinking (`enable_thinking: false`, Qwen3's switch; enabled and adaptive leave the template's default,
-the thinking bounded by max_tokens alone); `output_config.format` (a JSON schema) constrains the reply as the
+template's thinking (`enable_thinking: false`, Qwen3's switch; enabled and adaptive leave the template's default);
+enabled thinking's `budget_tokens` bounds a reasoning model's thinking (`thinking_token_budget`; adaptive thinking
+is bounded by max_tokens alone); `output_config.format` (a JSON schema) constrains the reply as the
 chat route's `response_format` does and `output_config.effort` goes to the template as `reasoning_effort`.
 `cache_control` markers (top-level or on blocks) are accepted: the prefix cache finds shared prefixes by itself.
 The sampling fields the current SDK no longer sends (`temperature`, `top_p`, `top_k`) are still read, as the API
@@ -115,7 +116,7 @@ class _Conversation(BaseModel):
 
     def _template_switches(self) -> dict[str, Any] | None:
         """`thinking` and `output_config.effort` as the chat template's switches: disabled -> enable_thinking false;
-        enabled or adaptive -> the template's default (the thinking's length is bounded by max_tokens alone)."""
+        enabled or adaptive -> the template's default (enabled thinking's length: `thinking_budget()`)."""
         switches = {}
         if self.output_config is not None and self.output_config.effort is not None:
             switches["reasoning_effort"] = self.output_config.effort
@@ -125,11 +126,18 @@ class _Conversation(BaseModel):
         elif kind not in (None, "enabled", "adaptive"):
             raise APIError(400, f'thinking type must be "enabled", "adaptive" or "disabled"; got {kind!r:.40}',
                            "thinking")
-        budget = (self.thinking or {}).get("budget_tokens")
-        if kind == "enabled" and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
-            raise APIError(400, "thinking of type enabled needs budget_tokens, an int >= 1", "thinking")
+        self.thinking_budget()  # enabled thinking without its budget is a 400 on every route, count_tokens too
         return switches or None
 
+    def thinking_budget(self) -> int | None:
+        """`thinking.budget_tokens` of thinking of type enabled (the most tokens the thinking may take); None for
+        the other types. APIError for enabled thinking without it."""
+        if (self.thinking or {}).get("type") != "enabled":
+            return None
+        budget = self.thinking.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
+            raise APIError(400, "thinking of type enabled needs budget_tokens, an int >= 1", "thinking")
+        return budget
 
     def to_chat(self, **fields) -> ChatCompletionRequest:
         """The chat completion request this conversation means, with the chat request's `fields`; APIError (400

@@ -67,7 +67,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logprob_token_ids": (_unset, "logprobs of chosen token ids are not implemented"),
     "truncation_side": (_one_of("left"), "truncate_prompt_tokens always keeps the last tokens"),
     "watermarking": (_false, "watermarking is not implemented"),
-    "thinking_token_budget": (_one_of(-1), "thinking budgets are not implemented"),
     "repetition_detection": (_unset, "repetition detection is not implemented"),
     "kv_transfer_params": (_unset, "disaggregated serving is not implemented"),
     "chat_template": (_unset, "only the model's own chat template is used"),
@@ -80,7 +79,7 @@ BEAM_SEARCH_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "top_p": _one_of(1.0), "top_k": _one_of(0, -1), "min_p": _one_of(0.0), "presence_penalty": _one_of(0.0),
     "frequency_penalty": _one_of(0.0), "repetition_penalty": _one_of(1.0), "min_tokens": _one_of(0),
     "stop": _empty, "stop_token_ids": _empty, "bad_words": _empty, "logit_bias": _empty,
-    "allowed_token_ids": _unset, "prompt_logprobs": _unset, "echo": _false,
+    "allowed_token_ids": _unset, "prompt_logprobs": _unset, "echo": _false, "thinking_token_budget": _one_of(-1),
 }
 
 
@@ -143,6 +142,8 @@ class _SamplingFields(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    # at most this many tokens of a reasoning model's thinking, then its end is forced (-1 or null: no bound)
+    thinking_token_budget: int | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -263,6 +264,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+            thinking_token_budget=self.thinking_token_budget,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,

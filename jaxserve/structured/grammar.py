@@ -5,10 +5,9 @@ and it depends on nothing, where xgrammar needs torch and triton at run time).
 `GrammarCompiler` turns `StructuredOutputsParams` into a validated grammar, once per distinct constraint (an LRU
 cache), on a thread pool so the engine loop never waits for a compile (`submit`). A request's `RequestGrammar`
 follows its output through its own `Matcher`: `fill` writes the (V/32,) int32 bitmask of the tokens allowed next,
-`accept` advances with the sampled token. For a reasoning model the constraint applies to the answer: the output
-is free until the end of the thinking (`starts_after`, its marker's tokens; engine/reasoning.py). (Nothing rolls a
-matcher back: constrained rows never verify speculative proposals, and a preempted request keeps the tokens its
-matcher took.)
+`accept` advances with the sampled token. For a reasoning model the grammar applies to the answer, after the
+thinking (structured/constraint.py). (Nothing rolls a matcher back: constrained rows never verify speculative
+proposals, and a preempted request keeps the tokens its matcher took.)
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import concurrent.futures
 import json
 import re
 import threading
-from collections.abc import Sequence
 
 import llguidance
 import llguidance.hf
@@ -113,30 +111,20 @@ class GrammarCompiler:
         """A fresh matcher at the start of `grammar`."""
         return Matcher(llguidance.LLMatcher(self.tokenizer, grammar), self.vocab_size)
 
-    def request_grammar(self, compiled: concurrent.futures.Future, starts_after: Sequence[int] | None = None,
-                        opens_with: int | None = None) -> "RequestGrammar":
-        """One engine request's view of a compile (`submit`'s future): it gets its own matcher. `starts_after`: the
-        token ids until whose sampling, in a row, the output is free (a reasoning model's end of thinking);
-        `opens_with`: a token the first sample may be instead of the grammar's, which alone frees the output until
-        `starts_after` (a model that opens its thinking itself)."""
-        return RequestGrammar(self, compiled, starts_after, opens_with)
+    def request_grammar(self, compiled: concurrent.futures.Future) -> "RequestGrammar":
+        """One engine request's view of a compile (`submit`'s future): it gets its own matcher."""
+        return RequestGrammar(self, compiled)
 
 
 class RequestGrammar:
-    """One engine request's constraint: its compile (a future, shared by a request's samples) and, once compiled,
-    its own matcher, which takes the output from the token after the `starts_after` tokens on (from the first token
-    when None). With `opens_with`, the first token is either that one (then free until `starts_after`) or the grammar's
-    (then constrained from it on). The scheduler and the batch builder see only `fill`, `accept` and
-    `is_finished`."""
+    """One engine request's grammar: its compile (a future, shared by a request's samples) and, once compiled, its
+    own matcher. Where in the reply it applies (after a reasoning model's thinking) is its ReplyConstraint's
+    business (structured/constraint.py)."""
 
-    def __init__(self, compiler: GrammarCompiler, compiled: concurrent.futures.Future,
-                 starts_after: Sequence[int] | None = None, opens_with: int | None = None):
+    def __init__(self, compiler: GrammarCompiler, compiled: concurrent.futures.Future):
         self._compiler = compiler
         self._compiled = compiled
         self._matcher: Matcher | None = None
-        self.starts_after = None if starts_after is None else tuple(starts_after)  # None once the constraint applies
-        self._recent: tuple[int, ...] = ()  # the last tokens sampled before it does (as many as starts_after has)
-        self.opens_with = opens_with  # None once the first token is taken
 
     @property
     def ready(self) -> bool:
@@ -163,35 +151,17 @@ class RequestGrammar:
         return self._matcher
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the tokens allowed next into row `row` of `bitmask` (R, V/32) int32; a row before the constraint
-        applies is left as it is (every bit set); a first token that may open the thinking: the grammar's or that."""
-        if self.opens_with is not None:
-            self.matcher.fill(bitmask, row)
-            words = bitmask.view(np.uint32)  # (R, V/32): bit arithmetic without int32's sign
-            words[row, self.opens_with // 32] |= np.uint32(1 << (self.opens_with % 32))
-        elif self.starts_after is None:
-            self.matcher.fill(bitmask, row)
+        """Write the tokens the grammar allows next into row `row` of `bitmask` (R, V/32) int32."""
+        self.matcher.fill(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
-        """Take a sampled token; False when the constraint does not allow it (the request then ends in error).
-        Before the constraint applies every token is allowed, and the last of `starts_after`'s tokens in a row
-        makes it apply from the next one."""
-        if self.opens_with is not None:
-            opened, self.opens_with = token_id == self.opens_with, None
-            if opened:
-                return True
-            self.starts_after = None  # no thinking: the answer, constrained, starts here
-        if self.starts_after is None:
-            return self.matcher.accept(token_id)
-        self._recent = (*self._recent, token_id)[-len(self.starts_after):]
-        if self._recent == self.starts_after:
-            self.starts_after = None
-        return True
+        """Take a sampled token; False when the grammar does not allow it."""
+        return self.matcher.accept(token_id)
 
     @property
     def is_finished(self) -> bool:
-        """The constraint applies and is complete (it allows nothing more but EOS)."""
-        return self.starts_after is None and self.opens_with is None and self.matcher.is_finished
+        """The grammar is complete (it allows nothing more but EOS)."""
+        return self.matcher.is_finished
 
 
 class Matcher:
