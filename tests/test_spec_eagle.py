@@ -1,7 +1,9 @@
 """EAGLE speculative decoding (spec/eagle.py, model/eagle.py) with tiny random heads: an EAGLE-1 head on the llama
 test checkpoint (tests/fixtures/checkpoints/llama-eagle, scripts/make_eagle_fixture.py) and an EAGLE-3 head on the
 gemma2 one (gemma2-eagle3, scripts/make_eagle3_fixture.py: it reads the inputs of the target's layers 0, 2 and 3
-side by side and proposes over a draft vocabulary of 96 of the target's 512 tokens).
+side by side and proposes over a draft vocabulary of 96 of the target's 512 tokens), and that head's twin in
+vllm-project/speculators' format with `norm_before_residual` (gemma2-eagle3-speculators,
+scripts/make_speculators_eagle3_fixture.py).
 
 Each head's proposals equal a torch reference (EAGLE-1: the target's features, the head's layer without its input
 norm, the target's LM head; EAGLE-3: transformers' Gemma 2 and its `output_hidden_states`, the head built from
@@ -43,7 +45,12 @@ def speculative_config(method: str) -> dict:
 
 def reference(method: str) -> dict:
     """The torch reference of `method`'s head (its folder's expected.json)."""
-    with open(os.path.join(checkpoint(HEADS[method][1]), "expected.json")) as f:
+    return reference_of(checkpoint(HEADS[method][1]))
+
+
+def reference_of(head: str) -> dict:
+    """The torch reference of the head in the folder `head`."""
+    with open(os.path.join(head, "expected.json")) as f:
         return json.load(f)
 
 
@@ -228,7 +235,6 @@ def test_without_layer_ids_the_head_reads_vllms_layers(tmp_path):
     ({"eagle_aux_hidden_state_layer_ids": [0, 2, 2]}, "three distinct layers"),
     ({"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}, "three distinct layers of the target's 4"),
     ({"eagle_aux_hidden_state_layer_ids": None}, r"inputs of the target's layers \[2, 2, 1\]"),  # vLLM's, for 4
-    ({"norm_before_residual": True}, "norm_before_residual"),
     ({"eagle_config": {"use_aux_hidden_state": False}}, "use_aux_hidden_state false"),
     ({"num_hidden_layers": 2}, "one-layer Llama head"),
     ({"target_hidden_size": 128}, "a head is trained for one target"),
@@ -237,6 +243,59 @@ def test_without_layer_ids_the_head_reads_vllms_layers(tmp_path):
 def test_heads_that_do_not_fit_are_value_errors(tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
         read_head_config(_head_copy(tmp_path, **changes), "eagle3", TARGET3)
+
+
+# ---- the speculators format -------------------------------------------------------------------------------------
+
+SPECULATORS = checkpoint("gemma2-eagle3-speculators")  # scripts/make_speculators_eagle3_fixture.py
+
+
+def test_a_speculators_heads_proposals_equal_its_reference():
+    """A head in vllm-project/speculators' format (its layer's config under transformer_layer_config, defaults left
+    out; tensors layers.0.*; norm_before_residual: its residual is the normed hidden state) proposes as its torch
+    reference does; read as an EAGLE-3 head that keeps the raw residual, it would not."""
+    head = read_head_config(SPECULATORS, "eagle3", TARGET3)
+    assert head.spec.norm_before_residual and head.spec.rms_norm_eps == 1e-6 and head.spec.num_layers == 1
+    want = reference_of(SPECULATORS)
+    config = {"method": "eagle3", "model": SPECULATORS, "num_speculative_tokens": 4}
+    llm = LLM(checkpoint("gemma2"), speculative_config=config,
+              **small_engine_args(max_num_batched_tokens=512, max_num_seqs=16, skip_precompile=True))
+    assert llm.engine.core.draft.propose(_prefilled(llm, want)) == want["proposals"]
+    _finish(llm)
+
+
+def _speculators_copy(tmp_path, **changes) -> str:
+    """The speculators fixture head in a folder of its own, its config.json's keys (and `layer`: its layer
+    config's) changed."""
+    folder = tmp_path / "head"
+    shutil.copytree(SPECULATORS, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["transformer_layer_config"].update(changes.pop("layer", {}))
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return str(folder)
+
+
+def test_a_speculators_head_without_norm_before_residual_takes_vllms_default(tmp_path):
+    config = json.loads(open(os.path.join(SPECULATORS, "config.json")).read())
+    del config["norm_before_residual"]
+    folder = tmp_path / "head"
+    shutil.copytree(SPECULATORS, folder)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert read_head_config(str(folder), "eagle3", TARGET3).spec.norm_before_residual
+    off = _speculators_copy(tmp_path / "off", norm_before_residual=False)
+    assert not read_head_config(off, "eagle3", TARGET3).spec.norm_before_residual
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"speculators_model_type": "mlp"}, "a speculators 'mlp' head: only eagle3"),
+    ({"norm_before_fc": True}, "sets norm_before_fc: such heads are not supported"),
+    ({"fc_norm": True, "norm_output": True}, "sets fc_norm, norm_output"),
+    ({"layer": {"model_type": "qwen3"}}, "a qwen3 layer: only Llama layers"),
+    ({"layer": {"num_hidden_layers": 2}}, "one-layer Llama head"),
+])
+def test_speculators_heads_that_do_not_fit_are_value_errors(tmp_path, changes, message):
+    with pytest.raises(ValueError, match=message):
+        read_head_config(_speculators_copy(tmp_path, **changes), "eagle3", TARGET3)
 
 
 def test_the_method_must_be_the_heads():

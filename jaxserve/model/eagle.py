@@ -26,7 +26,10 @@ Proposing further, the layer's output (before the final norm) stands in for g. T
 own form): a config `LlamaForCausalLMEagle3` (one layer; `draft_vocab_size`; the target's layers
 `eagle_aux_hidden_state_layer_ids`, else vLLM's (2, L // 2, L - 3) of the target's L) and tensors fc.weight (H, 3H),
 midlayer.{input_layernorm, hidden_norm, post_attention_layernorm, self_attn.{q,k,v}_proj (2H in), self_attn.o_proj,
-mlp.*}.weight (or layers.0.*), norm.weight, lm_head.weight, d2t, embed_tokens.weight optional.
+mlp.*}.weight (or layers.0.*), norm.weight, lm_head.weight, d2t, embed_tokens.weight optional. A head in the
+speculators format (vllm-project/speculators; `speculators_model_type: "eagle3"`, its layer's config under
+`transformer_layer_config`, tensors `layers.0.*`) is read as vLLM reads it; with `norm_before_residual` (that
+format's default in vLLM) the layer's residual is hidden_norm(g), not g.
 
 Params:
     embed (V, H)   fc (3H, H)   final_norm (H,)   lm_head (H, V_draft)   draft_tokens (V_draft,) int32 target ids
@@ -53,6 +56,15 @@ from jaxserve.model.registry import Weight, copy_pages, model_for
 from jaxserve.model.spec import ModelSpec
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # an EAGLE-3 head's config names these
+# a speculators head's options that change its math and are not implemented (newer speculators releases' norms)
+SPECULATORS_UNSUPPORTED = ("norm_before_fc", "fc_norm", "norm_output")
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Spec(ModelSpec):
+    """An EAGLE-3 head's layer, and where its residual comes from."""
+
+    norm_before_residual: bool = False  # the residual is the normed hidden state (speculators' heads), not the raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +99,8 @@ def read_head_config(path: str, method: str, target_spec: ModelSpec) -> HeadConf
         raise ValueError(f"no config.json in the EAGLE head folder {path!r}")
     with open(config_path) as f:
         config = json.load(f)
+    if "speculators_model_type" in config:
+        config = speculators_config(config, path)
     version = 3 if set(config.get("architectures") or ()) & set(EAGLE3_ARCHITECTURES) else 1
     if version != (3 if method == "eagle3" else 1):
         other = "eagle3" if version == 3 else "eagle"
@@ -107,8 +121,6 @@ def read_head_config(path: str, method: str, target_spec: ModelSpec) -> HeadConf
         return HeadConfig(spec, 1, TargetFeatures(spec.hidden_size), spec.vocab_size)
     if not (config.get("eagle_config") or {}).get("use_aux_hidden_state", True):
         raise ValueError(f"the EAGLE-3 head {path!r} sets use_aux_hidden_state false: such heads are not supported")
-    if config.get("norm_before_residual"):
-        raise ValueError(f"the EAGLE-3 head {path!r} sets norm_before_residual: such heads are not supported")
     if not hasattr(model_for(target_spec.architecture).module, "tapped"):
         raise ValueError(f"{target_spec.architecture} does not give its layers' hidden states: EAGLE-3 cannot "
                          f"serve it")
@@ -123,7 +135,31 @@ def read_head_config(path: str, method: str, target_spec: ModelSpec) -> HeadConf
     if not 0 < draft_vocab_size <= spec.vocab_size:
         raise ValueError(f"the EAGLE-3 head {path!r} has draft_vocab_size {draft_vocab_size}: at most the target's "
                          f"{spec.vocab_size}")
+    spec = spec.extended(Eagle3Spec, norm_before_residual=bool(config.get("norm_before_residual", False)))
     return HeadConfig(spec, 3, TargetFeatures(spec.hidden_size, tuple(sorted(layers))), draft_vocab_size)
+
+
+def speculators_config(config: dict, path: str) -> dict:
+    """A head in the speculators format (vllm-project/speculators' `speculators_model_type`, RedHatAI's
+    *.speculator.eagle3 heads) as an EAGLE-3 head's config, as vLLM reads it: its layer's config
+    (`transformer_layer_config`, filled in with transformers' Llama defaults, which speculators leaves out) with
+    the head's own fields; `norm_before_residual` true unless the head says otherwise (vLLM's default). A
+    ValueError for what the head does not implement."""
+    kind = config["speculators_model_type"]
+    if kind != "eagle3":
+        raise ValueError(f"{path!r} is a speculators {kind!r} head: only eagle3 heads are served")
+    refused = [name for name in SPECULATORS_UNSUPPORTED if config.get(name)]
+    if refused:
+        raise ValueError(f"the EAGLE-3 head {path!r} sets {', '.join(refused)}: such heads are not supported")
+    layer = dict(config.get("transformer_layer_config") or {})
+    if layer.get("model_type", "llama") != "llama":
+        raise ValueError(f"the EAGLE-3 head {path!r} has a {layer['model_type']} layer: only Llama layers are served")
+    from transformers import LlamaConfig
+
+    head = {name: config[name] for name in ("draft_vocab_size", "target_hidden_size",
+                                            "eagle_aux_hidden_state_layer_ids") if config.get(name) is not None}
+    return {**LlamaConfig(**layer).to_dict(), **head, "architectures": [EAGLE3_ARCHITECTURES[0]],
+            "norm_before_residual": config.get("norm_before_residual", True)}
 
 
 def eagle_weights(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int, has_embed: bool,
@@ -230,7 +266,7 @@ class MidlayerNames:
 
 class Eagle3Layer(llama.LlamaLayer):
     """EAGLE-3's layer: attention over the normed embedding and normed hidden state side by side, the hidden state
-    its residual."""
+    its residual (the normed one under `norm_before_residual`)."""
 
     def __init__(self, params: dict, spec: ModelSpec):
         super().__init__(params, spec)
@@ -241,9 +277,10 @@ class Eagle3Layer(llama.LlamaLayer):
         """The layer over the step's tokens (x: each one's hidden state; embeddings: its token's): (x, caches)
         after it."""
         # x, embeddings: (T, H); rope: cos, sin (T, rotary dims // 2) each
-        both = jnp.concatenate([self.norm(embeddings, self.input_norm), self.norm(x, self.hidden_norm)], axis=-1)
+        hidden = self.norm(x, self.hidden_norm)  # (T, H)
+        both = jnp.concatenate([self.norm(embeddings, self.input_norm), hidden], axis=-1)  # (T, 2H)
         attn, caches = self.self_attention(both, caches, layer, rope, step)  # (T, H)
-        x = x + attn
+        x = (hidden if self.spec.norm_before_residual else x) + attn
         return x + self.feed_forward(self.norm(x, self.post_norm), step), caches  # (T, H)
 
 
