@@ -62,6 +62,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
     GemmaConfig,
@@ -110,6 +112,9 @@ PROMPT_SEED = 1234
 NUM_NEW_TOKENS = 20
 MIN_MARGIN = 1e-3
 MIN_ROUTER_MARGIN = 1e-3  # MoE: k-th minus (k+1)-th router logit, every token and layer
+# DeepSeek routes on sigmoid scores, in (0, 1): their gaps are a few times smaller than logits' (no seed of 50 reaches
+# 1e-3), still 100x the float32 differences between torch and JAX (~1e-6)
+ROUTER_MARGIN_OVERRIDES = {"deepseek-v3": 2e-4, "deepseek-v3-q-proj": 2e-4}
 MAX_REROLLS = 50
 
 # Weight init: large stds make the logits "peaky", so greedy decoding does not
@@ -445,6 +450,79 @@ MODELS = {
         15000,
         None,
     ),
+    # DeepSeek-V3 (and R1, Kimi K2, Moonlight: DeepseekV3ForCausalLM): multi-head
+    # latent attention (q through a low-rank q_a / q_a_layernorm / q_b, k and v
+    # from one compressed latent and a shared rotary key, v narrower than the
+    # no-rope part of q and k), interleaved rope with YaRN and its mscale on the
+    # softmax, a dense first layer then sparse ones: sigmoid routing with a
+    # score-correction bias, top-1 of 2 expert groups, top-2 of 8 experts,
+    # renormalised and scaled by routed_scaling_factor, plus a shared expert.
+    "deepseek-v3": (
+        DeepseekV3ForCausalLM,
+        DeepseekV3Config,
+        dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,  # MLA: as many as the query heads (the class default is V3's 128)
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=2.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                original_max_position_embeddings=256,
+            ),
+        ),
+        16000,
+        None,
+    ),
+    # DeepSeek-V3's other layout (Moonlight-16B-A3B's): one q_proj (no q_lora_rank), every layer sparse (no
+    # dense first layer), one expert group, two shared experts, weights not renormalised, plain rope laid out
+    # rotate-half (rope_interleave false).
+    "deepseek-v3-q-proj": (
+        DeepseekV3ForCausalLM,
+        DeepseekV3Config,
+        dict(
+            num_hidden_layers=2,
+            num_key_value_heads=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=0,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=False,
+            rope_interleave=False,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=50000.0),
+        ),
+        17000,
+        None,
+    ),
 }
 FUSED_EXPERTS = ("gpt-oss",)  # saved with their experts fused, as their Hub checkpoints are
 
@@ -543,10 +621,16 @@ def init_peaky_weights(
 
 
 def build_model(name: str, seed: int) -> torch.nn.Module:
-    """Instantiate model ``name`` in float32 eval mode with peaky weights."""
+    """Instantiate model ``name`` in float32 eval mode with peaky weights (and, for DeepSeek's routers, a random
+    score-correction bias: a buffer, zero otherwise)."""
     model_cls = MODELS[name][0]
     model = model_cls(make_config(name)).to(torch.float32).eval()
     init_peaky_weights(model, seed, **INIT_OVERRIDES.get(name, {}))
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(0.2 * torch.randn(module.num_experts, generator=gen))
     return model
 
 
@@ -612,13 +696,16 @@ def router_margins(model):
 
     def hook(module, _inputs, output):
         logits = output[0].detach().to(torch.float32)
+        if hasattr(module, "e_score_correction_bias"):  # DeepSeek: the groups' choice, then the experts' in them
+            margins.append(deepseek_router_margin(module, logits))
+            return
         top = torch.topk(logits, module.top_k + 1, dim=-1).values
         margins.append(float((top[:, -2] - top[:, -1]).min()))
 
     handles = [
         m.register_forward_hook(hook)
         for m in model.modules()
-        if type(m).__name__.endswith("TopKRouter")
+        if type(m).__name__.lower().endswith("topkrouter")
     ]
     try:
         yield margins
@@ -627,11 +714,29 @@ def router_margins(model):
             h.remove()
 
 
+def deepseek_router_margin(router, logits: torch.Tensor) -> float:
+    """The smallest margin of a DeepSeek router's two choices over a call's tokens: the topk_group-th minus the
+    next group score (each group's top-2 biased sigmoid scores summed), and within the chosen groups the k-th minus
+    the (k+1)-th biased score."""
+    scores = logits.sigmoid() + router.e_score_correction_bias
+    groups = scores.view(-1, router.num_group, router.num_experts // router.num_group)
+    group_scores = groups.topk(2, dim=-1).values.sum(-1)  # (T, groups)
+    if router.topk_group == router.num_group:  # every group kept: no choice to make
+        group_margin, keep = float("inf"), torch.ones_like(group_scores, dtype=torch.bool)
+    else:
+        top_groups = group_scores.topk(router.topk_group + 1, dim=-1)
+        group_margin = (top_groups.values[:, -2] - top_groups.values[:, -1]).min()
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, top_groups.indices[:, :-1], True)
+    masked = groups.masked_fill(~keep[..., None], float("-inf")).view(scores.shape)
+    top = masked.topk(router.top_k + 1, dim=-1).values
+    return float(min(group_margin, (top[:, -2] - top[:, -1]).min()))
+
+
 def find_good_model(name: str, prompts):
     """Try seeds from the model's base seed until every margin is large enough.
 
     The greedy top-1/top-2 logit margins must be >= ``MIN_MARGIN`` and, for MoE
-    models, every router top-k decision margin >= ``MIN_ROUTER_MARGIN``
+    models, every router top-k decision margin >= ``MIN_ROUTER_MARGIN`` (or its ``ROUTER_MARGIN_OVERRIDES``)
     (``None`` for dense models).
     """
     base_seed = MODELS[name][3]
@@ -640,11 +745,12 @@ def find_good_model(name: str, prompts):
         with router_margins(model) as rmargins:
             outputs, min_margin, logits = reference_outputs(model, prompts)
         min_router = min(rmargins) if rmargins else None
-        if min_margin >= MIN_MARGIN and (min_router is None or min_router >= MIN_ROUTER_MARGIN):
+        router_margin = ROUTER_MARGIN_OVERRIDES.get(name, MIN_ROUTER_MARGIN)
+        if min_margin >= MIN_MARGIN and (min_router is None or min_router >= router_margin):
             return model, seed, outputs, min_margin, min_router, logits
         print(
             f"  {name}: seed {seed} min margin {min_margin:.2e} (need {MIN_MARGIN}), "
-            f"min router margin {min_router} (need {MIN_ROUTER_MARGIN}), re-rolling"
+            f"min router margin {min_router} (need {router_margin}), re-rolling"
         )
     raise RuntimeError(f"{name}: no seed in {MAX_REROLLS} tries reached the margins")
 

@@ -15,7 +15,8 @@ import numpy as np
 
 CHECKPOINTS = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoints")
 ARCHITECTURES = ("llama", "llama-linear", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3-moe",
-                 "qwen2-moe", "phi3", "granite", "olmo2", "gemma", "gpt-oss")
+                 "qwen2-moe", "phi3", "granite", "olmo2", "gemma", "gpt-oss", "deepseek-v3",
+                 "deepseek-v3-q-proj")
 # One compilation cache for the whole test session, so engines with equal shapes compile once.
 TEST_CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
 

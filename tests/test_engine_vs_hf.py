@@ -23,6 +23,10 @@ CASES = [
     ("olmo2", 8, 40),  # norms after the sub-layers, q/k norms over the whole width
     ("gemma", 16, 20),  # (1 + w) norms, GeGLU, scaled tied embeddings, one KV head
     ("gpt-oss", 8, 40),  # attention sinks, sliding and full layers, YaRN, biased experts with a clamped GLU
+    # multi-head latent attention (absorbed: one latent KV head), interleaved YaRN rope with its mscale, a dense
+    # layer, then sigmoid group-limited routing with a score-correction bias and a shared expert
+    ("deepseek-v3", 8, 40),
+    ("deepseek-v3-q-proj", 16, 20),  # one q_proj, every layer sparse, two shared experts, rotate-half rope
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 

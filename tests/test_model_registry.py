@@ -29,7 +29,8 @@ from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
 
 def test_the_llama_family_is_registered_and_an_unknown_architecture_is_refused():
     assert set(LLAMA_FAMILY) <= set(registered_architectures())
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; registered: Gemma2ForCausalLM, "
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; registered: "
+                                         "DeepseekV3ForCausalLM, Gemma2ForCausalLM, "
                                          "Gemma2ForSequenceClassification, Gemma2ForTokenClassification, "
                                          "Gemma3ForCausalLM"):
         model_for("GPT2LMHeadModel")

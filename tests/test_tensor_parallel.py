@@ -1,7 +1,8 @@
 """Tensor parallelism on simulated CPU devices: same greedy tokens as HF for TP 2 and 4, including
 models with fewer KV heads than the TP size (their KV heads are replicated, as vLLM does), Gemma, and mixtures of
 experts with each expert split (TP) or the experts split whole (expert parallelism); gpt-oss's attention sinks
-split with their heads (its experts split within, at TP 2: tests/test_mxfp4_checkpoint.py)."""
+split with their heads (its experts split within, at TP 2: tests/test_mxfp4_checkpoint.py); DeepSeek-V3's query
+heads split over the devices, each holding the one latent KV head."""
 
 import jax
 import pytest
@@ -12,7 +13,8 @@ from helpers import checkpoint, expected, small_engine_args
 # (architecture, KV heads in the checkpoint, tensor-parallel size, experts split whole over the devices)
 CASES = [("qwen2", 1, 2, False), ("llama", 2, 4, False), ("qwen3", 2, 2, False),
          ("gemma3", 1, 2, False), ("mixtral", 2, 2, False), ("qwen3-moe", 2, 2, True),
-         ("qwen2-moe", 2, 2, True), ("olmo2", 2, 4, False), ("gpt-oss", 2, 2, True)]
+         ("qwen2-moe", 2, 2, True), ("olmo2", 2, 4, False), ("gpt-oss", 2, 2, True), ("deepseek-v3", 1, 2, False),
+         ("deepseek-v3", 1, 4, True)]
 
 
 @pytest.mark.parametrize("name,kv_heads,tp,expert_parallel", CASES,
@@ -24,7 +26,7 @@ def test_greedy_matches_hf_under_tensor_parallelism(name, kv_heads, tp, expert_p
                                   skip_precompile=True))
     runner = llm.engine.core.runner
     # Heads really are split: every device holds 1/tp of the query projection and of the KV pages.
-    wq = runner.params["layers"]["wq"]
+    wq = runner.params["layers"].get("wq", runner.params["layers"].get("wq_b"))  # DeepSeek's low-rank q: wq_b
     assert wq.addressable_shards[0].data.shape[-1] == wq.shape[-1] // tp
     assert runner.kv_caches[0].shape[3] == max(kv_heads, tp)
     assert runner.kv_caches[0].addressable_shards[0].data.shape[3] == max(kv_heads, tp) // tp

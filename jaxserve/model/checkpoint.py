@@ -29,7 +29,7 @@ from jaxserve.kv import fp8
 from jaxserve.kv.calibration import calibrate_kv_scales, calibration_prompts
 from jaxserve.model.loader import dummy_params, load_kv_scales, load_params, resolve_dtype
 from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
-from jaxserve.model.registry import param_partition_specs, quantizable_leaves
+from jaxserve.model.registry import model_for, param_partition_specs, quantizable_leaves
 from jaxserve.model.sharding import cache_kv_heads, make_mesh, put_global
 from jaxserve.model.spec import ModelSpec
 
@@ -89,6 +89,7 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: M
     """(params in their shardings, the float dtype of the weights): from a converted orbax folder
     (`load_checkpoint`), random (load_format dummy) or a Hugging Face folder, then quantized as configured, with
     the fp8 KV cache's scales when `kv_cache_dtype` is fp8 (and none otherwise)."""
+    check_params_options(config, spec)
     if config.load_format != "dummy" and is_checkpoint(model_path):
         params, stored = load_checkpoint(model_path, spec, mesh, kv_heads, config.dtype, config.quantization)
         logger.info("weights: %.1f MiB (orbax, %s, %s)", weight_bytes(params) / 2**20, stored["dtype"],
@@ -132,6 +133,17 @@ def with_kv_scales(params: dict, config: EngineConfig, model_path: str, scales: 
         scales = {leaf: np.ones((num_layers, kv_heads), np.float32) for leaf in fp8.SCALE_LEAVES}
     sharding = NamedSharding(mesh, fp8.SCALE_SPEC)
     return {**params, "layers": {**layers, **{leaf: put_global(scales[leaf], sharding) for leaf in scales}}}
+
+
+def check_params_options(config: EngineConfig, spec: ModelSpec) -> None:
+    """ValueError for a weight quantization or an fp8 KV cache the architecture's params cannot take: both live in
+    its stacked layers (params["layers"]: the projections quantization applies to, the KV scales), which a model
+    with two kinds of layers in two stacks (DeepSeek-V3) does not have alone."""
+    if config.quantization != "none" and not quantizable_leaves(spec):
+        raise ValueError(f"quantization {config.quantization}: {spec.architecture} has no weights it applies to; "
+                         f"serve it unquantized")
+    if config.kv_cache_dtype == "fp8" and not model_for(spec.architecture).fp8_kv_cache:
+        raise ValueError(f"kv_cache_dtype fp8 is not supported for {spec.architecture}: use auto")
 
 
 def weight_quantization(config: EngineConfig, spec: ModelSpec) -> str:

@@ -164,15 +164,27 @@ class LlamaForCausalLM(nnx.Module):
             places = np.full((self.spec.num_layers,), len(layers), np.int32)  # (L,) each layer's place
             places[list(layers)] = np.arange(len(layers))
 
-        def layer_step(layer: LlamaLayer, carry, index):
-            x, caches, kept = carry
-            if kept is not None:
-                kept = jax.lax.dynamic_update_index_in_dim(kept, x, jnp.asarray(places)[index], 0)
-            return *layer(x, caches, index, rope, step), kept
+        def stack_step(first: int):
+            def layer_step(layer: LlamaLayer, carry, index):
+                x, caches, kept = carry
+                index = index + first  # the layer's index in the model
+                if kept is not None:
+                    kept = jax.lax.dynamic_update_index_in_dim(kept, x, jnp.asarray(places)[index], 0)
+                return *layer(x, caches, index, rope, step), kept
 
-        x, caches, kept = scan_layers(self.layers, (x, caches, kept), layer_step)
+            return layer_step
+
+        carry = (x, caches, kept)
+        for stack, first in self.layer_stacks():
+            carry = scan_layers(stack, carry, stack_step(first))
+        x, caches, kept = carry
         taps = None if kept is None else jnp.concatenate(list(kept[:-1]), axis=-1)  # (T, len(layers) * H)
         return self.logits(x[batch.logits_indices]), x, caches, taps
+
+    def layer_stacks(self) -> tuple[tuple[nnx.Module, int], ...]:
+        """The stacks of layers the step scans, in order, each with its first layer's index (one stack here; a model
+        whose layers come in two kinds has one per kind)."""
+        return ((self.layers, 0),)
 
     def embed_tokens(self, token_ids: jax.Array) -> jax.Array:
         """The tokens' embeddings."""

@@ -505,7 +505,7 @@ def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: 
         sharding = NamedSharding(mesh, weight.spec)
         if not weight.per_layer:
             return _load_one(folder, weight.hf_name, layout, sharding, dtype)
-        names = [weight.layer_names(i) for i in range(spec.num_layers)]
+        names = [weight.layer_names(i) for i in range(weight.shape[0])]
         if spec.checkpoint_quantization != "none" and weight.quantizable:
             return _load_quantized(folder, names, layout, sharding, spec, current)
         return _load_stacked(folder, names, layout, sharding, dtype, current)
@@ -526,7 +526,7 @@ def check_source(source: str | TensorSource, spec: ModelSpec, num_cache_kv_heads
         if not weight.per_layer:
             named = [(weight.hf_name, weight.shape)]
         else:
-            per_layer = [weight.layer_names(i) for i in range(spec.num_layers)]
+            per_layer = [weight.layer_names(i) for i in range(weight.shape[0])]
             expert = "{j}" in weight.hf_name
             named = [(name, weight.shape[2 if expert else 1:]) for names in per_layer
                      for name in (names if expert else [names])]

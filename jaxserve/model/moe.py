@@ -208,6 +208,28 @@ def routing(x: jax.Array, router, top_k: int, normalize_top_k: bool, router_bias
     return Routing(*route(logits, top_k, normalize_top_k))
 
 
+def grouped_sigmoid_routing(x: jax.Array, router: jax.Array, score_bias: jax.Array, *, top_k: int, num_groups: int,
+                            top_groups: int, normalize_top_k: bool, scale: float) -> Routing:
+    """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter): sigmoid scores of the float32 router logits; the
+    choice made on the scores plus the score-correction bias: the `top_groups` of `num_groups` equal expert groups
+    whose two best biased scores sum highest, then the top-k experts within them; the weights are the chosen
+    experts' unbiased scores, renormalised (`normalize_top_k`, norm_topk_prob) and times `scale`
+    (routed_scaling_factor). Ties go to the lower index."""
+    # x: (T, H); router: (H, E); score_bias: (E,) -> weights (T, k) float32, experts (T, k) int32
+    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32)))  # (T, E)
+    biased = scores + score_bias.astype(jnp.float32)  # (T, E)
+    num_tokens, num_experts = scores.shape
+    group_scores = jax.lax.top_k(biased.reshape(num_tokens, num_groups, -1), 2)[0].sum(axis=-1)  # (T, G)
+    _, groups = jax.lax.top_k(group_scores, top_groups)  # (T, top_groups)
+    kept = jnp.zeros((num_tokens, num_groups), bool).at[jnp.arange(num_tokens)[:, None], groups].set(True)  # (T, G)
+    in_kept = jnp.repeat(kept, num_experts // num_groups, axis=1)  # (T, E)
+    _, experts = jax.lax.top_k(jnp.where(in_kept, biased, -jnp.inf), top_k)  # (T, k)
+    weights = jnp.take_along_axis(scores, experts, axis=1)  # (T, k)
+    if normalize_top_k:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return Routing(weights * scale, experts.astype(jnp.int32))
+
+
 def moe_mlp(x: jax.Array, router, *weights, top_k: int, normalize_top_k: bool, round_weights: bool = False,
             mlp: ExpertMLP = SWIGLU, router_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
             impl: str | None = None, block_rows: int | None = None) -> jax.Array:
@@ -241,7 +263,17 @@ def moe_mlp_expert_parallel(x: jax.Array, router, *weights, mesh: Mesh, top_k: i
     device alike), each device computes the assignments to its E / n experts, and the float32 partial sums are
     psum'd."""
     # x: (T, H) replicated; router: (H, E) replicated; weights: each split on E -> (T, H) replicated
-    chosen = routing(x, router, top_k, normalize_top_k, router_bias)
+    return experts_expert_parallel(x, routing(x, router, top_k, normalize_top_k, router_bias), *weights, mesh=mesh,
+                                   round_weights=round_weights, mlp=mlp, down_bias=down_bias, axis_name=axis_name,
+                                   impl=impl, block_rows=block_rows)
+
+
+def experts_expert_parallel(x: jax.Array, chosen: Routing, *weights, mesh: Mesh, round_weights: bool = False,
+                            mlp: ExpertMLP = SWIGLU, down_bias: jax.Array | None = None,
+                            axis_name: str = MODEL_AXIS, impl: str | None = None,
+                            block_rows: int | None = None) -> jax.Array:
+    """`moe_mlp_expert_parallel` after its routing (`chosen`, however the model routes)."""
+    # x: (T, H) replicated; weights: each split on E -> (T, H) replicated
 
     def local(x, chosen, *weights):
         num_local = jax.tree_util.tree_leaves(weights[0])[0].shape[0]
@@ -265,7 +297,17 @@ def moe_mlp_tensor_parallel(x: jax.Array, router, *weights, mesh: Mesh, top_k: i
     I columns, w_down by I rows): each device runs the routed block on its slice of I and the float32 partial
     sums are psum'd."""
     # x: (T, H) replicated; router: (H, E) replicated; weights: each split on I -> (T, H) replicated
-    chosen = routing(x, router, top_k, normalize_top_k, router_bias)
+    return experts_tensor_parallel(x, routing(x, router, top_k, normalize_top_k, router_bias), *weights, mesh=mesh,
+                                   round_weights=round_weights, mlp=mlp, down_bias=down_bias, axis_name=axis_name,
+                                   impl=impl, block_rows=block_rows)
+
+
+def experts_tensor_parallel(x: jax.Array, chosen: Routing, *weights, mesh: Mesh, round_weights: bool = False,
+                            mlp: ExpertMLP = SWIGLU, down_bias: jax.Array | None = None,
+                            axis_name: str = MODEL_AXIS, impl: str | None = None,
+                            block_rows: int | None = None) -> jax.Array:
+    """`moe_mlp_tensor_parallel` after its routing (`chosen`, however the model routes)."""
+    # x: (T, H) replicated; weights: each split on I -> (T, H) replicated
 
     def local(x, chosen, *weights):
         expert_out = routed_experts(x, chosen.experts, weights, mlp, impl=impl, block_rows=block_rows)

@@ -39,6 +39,7 @@ class Weight:
     kv_heads: bool = False  # the last axis holds KV heads: each repeated when tensor parallelism exceeds them
     ones: bool = False  # random weights (load_format dummy) start at 1 (a norm), not N(0, 0.02^2)
     quantizable: bool = False  # a per-layer projection `quantization` stores as {weight, scale} (model/quantize.py)
+    first_layer: int = 0  # a per-layer leaf stacks the checkpoint's layers first_layer .. first_layer + shape[0] - 1
 
     @property
     def per_layer(self) -> bool:
@@ -46,7 +47,9 @@ class Weight:
         return "{i}" in self.hf_name
 
     def layer_names(self, layer: int) -> str | list[str]:
-        """The checkpoint tensor of one layer of a per-layer leaf, or one per expert (shape[1] of them)."""
+        """The checkpoint tensor of the leaf's `layer`-th layer (of a per-layer leaf), or one per expert (shape[1]
+        of them)."""
+        layer += self.first_layer
         if "{j}" in self.hf_name:
             return [self.hf_name.format(i=layer, j=expert) for expert in range(self.shape[1])]
         return self.hf_name.format(i=layer)
@@ -67,6 +70,10 @@ class Model:
     module: type
     # the module adds LoRA adapters' products (params["layers"]["lora"], model/lora.py) to its dense projections
     lora: bool = False
+    # its layers read an fp8 KV cache's scales (params["layers"]'s k_scale, v_scale: one stack of every layer)
+    fp8_kv_cache: bool = True
+    # its body is served under a score head too (XForSequenceClassification, XForTokenClassification)
+    classifiers: bool = True
     # projections the checkpoint stores fused (Phi-3's qkv_proj, gate_up_proj), read apart (model/loader.py's
     # FusedRows): spec -> {a declared tensor's module suffix: (the fused module's suffix, first row, rows)}
     fused: Callable[[ModelSpec], dict[str, tuple[str, int, int]]] | None = None
@@ -108,7 +115,8 @@ def copy_pages(caches: tuple[jax.Array, ...], src: jax.Array, dst: jax.Array) ->
 _MODELS: dict[str, Model] = {}
 # imported on the first lookup (they import this module)
 BUILTIN_MODULES = ("jaxserve.model.llama", "jaxserve.model.gemma", "jaxserve.model.moe_llama", "jaxserve.model.phi3",
-                   "jaxserve.model.granite", "jaxserve.model.olmo2", "jaxserve.model.gpt_oss")
+                   "jaxserve.model.granite", "jaxserve.model.olmo2", "jaxserve.model.gpt_oss",
+                   "jaxserve.model.deepseek")
 PLUGIN_GROUP = "jaxserve.models"  # entry points (module names) of installed packages that register architectures
 
 
@@ -123,8 +131,8 @@ def registered_architectures() -> tuple[str, ...]:
     classifiers (XForSequenceClassification, XForTokenClassification: its body under a score head,
     ModelSpec.classifier) among them."""
     _import_builtins()
-    classifiers = [classifier_architecture(name, per_token) for name in _MODELS if name.endswith("ForCausalLM")
-                   for per_token in (False, True)]
+    classifiers = [classifier_architecture(name, per_token) for name, model in _MODELS.items()
+                   if name.endswith("ForCausalLM") and model.classifiers for per_token in (False, True)]
     return tuple(sorted([*_MODELS, *classifiers]))
 
 
@@ -133,7 +141,7 @@ def model_for(architecture: str) -> Model:
     ValueError listing the registered ones."""
     _import_builtins()
     body = causal_architecture(architecture)
-    if body not in _MODELS:
+    if body not in _MODELS or (body != architecture and not _MODELS[body].classifiers):
         raise ValueError(f"unsupported architecture {architecture!r}; registered: "
                          f"{', '.join(registered_architectures())}")
     return _MODELS[body]

@@ -1,0 +1,125 @@
+"""DeepSeek-V3 (model/deepseek.py) beyond the token-for-token checks against transformers (test_engine_vs_hf.py,
+test_tensor_parallel.py): what its spec reads, a KV pool that holds the latent (one KV head of r + dr), the
+routing against a plain re-statement of transformers' router, and clear errors for what it does not serve."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from helpers import checkpoint, expected, small_engine_args
+from jaxserve import LLM, SamplingParams
+from jaxserve.model import moe
+from jaxserve.model.spec import ModelSpec
+
+
+def _config(name: str = "deepseek-v3") -> dict:
+    with open(os.path.join(checkpoint(name), "config.json")) as f:
+        return json.load(f)
+
+
+def test_the_spec_reads_latent_attention_and_routing():
+    spec = ModelSpec.from_pretrained(checkpoint("deepseek-v3"))
+    assert (spec.head_dim, spec.num_kv_heads, spec.num_heads) == (24 + 8, 1, 4)  # the cache: latent + rotary key
+    assert (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.v_head_dim) == (32, 24, 16, 12)
+    assert (spec.first_dense_layers, spec.dense_intermediate_size, spec.intermediate_size) == (1, 128, 32)
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.num_groups, spec.top_groups) == (8, 2, 2, 1)
+    assert spec.shared_expert_size == 32 and spec.routed_scaling_factor == 2.5 and spec.rope_interleave
+    assert spec.rope.rope_type == "yarn" and spec.rope.head_dim == 8
+    assert spec.softmax_scale == pytest.approx((16 + 8) ** -0.5 * (0.1 * math.log(2.0) + 1) ** 2)
+    plain = ModelSpec.from_pretrained(checkpoint("deepseek-v3-q-proj"))
+    assert plain.q_lora_rank is None and plain.first_dense_layers == 0 and plain.shared_expert_size == 64
+    assert plain.softmax_scale == pytest.approx(24 ** -0.5)  # no YaRN: no mscale
+
+
+def test_the_kv_pool_holds_the_latent_and_the_tokens_are_hfs():
+    llm = LLM(checkpoint("deepseek-v3"), **small_engine_args(num_pages=16, max_num_seqs=4, skip_precompile=True))
+    caches = llm.engine.core.runner.kv_caches
+    assert all(cache.shape[3:] == (1, 24 + 8) for cache in caches), [cache.shape for cache in caches]
+    want = expected("deepseek-v3")
+    outputs = llm.generate([{"prompt_token_ids": p} for p in want["prompts"][-3:]],
+                           SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == want["outputs"][-3:]
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
+def _reference_routing(logits: np.ndarray, bias: np.ndarray, top_k: int, groups: int, top_groups: int,
+                       normalize: bool, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' DeepseekV3TopkRouter, token by token in numpy: (weights (T, k), experts (T, k)) with each
+    token's experts sorted by expert id."""
+    weights, experts = [], []
+    for row in logits.astype(np.float64):
+        scores = 1 / (1 + np.exp(-row))
+        biased = scores + bias
+        per_group = biased.reshape(groups, -1)
+        group_scores = np.sort(per_group, axis=1)[:, -2:].sum(axis=1)
+        kept = np.argsort(-group_scores, kind="stable")[:top_groups]
+        allowed = np.full_like(biased, -np.inf).reshape(groups, -1)
+        allowed[kept] = per_group[kept]
+        chosen = np.sort(np.argsort(-allowed.reshape(-1), kind="stable")[:top_k])
+        w = scores[chosen]
+        if normalize:
+            w = w / (w.sum() + 1e-20)
+        weights.append(w * scale)
+        experts.append(chosen)
+    return np.array(weights), np.array(experts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), groups=st.sampled_from([1, 2, 4]), normalize=st.booleans())
+def test_routing_keeps_the_best_groups_then_the_best_experts_in_them(seed, groups, normalize):
+    rng = np.random.default_rng(seed)
+    hidden, num_experts, top_k = 8, 8, 2
+    top_groups = int(rng.integers(1, groups + 1))
+    x = rng.normal(size=(5, hidden)).astype(np.float32)
+    router = rng.normal(size=(hidden, num_experts)).astype(np.float32)
+    bias = (0.3 * rng.normal(size=num_experts)).astype(np.float32)
+    chosen = moe.grouped_sigmoid_routing(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), top_k=top_k,
+                                         num_groups=groups, top_groups=top_groups, normalize_top_k=normalize,
+                                         scale=2.5)
+    order = np.argsort(np.asarray(chosen.experts), axis=1)
+    got_experts = np.take_along_axis(np.asarray(chosen.experts), order, axis=1)
+    got_weights = np.take_along_axis(np.asarray(chosen.weights), order, axis=1)
+    want_weights, want_experts = _reference_routing(x.astype(np.float64) @ router, bias, top_k, groups, top_groups,
+                                                    normalize, 2.5)
+    np.testing.assert_array_equal(got_experts, want_experts)
+    np.testing.assert_allclose(got_weights, want_weights, rtol=1e-5)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"scoring_func": "softmax"}, "routes with sigmoid scores"),
+    ({"topk_method": "group_limited_greedy"}, "topk_method noaux_tc"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq"),
+    ({"first_k_dense_replace": 3}, "leaves none of the 3 layers sparse"),
+    ({"n_group": 3}, "must split into n_group 3 equal groups"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_configs_it_does_not_serve_are_value_errors(changes, message):
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config({**_config(), **changes})
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"quantization": "int8"}, "no weights it applies to"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 is not supported for DeepseekV3ForCausalLM"),
+    ({"enable_lora": True}, "takes no LoRA adapters"),
+])
+def test_engine_options_it_does_not_serve_are_value_errors(options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(checkpoint("deepseek-v3"), **small_engine_args(num_pages=16, skip_precompile=True, **options))
+
+
+def test_its_classifiers_are_not_registered():
+    from jaxserve.model.registry import model_for, registered_architectures
+
+    assert "DeepseekV3ForCausalLM" in registered_architectures()
+    for head in ("DeepseekV3ForSequenceClassification", "DeepseekV3ForTokenClassification"):
+        assert head not in registered_architectures()
+        with pytest.raises(ValueError, match=f"unsupported architecture '{head}'"):
+            model_for(head)
