@@ -34,8 +34,8 @@ from jaxserve.bench.quantized_checkpoint import (  # noqa: E402
     write_fp8_block_checkpoint, write_gptq_checkpoint, write_int4_checkpoint,
 )
 from jaxserve.engine.llm_engine import default_model_path  # noqa: E402
-from jaxserve.model.quantize import weight_bytes  # noqa: E402
-from jaxserve.model.registry import quantizable_leaves  # noqa: E402
+from jaxserve.model.quantize import leaf_at, weight_bytes  # noqa: E402
+from jaxserve.model.registry import quantizable_paths  # noqa: E402
 
 MODES = {  # mode -> scoring_runner options
     "int8": {"quantization": "int8"}, "fp8": {"quantization": "fp8"},
@@ -86,12 +86,12 @@ def main() -> None:
         prompts = prompts_for(model)
         reference_runner = scoring_runner(model)
         reference = next_token_logprobs(reference_runner, prompts)
-        leaves = quantizable_leaves(reference_runner.spec)
-        linear = {name: reference_runner.params["layers"][name] for name in leaves}
+        paths = quantizable_paths(reference_runner.spec)
+        linear = {path: leaf_at(reference_runner.params, path) for path in paths}
         bf16_bytes = sum(leaf.size * jnp.dtype(jnp.bfloat16).itemsize for leaf in linear.values())
         def report(mode: str, options: dict, runner) -> None:
             quality = compare_distributions(reference, next_token_logprobs(runner, prompts))
-            quantized = weight_bytes({name: runner.params["layers"][name] for name in leaves})
+            quantized = weight_bytes([leaf_at(runner.params, path) for path in paths])
             linear_share = f"{quantized / bf16_bytes:.3f}" if "quantization" in options else "-"
             kv_share = runner.cache_structs(1)[0].dtype.itemsize / jnp.dtype(jnp.bfloat16).itemsize
             print(f"| {os.path.basename(os.path.normpath(model))} | {mode} | {quality['positions']} | "

@@ -241,8 +241,8 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
     have (traced, never made), quantized as configured, with the fp8 KV cache's scales under `kv_cache_dtype`
     fp8, the shardings the engine gives them (`declared`: the weights, when not the registered architecture's)."""
     from jaxserve.model.loader import dummy_params
-    from jaxserve.model.quantize import quantized_partition_specs, quantized_shapes
-    from jaxserve.model.registry import map_weights, param_partition_specs, quantizable_leaves
+    from jaxserve.model.quantize import quantized_partition_specs, quantized_shapes, replace_at
+    from jaxserve.model.registry import map_weights, param_partition_specs, quantizable_paths
     from jaxserve.model.sharding import named
 
     shapes = jax.eval_shape(lambda: dummy_params(spec, mesh, dtype, num_cache_kv_heads, seed=0, declared=declared))
@@ -251,13 +251,12 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
     else:
         specs = map_weights(lambda _, weight: weight.spec, declared)
     if quantization != "none":
-        leaves = quantizable_leaves(spec)
+        paths = quantizable_paths(spec)
         block = spec.checkpoint_weight_block  # a checkpoint's block or group scales are served grouped
         extras = spec.checkpoint_zero_points, spec.checkpoint_act_order
-        layers = {name: quantized_shapes(leaf, quantization, block and block[1], *extras) if name in leaves else leaf
-                  for name, leaf in shapes["layers"].items()}
-        shapes = {**shapes, "layers": layers}
-        specs = quantized_partition_specs(specs, leaves, block is not None, *extras)
+        shapes = replace_at(shapes, paths, lambda leaf: quantized_shapes(leaf, quantization, block and block[1],
+                                                                         *extras))
+        specs = quantized_partition_specs(specs, paths, block is not None, *extras)
     if kv_cache_dtype == "fp8":
         scale = jax.ShapeDtypeStruct((spec.num_layers, num_cache_kv_heads), jnp.float32)  # (L, Hkv)
         shapes, specs = fp8.with_scale_leaves(shapes, scale), fp8.with_scale_leaves(specs, fp8.SCALE_SPEC)

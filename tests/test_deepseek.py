@@ -1,6 +1,8 @@
 """DeepSeek-V3 (model/deepseek.py) beyond the token-for-token checks against transformers (test_engine_vs_hf.py,
 test_tensor_parallel.py): what its spec reads, a KV pool that holds the latent (one KV head of r + dr), the
-routing against a plain re-statement of transformers' router, and clear errors for what it does not serve."""
+routing against a plain re-statement of transformers' router, clear errors for what it does not serve, and its
+weights quantized in both stacks of layers: the releases' fp8 blocks served as stored (against transformers,
+which dequantizes them), or a float checkpoint quantized at load (against the float model)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers import checkpoint, expected, small_engine_args
+from helpers import assert_serves_hf_outputs, checkpoint, checkpoint_tensors, expected, small_engine_args
 from jaxserve import LLM, SamplingParams
+from jaxserve.bench.quality import compare_distributions, next_token_logprobs, scoring_runner
 from jaxserve.model import moe
+from jaxserve.model.checkpoint import convert
+from jaxserve.model.quantize import dequantize, leaf_at, replace_at
+from jaxserve.model.registry import quantizable_paths
 from jaxserve.model.spec import ModelSpec
+
+FP8 = "deepseek-v3-fp8-block"  # deepseek-v3 as DeepSeek-V3's release stores it: fp8 in blocks (of 16 x 8 here)
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
 def _config(name: str = "deepseek-v3") -> dict:
@@ -106,7 +115,6 @@ def test_configs_it_does_not_serve_are_value_errors(changes, message):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"quantization": "int8"}, "no weights it applies to"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype fp8 is not supported for DeepseekV3ForCausalLM"),
     ({"enable_lora": True}, "takes no LoRA adapters"),
 ])
@@ -123,3 +131,107 @@ def test_its_classifiers_are_not_registered():
         assert head not in registered_architectures()
         with pytest.raises(ValueError, match=f"unsupported architecture '{head}'"):
             model_for(head)
+
+
+# ---- quantized weights ----------------------------------------------------------------------------------------
+
+
+def _engine(name: str, **options) -> LLM:
+    return LLM(checkpoint(name), **small_engine_args(num_pages=40, page_size=8, max_num_seqs=16, skip_precompile=True,
+                                                     **options))
+
+
+def _greedy(llm: LLM, name: str) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in expected(name)["prompts"]]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def fp8_llm():
+    return _engine(FP8)
+
+
+def test_every_projection_of_both_stacks_is_quantizable_the_router_is_not():
+    paths = set(quantizable_paths(ModelSpec.from_pretrained(checkpoint("deepseek-v3"))))
+    attention = {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo"}
+    assert paths == {*(("dense_layers", name) for name in attention | {"w_gate", "w_up", "w_down"}),
+                     *(("layers", name) for name in attention | {"w_gate", "w_up", "w_down", "shared_w_gate",
+                                                                 "shared_w_up", "shared_w_down"})}
+
+
+def test_the_releases_fp8_blocks_are_served_as_stored_and_give_hugging_faces_tokens(fp8_llm):
+    spec = ModelSpec.from_pretrained(checkpoint(FP8))
+    assert spec.checkpoint_quantization == "fp8" and spec.checkpoint_weight_block == (16, 8)
+    params = fp8_llm.engine.core.runner.params
+    for path in quantizable_paths(spec):
+        leaf = leaf_at(params, path)
+        assert leaf["weight"].dtype == jnp.float8_e4m3fn and leaf["scale"].ndim == leaf["weight"].ndim, path
+    assert params["layers"]["wkv_b"]["scale"].shape == (2, 24 // 8, 4 * (16 + 12))  # (L, in / 8 columns, out)
+    assert params["layers"]["router"].dtype == jnp.float32  # the router stays float
+    assert_serves_hf_outputs(fp8_llm, FP8)
+
+
+def test_kv_b_projs_block_scales_reach_the_absorbed_attention(fp8_llm):
+    """kv_b_proj is dequantized where the step splits it into keys and values: doubled scales change the tokens
+    (update_weights, in place), the stored ones bring them back."""
+    tensors = checkpoint_tensors(FP8, None)
+    doubled = {name: tensor * 2 if name.endswith("kv_b_proj.weight_scale_inv") else tensor
+               for name, tensor in tensors.items()}
+    want = expected(FP8)["outputs"]
+    for source, same in ((doubled, False), (tensors, True)):
+        fp8_llm.update_weights(source)
+        assert (_greedy(fp8_llm, FP8) == want) is same
+
+
+def test_fp8_blocks_split_over_devices_with_the_experts_whole_give_the_same_tokens():
+    llm = _engine(FP8, tensor_parallel_size=2, enable_expert_parallel=True)
+    assert _greedy(llm, FP8) == expected(FP8)["outputs"]
+
+
+def test_a_converted_fp8_folder_keeps_both_stacks_blocks(tmp_path):
+    assert convert(checkpoint(FP8), str(tmp_path / "converted"))["quantization"] == "fp8"
+    llm = LLM(str(tmp_path / "converted"), **small_engine_args(num_pages=40, page_size=8, max_num_seqs=16,
+                                                                skip_precompile=True))
+    assert llm.engine.core.runner.params["dense_layers"]["w_down"]["scale"].shape == (1, 128 // 8, 64)
+    assert _greedy(llm, FP8) == expected(FP8)["outputs"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8"])
+def test_quantized_at_load_it_computes_the_model_its_weights_stand_for(mode):
+    """The quantized engine's next-token log-probabilities equal, to float32 rounding, those of the float model
+    whose every projection (both stacks) is replaced by what its quantized form stands for (weight times scale)."""
+    prompts = expected("deepseek-v3")["prompts"]
+    runner = scoring_runner(checkpoint("deepseek-v3"), mode)
+    paths = quantizable_paths(runner.spec)
+    assert all(isinstance(leaf_at(runner.params, path), dict) for path in paths)
+    quantized = next_token_logprobs(runner, prompts)
+    runner.params = replace_at(runner.params, paths, lambda leaf: dequantize(leaf, jnp.float32))
+    for got, want in zip(quantized, next_token_logprobs(runner, prompts)):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode, least_top1, most_kl", [("int8", 0.85, 0.15), ("fp8", 0.6, 0.4)])
+def test_quantized_at_load_it_stays_near_the_float_model(mode, least_top1, most_kl):
+    """Looser bars than test_quantization.py's dense models': this random fixture's router margins (2e-4 on sigmoid
+    scores) let the rounding flip an expert or a group choice, and each flip moves the later layers (measured:
+    int8 top-1 0.91, mean KL 0.073; fp8 0.67, 0.22; Mixtral's fixture gives int8 0.91, 0.027)."""
+    prompts = expected("deepseek-v3")["prompts"]
+    reference = next_token_logprobs(scoring_runner(checkpoint("deepseek-v3")), prompts)
+    quality = compare_distributions(reference, next_token_logprobs(scoring_runner(checkpoint("deepseek-v3"), mode),
+                                                                   prompts))
+    assert quality["top1_agreement"] >= least_top1 and quality["mean_kl"] <= most_kl, quality
+
+
+def test_a_weight_update_quantizes_both_stacks_again():
+    """update_weights over weights quantized at load reads the float tensors and quantizes them again, in the dense
+    stack too: the same tokens as before; doubled dense down_proj weights change them."""
+    llm = _engine("deepseek-v3", quantization="int8")
+    assert llm.engine.core.runner.params["dense_layers"]["w_down"]["weight"].dtype == jnp.int8
+    before = _greedy(llm, "deepseek-v3")
+    tensors = checkpoint_tensors("deepseek-v3", None)
+    doubled = {name: tensor * 2 if name == "model.layers.0.mlp.down_proj.weight" else tensor
+               for name, tensor in tensors.items()}
+    for source, same in ((doubled, False), (tensors, True)):
+        llm.update_weights(source)
+        assert llm.engine.core.runner.params["dense_layers"]["w_down"]["weight"].dtype == jnp.int8
+        assert (_greedy(llm, "deepseek-v3") == before) is same

@@ -54,7 +54,8 @@ def test_the_openai_client_gets_one_unit_vector_per_input_in_order(server, clien
     floats = _embed(url, input=TEXTS).json()
     for item, plain in zip(answer.data, floats["data"]):
         assert plain["object"] == "embedding"
-        np.testing.assert_allclose(item.embedding, plain["embedding"], rtol=1e-6)
+        # separate requests: steps of other shapes, whose float rounding differs
+        np.testing.assert_allclose(item.embedding, plain["embedding"], rtol=1e-5, atol=1e-6)
         assert len(item.embedding) == engine.core.spec.hidden_size
         assert abs(np.linalg.norm(item.embedding) - 1.0) < 1e-5
     lengths = [len(engine.tokenizer.encode(text)) for text in TEXTS]
@@ -139,7 +140,8 @@ def test_pooling_gives_an_embedding_models_embeddings_and_classify_is_refused(se
     pooled = httpx.post(f"{url}/pooling", headers=AUTH, json={"model": MODEL, "input": TEXTS[:2]}).json()
     assert [item["object"] for item in pooled["data"]] == ["pooling", "pooling"]
     for item, embedding in zip(pooled["data"], embedded):
-        np.testing.assert_allclose(item["data"], embedding["embedding"], rtol=1e-6)
+        # the two requests may run in steps of other shapes (other requests beside them): float rounding differs
+        np.testing.assert_allclose(item["data"], embedding["embedding"], rtol=1e-5, atol=1e-6)
     refused = httpx.post(f"{url}/classify", headers=AUTH, json={"input": TEXTS[0]})
     assert "classification needs a sequence classifier" in _error(refused, "model")
     activation = httpx.post(f"{url}/pooling", headers=AUTH, json={"input": TEXTS[0], "use_activation": True})

@@ -21,7 +21,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.model import registry
 from jaxserve.model.loader import load_params, tensor_source
 from jaxserve.model.registry import (
-    Weight, map_weights, model_for, quantizable_leaves, registered_architectures,
+    Weight, map_weights, model_for, quantizable_paths, registered_architectures,
 )
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
@@ -38,11 +38,10 @@ def test_the_llama_family_is_registered_and_an_unknown_architecture_is_refused()
         with pytest.raises(ValueError, match=f"unsupported architecture '{head}'; registered:"):
             model_for(head)
     # weight quantization takes the leaves the model declares quantizable: the seven projections
-    assert set(quantizable_leaves(ModelSpec.from_pretrained(checkpoint("qwen2")))) == {
-        "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    projections = {("layers", name) for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    assert set(quantizable_paths(ModelSpec.from_pretrained(checkpoint("qwen2")))) == projections
     # a mixture of experts: the experts (L, E, in, out) too, never the router
-    assert set(quantizable_leaves(ModelSpec.from_pretrained(checkpoint("mixtral")))) == {
-        "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    assert set(quantizable_paths(ModelSpec.from_pretrained(checkpoint("mixtral")))) == projections
     assert "router" in model_for("MixtralForCausalLM").weights(
         ModelSpec.from_pretrained(checkpoint("mixtral")), 2, 1)["layers"]
 

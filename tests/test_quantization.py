@@ -36,7 +36,7 @@ from jaxserve.bench.quality import compare_distributions, next_token_logprobs, s
 from jaxserve.engine.llm_engine import default_model_path
 from jaxserve.model.loader import load_params
 from jaxserve.model.quantize import FORMATS, dequantize, linear, quantize_params, quantize_weight, weight_bytes
-from jaxserve.model.registry import quantizable_leaves
+from jaxserve.model.registry import quantizable_paths
 from jaxserve.model.sharding import cache_kv_heads, make_mesh
 from jaxserve.model.spec import ModelSpec
 
@@ -113,7 +113,7 @@ def test_linear_weights_take_half_the_bytes_of_bfloat16():
     linear_bytes = weight_bytes({name: params["layers"][name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
                                                                           "w_down")})
     for mode in ("int8", "fp8"):
-        quantized = quantize_params(jax.tree_util.tree_map(jnp.copy, params), mode, quantizable_leaves(spec))["layers"]
+        quantized = quantize_params(jax.tree_util.tree_map(jnp.copy, params), mode, quantizable_paths(spec))["layers"]
         scales = sum(quantized[name]["scale"].nbytes for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
         assert weight_bytes({name: quantized[name]["weight"] for name in quantized if isinstance(quantized[name], dict)}
                             ) == linear_bytes // 2

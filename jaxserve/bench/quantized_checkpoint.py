@@ -59,7 +59,9 @@ from jaxserve.model.loader import (
 )
 
 FP8_MAX = 448.0
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # experts' too
+# experts' too; DeepSeek-V3's latent attention's projections last
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+          "kv_a_proj_with_mqa", "kv_b_proj")
 COPIED = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "vocab.json",
           "merges.txt", "generation_config.json", "chat_template.jinja")
 

@@ -29,7 +29,7 @@ from jaxserve.kv import fp8
 from jaxserve.kv.calibration import calibrate_kv_scales, calibration_prompts
 from jaxserve.model.loader import dummy_params, load_kv_scales, load_params, resolve_dtype
 from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
-from jaxserve.model.registry import model_for, param_partition_specs, quantizable_leaves
+from jaxserve.model.registry import model_for, param_partition_specs, quantizable_paths
 from jaxserve.model.sharding import cache_kv_heads, make_mesh, put_global
 from jaxserve.model.spec import ModelSpec
 
@@ -102,7 +102,7 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: M
     else:
         params = load_params(model_path, spec, mesh, dtype, kv_heads)  # an fp8 checkpoint's layers come quantized
     if mode != "none" and (spec.checkpoint_quantization == "none" or config.load_format == "dummy"):
-        params = quantize_params(params, mode, quantizable_leaves(spec))
+        params = quantize_params(params, mode, quantizable_paths(spec))
     logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, mode)
     scales = None
     if config.kv_cache_dtype == "fp8" and config.load_format != "dummy" and not config.calculate_kv_scales:
@@ -136,10 +136,10 @@ def with_kv_scales(params: dict, config: EngineConfig, model_path: str, scales: 
 
 
 def check_params_options(config: EngineConfig, spec: ModelSpec) -> None:
-    """ValueError for a weight quantization or an fp8 KV cache the architecture's params cannot take: both live in
-    its stacked layers (params["layers"]: the projections quantization applies to, the KV scales), which a model
-    with two kinds of layers in two stacks (DeepSeek-V3) does not have alone."""
-    if config.quantization != "none" and not quantizable_leaves(spec):
+    """ValueError for a weight quantization the architecture declares no weights for, or an fp8 KV cache its
+    layers do not read (the KV scales live in params["layers"], one stack of every layer, which a model with two
+    kinds of layers in two stacks, DeepSeek-V3, does not have)."""
+    if config.quantization != "none" and not quantizable_paths(spec):
         raise ValueError(f"quantization {config.quantization}: {spec.architecture} has no weights it applies to; "
                          f"serve it unquantized")
     if config.kv_cache_dtype == "fp8" and not model_for(spec.architecture).fp8_kv_cache:
@@ -181,7 +181,7 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
     if metadata["quantization"] != "none":  # a checkpoint's block-wise scales (and zero points) were converted grouped
         as_stored = metadata["quantization"] == spec.checkpoint_quantization
         grouped = as_stored and spec.checkpoint_weight_block is not None
-        specs = quantized_partition_specs(specs, quantizable_leaves(spec), grouped,
+        specs = quantized_partition_specs(specs, quantizable_paths(spec), grouped,
                                           as_stored and spec.checkpoint_zero_points,
                                           as_stored and spec.checkpoint_act_order)
     if metadata.get("kv_cache_dtype") == "fp8":

@@ -31,6 +31,11 @@ Params (Ld dense layers, Lm sparse ones; every attention leaf in both stacks):
 Tensor parallelism splits the query heads (wq_b / wq and wkv_b by columns, wo by rows), the MLPs and experts as
 the Llama and MoE families do; the latent path (wq_a, wkv_a and their norms) is replicated, and the one latent KV
 head is held once per device.
+
+Quantization. Every projection above but the router is `quantizable` in both stacks: the releases' fp8 weights
+with a scale per block of 128 x 128 (quant_method fp8, `weight_scale_inv`) are served as stored, and a float
+checkpoint takes `quantization` int8 / fp8 (model/quantize.py). kv_b_proj, split into its key and value halves
+rather than multiplied once, is dequantized where the step reads it (`float_weight`).
 """
 
 from __future__ import annotations
@@ -45,7 +50,16 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention.base import LayerAttention
 from jaxserve.model import llama, moe
-from jaxserve.model.layers import StepContext, apply_rope, lora_slots, optional_param, project, projection, weight_value
+from jaxserve.model.layers import (
+    StepContext,
+    apply_rope,
+    float_weight,
+    lora_slots,
+    optional_param,
+    project,
+    projection,
+    weight_value,
+)
 from jaxserve.model.moe_llama import MoeSpec
 from jaxserve.model.registry import Model, Weight, register
 from jaxserve.model.sharding import MODEL_AXIS, cache_kv_heads
@@ -121,11 +135,11 @@ class DeepseekLayer(llama.LlamaLayer):
     def __init__(self, params: dict, spec: DeepseekSpec):
         self.spec = spec
         self.input_norm, self.post_norm = nnx.Param(params["input_norm"]), nnx.Param(params["post_norm"])
-        self.wq = projection(params["wq"]) if "wq" in params else None
-        self.wq_a = projection(params["wq_a"]) if "wq_a" in params else None
-        self.q_a_norm, self.wq_b = optional_param(params, "q_a_norm"), optional_param(params, "wq_b")
+        self.wq, self.wq_a, self.wq_b = (projection(params[leaf]) if leaf in params else None
+                                         for leaf in ("wq", "wq_a", "wq_b"))
+        self.q_a_norm = optional_param(params, "q_a_norm")
         self.wkv_a, self.kv_a_norm = projection(params["wkv_a"]), nnx.Param(params["kv_a_norm"])
-        self.wkv_b, self.wo = nnx.Param(params["wkv_b"]), projection(params["wo"])
+        self.wkv_b, self.wo = projection(params["wkv_b"]), projection(params["wo"])
         self.k_scale = self.v_scale = None
         self.lora = lora_slots(params)  # (none: DeepSeek serves no adapters)
         self.init_feed_forward(params)
@@ -148,7 +162,7 @@ class DeepseekLayer(llama.LlamaLayer):
         if spec.rope_interleave:
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = apply_rope(q_pe, *rope), apply_rope(k_pe, *rope)
-        w_kv_b = self.wkv_b[...].reshape(latent, -1, nope + spec.v_head_dim)  # (r, Hq, dn + dv)
+        w_kv_b = float_weight(self.wkv_b, h.dtype).reshape(latent, -1, nope + spec.v_head_dim)  # (r, Hq, dn + dv)
         w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]  # (r, Hq, dn), (r, Hq, dv)
         q_latent = jnp.einsum("thd,rhd->thr", q_nope, w_uk)  # (T, Hq, r)
         query = jnp.concatenate([q_latent, q_pe], axis=-1)  # (T, Hq, r + dr)
@@ -209,9 +223,6 @@ class DeepseekForCausalLM(llama.LlamaForCausalLM):
 
 def weights(spec: DeepseekSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:
     """Every params leaf (the module docstring's) with its Hugging Face tensor, shape and sharding."""
-    if spec.checkpoint_quantization != "none":
-        raise ValueError(f"DeepSeek-V3 checkpoints with {spec.checkpoint_quantization} weights are not supported: "
-                         f"serve a bf16 (or float32) checkpoint")
     tp = tensor_parallel_size
     for name, size in (("intermediate_size", spec.dense_intermediate_size), ("shared experts' inner size",
                                                                               spec.shared_expert_size)):
@@ -231,7 +242,7 @@ def weights(spec: DeepseekSpec, num_cache_kv_heads: int, tensor_parallel_size: i
             return Weight(f"model.layers.{{i}}.{name}", (count, *shape), pspec, first_layer=first, **storage)
 
         def linear(name: str, shape: tuple[int, int], pspec: P) -> Weight:
-            return layer(f"{name}.weight", shape, pspec, transpose=True)
+            return layer(f"{name}.weight", shape, pspec, transpose=True, quantizable=True)
 
         leaves = {
             "input_norm": layer("input_layernorm.weight", (hidden,), replicated, ones=True),
@@ -257,7 +268,8 @@ def weights(spec: DeepseekSpec, num_cache_kv_heads: int, tensor_parallel_size: i
     for name, hf_name, shape, pspec in (("w_gate", "gate_proj", (hidden, inner), columns),
                                         ("w_up", "up_proj", (hidden, inner), columns),
                                         ("w_down", "down_proj", (inner, hidden), rows)):
-        dense[name] = Weight(f"model.layers.{{i}}.mlp.{hf_name}.weight", (num_dense, *shape), pspec, transpose=True)
+        dense[name] = Weight(f"model.layers.{{i}}.mlp.{hf_name}.weight", (num_dense, *shape), pspec, transpose=True,
+                             quantizable=True)
     sparse = stack(num_dense, num_sparse)
     experts, expert_inner, shared = spec.num_experts, spec.intermediate_size, spec.shared_expert_size
     if spec.expert_parallel:
@@ -269,18 +281,18 @@ def weights(spec: DeepseekSpec, num_cache_kv_heads: int, tensor_parallel_size: i
         return Weight(f"model.layers.{{i}}.mlp.{name}", (num_sparse, *shape), pspec, first_layer=num_dense,
                       **storage)
 
+    def sparse_linear(name: str, shape: tuple[int, ...], pspec: P) -> Weight:
+        return sparse_leaf(f"{name}.weight", shape, pspec, transpose=True, quantizable=True)
+
     sparse.update({
         "router": sparse_leaf("gate.weight", (hidden, experts), whole, transpose=True),
         "router_bias": sparse_leaf("gate.e_score_correction_bias", (experts,), P(None, None)),
-        "w_gate": sparse_leaf("experts.{j}.gate_proj.weight", (experts, hidden, expert_inner), expert_columns,
-                              transpose=True),
-        "w_up": sparse_leaf("experts.{j}.up_proj.weight", (experts, hidden, expert_inner), expert_columns,
-                            transpose=True),
-        "w_down": sparse_leaf("experts.{j}.down_proj.weight", (experts, expert_inner, hidden), expert_rows,
-                              transpose=True),
-        "shared_w_gate": sparse_leaf("shared_experts.gate_proj.weight", (hidden, shared), columns, transpose=True),
-        "shared_w_up": sparse_leaf("shared_experts.up_proj.weight", (hidden, shared), columns, transpose=True),
-        "shared_w_down": sparse_leaf("shared_experts.down_proj.weight", (shared, hidden), rows, transpose=True),
+        "w_gate": sparse_linear("experts.{j}.gate_proj", (experts, hidden, expert_inner), expert_columns),
+        "w_up": sparse_linear("experts.{j}.up_proj", (experts, hidden, expert_inner), expert_columns),
+        "w_down": sparse_linear("experts.{j}.down_proj", (experts, expert_inner, hidden), expert_rows),
+        "shared_w_gate": sparse_linear("shared_experts.gate_proj", (hidden, shared), columns),
+        "shared_w_up": sparse_linear("shared_experts.up_proj", (hidden, shared), columns),
+        "shared_w_down": sparse_linear("shared_experts.down_proj", (shared, hidden), rows),
     })
     tree = {"embed": Weight("model.embed_tokens.weight", (spec.vocab_size, hidden), replicated),
             "final_norm": Weight("model.norm.weight", (hidden,), P(None), ones=True), "layers": sparse}

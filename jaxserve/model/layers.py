@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.kv.fp8 import write_and_attend
-from jaxserve.model.quantize import linear
+from jaxserve.model.quantize import dequantize, linear
 
 
 class QuantizedWeight(nnx.Module):
@@ -55,6 +55,13 @@ def weight_value(weight: nnx.Param | QuantizedWeight) -> jax.Array | dict:
         parts = {"weight": weight.weight, "scale": weight.scale, "zero": weight.zero, "row_groups": weight.row_groups}
         return {name: part[...] for name, part in parts.items() if part is not None}
     return weight[...]
+
+
+def float_weight(weight: nnx.Param | QuantizedWeight, dtype) -> jax.Array:
+    """A projection's weight as floats (..., in, out), a quantized one dequantized into `dtype`: for a weight read
+    other than by one matmul (DeepSeek's kv_b_proj, split into its heads' key and value parts)."""
+    value = weight_value(weight)
+    return dequantize(value, dtype) if isinstance(value, dict) else value
 
 
 class LoraSlots(nnx.Module):

@@ -143,25 +143,45 @@ def quantized_spec(spec: P, grouped: bool = False, zero_points: bool = False, ro
     return specs
 
 
-def quantized_partition_specs(specs: dict, leaves: tuple[str, ...], grouped: bool = False,
+LeafPath = tuple[str, ...]  # a leaf's keys from the params tree's root: ("layers", "wq"), ("dense_layers", "w_up")
+
+
+def leaf_at(tree: dict, path: LeafPath):
+    """The leaf (or subtree) of `tree` at `path`."""
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def replace_at(tree: dict, paths: tuple[LeafPath, ...], function) -> dict:
+    """`tree` with the leaf at each of `paths` replaced by `function(leaf)`, in order; the dicts along the paths are
+    copied, the rest of the tree is shared."""
+    tree = dict(tree)
+    for path in paths:
+        node = tree
+        for key in path[:-1]:
+            node[key] = dict(node[key])
+            node = node[key]
+        node[path[-1]] = function(node[path[-1]])
+    return tree
+
+
+def quantized_partition_specs(specs: dict, paths: tuple[LeafPath, ...], grouped: bool = False,
                               zero_points: bool = False, row_groups: bool = False) -> dict:
-    """A params PartitionSpec tree (model/registry.py) for the params with the layer `leaves` quantized (with
+    """A params PartitionSpec tree (model/registry.py) for the params with the leaves at `paths` quantized (with
     grouped scales when `grouped`, zero points, and rows in any group)."""
-    layers = {name: quantized_spec(spec, grouped, zero_points, row_groups) if name in leaves else spec
-              for name, spec in specs["layers"].items()}
-    return {**specs, "layers": layers}
+    return replace_at(specs, paths, lambda spec: quantized_spec(spec, grouped, zero_points, row_groups))
 
 
-def quantize_params(params: dict, mode: str, leaves: tuple[str, ...]) -> dict:
-    """The params with the layer `leaves` quantized (`mode` int8 or fp8), each in its weight's sharding; the float
-    leaves are dropped as they are replaced."""
-    layers = dict(params["layers"])
-    for name in leaves:
-        weight = layers.pop(name)
+def quantize_params(params: dict, mode: str, paths: tuple[LeafPath, ...]) -> dict:
+    """The params with the leaves at `paths` quantized (`mode` int8 or fp8), each in its weight's sharding; the
+    float leaves are dropped as they are replaced."""
+    def quantized(weight: jax.Array) -> dict:
         mesh = weight.sharding.mesh
         out = {part: NamedSharding(mesh, spec) for part, spec in quantized_spec(weight.sharding.spec).items()}
-        layers[name] = jax.jit(quantize_weight, static_argnums=1, out_shardings=out, donate_argnums=0)(weight, mode)
-    return {**params, "layers": layers}
+        return jax.jit(quantize_weight, static_argnums=1, out_shardings=out, donate_argnums=0)(weight, mode)
+
+    return replace_at(params, paths, quantized)
 
 
 def weight_bytes(params: dict) -> int:

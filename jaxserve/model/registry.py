@@ -168,10 +168,20 @@ def map_weights_with(function: Callable[[str, Weight, object], object], weights:
             else function(name, node, current.get(name)) for name, node in weights.items()}
 
 
-def quantizable_leaves(spec: ModelSpec) -> tuple[str, ...]:
-    """The per-layer leaves (params["layers"] names) of `spec`'s architecture that weight quantization applies to."""
-    layers = model_for(spec.architecture).weights(spec, spec.num_kv_heads, 1)["layers"]
-    return tuple(name for name, weight in layers.items() if weight.quantizable)
+def quantizable_paths(spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
+    """The params paths (model/quantize.py's LeafPath: ("layers", "wq")) of the leaves of `spec`'s architecture that
+    weight quantization applies to, in every stack of layers it has."""
+    found = []
+
+    def visit(path: tuple[str, ...], node: dict) -> None:
+        for name, child in node.items():
+            if isinstance(child, dict):
+                visit((*path, name), child)
+            elif child.quantizable:
+                found.append((*path, name))
+
+    visit((), model_for(spec.architecture).weights(spec, spec.num_kv_heads, 1))
+    return tuple(found)
 
 
 def param_partition_specs(spec: ModelSpec, num_cache_kv_heads: int, tensor_parallel_size: int) -> dict:

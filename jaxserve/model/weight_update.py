@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxserve.model.loader import TensorSource, load_params
-from jaxserve.model.quantize import quantize_params
-from jaxserve.model.registry import model_for, quantizable_leaves
+from jaxserve.model.quantize import leaf_at, quantize_params, replace_at
+from jaxserve.model.registry import model_for, quantizable_paths
 from jaxserve.model.spec import ModelSpec
 
 QUANTIZED_MODES = {"int8": "int8", "float8_e4m3fn": "fp8"}  # a quantized leaf's weight dtype -> its mode
@@ -29,9 +29,8 @@ def quantized_at_load(params: dict, spec: ModelSpec) -> str | None:
     None (none applied, or the checkpoint's own fp8, which the loader reads as it is)."""
     if spec.checkpoint_quantization != "none":
         return None
-    layers = params["layers"]
-    return next((QUANTIZED_MODES[layers[name]["weight"].dtype.name] for name in quantizable_leaves(spec)
-                 if isinstance(layers.get(name), dict)), None)
+    leaves = [leaf_at(params, path) for path in quantizable_paths(spec)]
+    return next((QUANTIZED_MODES[leaf["weight"].dtype.name] for leaf in leaves if isinstance(leaf, dict)), None)
 
 
 def undeclared_leaves(params: dict, spec: ModelSpec, num_cache_kv_heads: int, num_devices: int) -> dict:
@@ -41,20 +40,29 @@ def undeclared_leaves(params: dict, spec: ModelSpec, num_cache_kv_heads: int, nu
     return {"layers": {name: leaf for name, leaf in params["layers"].items() if name not in declared}}
 
 
+def _holds(params: dict, path: tuple[str, ...]) -> bool:
+    """Whether `params` has a leaf at `path` (not after a sleep that discarded the weights)."""
+    for key in path:
+        if not isinstance(params, dict) or key not in params:
+            return False
+        params = params[key]
+    return True
+
+
 def reload_params(params: dict, source: TensorSource, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: int,
                   dtype: jnp.dtype, quantization: str | None) -> dict:
     """`params` with every weight the model declares read anew from `source`, which the caller has checked
     (`loader.check_source`), in `dtype` and quantized again as at load (`quantization`: `quantized_at_load`'s).
     The declared leaves `params` holds are written over in place; those it lacks (after a sleep that discarded
     them) are made anew; its other leaves are kept."""
-    layers = params["layers"]
+    layers, paths = params["layers"], quantizable_paths(spec)
     into = params
-    if quantization is not None:  # those leaves are read anew in full precision, then quantized
-        into = {**params, "layers": {name: leaf for name, leaf in layers.items() if not isinstance(leaf, dict)}}
+    if quantization is not None:  # those leaves are read anew in full precision (none to write over), then quantized
+        into = replace_at(params, tuple(path for path in paths if _holds(params, path)), lambda _: None)
     try:
         loaded = load_params(source, spec, mesh, dtype, num_cache_kv_heads, into=into)
         if quantization is not None:
-            loaded = quantize_params(loaded, quantization, quantizable_leaves(spec))
+            loaded = quantize_params(loaded, quantization, paths)
     except Exception as error:  # (reading the files, say): leaves written over in place are gone
         raise RuntimeError(f"the weight update failed part-way ({type(error).__name__}: {error}); some of the served "
                            "weights are lost: update the weights again before serving") from error
