@@ -16,7 +16,7 @@ from benchmarks.gpu.checks import check_names
 from benchmarks.gpu.config import FULL, STEP_NAMES, TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DECISIONS = (summary.KEEP_TEXT, summary.TUNE_TEXT, summary.MOSAIC_TEXT)
+DECISIONS = (summary.KEEP_TEXT, summary.TUNE_TEXT, summary.MOSAIC_TEXT, summary.MOSAIC_KEEP_TEXT)
 
 
 def script_env(tmp_path) -> dict:
@@ -82,6 +82,25 @@ COMPILED = {"rows": [{"kernel": k, "page_size": 16, "ok": True} for k in summary
 def test_decision_from_the_lowest_share_at_long_contexts(shares, decided):
     line = summary.decision(FULL, {"compiles": COMPILED, "decode": decode_result(shares)})
     assert line.startswith(f"DECISION: {decided} (")
+
+
+def fallback_result(ratios: list) -> dict:
+    """A fallback step's saved result comparing xla with the Pallas backend at these time ratios."""
+    return {"comparison": [{"batch": 8, "context": 2048 * (i + 1), "xla_over_pallas": r} for i, r in enumerate(ratios)]}
+
+
+@pytest.mark.parametrize("ratios, decided", [
+    ([2.81, 3.77], summary.MOSAIC_KEEP_TEXT),  # the fallback is slower everywhere: keep the kernels meanwhile
+    ([2.81, 0.9], summary.MOSAIC_TEXT),  # faster on one shape
+    ([2.81, None], summary.MOSAIC_TEXT),  # one shape not compared
+    ([], summary.MOSAIC_TEXT),  # step 6 measured nothing
+])
+def test_below_half_of_copy_the_fallback_becomes_the_default_only_where_it_is_not_slower(ratios, decided):
+    results = {"compiles": COMPILED, "decode": decode_result({(8, 8192): 0.45}), "fallback": fallback_result(ratios)}
+    line = summary.decision(FULL, results)
+    assert line.startswith(f"DECISION: {decided} ("), line
+    if decided == summary.MOSAIC_KEEP_TEXT:
+        assert "took 2.81-3.77x the Pallas backend's time on all 2 shapes" in line
 
 
 def test_decision_when_the_kernels_do_not_compile_or_are_wrong_or_were_not_measured():

@@ -33,13 +33,14 @@ def relative_error(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def rotation(bytes_per_call: float, interpret: bool) -> tuple[int, int]:
-    """(pool copies, calls per dispatch) for calls that each read `bytes_per_call` of pool."""
+def rotation(bytes_per_call: float, interpret: bool, max_calls: int = MAX_CALLS) -> tuple[int, int]:
+    """(pool copies, calls per dispatch) for calls that each read `bytes_per_call` of pool, at most
+    `max_calls` calls a dispatch."""
     if interpret:
         return 2, 2
     # at least 2 copies, so no two calls in a row read the same pages
     num_sets = max(2, min(MAX_SETS, math.ceil(ROTATE_BYTES / bytes_per_call)))
-    num_calls = min(MAX_CALLS, max(2, math.ceil(DISPATCH_BYTES / bytes_per_call)))
+    num_calls = min(max_calls, max(2, math.ceil(DISPATCH_BYTES / bytes_per_call)))
     return num_sets, num_calls
 
 

@@ -6,7 +6,10 @@ context (step 5), against the copy bandwidth (step 4):
 - "keep the Triton kernels" when every such shape reaches >= 80% of copy bandwidth;
 - "tune them" when the lowest is 50-80%;
 - "make the fallback the default and write the Mosaic GPU decode kernel" below 50%, or when the kernels
-  do not compile (step 2) or give wrong results at their default settings (step 3).
+  do not compile (step 2) or give wrong results at their default settings (step 3);
+- but below 50% with the kernels compiling and right, when step 6 measured the `xla` fallback slower than
+  the Pallas backend on every shape it compared, making it the default would make serving slower, so the
+  line says to write the Mosaic GPU kernel and keep the Pallas kernels as `auto`'s choice until it lands.
 Without a measurement to decide on, the line says what is missing.
 """
 
@@ -22,6 +25,7 @@ KEEP, TUNE = 0.80, 0.50
 KEEP_TEXT = "keep the Triton kernels"
 TUNE_TEXT = "tune them"
 MOSAIC_TEXT = "make the fallback the default and write the Mosaic GPU decode kernel"
+MOSAIC_KEEP_TEXT = "write the Mosaic GPU decode kernel and keep the Pallas kernels as auto's choice until it lands"
 ATTENTION_KERNELS = ("ragged_paged_attention", "paged_decode_attention")
 
 
@@ -50,6 +54,10 @@ def decision(plan: Plan, results: dict) -> str:
         return f"DECISION: {KEEP_TEXT} ({spread})"
     if lowest["copy_share"] >= TUNE:
         return f"DECISION: {TUNE_TEXT} ({spread})"
+    ratios = [line.get("xla_over_pallas") for line in (results.get("fallback") or {}).get("comparison", [])]
+    if ratios and all(ratio is not None and ratio > 1 for ratio in ratios):
+        return (f"DECISION: {MOSAIC_KEEP_TEXT} ({spread}; the xla fallback took {min(ratios):.2f}-{max(ratios):.2f}x "
+                f"the Pallas backend's time on all {len(ratios)} shapes it compared)")
     return f"DECISION: {MOSAIC_TEXT} ({spread})"
 
 
