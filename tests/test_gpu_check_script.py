@@ -100,7 +100,7 @@ def test_below_half_of_copy_the_fallback_becomes_the_default_only_where_it_is_no
     line = summary.decision(FULL, results)
     assert line.startswith(f"DECISION: {decided} ("), line
     if decided == summary.MOSAIC_KEEP_TEXT:
-        assert "took 2.81-3.77x the Pallas backend's time on all 2 shapes" in line
+        assert "took 2.81-3.77x the Pallas backend's time on all 2 of step 6's shapes" in line
 
 
 def test_decision_when_the_kernels_do_not_compile_or_are_wrong_or_were_not_measured():

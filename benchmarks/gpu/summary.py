@@ -7,9 +7,10 @@ context (step 5), against the copy bandwidth (step 4):
 - "tune them" when the lowest is 50-80%;
 - "make the fallback the default and write the Mosaic GPU decode kernel" below 50%, or when the kernels
   do not compile (step 2) or give wrong results at their default settings (step 3);
-- but below 50% with the kernels compiling and right, when step 6 measured the `xla` fallback slower than
-  the Pallas backend on every shape it compared, making it the default would make serving slower, so the
-  line says to write the Mosaic GPU kernel and keep the Pallas kernels as `auto`'s choice until it lands.
+- but below 50% with the kernels compiling and right, when step 6 compared the `xla` fallback with the
+  Pallas backend on every one of its shapes and the fallback was slower on each, making it the default
+  would make serving slower, so the line says to write the Mosaic GPU kernel and keep the Pallas kernels
+  as `auto`'s choice until it lands (a shape step 6 did not finish leaves the line above).
 Without a measurement to decide on, the line says what is missing.
 """
 
@@ -57,7 +58,7 @@ def decision(plan: Plan, results: dict) -> str:
     ratios = [line.get("xla_over_pallas") for line in (results.get("fallback") or {}).get("comparison", [])]
     if ratios and all(ratio is not None and ratio > 1 for ratio in ratios):
         return (f"DECISION: {MOSAIC_KEEP_TEXT} ({spread}; the xla fallback took {min(ratios):.2f}-{max(ratios):.2f}x "
-                f"the Pallas backend's time on all {len(ratios)} shapes it compared)")
+                f"the Pallas backend's time on all {len(ratios)} of step 6's shapes)")
     return f"DECISION: {MOSAIC_TEXT} ({spread})"
 
 
