@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.attention import resolve_backend
-from jaxserve.attention.pallas_gpu import ragged_or_decode
+from jaxserve.attention.pallas_gpu import decode_and_prompt_rows
 from pallas_kernels.paged_decode_attention import kernel as decode_kernel
 from jaxserve.model.spec import ModelSpec
 from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
@@ -181,48 +181,84 @@ def test_kernels_lower_to_triton_ir(page_size, num_kv_heads, group, head_dim, dt
     def ints(*shape):
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
-    def attend(q, k_cache, v_cache, query_start_loc, seq_lens, page_table, return_lse=False):
+    def attend(q, k_cache, v_cache, query_start_loc, seq_lens, page_table, return_lse=False, skip_decode_rows=False):
         return kernel.ragged_paged_attention(q, k_cache, v_cache, LAYER, query_start_loc, seq_lens, page_table,
                                              sm_scale=0.125, sliding_window=window, soft_cap=soft_cap,
-                                             return_lse=return_lse)
+                                             return_lse=return_lse, skip_decode_rows=skip_decode_rows)
 
     def write(k_cache, v_cache, k, v, slots):
         return kv_write_kernel.write_kv(k_cache, v_cache, LAYER, k, v, slots)
 
     attend_args = (q, cache, cache, ints(num_rows + 1), ints(num_rows), ints(num_rows, width))
     for function, args in ((attend, attend_args), (functools.partial(attend, return_lse=True), attend_args),
+                           (functools.partial(attend, skip_decode_rows=True), attend_args),
                            (write, (cache, cache, kv, kv, ints(num_tokens)))):
         text = jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "xla.gpu.triton" in text
 
 
-def test_pure_decode_steps_take_the_decode_kernel():
-    rows = [(30, 1), (15, 1), (0, 0), (40, 1)]  # decodes (one at a page boundary) and a padded row
-    arrays, positions, query_start_loc, seq_lens, page_table = _case(16, 2, 4, 64, jnp.float32, rows)
-    options = dict(sm_scale=64**-0.5, interpret=True)
-    args = (arrays["q"], arrays["k_cache"], arrays["v_cache"], LAYER, jnp.asarray(query_start_loc),
+def test_ragged_kernel_skips_decode_rows():
+    """`skip_decode_rows`: the decodes' tokens get zeros (lse -inf), as if padded; every other token is unchanged."""
+    arrays, positions, query_start_loc, seq_lens, page_table = _case(16, 2, 4, 64, jnp.float32)
+    args = (arrays["q"], arrays["k_cache"], arrays["v_cache"], jnp.int32(LAYER), jnp.asarray(query_start_loc),
             jnp.asarray(seq_lens), jnp.asarray(page_table))
-    calls = []
+    attend = functools.partial(kernel.ragged_paged_attention, sm_scale=0.125, interpret=True, return_lse=True)
+    out, lse = jax.jit(attend)(*args)
+    skipped, skipped_lse = jax.jit(functools.partial(attend, skip_decode_rows=True))(*args)
+    query_lens = np.diff(query_start_loc)
+    decode_tokens = np.zeros(arrays["q"].shape[0], bool)  # (T,)
+    decode_tokens[query_start_loc[:-1][query_lens == 1]] = True
+    assert decode_tokens.sum() == 2
+    assert (np.asarray(skipped)[decode_tokens] == 0).all() and (np.asarray(skipped_lse)[decode_tokens] == -np.inf).all()
+    assert np.array_equal(np.asarray(skipped)[~decode_tokens], np.asarray(out)[~decode_tokens])
+    assert np.array_equal(np.asarray(skipped_lse)[~decode_tokens], np.asarray(lse)[~decode_tokens])
 
-    def ragged(*a):
-        calls.append("ragged")
-        return kernel.ragged_paged_attention(*a, **options)
 
-    def decode(*a):
-        calls.append("decode")
-        return decode_kernel.paged_decode_attention(*a, **options)
+# (cached, query) tokens per row for each kind of step: decodes only (one at a page boundary) with a padded row;
+# prompt chunks only (one continuing a prefix, one fresh); and both
+STEP_KINDS = {
+    "decodes": ([(30, 1), (15, 1), (0, 0), (40, 1)], ["decode"]),
+    "prompts": ([(20, 7), (0, 16), (0, 0)], ["ragged"]),
+    "mixed": (ROWS, ["decode", "ragged"]),
+}
 
-    out = jax.jit(lambda *a: ragged_or_decode(*a, ragged=ragged, decode=decode), static_argnums=3)(*args)
-    assert sorted(calls) == ["decode", "ragged"]  # both branches are traced; the data picks one
-    ref = reference.ragged_paged_attention(
+
+@pytest.mark.parametrize("kind", STEP_KINDS)
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "lse"])
+def test_each_row_takes_its_own_kernel(kind, return_lse):
+    """Decode rows through the decode kernel, prompt chunks through the ragged kernel (skipping the decodes), each
+    kind of step running only the kernels it needs; together equal to the reference."""
+    rows, kernels = STEP_KINDS[kind]
+    arrays, positions, query_start_loc, seq_lens, page_table = _case(16, 2, 4, 64, jnp.float32, rows)
+    options = dict(sm_scale=64**-0.5, interpret=True, return_lse=return_lse)
+    args = (arrays["q"], arrays["k_cache"], arrays["v_cache"], jnp.int32(LAYER), jnp.asarray(query_start_loc),
+            jnp.asarray(seq_lens), jnp.asarray(page_table))
+    ragged = functools.partial(kernel.ragged_paged_attention, skip_decode_rows=True, **options)
+    decode = functools.partial(decode_kernel.paged_decode_attention, **options)
+    attend = functools.partial(decode_and_prompt_rows, ragged=ragged, decode=decode, return_lse=return_lse)
+    result = jax.jit(attend)(*args)
+    out, lse = result if return_lse else (result, None)
+    ref_out, ref_lse = reference.ragged_paged_attention(
         arrays["q"], arrays["k_clean"], arrays["v_clean"], LAYER, jnp.asarray(positions),
-        jnp.asarray(query_start_loc), jnp.asarray(page_table), sm_scale=64**-0.5,
+        jnp.asarray(query_start_loc), jnp.asarray(page_table), sm_scale=64**-0.5, return_lse=True,
     )
     real = int(query_start_loc[-1])
-    assert _relative_error(out[:real], ref[:real]) < 1e-5
+    assert _relative_error(out[:real], ref_out[:real]) < 1e-5
     assert (np.asarray(out[real:]) == 0).all()
-    only_decode = ragged_or_decode(*args, ragged=lambda *a: jnp.full_like(arrays["q"], 7.0), decode=decode)
-    assert _relative_error(only_decode[:real], ref[:real]) < 1e-5  # the ragged branch was not taken
+    if return_lse:
+        np.testing.assert_allclose(np.asarray(lse)[:real], np.asarray(ref_lse)[:real], rtol=1e-5, atol=1e-5)
+        assert (np.asarray(lse)[real:] == -np.inf).all()
+
+    def marked(value):  # a kernel that only marks the tokens it answers
+        def call(q, *rest):
+            return (jnp.full_like(q, value), jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else jnp.full_like(q, value)
+        return call
+
+    # which kernels the data picks: a kernel that did not run leaves no mark
+    stubbed = decode_and_prompt_rows(*args, ragged=marked(7.0), decode=marked(3.0), return_lse=return_lse)
+    stubbed = np.asarray(stubbed[0] if return_lse else stubbed)
+    ran = {name for name, value in (("decode", 3.0), ("ragged", 7.0)) if (stubbed == value).any()}
+    assert sorted(ran) == kernels
 
 
 # (cached, query) tokens per row: a chunk continuing a prefix, a fresh prompt, decodes (one at a page

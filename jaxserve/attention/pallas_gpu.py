@@ -1,7 +1,9 @@
 """Our Pallas kernels on a GPU (the Triton lowering): ragged attention, flash-decoding, and the KV write.
 
-A step whose rows all have at most one query token (pure decode) runs the flash-decoding kernel, which
-splits each row's KV length across programs; any other step runs the ragged kernel. The kernels run
+Rows with one query token (decodes) run the flash-decoding kernel, which splits each row's KV length across
+programs; rows with more (prompt chunks) run the ragged kernel, which skips the decode rows. A step of
+decodes only launches the decode kernel alone, one without decodes the ragged kernel alone, a mixed step
+both, so a step with one prompt chunk does not send its decode rows through the prefill kernel. The kernels run
 inside `shard_map` over the `model` mesh axis: every device attends its own query heads over its own KV
 heads (the cache is split on the KV-head axis), so no collective is needed. Page tables and lengths are
 replicated.
@@ -35,9 +37,9 @@ def make_backend(mesh: Mesh, interpret: bool) -> AttentionBackend:
         options = dict(sm_scale=how.sm_scale, sliding_window=how.sliding_window, soft_cap=how.soft_cap,
                        interpret=interpret, return_lse=sinks)
         attend = functools.partial(
-            ragged_or_decode,
-            ragged=functools.partial(attention_kernel.ragged_paged_attention, **options),
-            decode=functools.partial(decode_kernel.paged_decode_attention, **options),
+            decode_and_prompt_rows,
+            ragged=functools.partial(attention_kernel.ragged_paged_attention, skip_decode_rows=True, **options),
+            decode=functools.partial(decode_kernel.paged_decode_attention, **options), return_lse=sinks,
         )
         if sinks:
             attend = functools.partial(with_sinks, attend)
@@ -71,28 +73,39 @@ def with_sinks(attend, q, k_cache, v_cache, layer, query_start_loc, seq_lens, pa
     return (out.astype(jnp.float32) * scale[..., None]).astype(out.dtype)
 
 
-def ragged_or_decode(q, k_cache, v_cache, layer, query_start_loc, seq_lens, page_table, *, ragged, decode):
-    """The decode kernel (split over the KV length) when every row has at most one query token,
-    else the ragged kernel; both read the same metadata (and both give the log-sum-exp too when asked)."""
+def decode_and_prompt_rows(q, k_cache, v_cache, layer, query_start_loc, seq_lens, page_table, *, ragged, decode,
+                           return_lse: bool = False):
+    """Each row on the kernel made for it: rows of one query token (decodes) through the decode kernel (split
+    over the KV length), rows of more (prompt chunks) through the ragged kernel, which `ragged` must make skip
+    the decode rows (`skip_decode_rows=True`). A step of decodes only runs the decode kernel alone, a step
+    without decodes the ragged kernel alone, a mixed step both (`lax.switch`: all three are compiled). Both
+    read the same metadata; with `return_lse` (the kernels made to give it too) the result is (out, lse)."""
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); query_start_loc: (R + 1,) int32
     # seq_lens: (R,) int32; page_table: (R, W) int32
     num_tokens = q.shape[0]
     query_lens = query_start_loc[1:] - query_start_loc[:-1]  # (R,)
+    is_decode = query_lens == 1  # (R,) rows without a query are padding
+    operands = (q, k_cache, v_cache, layer, query_start_loc, seq_lens, page_table)
 
-    def decode_step():
-        has_query = query_lens == 1  # (R,) rows without a query are padding
+    def decode_rows(into):
+        """`into` (zeros, and -inf for the log-sum-exp, at the decode tokens) with the decode rows' outputs."""
         first = jnp.minimum(query_start_loc[:-1], num_tokens - 1)  # (R,)
-        rows = decode(q[first], k_cache, v_cache, layer, jnp.where(has_query, seq_lens, 0), page_table)  # (R, Hq, D)
-        target = jnp.where(has_query, query_start_loc[:-1], num_tokens)  # (R,) out of range: dropped
+        rows = decode(q[first], k_cache, v_cache, layer, jnp.where(is_decode, seq_lens, 0), page_table)  # (R, Hq, D)
+        target = jnp.where(is_decode, query_start_loc[:-1], num_tokens)  # (R,) out of range: dropped
+        if return_lse:  # (output (R, Hq, D), log-sum-exp (R, Hq)) into (T, Hq, D), (T, Hq)
+            return tuple(whole.at[target].set(part, mode="drop") for whole, part in zip(into, rows))
+        return into.at[target].set(rows, mode="drop")  # (T, Hq, D)
 
-        def placed(values, fill):  # each row's values at its token, `fill` for the tokens no row writes
-            return jnp.full((num_tokens, *values.shape[1:]), fill, values.dtype).at[target].set(values, mode="drop")
+    def empty():
+        """What a kernel gives the tokens it does not attend: zeros, and -inf for the log-sum-exp."""
+        out = jnp.zeros_like(q)  # (T, Hq, D)
+        return (out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else out  # (T, Hq)
 
-        if isinstance(rows, tuple):  # (output (R, Hq, D), log-sum-exp (R, Hq))
-            return placed(rows[0], 0), placed(rows[1], -jnp.inf)
-        return placed(rows, 0)  # (T, Hq, D)
-
-    def ragged_step():
-        return ragged(q, k_cache, v_cache, layer, query_start_loc, seq_lens, page_table)  # (T, Hq, D)
-
-    return jax.lax.cond(jnp.all(query_lens <= 1), decode_step, ragged_step)
+    branches = (
+        lambda: decode_rows(empty()),  # decodes only
+        lambda: ragged(*operands),  # prompt chunks only: no decode row to skip
+        lambda: decode_rows(ragged(*operands)),  # mixed
+    )
+    has_decode, has_prompt = jnp.any(is_decode), jnp.any(query_lens > 1)
+    index = jnp.where(has_prompt, jnp.where(has_decode, 2, 1), 0)  # () int32
+    return jax.lax.switch(index, branches)

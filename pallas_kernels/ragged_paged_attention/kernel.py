@@ -66,6 +66,7 @@ def ragged_paged_attention(
     block_q: int | None = None,
     interpret: bool = False,
     return_lse: bool = False,
+    skip_decode_rows: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Causal attention of every query token over its own request's pages (see the module docstring).
 
@@ -78,6 +79,10 @@ def ragged_paged_attention(
     soft-capped, masked), so an attention sink `sink` (Hq,) gives `out * sigmoid(lse - sink)[..., None]`.
     Padded tokens get exactly -inf (sigmoid gives 0 there; never NaN). `out` is the same, bit for bit,
     as without it.
+
+    `skip_decode_rows=True` leaves the rows with exactly one query token (decodes) to another kernel: they get
+    no query block, and their tokens get zeros (and an lse of -inf), as padded tokens do. A mixed step then
+    runs its decodes through the decode kernel and only its prompt chunks here.
     """
     # q: (T, Hq, D); k_cache, v_cache: (L, P, S, Hkv, D); query_start_loc: (R + 1,) int32
     # seq_lens: (R,) int32; page_table: (R, W) int32
@@ -86,7 +91,7 @@ def ragged_paged_attention(
     group = num_heads // num_kv_heads
     tile_group = padded_group(group)  # query heads per KV head in a tile, a power of two
     block_q = block_q or block_q_for(group)
-    rows = _block_layout(query_start_loc, seq_lens, num_tokens, block_q)
+    rows = _block_layout(query_start_loc, seq_lens, num_tokens, block_q, skip_decode_rows)
     num_blocks = rows["row"].shape[0]
     rows_per_tile = block_q * tile_group
 
@@ -131,13 +136,17 @@ def ragged_paged_attention(
     return out_tokens[slots], lse_tokens[slots]  # (T, Hq, D), (T, Hq) float32
 
 
-def _block_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int, block_q: int) -> dict:
-    """Per query block: its request row, first token, first position and number of real queries."""
+def _block_layout(query_start_loc: jax.Array, seq_lens: jax.Array, num_tokens: int, block_q: int,
+                  skip_decode_rows: bool = False) -> dict:
+    """Per query block: its request row, first token, first position and number of real queries; with
+    `skip_decode_rows`, rows of one query token get no block."""
     # query_start_loc: (R + 1,) int32; seq_lens: (R,) int32
     num_rows = seq_lens.shape[0]
     query_lens = query_start_loc[1:] - query_start_loc[:-1]  # (R,)
     context_lens = seq_lens - query_lens  # (R,) tokens cached before this step's chunk
     blocks_per_row = (query_lens + block_q - 1) // block_q  # (R,)
+    if skip_decode_rows:
+        blocks_per_row = jnp.where(query_lens == 1, 0, blocks_per_row)  # (R,)
     block_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(blocks_per_row).astype(jnp.int32)])  # (R+1,)
     num_blocks = num_tokens // block_q + num_rows  # static bound on sum(ceil(query_len / block_q))
     block = jnp.arange(num_blocks, dtype=jnp.int32)  # (NB,)
@@ -158,13 +167,15 @@ def _token_slots(
     query_start_loc: jax.Array, block_start: jax.Array, num_tokens: int, block_q: int, num_blocks: int
 ) -> jax.Array:
     """Index of every query token in the flattened `(num_blocks * block_q)` output tiles; padded
-    tokens point at the last slot, which no real block reaches (its block is always empty)."""
+    tokens, and those of rows without a block (skipped decodes), point at the last slot, which no real
+    block reaches (its block is always empty)."""
     # query_start_loc: (R + 1,) int32; block_start: (R + 1,) int32
     token = jnp.arange(num_tokens, dtype=jnp.int32)  # (T,)
     row = token_request_index(query_start_loc, num_tokens)  # (T,)
     offset = token - query_start_loc[row]  # (T,)
     slot = (block_start[row] + offset // block_q) * block_q + offset % block_q  # (T,)
-    return jnp.where(token < query_start_loc[-1], slot, num_blocks * block_q - 1)
+    has_block = offset // block_q < block_start[row + 1] - block_start[row]  # (T,)
+    return jnp.where((token < query_start_loc[-1]) & has_block, slot, num_blocks * block_q - 1)
 
 
 def _attention_kernel(
