@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.sh (the one prepared H200 run) runs end to end on the CPU in its tiny plan (Pallas
-interpret mode), so a lent H200 is not the first place it can break; its decision rule; and
-benchmarks/kernels.py, the correctness checks on their own."""
+interpret mode), so a lent H200 is not the first place it can break; its decision rule; the profile step's trace
+parser on a hand-made trace; and benchmarks/kernels.py, the correctness checks on their own."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import TEST_CACHE_DIR
 
-from benchmarks.gpu import summary
+from benchmarks.gpu import profile, summary
 from benchmarks.gpu.checks import check_names
 from benchmarks.gpu.config import FULL, STEP_NAMES, TINY
 
@@ -31,14 +31,16 @@ def script_env(tmp_path) -> dict:
 
 def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     result = subprocess.run(["bash", "benchmarks/gpu_check.sh"], cwd=ROOT, env=script_env(tmp_path),
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=420)
     out = result.stdout
     assert result.returncode == 0, out[-6000:] + result.stderr[-2000:]
+    total = len(STEP_NAMES) + 1  # the summary is the last
+    assert total == 14
     for number, name in enumerate(STEP_NAMES, 1):  # every step's header, its own result line and the shell's verdict
-        assert f"== [{number}/11] {name} (limit" in out
+        assert f"== [{number}/{total}] {name} (limit" in out
         assert f"RESULT {name}: OK" in out
-        assert f"-- [{number}/11] {name}: ok in" in out
-    assert "== [11/11] summary" in out
+        assert f"-- [{number}/{total}] {name}: ok in" in out
+    assert f"== [{total}/{total}] summary" in out
     # a line from each step's measurements
     assert "no deprecation warning" in out or "WARNING TEXT: " in out
     assert "compile paged_decode_attention   pages of 16  OK" in out
@@ -51,17 +53,44 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     assert re.search(r"prefill 2 x 16 tokens after 32 +ragged kernel .* TFLOP/s +err vs dense", out)
     assert re.search(r"kv write T=8 .* GB/s", out)
     assert re.search(r"fp8 step fp8 weights \+ fp8 KV +[\d.]+ ms .* bf16's time", out)
-    assert re.search(r"RESULT e2e: OK \d+ output tok/s", out)
+    assert re.search(r"flags default \(step 9's bf16\) +[\d.]+ ms", out)
+    assert re.search(r"flags dynamic-slice fusion on +[\d.]+ ms .* the default's time", out)
+    assert re.search(r"profile: trace .* device events from the host events of XLA ops", out)
+    for kind in ("decode", "mixed"):  # a table per kind of step, with the sampler's own row and the host gap
+        assert re.search(rf"profile {kind}: 2 steps, wall \d+ us a step\n(.*\n)*?  sampler +[\d.]+ +[\d.]+%", out)
+        assert re.search(rf"profile {kind}:(.*\n)*?  host gap \(wall - busy\) +-?[\d.]+", out)
+    assert re.search(r"hf_peer continuous 4 +\d+ output tok/s", out) or "hf_peer: skipped" in out
+    assert re.search(r"hf_peer generate 4 +\d+ output tok/s", out) or "hf_peer: skipped" in out
+    assert re.search(r"RESULT e2e: OK \d+ output tok/s .* steps of [\d.]+ ms", out)
     # the decision comes last, and is one of the three (every step measured something)
     decisions = re.findall(r"^DECISION: (.*)$", out, re.M)
     assert decisions and out.rstrip().splitlines()[-2] == f"DECISION: {decisions[-1]}"
     assert decisions[-1].startswith(DECISIONS), decisions[-1]
     written = sorted(os.listdir(tmp_path / "out"))
-    assert written == ["e2e_bench.json", "gpu_check.json", "gpu_check.log", "gpu_check.md"], written
+    dated = [name for name in written if re.fullmatch(r"gpu_check-\d{4}-\d\d-\d\d-cpu\.(json|md)", name)]
+    assert sorted(set(written) - set(dated)) == ["e2e_bench.json", "gpu_check.json", "gpu_check.log", "gpu_check.md",
+                                                 "profile.trace.json.gz"], written
+    assert [name.rsplit(".", 1)[1] for name in dated] == ["json", "md"], written  # the copies named for committing
     report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert report["tiny"] and report["decision"] == f"DECISION: {decisions[-1]}"
+    assert report == json.loads((tmp_path / "out" / dated[0]).read_text())
+    assert (tmp_path / "out" / "gpu_check.md").read_text() == (tmp_path / "out" / dated[1]).read_text()
+    assert report["tiny"] and report["device"] == "cpu" and report["decision"] == f"DECISION: {decisions[-1]}"
     assert all(report["results"][name]["ok"] for name in STEP_NAMES)
     assert [step["name"] for step in report["steps"]] == list(STEP_NAMES)
+    headline = report["headline"]  # the end-to-end figures, the profile's breakdown and the ratio to Hugging Face
+    assert headline["e2e"]["output_tokens_per_s"] > 0 and headline["e2e"]["steps"] > 0
+    assert headline["e2e"]["step_ms"] > 0 and headline["e2e"]["kv_pages"] > 0 and headline["e2e"]["engine_ready_s"] > 0
+    assert headline["e2e"]["workload"] == TINY.e2e
+    assert set(headline["profile"]) == {"decode", "mixed"}
+    assert headline["profile"]["decode"]["categories_us"]["sampler"] > 0
+    assert len(report["results"]["profile"]["kinds"]["mixed"]["top_kernels"]) == profile.TOP_KERNELS
+    if not report["results"]["hf_peer"].get("skipped"):
+        assert headline["jaxserve_over_hf"] > 0
+    markdown = (tmp_path / "out" / "gpu_check.md").read_text()
+    for text in ("the bf16 step under XLA flags (step 10): default", "engine step profile (step 11), decode",
+                 "| host gap |", "Hugging Face peer (step 12)",
+                 "| output tok/s | requests |", "jaxserve end to end / Hugging Face's best"):
+        assert text in markdown
     assert not [name for name in os.listdir(tmp_path) if name.startswith("gpu_check.")]  # the work folder is gone
 
 
@@ -126,8 +155,125 @@ def test_the_plans_name_real_checks_and_cover_the_issue():
     assert FULL.check_names is None and FULL.page_sizes == (16, 8)
     assert (FULL.model.heads, FULL.model.kv_heads, FULL.model.head_dim) == (32, 8, 128)
     assert set(FULL.decode_batches) == {8, 64} and set(FULL.decode_contexts) == {2048, 8192, 32768}
-    assert {None, 1, 4, 16} <= set(FULL.decode_splits) and FULL.goal_context == 8192
+    # the decode sweep decided already: the kernel's defaults only (auto splits, 4 warps, 2 stages, a page a step)
+    assert FULL.decode_splits == (None,) and len(FULL.decode_launch) == len(FULL.decode_pages_per_step) == 1
+    assert FULL.goal_context == 8192 and {8192} == set(FULL.fallback_contexts)
     assert (FULL.e2e["input_len"], FULL.e2e["output_len"], FULL.e2e["model_shape"]) == (1000, 1000, "llama-3.1-8b")
+    # throughput as a user chasing it runs the engine, the whole workload in one wave
+    assert FULL.e2e["max_num_seqs"] >= 256 and FULL.e2e["max_num_batched_tokens"] >= 4096
+    assert FULL.e2e["num_requests"] >= FULL.e2e["max_num_seqs"] and FULL.e2e["min_token_bucket"] <= 64
+    assert FULL.e2e["input_len"] + FULL.e2e["output_len"] <= FULL.e2e["max_model_len"]
+    assert (FULL.profile["model_shape"], FULL.profile["batch"], FULL.profile["chunk"]) == ("llama-3.1-8b", 128, 512)
+    hf = FULL.hf_peer  # the Hugging Face peer runs the end-to-end run's model and request shape
+    assert (hf["model_shape"], hf["input_len"], hf["output_len"], hf["device"]) == (
+        FULL.e2e["model_shape"], FULL.e2e["input_len"], FULL.e2e["output_len"], "cuda")
+    assert TINY.hf_peer["device"] == "cpu" and STEP_NAMES[-4:] == ("flags", "profile", "hf_peer", "e2e")
+
+
+def hand_made_trace() -> dict:
+    """A Chrome trace shaped like jax's on a GPU: a host process with the step annotations, a device process with a
+    stream and the derived lines (which repeat the streams' time and must not count)."""
+    def meta(kind, pid, name, tid=None):
+        return {"ph": "M", "pid": pid, "name": kind, "args": {"name": name}, **({} if tid is None else {"tid": tid})}
+
+    def event(name, ts, dur, pid=2, tid=10, **args):
+        return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    forward, sampler = {"hlo_module": "jit_profile_forward"}, {"hlo_module": "jit_profile_sampler"}
+    events = [meta("process_name", 1, "/host:CPU"), meta("process_name", 2, "/device:GPU:0"),
+              meta("thread_name", 1, "python", 5), meta("thread_name", 2, "Stream #7(Kernel,MemcpyD2D)", 10),
+              meta("thread_name", 2, "XLA Ops", 11), meta("thread_name", 2, "XLA Modules", 12),
+              event("gpu_check profile decode 0", 0, 1000, pid=1, tid=5),
+              event("gpu_check profile decode 1", 2000, 1000, pid=1, tid=5),
+              event("gpu_check profile mixed 0", 4000, 1500, pid=1, tid=5)]
+    for start in (0, 2000):  # two decode steps: the same kernels, at 100 .. 850 us into the step
+        events += [event("paged_decode_attention", start + 100, 300, hlo_op="custom-call.3", **forward),
+                   event("paged_kv_write", start + 400, 50, **forward),
+                   event("nvjet_tst_128x64_64x8_2x1_v_bz_TNN", start + 450, 200),  # no module: the forward's
+                   event("loop_multiply_fusion", start + 700, 100),  # no hlo_module: the sampler's, by its span
+                   event("mystery_kernel", start + 800, 50, **forward),
+                   event("fusion.1", start + 100, 700, tid=11, hlo_op="fusion.1"),  # derived line: not counted
+                   event("jit_profile_forward(1)", start + 90, 600, tid=12),
+                   event("jit_profile_sampler(2)", start + 690, 120, tid=12)]
+    events += [event("ragged_paged_attention", 4100, 400), event("paged_decode_attention", 4450, 200),  # overlaps
+               event("cutlass_80_tensorop_bf16_s16816gemm_relu", 4700, 300), event("MemcpyD2D", 5100, 100),
+               event("input_reduce_fusion", 6000, 10)]  # after every step: no step's
+    return {"traceEvents": events}
+
+
+def test_profile_breakdown_of_a_hand_made_trace():
+    found = profile.breakdown(hand_made_trace())
+    assert found["source"] == "device streams of /device:GPU:0"
+    assert (found["unassigned_events"], found["unassigned_us"]) == (1, 10.0)
+    decode, mixed = found["kinds"]["decode"], found["kinds"]["mixed"]
+    assert decode["steps"] == 2 and decode["wall_us"] == 1000 and decode["events_per_step"] == 5
+    assert {row["category"]: row["us"] for row in decode["categories"]} == {
+        "attention: decode kernel": 300, "KV write": 50, "GEMM": 200, "sampler": 100, "other": 50}
+    assert decode["busy_us"] == 700 and decode["host_gap_us"] == 300  # 100-650 and 700-850
+    assert decode["categories"][0]["share"] == pytest.approx(0.3)
+    assert [k["name"] for k in decode["top_kernels"]][:2] == ["paged_decode_attention",
+                                                              "nvjet_tst_128x64_64x8_2x1_v_bz_TNN"]
+    assert decode["top_kernels"][0]["calls"] == 1 and decode["top_kernels"][0]["module"] == "jit_profile_forward"
+    assert [o["name"] for o in decode["other_names"]] == ["mystery_kernel"]  # unknown names are listed
+    assert {row["category"]: row["us"] for row in mixed["categories"]} == {
+        "attention: decode kernel": 200, "attention: ragged kernel": 400, "GEMM": 300,
+        "copies / transposes / gathers": 100}
+    assert mixed["busy_us"] == 950 and mixed["host_gap_us"] == 550  # 4100-4650 overlapping, 4700-5000, 5100-5200
+    lines = profile.table("decode", decode)
+    assert lines[0] == "profile decode: 2 steps, wall 1000 us a step" and "mystery_kernel (50.0 us)" in lines[-1]
+
+
+@pytest.mark.parametrize("name, hlo_op, module, long_name, category", [
+    ("paged_decode_attention", "", "", "", "attention: decode kernel"),
+    ("triton_kernel", "custom-call.7", "", 'custom_call_target="__gpu$xla.gpu.triton", name="ragged_paged_attention"',
+     "attention: ragged kernel"),  # known only from the HLO text
+    ("paged_kv_write", "", "", "", "KV write"),
+    ("gemm_fusion_dot_12_0", "gemm_fusion_dot.12", "", "", "GEMM"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "", "", "", "GEMM"),
+    ("dot.3", "dot.3", "jit_profile_forward", "", "GEMM"),
+    ("loop_add_fusion", "", "", "", "norm / RoPE / elementwise"),
+    ("input_reduce_fusion", "", "", "", "norm / RoPE / elementwise"),
+    ("wrapped_dynamic_slice", "", "", "", "copies / transposes / gathers"),
+    ("pad.2", "", "", "", "copies / transposes / gathers"),
+    ("MemcpyD2D", "", "", "", "copies / transposes / gathers"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "", "", "", "collectives"),
+    ("sort.1", "sort.1", "", "", "sampler"),  # by name when the module is unknown
+    ("loop_add_fusion", "", "jit_profile_sampler", "", "sampler"),  # by module first
+    ("mystery_kernel", "custom-call.1", "", "", "other"),
+])
+def test_profile_categories(name, hlo_op, module, long_name, category):
+    assert profile.category_of(name, hlo_op, module, long_name) == category
+
+
+def test_profile_counts_nested_host_events_once_and_finds_host_ops_without_a_device():
+    """On the CPU the ops are host events carrying hlo_op, and a control-flow op holds the ops it runs."""
+    def event(name, ts, dur, tid=1):
+        return {"ph": "X", "pid": 7, "tid": tid, "name": name, "ts": ts, "dur": dur,
+                "args": {"hlo_op": name, "hlo_module": "jit_profile_forward"}}
+
+    events = [event("while.1", 0, 100), event("dot.2", 10, 50), event("add_fusion", 70, 20),
+              event("exponential_fusion", 0, 40, tid=2)]
+    assert profile.self_times(events) == [30, 50, 20, 40]
+    annotation = {"ph": "X", "pid": 7, "tid": 3, "name": "gpu_check profile decode 0", "ts": -5, "dur": 200}
+    trace = {"traceEvents": [{"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/host:CPU"}}, annotation,
+                             {"ph": "X", "pid": 7, "tid": 1, "name": "end: dot.2", "ts": 60, "dur": 0.1}, *events]}
+    found = profile.breakdown(trace)
+    assert found["source"].startswith("host events of XLA ops")
+    decode = found["kinds"]["decode"]
+    assert decode["events_per_step"] == 4 and decode["device_sum_us"] == 140 and decode["busy_us"] == 100
+    assert {row["category"]: row["us"] for row in decode["categories"]} == {
+        "GEMM": 50, "norm / RoPE / elementwise": 60, "other": 30}
+
+
+@pytest.mark.parametrize("env, slug", [
+    ({"versions": {"device_kind": "NVIDIA H200"}}, "h200"),
+    ({"versions": {"device_kind": ""}, "nvidia_smi": "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-12)\nname, ..."}, "h100"),
+    ({"versions": {"device_kind": "NVIDIA GeForce RTX 4090"}}, "geforce-rtx-4090"),
+    ({}, "unknown-device"),
+])
+def test_device_slug_names_the_gpu(env, slug):
+    assert summary.device_slug(FULL, {"env": env}) == slug
+    assert summary.device_slug(TINY, {"env": env}) == "cpu"
 
 
 def test_kernels_script_runs_one_check_and_rejects_unknown_names():

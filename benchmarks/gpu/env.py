@@ -22,7 +22,7 @@ def library_versions() -> dict:
     import jaxlib
 
     versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "backend": jax.default_backend(),
-                "devices": [str(d) for d in jax.devices()]}
+                "devices": [str(d) for d in jax.devices()], "device_kind": jax.devices()[0].device_kind}
     try:
         from jax._src.lib import cuda_versions
     except Exception as exc:  # noqa: BLE001 - a private module: report, never fail on it

@@ -1,5 +1,9 @@
-"""Step 11: the summary of every step's saved result, compact (the device tool returns only the last
-12,000 characters of output), written as gpu_check.json and gpu_check.md, and the decision line.
+"""Step 13: the summary of every step's saved result, compact (the device tool returns only the last
+12,000 characters of output), written as gpu_check.json and gpu_check.md, and the decision line; with
+the headline figures (the end-to-end throughput, its step time and set-up, the profile's breakdown of an
+engine step, the Hugging Face peer and jaxserve's ratio to it) also under "headline" in the JSON. The same
+two files are also written as gpu_check-<UTC date>-<device>.json and .md (device: h200, h100, ... from the
+GPU's name; cpu in the tiny plan), named for committing into docs/bench/gpu/ as they are.
 
 The decision, from the decode kernel's best setting at every shape with context >= the plan's goal
 context (step 5), against the copy bandwidth (step 4):
@@ -16,8 +20,10 @@ Without a measurement to decide on, the line says what is missing.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
 
 from benchmarks.gpu.config import STEP_NAMES, Plan
 from benchmarks.gpu.step import load_result, load_statuses
@@ -143,25 +149,137 @@ def report(plan: Plan, statuses: list[dict], results: dict, decided: str) -> str
     fp8_rows = [f"{row['mode']} {row['ms']:.2f} ms ({row['over_bf16']:.2f}x)" for row in
                 (results.get("fp8") or {}).get("rows", []) if row.get("over_bf16") is not None]
     lines += [f"8B decode step (step 9): {', '.join(fp8_rows) or 'not measured'}", ""]
-    lines += [f"end to end (step 10): {e2e.get('summary', 'no result saved')}", "", decided]
+    flag_rows = [f"{row['variant']} {row['ms']:.2f} ms" + (f" ({row['over_default']:.2f}x)" if row.get("over_default")
+                                                           else "")
+                 for row in (results.get("flags") or {}).get("rows", []) if "ms" in row]
+    lines += [f"the bf16 step under XLA flags (step 10): {', '.join(flag_rows) or 'not measured'}", ""]
+    lines += profile_lines(results.get("profile") or {})
+    lines += hf_lines(results.get("hf_peer") or {}) + [""]
+    lines += e2e_lines(e2e) + [""]
+    ratio = headline(results)["jaxserve_over_hf"]
+    best = (results.get("hf_peer") or {}).get("best") or {}
+    lines += [f"jaxserve end to end / Hugging Face's best ({best.get('system', 'none measured')}): "
+              f"{fmt(ratio, '.2f')}x output tok/s", "", decided]
     return "\n".join(lines)
 
 
+def profile_lines(profile: dict) -> list[str]:
+    """Markdown: per kind of step (step 11), device time by category and the host gap, per step."""
+    if not profile.get("kinds"):
+        return [f"engine step profile (step 11): {profile.get('summary', 'no result saved')}", ""]
+    lines = []
+    for kind, found in profile["kinds"].items():
+        shape = (profile.get("shapes") or {}).get(kind, {})
+        lines += [f"engine step profile (step 11), {kind}: {shape.get('rows', '?')} rows, {shape.get('tokens', '?')} "
+                  f"tokens, context {shape.get('context', '?')}, {profile.get('model_shape', '?')}, "
+                  f"{profile.get('backend', '?')} attention; {found['steps']} steps, events from the "
+                  f"{profile.get('source', '?')}:", "",
+                  "| category | µs / step | % of step |", "| --- | ---: | ---: |"]
+        lines += [f"| {row['category']} | {row['us']:.1f} | {100 * row['share']:.1f} |" for row in found["categories"]]
+        lines += [f"| {label} | {found[key]:.1f} | {100 * found[key] / found['wall_us']:.1f} |"
+                  for label, key in (("device busy", "busy_us"), ("host gap", "host_gap_us"), ("step", "wall_us"))]
+        if found.get("other_names"):
+            named = [f"{o['name'][:60]} {o['us']:.1f} µs" for o in found["other_names"][:8]]
+            lines += ["", "other: " + ", ".join(named)]
+        lines.append("")
+    return lines
+
+
+def hf_lines(hf: dict) -> list[str]:
+    """Markdown: each Hugging Face configuration (step 12): measured, estimated or skipped."""
+    if not hf.get("rows"):
+        return [f"Hugging Face peer (step 12): {hf.get('summary', 'no result saved')}"]
+    lines = [f"Hugging Face peer (step 12): transformers {hf.get('transformers', '?')}, torch {hf.get('torch', '?')}, "
+             f"{hf.get('sampling', '')}:", "",
+             "| configuration | requests | output tok/s | s | step ms | estimate tok/s | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for row in hf["rows"]:
+        note = row.get("error") or row.get("cut") or row.get("skipped") or ""
+        lines.append(f"| {row['system']} | {row.get('requests', '-')} | {fmt(row.get('output_tokens_per_s'), '.0f')} | "
+                     f"{fmt(row.get('seconds'))} | {fmt(row.get('step_ms'))} | "
+                     f"{fmt(row.get('estimated_tokens_per_s'), '.0f')} | {note} |")
+    return lines
+
+
+def e2e_lines(e2e: dict) -> list[str]:
+    """Markdown: the end-to-end run (step 13): throughput, steps, step time, set-up and workload."""
+    workload = e2e.get("workload") or {}
+    lines = [f"end to end (step 13): {e2e.get('summary', 'no result saved')}"]
+    if "output_tokens_per_s" in e2e:
+        lines += ["", "| output tok/s | requests | in / out | rows | tokens a step | steps | ms a step | run s | "
+                      "start-up s | KV pages |",
+                  "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+                  f"| {e2e['output_tokens_per_s']:.0f} | {workload.get('num_requests', '?')} | "
+                  f"{workload.get('input_len', '?')} / {workload.get('output_len', '?')} | "
+                  f"{workload.get('max_num_seqs', '?')} | {workload.get('max_num_batched_tokens', '?')} | "
+                  f"{e2e['steps']} | {fmt(e2e.get('step_ms'))} | {e2e['run_s']:.1f} | "
+                  f"{fmt(e2e.get('engine_ready_s'))} | {e2e.get('kv_pages', '-')} |"]
+    return lines
+
+
+def headline(results: dict) -> dict:
+    """The figures to compare across runs: end to end, the Hugging Face peer and the ratio, the profile."""
+    e2e = results.get("e2e") or {}
+    hf = results.get("hf_peer") or {}
+    best = hf.get("best") or {}
+    ours, theirs = e2e.get("output_tokens_per_s"), best.get("output_tokens_per_s")
+    profile = {kind: {"wall_ms": found["wall_us"] / 1e3, "host_gap_share": found["host_gap_us"] / found["wall_us"],
+                      "categories_us": {row["category"]: row["us"] for row in found["categories"]}}
+               for kind, found in ((results.get("profile") or {}).get("kinds") or {}).items()}
+    return {
+        "e2e": {key: e2e.get(key) for key in ("output_tokens_per_s", "steps", "step_ms", "run_s", "engine_ready_s",
+                                              "kv_pages", "workload", "ended")},
+        "hf_peer_best": {key: best.get(key) for key in ("system", "requests", "output_tokens_per_s")} if best else None,
+        "jaxserve_over_hf": ours / theirs if ours and theirs else None,
+        "profile": profile,
+    }
+
+
+def device_slug(plan: Plan, results: dict) -> str:
+    """A short name of the device for file names: 'cpu' in the tiny plan, else from the GPU's name ('NVIDIA H200'
+    -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100'), jax's device kind or nvidia-smi's list."""
+    if plan.tiny:
+        return "cpu"
+    env = results.get("env") or {}
+    names = [str(env.get("versions", {}).get("device_kind", ""))]
+    names += re.findall(r"GPU \d+: ([^(\n]+)", str(env.get("nvidia_smi", "")))
+    for name in names:
+        if match := re.search(r"\b([a-z]{1,3}\d{2,4}[a-z]?)\b", name.lower()):
+            return match[1]
+    for name in names:
+        if slug := re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-"):
+            return slug
+    return "unknown-device"
+
+
+def dated_name(plan: Plan, results: dict, extension: str) -> str:
+    """gpu_check-<UTC date>-<device>.<extension>: the name a run's file is committed under."""
+    day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return f"gpu_check-{day}-{device_slug(plan, results)}.{extension}"
+
+
 def run(plan: Plan, work_dir: str, out_dir: str | None) -> int:
-    """Print the summary and the decision; write gpu_check.json and gpu_check.md under `out_dir`. Exit 0."""
+    """Print the summary and the decision; write gpu_check.json and gpu_check.md under `out_dir`, and their dated
+    copies. Exit 0."""
     results = {name: load_result(work_dir, name) for name in STEP_NAMES}
     statuses = load_statuses(work_dir)
     decided = decision(plan, results)
     text = report(plan, statuses, results, decided)
+    written = []
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-            json.dump({"tiny": plan.tiny, "decision": decided, "steps": statuses, "results": results}, f, indent=1,
-                      default=str)
-        with open(os.path.join(out_dir, "gpu_check.md"), "w") as f:
-            f.write(text + "\n")
+        document = {"tiny": plan.tiny, "device": device_slug(plan, results), "decision": decided,
+                    "headline": headline(results), "steps": statuses, "results": results}
+        for name in ("gpu_check.json", dated_name(plan, results, "json")):
+            with open(os.path.join(out_dir, name), "w") as f:
+                json.dump(document, f, indent=1, default=str)
+            written.append(name)
+        for name in ("gpu_check.md", dated_name(plan, results, "md")):
+            with open(os.path.join(out_dir, name), "w") as f:
+                f.write(text + "\n")
+            written.append(name)
     print(text, flush=True)
-    if out_dir:
-        print(f"(written: {out_dir}/gpu_check.json, {out_dir}/gpu_check.md)")
+    if written:
+        print(f"(written under {out_dir}: {', '.join(written)})")
     print(decided, flush=True)
     return 0
