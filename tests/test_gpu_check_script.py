@@ -81,6 +81,7 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     assert headline["e2e"]["output_tokens_per_s"] > 0 and headline["e2e"]["steps"] > 0
     assert headline["e2e"]["step_ms"] > 0 and headline["e2e"]["kv_pages"] > 0 and headline["e2e"]["engine_ready_s"] > 0
     assert headline["e2e"]["workload"] == TINY.e2e
+    assert headline["e2e"]["host_ms_per_step"]["schedule"] > 0 and headline["e2e"]["rows_per_step"] > 0
     assert set(headline["profile"]) == {"decode", "mixed"}
     assert headline["profile"]["decode"]["categories_us"]["sampler"] > 0
     assert len(report["results"]["profile"]["kinds"]["mixed"]["top_kernels"]) == profile.TOP_KERNELS

@@ -1,4 +1,4 @@
-"""Step 12: end to end: `jaxserve bench throughput` on the plan's model (on the H200 Llama-3.1-8B's shape
+"""Step 13: end to end: `jaxserve bench throughput` on the plan's model (on the H200 Llama-3.1-8B's shape
 with random weights made on the device) with a fixed workload, 1000 input and 1000 output tokens per
 request, the workload of TensorRT-LLM's published H200 table, at the batch sizes a user chasing throughput
 would set (the plan's max_num_seqs and max_num_batched_tokens), for as long as the step's limit allows.
@@ -8,7 +8,8 @@ before the step's limit, or right after its timed run when the engine-overhead r
 end in time (OVERHEAD_RUNS). It compiles into a fresh XLA cache (start-up time is part of the measurement)
 unless JAX_COMPILATION_CACHE_DIR names a persistent one, as the tests do. Read from its log: the
 engine's start-up time (compiling every bucket counts), its KV pages, and the timed run's output tokens/s and
-engine steps (a step's mean time: the run's seconds / steps), which `bench throughput` prints as soon as that
+engine steps (a step's mean time: the run's seconds / steps) with the host's milliseconds per step by phase,
+the device's idle share and the requests running a step, which `bench throughput` prints as soon as that
 run finishes, so a run stopped later (in its engine-overhead replay, say) still gives its throughput.
 """
 
@@ -37,6 +38,7 @@ OVERHEAD_MARGIN_S = 15
 MEMORY_SHARE, HEADROOM_BYTES = 0.9, 8e9
 ENGINE_READY = re.compile(r"jaxserve: engine ready in ([\d.]+)s \((\d+) KV pages\)")
 TIMED_RUN = re.compile(r"jaxserve: ([\d.]+)s, ([\d.]+) output tok/s, (\d+) steps")
+HOST_TIMING = re.compile(r"jaxserve host ms per step: (.*); device idle ([\d.]+)%; ([\d.]+) requests running a step")
 
 
 def command(step: Step) -> list[str]:
@@ -122,20 +124,28 @@ def parse(lines: list[str]) -> dict:
         if match := TIMED_RUN.search(line):
             found.update(run_s=float(match[1]), output_tokens_per_s=float(match[2]), steps=int(match[3]))
             found["step_ms"] = 1e3 * found["run_s"] / max(found["steps"], 1)
+        if match := HOST_TIMING.search(line):  # the timed run's host time per step by phase
+            phases = dict(part.rsplit(" ", 1) for part in match[1].split(", "))
+            found["host_ms_per_step"] = {phase: float(ms) for phase, ms in phases.items()}
+            found["device_idle_percent"], found["rows_per_step"] = float(match[2]), float(match[3])
     return found
 
 
 def run(step: Step) -> dict:
-    """Step 12: the end-to-end run until done or the step's deadline; its output tokens/s when measured."""
+    """Step 13: the end-to-end run until done or the step's deadline; its output tokens/s when measured."""
     argv = command(step)
     seconds = step.deadline - time.monotonic()
     print(f"running for at most {seconds:.0f} s: {' '.join(argv[1:])}", flush=True)
     started = time.monotonic()
     stopped_early = []
 
-    def no_time_for_overhead(line: str) -> bool:
-        match = TIMED_RUN.search(line)
-        if match and time.monotonic() + OVERHEAD_RUNS * float(match[1]) + OVERHEAD_MARGIN_S > step.deadline:
+    timed_run_s = []  # the timed run's seconds, once printed
+
+    def no_time_for_overhead(line: str) -> bool:  # asked at its host-timing line, the last about the timed run
+        if match := TIMED_RUN.search(line):
+            timed_run_s.append(float(match[1]))
+        if (HOST_TIMING.search(line) and timed_run_s
+                and time.monotonic() + OVERHEAD_RUNS * timed_run_s[0] + OVERHEAD_MARGIN_S > step.deadline):
             stopped_early.append(line)
             print("(stopping it after its timed run: the engine-overhead runs that follow would not end in time)",
                   flush=True)

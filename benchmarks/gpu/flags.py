@@ -1,4 +1,4 @@
-"""Step: the whole 8B decode step (step `fp8`'s bf16 mode: random weights, B rows at context C) under XLA flag
+"""Step 10: the whole 8B decode step (step `fp8`'s bf16 mode: random weights, B rows at context C) under XLA flag
 variants, each in its own process (XLA reads XLA_FLAGS once, when the backend starts): time per step and its
 ratio to the default flags.
 

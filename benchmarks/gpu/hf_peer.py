@@ -1,4 +1,4 @@
-"""Step 11: the Hugging Face peer: transformers on the same GPU, at the same model shape (Llama-3.1-8B's config from
+"""Step 12: the Hugging Face peer: transformers on the same GPU, at the same model shape (Llama-3.1-8B's config from
 jaxserve/bench/models.py, random bf16 weights made on the GPU) and the same request shape as step 13 (1000 prompt
 and 1000 output tokens a request, EOS ignored: every request generates all its tokens), in output tokens/s of
 - continuous: transformers' continuous batching, the manager `model.generate_batch` runs (paged attention; its
@@ -245,7 +245,7 @@ def describe(row: dict) -> str:
 
 
 def run(step: Step) -> dict:
-    """Step 11: each configuration of the plan while time is left; the best output tokens/s is the peer's figure."""
+    """Step 12: each configuration of the plan while time is left; the best output tokens/s is the peer's figure."""
     options = step.plan.hf_peer
     started = time.monotonic()
     try:

@@ -1,4 +1,4 @@
-"""Step 10: where the time of an engine step at the Llama-3.1-8B shape goes, by op, from a profiler trace.
+"""Step 11: where the time of an engine step at the Llama-3.1-8B shape goes, by op, from a profiler trace.
 
 The model is step 9's (fp8.py): Llama-3.1-8B's shape with random bf16 weights made on the device
 (load_format "dummy"), the engine's forward over the `auto` attention backend (the tiny plan: llama-small
@@ -390,7 +390,7 @@ def build(step: Step) -> dict:
 
 
 def run(step: Step) -> dict:
-    """Step 10: warm up each kind of step, profile `repeats` of each, and break the trace down; ok when every kind
+    """Step 11: warm up each kind of step, profile `repeats` of each, and break the trace down; ok when every kind
     was profiled and its device events were found."""
     import jax
 

@@ -1,4 +1,4 @@
-"""Step 13: the summary of every step's saved result, compact (the device tool returns only the last
+"""Step 14: the summary of every step's saved result, compact (the device tool returns only the last
 12,000 characters of output), written as gpu_check.json and gpu_check.md, and the decision line; with
 the headline figures (the end-to-end throughput, its step time and set-up, the profile's breakdown of an
 engine step, the Hugging Face peer and jaxserve's ratio to it) also under "headline" in the JSON. The same
@@ -214,6 +214,11 @@ def e2e_lines(e2e: dict) -> list[str]:
                   f"{workload.get('max_num_seqs', '?')} | {workload.get('max_num_batched_tokens', '?')} | "
                   f"{e2e['steps']} | {fmt(e2e.get('step_ms'))} | {e2e['run_s']:.1f} | "
                   f"{fmt(e2e.get('engine_ready_s'))} | {e2e.get('kv_pages', '-')} |"]
+    if "host_ms_per_step" in e2e:
+        lines += ["", "host ms per step (timed run): " + ", ".join(f"{phase} {ms:.2f}" for phase, ms in
+                                                                 e2e["host_ms_per_step"].items())
+                  + f"; device idle {e2e['device_idle_percent']:.1f}% of the step loop; "
+                    f"{e2e['rows_per_step']:.1f} requests running a step"]
     return lines
 
 
@@ -228,7 +233,8 @@ def headline(results: dict) -> dict:
                for kind, found in ((results.get("profile") or {}).get("kinds") or {}).items()}
     return {
         "e2e": {key: e2e.get(key) for key in ("output_tokens_per_s", "steps", "step_ms", "run_s", "engine_ready_s",
-                                              "kv_pages", "workload", "ended")},
+                                              "kv_pages", "workload", "ended", "host_ms_per_step",
+                                              "device_idle_percent", "rows_per_step")},
         "hf_peer_best": {key: best.get(key) for key in ("system", "requests", "output_tokens_per_s")} if best else None,
         "jaxserve_over_hf": ours / theirs if ours and theirs else None,
         "profile": profile,

@@ -174,6 +174,11 @@ class JaxserveSystem:
         self.counters.append({**{key: after[key] - before[key] for key in ENGINE_COUNTERS}, "timing": after["timing"]})
         self.log(f"  {self.name}: {run.seconds:.2f}s, {workload.num_output_tokens / run.seconds:.1f} output tok/s, "
                  f"{len(run.steps)} steps")
+        timing = after["timing"]
+        rows = sum(record.num_running for record in run.steps) / max(len(run.steps), 1)
+        self.log(f"  {self.name} host ms per step: " + ", ".join(f"{phase} {timing[phase + '_ms']:.2f}"
+                                                                   for phase in PHASES)
+                 + f"; device idle {100 * timing['device_idle_fraction']:.1f}%; {rows:.1f} requests running a step")
 
     def best_run(self) -> DriveResult:
         """The fastest timed run."""
