@@ -8,6 +8,7 @@ table of null pages and `seq_lens` of 0, and their samples are dropped by the ru
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,6 +38,7 @@ from jaxserve.sampling_params import (
 from jaxserve.spec.verify import Proposals
 
 PAD_TOKEN_ID = 0
+_NO_AUX_TOKENS = ((), (), ())  # (ids, kinds, values) of a sampling row without aux tokens
 STOP_WIDTH = MAX_STOP_TOKEN_IDS + MAX_EOS_TOKEN_IDS  # DecodeSteps.stop_ids per row
 # Per-row sampler tokens beyond the penalty history (prompt + output <= max_model_len): stop ids banned
 # under min_tokens, logit biases, allowed ids, and the last tokens of bad words (two spellings each).
@@ -75,54 +77,98 @@ class BucketLadders:
         return tuple(sorted({self.rows_for(t) for t in self.tokens}))
 
 
+class PageRows:
+    """Page-table rows as int32 arrays, kept from one step to the next: a request's row is converted from its page
+    tuple once, and again only when a step hands it another tuple (KVCacheManager.page_tuple hands out the same
+    tuple object while a request's pages do not change), instead of every row's pages every step."""
+
+    def __init__(self):
+        self._rows: dict[str, tuple[tuple[int, ...], np.ndarray]] = {}  # request id -> (its page tuple, (pages,))
+
+    def flat(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
+        """(pages of all rows,) int32: every scheduled row's pages, row after row. Forgets the other requests."""
+        rows, arrays = {}, []
+        for item in scheduled:
+            row = self._rows.get(item.request.request_id)
+            if row is None or row[0] is not item.page_ids:  # the same tuple object: the same pages
+                row = (item.page_ids, np.asarray(item.page_ids, np.int32).reshape(-1))
+            rows[item.request.request_id] = row
+            arrays.append(row[1])
+        self._rows = rows
+        return np.concatenate(arrays) if arrays else np.zeros((0,), np.int32)
+
+
 def build_batch(output: SchedulerOutput, page_size: int, ladders: BucketLadders,
-                device_rows: dict[str, int] | None = None) -> BatchDescriptor:
+                device_rows: dict[str, int] | None = None, page_rows: PageRows | None = None) -> BatchDescriptor:
     """Flatten the scheduled chunks into padded numpy arrays (host side; the runner moves them).
 
     A request whose last token the previous step sampled and the host has not seen yet (asynchronous
-    scheduling) finds it on the device: `device_rows` maps its id to its row in that step."""
-    num_tokens = pick_bucket(ladders.tokens, max(output.total_num_tokens, 1))
+    scheduling) finds it on the device: `device_rows` maps its id to its row in that step. `page_rows` keeps the
+    page-table rows of an engine's requests from step to step (none: every row is converted)."""
+    scheduled = output.scheduled
+    total = output.total_num_tokens
+    num_tokens = pick_bucket(ladders.tokens, max(total, 1))
     num_rows = ladders.rows_for(num_tokens)
-    widest = max((pages_for_tokens(s.num_computed_tokens + s.num_positions, page_size) for s in output.scheduled),
-                 default=1)
+    widest = max((pages_for_tokens(s.num_computed_tokens + s.num_positions, page_size) for s in scheduled), default=1)
     width = pick_bucket(ladders.page_widths, widest)
 
     arrays = padded_batch_arrays(num_tokens, num_rows, width, page_size)
-    arrays["query_start_loc"][:] = output.total_num_tokens
-    input_ids, positions, slot_mapping = arrays["input_ids"], arrays["positions"], arrays["slot_mapping"]
-    query_start_loc, seq_lens, page_table = arrays["query_start_loc"], arrays["seq_lens"], arrays["page_table"]
-    logits_indices = arrays["logits_indices"]
+    arrays["query_start_loc"][:] = total
+    input_ids = arrays["input_ids"]
 
+    # The rows' token ids, one Python pass; a plain decode's only token is usually on the device (nothing to copy).
+    device_reads: list[tuple[int, int]] = []  # (step token, its row in the step before) of each token on the device
+    present: list[tuple[int, int]] = []  # (first step token, count) of each row's tokens whose KV is already held
     start = 0
-    for row, item in enumerate(output.scheduled):
+    for item in scheduled:
         stop = start + item.num_new_tokens
         first = item.num_computed_tokens
-        token_positions = np.arange(first, first + item.num_new_tokens, dtype=np.int32)
-        pages = np.asarray(item.page_ids, np.int32)
         proposed = len(item.spec_token_ids)  # proposals follow the request's own tokens
         own = item.num_new_tokens - proposed
         known = max(0, min(own, item.request.num_known_tokens - first))  # ids the host has
         if known < own:
             if known != own - 1 or proposed or item.request.request_id not in (device_rows or {}):
                 raise RuntimeError(f"request {item.request.request_id} is scheduled over tokens nobody has")
-            arrays["device_token_index"][stop - 1] = device_rows[item.request.request_id]
-        input_ids[start : start + known] = item.request.token_ids(first, first + known)
-        input_ids[stop - proposed : stop] = item.spec_token_ids
-        positions[start:stop] = token_positions
-        arrays["lora_slots"][start:stop] = item.request.lora_slot
-        slot_mapping[start:stop] = pages[token_positions // page_size] * page_size + token_positions % page_size
-        slot_mapping[start : start + item.num_present_tokens] = NULL_PAGE * page_size  # KV already held
-        query_start_loc[row] = start
-        seq_lens[row] = first + item.num_new_tokens
-        page_table[row, : len(pages)] = pages  # pages for the extra iterations of a multi-step decode too
-        logits_indices[row] = stop - 1
+            device_reads.append((stop - 1, device_rows[item.request.request_id]))
+        if known:
+            input_ids[start : start + known] = item.request.token_ids(first, first + known)
+        if proposed:
+            input_ids[stop - proposed : stop] = item.spec_token_ids
+        if item.num_present_tokens:
+            present.append((start, item.num_present_tokens))
         start = stop
 
-    if len(output.page_copies) > num_rows:
-        raise RuntimeError(f"{len(output.page_copies)} page copies in a step of {num_rows} rows")
-    for index, (source, copy) in enumerate(output.page_copies):
+    # Everything else at once, over the n scheduled rows and their N = `total` tokens.
+    num_seqs = len(scheduled)
+    num_new = np.array([item.num_new_tokens for item in scheduled], np.int64)  # (n,)
+    computed = np.array([item.num_computed_tokens for item in scheduled], np.int64)  # (n,) first positions
+    lora_slots = np.array([item.request.lora_slot for item in scheduled], np.int32)  # (n,)
+    num_pages = np.array([len(item.page_ids) for item in scheduled], np.int64)  # (n,)
+    stops = np.cumsum(num_new)  # (n,) each row's end in the step's tokens
+    starts = stops - num_new  # (n,)
+    if np.any((num_new > 0) & ((computed + num_new - 1) // page_size >= num_pages)):
+        raise RuntimeError("a request is scheduled over positions its pages do not hold")
+    page_table = arrays["page_table"]  # (R, W); pages for the extra iterations of a multi-step decode too
+    page_table[:num_seqs][np.arange(width) < num_pages[:, None]] = (page_rows or PageRows()).flat(scheduled)
+    row_of = np.repeat(np.arange(num_seqs), num_new)  # (N,) each step token's row
+    positions = np.arange(total) - starts[row_of] + computed[row_of]  # (N,)
+    arrays["positions"][:total] = positions
+    arrays["lora_slots"][:total] = lora_slots[row_of]
+    arrays["slot_mapping"][:total] = page_table[row_of, positions // page_size] * page_size + positions % page_size
+    for token, count in present:
+        arrays["slot_mapping"][token : token + count] = NULL_PAGE * page_size  # KV already held
+    reads = np.array(device_reads, np.int64).reshape(-1, 2)  # (reads, 2) step token, row in the step before
+    arrays["device_token_index"][reads[:, 0]] = reads[:, 1]
+    arrays["query_start_loc"][:num_seqs] = starts
+    arrays["seq_lens"][:num_seqs] = computed + num_new
+    arrays["logits_indices"][:num_seqs] = stops - 1
+
+    copies = output.page_copies
+    if len(copies) > num_rows:
+        raise RuntimeError(f"{len(copies)} page copies in a step of {num_rows} rows")
+    for index, (source, copy) in enumerate(copies):
         arrays["copy_src"][index], arrays["copy_dst"][index] = source, copy
-    arrays["num_seqs"] = np.asarray(len(output.scheduled), np.int32)
+    arrays["num_seqs"] = np.asarray(num_seqs, np.int32)
     return BatchDescriptor(**arrays)
 
 
@@ -299,32 +345,31 @@ def build_sampling_batch(output: SchedulerOutput, num_rows: int, ladders: Bucket
     """Per-row sampling parameters, padded to `num_rows`; penalty/ban token lists padded to a P bucket; room for the
     token bitmask of each sampling row under a constraint (structured output, a thinking budget) when one is, every
     bit set until `fill_token_bitmasks`."""
-    aux_rows = [_aux_tokens(item.request, item.sample_index) for item in output.scheduled]
+    scheduled = output.scheduled
+    aux_rows = [_aux_tokens(item.request, item.sample_index) for item in scheduled]
     aux_width = pick_bucket(ladders.aux_widths, max((len(ids) for ids, _, _ in aux_rows), default=0))
     constrained = any(_masked(item) for item in output.scheduled)
 
     arrays = padded_sampling_arrays(num_rows, aux_width, bitmask_width(vocab_size) if constrained else 0)
-    need_logprobs = False
-
-    for row, item in enumerate(output.scheduled):
-        request, params = item.request, item.request.sampling_params
-        arrays["temperature"][row] = params.temperature
-        arrays["top_k"][row] = max(params.top_k, 0)
-        arrays["top_p"][row] = params.top_p
-        arrays["min_p"][row] = params.min_p
-        arrays["presence_penalty"][row] = params.presence_penalty
-        arrays["frequency_penalty"][row] = params.frequency_penalty
-        arrays["repetition_penalty"][row] = params.repetition_penalty
-        seed = request.seed % (1 << 64)
-        arrays["seeds"][row] = (seed & 0xFFFFFFFF, seed >> 32)
-        arrays["sample_index"][row] = item.sample_index
-        ids, kinds, values = aux_rows[row]
-        arrays["aux_token_ids"][row, : len(ids)] = ids
-        arrays["aux_token_kind"][row, : len(kinds)] = kinds
-        arrays["aux_values"][row, : len(values)] = values
-        need_logprobs |= params.logprobs is not None
-
-    arrays["need_logprobs"] = np.asarray(need_logprobs)
+    num_seqs = len(scheduled)
+    params = [item.request.sampling_params for item in scheduled]
+    arrays["temperature"][:num_seqs] = [p.temperature for p in params]
+    arrays["top_k"][:num_seqs] = [max(p.top_k, 0) for p in params]
+    arrays["top_p"][:num_seqs] = [p.top_p for p in params]
+    arrays["min_p"][:num_seqs] = [p.min_p for p in params]
+    arrays["presence_penalty"][:num_seqs] = [p.presence_penalty for p in params]
+    arrays["frequency_penalty"][:num_seqs] = [p.frequency_penalty for p in params]
+    arrays["repetition_penalty"][:num_seqs] = [p.repetition_penalty for p in params]
+    seeds = np.array([item.request.seed % (1 << 64) for item in scheduled], np.uint64)  # (n,)
+    arrays["seeds"][:num_seqs, 0] = seeds & 0xFFFFFFFF
+    arrays["seeds"][:num_seqs, 1] = seeds >> 32
+    arrays["sample_index"][:num_seqs] = [item.sample_index for item in scheduled]
+    for row, (ids, kinds, aux_values) in enumerate(aux_rows):
+        if ids:
+            arrays["aux_token_ids"][row, : len(ids)] = ids
+            arrays["aux_token_kind"][row, : len(kinds)] = kinds
+            arrays["aux_values"][row, : len(aux_values)] = aux_values
+    arrays["need_logprobs"] = np.asarray(any(p.logprobs is not None for p in params))
     return SamplingBatch(**arrays)
 
 
@@ -367,11 +412,14 @@ def padded_sampling_arrays(num_rows: int, aux_width: int, mask_width: int = 0) -
     }
 
 
-def _aux_tokens(request: Request, sample_index: int) -> tuple[list[int], list[int], list[float]]:
+def _aux_tokens(request: Request, sample_index: int) -> tuple[Sequence[int], Sequence[int], Sequence[float]]:
     """Token ids the sampler must see for this row, their KIND_* and values: history for penalties,
     stop ids banned by min_tokens, banned last tokens of bad words, logit biases, allowed ids.
     `sample_index` is the output index of the token the row samples."""
     params = request.sampling_params
+    if not (params.needs_penalties or request.bad_words_token_ids or sample_index < params.min_tokens
+            or params.allowed_token_ids or params.logit_bias):
+        return _NO_AUX_TOKENS  # the common row (each list below would stay empty), at no allocation
     ids: list[int] = []
     kinds: list[int] = []
     if params.needs_penalties:

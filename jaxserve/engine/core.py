@@ -16,6 +16,7 @@ import jax
 from jaxserve.batch.builder import (
     MAX_AUX_EXTRA,
     BucketLadders,
+    PageRows,
     build_batch,
     build_decode_steps,
     build_pooling_batch,
@@ -29,6 +30,7 @@ from jaxserve.distributed import runtime
 from jaxserve.distributed.channel import FollowerChannel, LeaderChannel
 from jaxserve.distributed.mirror import Mirrored, exit_soon, serve_leader
 from jaxserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from jaxserve.engine.host_gc import tune_garbage_collector
 from jaxserve.engine.step_timing import StepTiming
 from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
@@ -154,7 +156,9 @@ class EngineCore:
         self._compiles_after_warmup_base = CompileCounter.count()
         self.counters = collections.Counter()
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # dispatched, samples not brought
+        self._page_rows = PageRows()  # the running requests' page-table rows, kept between steps
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
+        tune_garbage_collector()  # fewer collections in the step loop (engine/host_gc.py)
         if self.group is not None:  # nobody runs a step (a collective) before everybody can
             runtime.barrier("started")
         if isinstance(self.channel, LeaderChannel):  # every device call from here on is made by every process
@@ -460,7 +464,7 @@ class EngineCore:
         device_rows = {}  # request id -> its row in the step in flight, whose samples stay on the device
         if self._in_flight:
             device_rows = {item.request.request_id: row for row, item in enumerate(self._in_flight[-1].output.scheduled)}
-        batch = build_batch(output, self.config.page_size, self.ladders, device_rows)
+        batch = build_batch(output, self.config.page_size, self.ladders, device_rows, self._page_rows)
         num_rows = batch.page_table.shape[0]
         sampling = build_sampling_batch(output, num_rows, self.ladders, self.spec.vocab_size)
         prompt = build_prompt_logprob_batch(output, batch.input_ids.shape[0])
@@ -507,18 +511,19 @@ class EngineCore:
         """Each scheduled chunk's samples, in order (none for a chunk that stops mid-prompt), with their
         logprobs when the request asked."""
         sampled: list[list[SampledToken]] = []
+        rows = result.token_ids.T.tolist()  # (num_seqs, S): each row's samples, as Python ints at once
         for row, item in enumerate(output.scheduled):
             if not item.samples:
                 sampled.append([])
                 continue
             if item.spec_token_ids:  # the accepted proposals and the token after them; -1 after
-                token_ids = [t for t in result.token_ids[: item.num_samples, row].tolist() if t >= 0]
+                token_ids = [t for t in rows[row][: item.num_samples] if t >= 0]
                 self.spec_stats.observe(len(item.spec_token_ids), len(token_ids) - 1)
             else:
-                token_ids = result.token_ids[: item.num_steps, row].tolist()
+                token_ids = rows[row][: item.num_steps]
             num_logprobs = item.request.sampling_params.logprobs
             if num_logprobs is None:  # (multi-step decodes never have logprobs rows)
-                sampled.append([SampledToken(t) for t in token_ids])
+                sampled.append(list(map(SampledToken, token_ids)))
             else:
                 first = row * result.logprobs_per_row
                 sampled.append([SampledToken(t, _logprob_dict(result.sampled_logprobs, first + j, t, num_logprobs))

@@ -50,7 +50,7 @@ class _RequestState:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    samples: dict[str, _SampleState]  # child request id -> state
+    samples: dict[str, _SampleState]  # child request id -> state, in sample index order
     metrics: RequestMetrics
     prompt_logprobs: list[dict[int, Logprob] | None] | None  # the scoring child's list, filled by the engine
     num_returned: int  # n: fewer than the samples when best_of > n
@@ -64,7 +64,7 @@ class _RequestState:
         ranking is known, so no sample that loses is ever shown)."""
         if self.pooled is not None:
             return self._pooling_output()
-        samples = sorted(self.samples.values(), key=lambda s: s.index)
+        samples = list(self.samples.values())  # in index order: add_request adds them so
         if self.num_returned < len(samples):
             if any(s.finish_reason is None for s in samples):
                 return None
@@ -83,7 +83,7 @@ class _RequestState:
             )
             for index, s in enumerate(samples)
         ]
-        finished = all(c.finished() for c in completions)
+        finished = all(s.finish_reason is not None for s in samples)
         prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, self.metrics,
                              prompt_logprobs, self.error, self.num_cached_tokens)
@@ -220,6 +220,7 @@ class OutputProcessor:
         string ended the sample; its later tokens are dropped."""
         if sample.finish_reason is not None:
             return False
+        finished = request.is_finished
         new_ids = request.output_token_ids[sample.num_tokens_seen :]
         new_logprobs = request.output_logprobs[sample.num_tokens_seen :] if sample.logprobs is not None else []
         sample.num_tokens_seen = len(request.output_token_ids)
@@ -231,15 +232,17 @@ class OutputProcessor:
             if sample.detokenizer is None:
                 continue
             delta = sample.detokenizer.add_tokens([token_id])
-            if request.is_finished and index == len(new_ids) - 1:
+            if finished and index == len(new_ids) - 1:
                 delta += sample.detokenizer.finish()
+            if not delta:
+                continue  # no new text: nothing to add, no stop string can end in it
             sample.text += delta
-            match = sample.stop_checker.check(sample.text, len(delta))
+            match = sample.stop_checker.check(sample.text, len(delta)) if sample.stop_checker.stop else None
             if match is not None:
                 sample.text = sample.text[: match.truncate_to]
                 sample.finish_reason, sample.stop_reason = "stop", match.stop
-                return not request.is_finished
-        if request.is_finished:
+                return not finished
+        if finished:
             sample.finish_reason = request.status.finish_reason
             sample.stop_reason = request.stop_reason
         return False

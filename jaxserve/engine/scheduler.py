@@ -18,9 +18,11 @@ from jaxserve.sampling_params import MAX_EOS_TOKEN_IDS
 from jaxserve.spec.proposer import Proposer
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class ScheduledRequest:
-    """One request's share of a step: `num_new_tokens` tokens starting at `num_computed_tokens`."""
+    """One request's share of a step: `num_new_tokens` tokens starting at `num_computed_tokens`. Never changed once
+    made (`dataclasses.replace` makes another); not a frozen dataclass only because one's __init__ costs five
+    times as much, and a step makes one per row."""
 
     request: Request
     num_new_tokens: int
@@ -78,9 +80,9 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class SampledToken:
-    """What the device produced for one sampling row."""
+    """What the device produced for one sampling row. Never changed once made (not frozen: see ScheduledRequest)."""
 
     token_id: int
     logprobs: dict[int, Logprob] | None = None
@@ -257,8 +259,8 @@ class Scheduler:
         request_id, total = item.request.request_id, item.num_computed_tokens + 1 + extra
         if not self.kv.allocate_slots(request_id, item.num_computed_tokens + 1, total):
             return None
-        pages = self.kv.page_ids(request_id)[:pages_for_tokens(total, self.kv.page_size)]
-        return dataclasses.replace(item, page_ids=tuple(pages),
+        pages = self.kv.page_tuple(request_id, pages_for_tokens(total, self.kv.page_size))
+        return dataclasses.replace(item, page_ids=pages,
                                    page_copies=item.page_copies + tuple(self.kv.pop_copies(request_id)), **changes)
 
     def _ends_on_the_device(self, request: Request) -> bool:
@@ -452,7 +454,7 @@ class Scheduler:
             request=request,
             num_new_tokens=num_new,
             num_computed_tokens=request.num_computed_tokens,
-            page_ids=tuple(self.kv.page_ids(request.request_id)[:num_pages]),
+            page_ids=self.kv.page_tuple(request.request_id, num_pages),
             samples=request.num_computed_tokens + num_new == request.num_tokens,
             page_copies=tuple(self.kv.pop_copies(request.request_id)),
             num_present_tokens=num_present,

@@ -107,6 +107,9 @@ def _check_token_ids(token_ids: Sequence[int]) -> list[int]:
     """Return `token_ids` as a list of Python ints, rejecting anything but ids >= 0."""
     checked = []
     for token_id in token_ids:
+        if type(token_id) is int and token_id >= 0:  # the common case, without the slower ABC check below
+            checked.append(token_id)
+            continue
         is_int = isinstance(token_id, numbers.Integral) and not isinstance(token_id, bool)
         if not is_int or token_id < 0:
             raise ValueError(f"Token ids must be ints >= 0, got {token_id!r}.")
@@ -196,7 +199,10 @@ class IncrementalDetokenizer:
             raise ValueError("add_tokens called after finish().")
         new_token_ids = _check_token_ids(new_token_ids)
         self._token_ids.extend(new_token_ids)
-        delta = "".join(self._add_token(token_id) for token_id in new_token_ids)
+        if len(new_token_ids) == 1:  # (a token a step: no join)
+            delta = self._add_token(new_token_ids[0])
+        else:
+            delta = "".join(self._add_token(token_id) for token_id in new_token_ids)
         self._text += delta
         return delta
 

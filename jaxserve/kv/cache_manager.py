@@ -66,6 +66,8 @@ class KVCacheManager:
         # request id -> (on the host, page id) of each of its computed pages, in order, while it is swapped out
         self._swapped: dict[str, list[tuple[bool, int]]] = {}
         self._pages: dict[str, list[int]] = {}  # request id -> page ids in sequence order
+        # request id -> its page ids as a tuple, made at the first `page_tuple` after they last changed
+        self._page_tuples: dict[str, tuple[int, ...]] = {}
         # request id -> (hash, registration key) of its first full computed pages; a None key ends the chain
         self._chains: dict[str, list[tuple[bytes, ParentKey | None]]] = {}
         self._copies: dict[str, list[tuple[int, int]]] = {}  # request id -> (source, copy) for the next step
@@ -73,6 +75,15 @@ class KVCacheManager:
     def page_ids(self, request_id: str) -> list[int]:
         """The pages a request holds, in order (empty when it holds none)."""
         return self._pages.get(request_id, [])
+
+    def page_tuple(self, request_id: str, num_pages: int) -> tuple[int, ...]:
+        """The request's first `num_pages` pages as a tuple. All of them come as the same tuple object from call to
+        call while they do not change, so a consumer may keep what it derives from a tuple (the batch builder's
+        page-table rows) for as long as it is handed that tuple again."""
+        pages = self._page_tuples.get(request_id)
+        if pages is None:
+            pages = self._page_tuples[request_id] = tuple(self.page_ids(request_id))
+        return pages if num_pages == len(pages) else pages[:num_pages]
 
     def num_pages_needed(self, request_id: str, total_tokens: int) -> int:
         """How many more pages the request needs to hold `total_tokens` tokens."""
@@ -104,32 +115,36 @@ class KVCacheManager:
         for page in shared:
             self.pool.take(page)
         self._pages[request_id] = list(shared)
+        self._page_tuples.pop(request_id, None)
 
     def allocate_slots(self, request_id: str, first_written: int, total_tokens: int,
                        cached_pages: list[int] = ()) -> bool:
         """Grow the request's pages (after taking `cached_pages`, for a request holding none) to cover
         `total_tokens`, copying every shared page it will write (positions >= `first_written`, its
         computed tokens unless their KV is already held); False, and no change, when the pool is short."""
-        held = self.page_ids(request_id)
+        held = self._pages.get(request_id)
         if cached_pages and held:
             raise RuntimeError(f"request {request_id!r} takes cached pages while holding pages")
         pages = held or list(cached_pages)
         first_page = first_written // self.page_size
-        shared = [i for i in range(first_page, len(pages)) if self._is_shared(pages[i], i < len(held))]
+        shared = [i for i in range(first_page, len(pages)) if self._is_shared(pages[i], bool(held))]
         new = max(0, pages_for_tokens(total_tokens, self.page_size) - len(pages))
-        leaving_free = sum(self.pool.is_cached_and_free(page) for page in cached_pages)
+        leaving_free = sum(self.pool.is_cached_and_free(page) for page in cached_pages) if cached_pages else 0
         if new + len(shared) > self.pool.num_free - leaving_free:
             return False
         for page in cached_pages:
             self.pool.take(page)
-        copies = self.pool.allocate(len(shared))
-        for index, copy in zip(shared, copies):
-            self._copies.setdefault(request_id, []).append((pages[index], copy))
-            self.pool.release([pages[index]])
-            pages[index] = copy
-        pages += self.pool.allocate(new)
+        if shared:  # (a decode's step mostly writes into its own last page, or a fresh one)
+            for index, copy in zip(shared, self.pool.allocate(len(shared))):
+                self._copies.setdefault(request_id, []).append((pages[index], copy))
+                self.pool.release([pages[index]])
+                pages[index] = copy
+        if new:
+            pages += self.pool.allocate(new)
         if pages:
             self._pages[request_id] = pages
+        if cached_pages or shared or new:
+            self._page_tuples.pop(request_id, None)
         return True
 
     def _is_shared(self, page: int, held: bool) -> bool:
@@ -208,6 +223,7 @@ class KVCacheManager:
             slots[index] = (True, host_page)
         self.pool.release([pages[index] for index in private][::-1] + pages[num_kept:][::-1])
         del self._pages[request_id]
+        self._page_tuples.pop(request_id, None)
         self._swapped[request_id] = slots
         return copies
 
@@ -234,6 +250,7 @@ class KVCacheManager:
         self.host_pool.release([page for page, _ in copies])
         del self._swapped[request_id]
         self._pages[request_id] = pages
+        self._page_tuples.pop(request_id, None)
         if not self.allocate_slots(request_id, first_written, total_tokens):
             raise RuntimeError("allocate_slots failed after its pages were counted")
         return copies
@@ -244,6 +261,7 @@ class KVCacheManager:
         """Release all of the request's pages (device pages last first; host pages when swapped out) and drop
         its pending copies."""
         pages = self._pages.pop(request_id, []) + self.device_pages_kept(request_id)
+        self._page_tuples.pop(request_id, None)
         host_pages = self.host_pages(request_id)
         self._swapped.pop(request_id, None)
         self._chains.pop(request_id, None)

@@ -1,0 +1,28 @@
+"""The engine's garbage-collector tuning (engine/host_gc.py): raised from CPython's default, a process's own kept."""
+
+import gc
+
+import pytest
+
+from jaxserve.engine.host_gc import CPYTHON_FIRST_THRESHOLD, ENGINE_FIRST_THRESHOLD, tune_garbage_collector
+
+
+@pytest.fixture
+def thresholds():
+    """Restore the process's thresholds after the test."""
+    saved = gc.get_threshold()
+    yield
+    gc.set_threshold(*saved)
+
+
+def test_default_threshold_is_raised_older_generations_kept(thresholds):
+    gc.set_threshold(CPYTHON_FIRST_THRESHOLD, 7, 9)
+    assert tune_garbage_collector()
+    assert gc.get_threshold() == (ENGINE_FIRST_THRESHOLD, 7, 9)
+    assert not tune_garbage_collector()  # already tuned: nothing to do
+
+
+def test_a_threshold_the_process_chose_is_kept(thresholds):
+    gc.set_threshold(1234, 10, 10)
+    assert not tune_garbage_collector()
+    assert gc.get_threshold() == (1234, 10, 10)
