@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -260,9 +262,26 @@ def serve(args: argparse.Namespace) -> int:
         engine.max_model_len, engine.core.num_pages, engine_config.page_size, engine_config.max_num_seqs,
         engine_config.tensor_parallel_size, "required" if server_config.api_key else "off",
     )
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5, **listen)
+    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, **listen)
+    _server_class(uvicorn)(config).run()
     return 0
+
+
+def _server_class(uvicorn):
+    """uvicorn's Server, its graceful shutdown (stop accepting, let responses finish for up to
+    timeout_graceful_shutdown) on SIGTERM only: SIGINT keeps the handler it had, which under the console script
+    ends the process at once (jaxserve/console.py)."""
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            kept = signal.getsignal(signal.SIGINT)
+            with super().capture_signals():
+                signal.signal(signal.SIGINT, kept)
+                yield
+
+    return Server
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict:
@@ -404,5 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"jaxserve: error: {error}\n")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m jaxserve.cli`: Ctrl-C as under the console script (jaxserve/console.py)
+    from jaxserve.console import exit_on_interrupt
+
+    exit_on_interrupt()
     sys.exit(main())

@@ -85,11 +85,17 @@ def compile_all(lowered: list[tuple[tuple[dict, tuple, tuple], jax.stages.Lowere
     """Compile each ((table, key, shared key), lowered) on a thread pool (XLA releases the GIL) into `table[key]`,
     and share it under its shared key."""
     bar = tqdm(total=len(lowered), desc=description, disable=not show_progress, leave=False)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    try:
         futures = {pool.submit(low.compile): target for target, low in lowered}
         for future in concurrent.futures.as_completed(futures):
             table, key, shared_key = futures[future]
             table[key] = future.result()
             share_executable(shared_key, table[key])
             bar.update()
-    bar.close()
+    except BaseException:  # a failed compile or a KeyboardInterrupt: drop the compiles queued, wait for none
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    finally:
+        bar.close()
+    pool.shutdown()
