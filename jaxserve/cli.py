@@ -13,6 +13,8 @@ import signal
 import sys
 import time
 
+import yaml
+
 from jaxserve import check_config
 from jaxserve.bench.cli import add_bench_commands
 from jaxserve.config import (
@@ -50,9 +52,16 @@ ENGINE_FLAGS = (
 )
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from --config (YAML) with the explicitly given flags on top."""
+def _engine_config(args: argparse.Namespace, **command_defaults) -> EngineConfig:
+    """EngineConfig from --config (YAML) with the explicitly given flags on top; `command_defaults` are the command's
+    own defaults for the options that neither a flag nor the config file sets."""
     flags = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
+    if command_defaults:
+        chosen = set(flags)
+        if args.config:
+            with open(args.config) as f:
+                chosen |= set(yaml.safe_load(f) or {})
+        flags.update({name: value for name, value in command_defaults.items() if name not in chosen})
     return EngineConfig.for_model(flags.pop("model", None), args.config, **flags)
 
 
@@ -100,8 +109,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--compilation-cache-dir", help="JAX's persistent compilation cache folder")
     parser.add_argument("--skip-precompile", action=argparse.BooleanOptionalAction,
-                        help="compile each bucket at its first use instead of all at start-up (a quick start for "
-                             "development: the first request of each new shape waits for its compile)")
+                        help="compile each bucket at its first use instead of all at start-up (a quick start: "
+                             "the first request of each new shape waits for its compile); default: on for generate, "
+                             "off for serve")
     parser.add_argument("--cpu-kv-cache-gib", type=float, help="KV pool size on the CPU when --num-pages is not given")
     parser.add_argument("--min-token-bucket", type=int, help="smallest padded token count of a step")
     parser.add_argument("--generation-config",
@@ -158,8 +168,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def generate(args: argparse.Namespace) -> int:
-    """Stream one completion to stdout."""
-    config = _engine_config(args)
+    """Stream one completion to stdout. Its step buckets compile at their first use unless a flag or the config
+    file says otherwise: one request meets a few of them, and compiling them all first delayed its first token."""
+    config = _engine_config(args, skip_precompile=True)
     config.check_one_replica("`jaxserve generate`")
     engine = LLMEngine(config, show_progress=True)
     params = SamplingParams(

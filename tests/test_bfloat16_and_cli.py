@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.cli import main
+from jaxserve.cli import _engine_config, build_parser, main
 from helpers import checkpoint, expected, small_engine_args
 
 
@@ -41,3 +41,20 @@ def test_generate_command_reports_bad_options_without_a_traceback(capsys):
         main(["generate", "--model", "/no/such/folder", "--prompt", "x"])
     assert exit_info.value.code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_generate_compiles_at_first_use_unless_a_flag_or_the_config_file_says(tmp_path):
+    """`generate` meets a few buckets: they compile at their first use, unless the user chose otherwise."""
+    def config(*flags):
+        args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
+        return _engine_config(args, skip_precompile=True)
+
+    assert config().skip_precompile
+    assert not config("--no-skip-precompile").skip_precompile
+    path = tmp_path / "engine.yaml"
+    path.write_text("skip_precompile: false\n")
+    assert not config("--config", str(path)).skip_precompile
+    path.write_text("max_num_seqs: 4\n")
+    assert config("--config", str(path)).skip_precompile
+    serve = build_parser().parse_args(["serve"])
+    assert not _engine_config(serve).skip_precompile  # serve compiles every bucket before it answers
