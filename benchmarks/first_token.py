@@ -36,20 +36,27 @@ def timed_run(flags: list[str], cache_dir: str) -> dict:
     return {"first_token_s": first_token_s, "exit_s": time.monotonic() - started}
 
 
+def cold_then_warm(ways: dict[str, list[str]], measure, repeats: int) -> dict[tuple[str, str], list]:
+    """`measure(flags, cache_dir)` of each way with a fresh, empty compilation cache (`cold`), then with the cache
+    that run filled (`warm`), the ways alternating, `repeats` times: {(way, cache): [results]}."""
+    runs = {(way, cache): [] for way in ways for cache in ("cold", "warm")}
+    for _ in range(repeats):
+        for way, flags in ways.items():
+            cache_dir = tempfile.mkdtemp(prefix="jaxserve-cache-")
+            try:
+                for cache in ("cold", "warm"):
+                    runs[way, cache].append(measure(flags, cache_dir))
+            finally:
+                shutil.rmtree(cache_dir, ignore_errors=True)
+    return runs
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Measure each way, cold then warm, `--repeats` times; print and return the runs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    runs = {(way, cache): [] for way in WAYS for cache in ("cold", "warm")}
-    for _ in range(args.repeats):
-        for way, flags in WAYS.items():
-            cache_dir = tempfile.mkdtemp(prefix="jaxserve-first-token-")
-            try:
-                for cache in ("cold", "warm"):
-                    runs[way, cache].append(timed_run(flags, cache_dir))
-            finally:
-                shutil.rmtree(cache_dir, ignore_errors=True)
+    runs = cold_then_warm(WAYS, timed_run, args.repeats)
     print(f"{'way':<10}{'cache':<6}{'first token s, mean (best)':>28}{'exit s, mean (best)':>22}")
     for (way, cache), samples in runs.items():
         first = [sample["first_token_s"] for sample in samples]

@@ -6,8 +6,8 @@
 Each run starts the console script (`python -m jaxserve.console`, as the installed `jaxserve` runs it) on the
 bundled model, waits for its phase, sends SIGINT and times until the process has exited:
   import    0.3 s after the start (jax is being imported)
-  compile   `generate` with an empty compilation cache, once the step buckets' compiles have started (its
-            progress bar on stderr): XLA compiles on worker threads
+  compile   `generate --no-skip-precompile` with an empty compilation cache, once the step buckets' compiles have
+            started (its progress bar on stderr): XLA compiles on worker threads
   generate  `generate` of 100,000 tokens (skip_precompile), once it has streamed some text
   serve     `serve` (skip_precompile), once /health answers 200, and again while a streamed completion runs
 Each run must end with exit status 130, `jaxserve: interrupted` on stderr and no traceback.
@@ -115,7 +115,7 @@ def measure(phase: str, cache_dir: str) -> dict:
         time.sleep(0.3)
     elif phase == "compile":
         empty = tempfile.mkdtemp(prefix="jaxserve-interrupt-cache-")
-        command = Command(["generate", "--prompt", PROMPT, "--compilation-cache-dir", empty])
+        command = Command(["generate", "--prompt", PROMPT, "--no-skip-precompile", "--compilation-cache-dir", empty])
         command.wait_for(lambda: "compiling step buckets" in command.text("stderr"), "the compiles")
     elif phase == "generate":
         command = Command(["generate", "--prompt", PROMPT, "--max-tokens", "100000", "--skip-precompile",

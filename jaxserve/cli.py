@@ -42,7 +42,7 @@ ENGINE_FLAGS = (
     "model", "tokenizer", "dtype", "max_model_len", "page_size", "num_pages", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
-    "skip_precompile", "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format",
+    "skip_precompile", "background_compile", "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format",
     "async_scheduling", "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions",
     "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
     "enable_structured_outputs", "reasoning_parser", "enable_lora", "max_loras", "max_lora_rank", "lora_modules",
@@ -112,6 +112,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="compile each bucket at its first use instead of all at start-up (a quick start: "
                              "the first request of each new shape waits for its compile); default: on for generate, "
                              "off for serve")
+    parser.add_argument("--background-compile", action=argparse.BooleanOptionalAction,
+                        help="compile the largest buckets first and serve, the others on a background thread, each "
+                             "step padded into the largest until its own are ready; default: on for serve")
     parser.add_argument("--cpu-kv-cache-gib", type=float, help="KV pool size on the CPU when --num-pages is not given")
     parser.add_argument("--min-token-bucket", type=int, help="smallest padded token count of a step")
     parser.add_argument("--generation-config",
@@ -241,7 +244,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError(f"`jaxserve serve` needs the server packages ({error.name} is missing): "
                          f"pip install 'jaxserve[serve]'") from error
     listen = uvicorn_options(args)  # before the engine loads: a bad TLS file fails at once
-    engine_config = _engine_config(args)
+    engine_config = _engine_config(args, background_compile=True)
     server_config = ServerConfig(
         host=args.host, port=args.port,
         served_model_name=(args.served_model_name or [engine_config.model or DEFAULT_MODEL_NAME])[0],

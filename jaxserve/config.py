@@ -107,6 +107,10 @@ class EngineConfig:
     # tests; a request of a shape not yet compiled then waits for its compile (tpu-inference's
     # SKIP_JAX_PRECOMPILE). Off in serving: every step after start-up runs a compiled executable.
     skip_precompile: bool = False
+    # Ready early: compile first the largest buckets (which serve any step), start serving, and compile the others on
+    # a background thread, each step padded into the largest buckets until its own are ready (plain generation; with
+    # multi-step decoding, speculation or pooling every bucket compiles first). `jaxserve serve`'s default.
+    background_compile: bool = False
     generation_config: str = "auto"  # "auto" (the model's generation_config.json), "vllm" (none) or a folder
     batching: str = "continuous"
     load_format: str = "auto"
@@ -200,7 +204,7 @@ class EngineConfig:
             if method in EAGLE_METHODS and self.kv_cache_dtype == "fp8":
                 raise ValueError(f"speculative_config method {method} keeps the target's features beside its KV "
                                  f"pages, in their dtype: use kv_cache_dtype auto with it")
-        for name in ("async_scheduling", "skip_precompile", "enable_lora", "enable_sleep_mode"):
+        for name in ("async_scheduling", "skip_precompile", "background_compile", "enable_lora", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size", "min_token_bucket",

@@ -131,7 +131,8 @@ class EngineCore:
         if config.skip_precompile:
             logger.info("skip_precompile: each bucket compiles at its first use")
         else:
-            self.runner.warmup(show_progress)
+            # (one process only: every process of a multi-host engine must run the same buckets)
+            self.runner.warmup(show_progress, background=config.background_compile and self.group is None)
         if self.draft is not None:
             self.draft.allocate(self.num_pages, show_progress, precompile=not config.skip_precompile)
         if host_pool is not None:
@@ -569,7 +570,10 @@ class EngineCore:
             "num_requests_swapped": len(self.kv.swapped_request_ids()),
             "num_requests_by_priority": self.scheduler.queue_lengths_by_priority(),
             "lora": self._lora_stats(),
-            "compilations_after_warmup": CompileCounter.count() - self._compiles_after_warmup_base,
+            "compilations_after_warmup": (CompileCounter.count() - self._compiles_after_warmup_base
+                                          - self.runner.num_background_compiles),
+            "background_compiles_left": self.runner.background_compiles_left(),
+            "steps_in_the_largest_bucket": self.runner.num_repadded_steps,
             "lazy_bucket_compilations": self.runner.num_lazy_compiles,
             "executables": self.runner.num_executables(),
             "timing": self.timing.summary(),

@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import threading
 import time
 from collections.abc import Callable
 
@@ -32,6 +33,7 @@ from jaxserve.batch.builder import (
 )
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PoolingBatch, PromptLogprobBatch
 from jaxserve.batch.packing import Layout, pack, unpack
+from jaxserve.batch.repad import repad_batch, repad_prompt, repad_sampling
 from jaxserve.kv.host_swap import HostSwap
 from jaxserve.model.eagle import TargetFeatures
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping
@@ -324,6 +326,12 @@ class Runner:
         self._verify_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (R, P, M) -> verification
         self._pool_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, R or T) -> the segments' sums
         self.num_lazy_compiles = 0
+        # background_compile: the buckets the background thread still compiles (forward (T, W), sampler (R, P, M),
+        # prompt (T,)); while any is left, a step whose buckets are not all ready runs in the largest ones
+        self._compiling: set[tuple] = set()
+        self._background: threading.Thread | None = None
+        self.num_background_compiles = 0  # compiled on the background thread (not on a step's path)
+        self.num_repadded_steps = 0  # steps run in the largest buckets while theirs compiled
         CompileCounter.install()
 
     # ---- the KV pool --------------------------------------------------------------------------
@@ -458,12 +466,32 @@ class Runner:
         tokens = min(self.ladders.max_num_seqs * tokens_per_row, self.ladders.tokens[-1])
         return pick_bucket(self.ladders.tokens, tokens)
 
-    def warmup(self, show_progress: bool = True) -> None:
+    def warmup(self, show_progress: bool = True, background: bool = False) -> None:
         """AOT-compile every bucket, tracing here and compiling on a thread pool (XLA releases the GIL).
 
-        With the persistent compilation cache on, a restart loads these instead of compiling.
+        With the persistent compilation cache on, a restart loads these instead of compiling. With `background`
+        (plain generation only: no multi-step decode, speculation or pooling), only the buckets that serve any step
+        compile here: the largest forward and prompt-logprob buckets and the largest rows' samplers at no aux tokens
+        and at the most; the rest compile on a background thread while steps run, each step padded into the
+        largest buckets until its own are ready (`wait_for_background_compiles`).
         """
         forward, sampler, prompt, steps, verify_rows, verify, pool = self.shapes()
+        if background and not (steps or verify_rows or verify or pool):
+            largest_tokens, largest_rows = self.ladders.tokens[-1], max(self.ladders.row_buckets())
+            early = {("forward", (largest_tokens, self.ladders.page_widths[-1])), ("prompt", (largest_tokens,))}
+            early |= {("sampler", (largest_rows, aux, mask)) for aux in (0, self.ladders.aux_widths[-1])
+                      for mask in self.mask_widths}
+            groups = self._bucket_groups(forward, sampler, prompt)
+            self.compile_buckets([(table, call, [key for key in keys if (kind, key) in early])
+                                  for kind, table, call, keys in groups], "compiling the largest buckets",
+                                 show_progress)
+            rest = [(kind, table, call, [key for key in keys if (kind, key) not in early])
+                    for kind, table, call, keys in groups]
+            self._compiling = {(kind, key) for kind, _, _, keys in rest for key in keys}
+            self._background = threading.Thread(target=self._compile_in_background, args=(rest,),
+                                                name="jaxserve-background-compile", daemon=True)
+            self._background.start()
+            return
         self.compile_buckets([(self._forward_exec, self.forward_call, forward),
                               (self._steps_exec, self.decode_steps_call, steps),
                               (self._verify_rows_exec, self.verify_rows_call, verify_rows),
@@ -472,6 +500,50 @@ class Runner:
                               (self._prompt_exec, self.prompt_logprobs_call, prompt),
                               (self._pool_exec, self.pooling_call, pool)],
                              "compiling step buckets", show_progress)
+
+    def _bucket_groups(self, forward: list, sampler: list, prompt: list) -> list[tuple[str, dict, Callable, list]]:
+        """(kind, table, call, keys) of plain generation's buckets, in the order the background compiles them: each
+        row bucket's samplers before the forwards that give it logits, smallest first."""
+        return [("sampler", self._sample_exec, self.sampler_call, sorted(sampler)),
+                ("forward", self._forward_exec, self.forward_call, sorted(forward)),
+                ("prompt", self._prompt_exec, self.prompt_logprobs_call, sorted(prompt))]
+
+    def _compile_in_background(self, groups: list[tuple[str, dict, Callable, list]]) -> None:
+        """Trace and compile every bucket of `groups` one by one (the serving threads keep the other cores), each
+        ready for steps once compiled."""
+        for kind, table, call, keys in groups:
+            for key in keys:  # (a forward against an abstract pool: the steps donate the real one meanwhile)
+                function, args = call(*key, self.num_pages) if kind == "forward" else call(*key)
+                shared_key = self._shared_key(function, args)
+                executable = shared_executable(shared_key)
+                if executable is None:
+                    executable = function.lower(*args).compile()
+                    share_executable(shared_key, executable)
+                    self.num_background_compiles += 1
+                table[key] = executable
+                self._compiling.discard((kind, key))
+
+    def wait_for_background_compiles(self, timeout: float | None = None) -> bool:
+        """Wait until the background compiles are done (at once without background_compile); True when they are."""
+        if self._background is not None:
+            self._background.join(timeout)
+        return not self._compiling
+
+    def background_compiles_left(self) -> int:
+        """Buckets the background thread has still to compile."""
+        return len(self._compiling)
+
+    def _ready(self, num_tokens: int, width: int, prompt: bool) -> bool:
+        """Whether a step of this bucket can run in it: its forward compiled, and every sampler of its rows (any aux
+        width it may need) and its prompt-logprob bucket when it scores prompt tokens."""
+        if not self._compiling:
+            return True
+        rows = self.ladders.rows_for(num_tokens)
+        pending = {("forward", (num_tokens, width))} | {("sampler", (rows, aux, mask)) for aux in
+                                                       self.ladders.aux_widths for mask in self.mask_widths}
+        if prompt:
+            pending.add(("prompt", (num_tokens,)))
+        return not (pending & self._compiling)
 
     def num_executables(self) -> int:
         """How many bucket executables this runner holds (compiled here, loaded from the cache or shared)."""
@@ -589,6 +661,11 @@ class Runner:
         pooling of states) and return at once; the host may then finish the sampling batch (the grammar masks)
         while it runs."""
         num_tokens, width = batch.input_ids.shape[0], batch.page_table.shape[1]
+        if not self._ready(num_tokens, width, prompt is not None):  # its buckets compile in the background
+            num_tokens, width = self.ladders.tokens[-1], self.ladders.page_widths[-1]
+            batch = repad_batch(batch, num_tokens, self.ladders.rows_for(num_tokens), width, self.page_size)
+            prompt = None if prompt is None else repad_prompt(prompt, num_tokens)
+            self.num_repadded_steps += 1
         forward = self._executable(self._forward_exec, (num_tokens, width), self.forward_call)
         batch_words = put_global(pack(batch)[0], self._replicated)
         logits, hidden, self.kv_caches = forward(self.params, self.kv_caches, self.last_tokens, batch_words)
@@ -612,6 +689,11 @@ class Runner:
         if not self.generates:  # a classifier's rows pool and sample nothing: their placeholder samples are 0
             return self._pending(np.zeros((step.num_seqs,), np.int32), None, step.prompt_scored, step.num_seqs,
                                  step.num_prompt_targets, 1, step.pooled)
+        num_rows, aux_width = step.logits.shape[0], sampling.aux_token_ids.shape[1]
+        if ("sampler", (num_rows, aux_width, sampling.token_bitmask.shape[1])) in self._compiling:
+            aux_width = self.ladders.aux_widths[-1]  # compiled with the largest buckets
+        if (num_rows, aux_width) != sampling.aux_token_ids.shape:  # the forward ran in the largest bucket
+            sampling = repad_sampling(sampling, num_rows, aux_width)
         words = put_global(pack(sampling)[0], self._replicated)
         key = (sampling.temperature.shape[0], *sampling.aux_token_ids.shape[1:], *sampling.token_bitmask.shape[1:])
         if proposals is None:

@@ -1,0 +1,66 @@
+"""`background_compile`: an engine ready after its largest buckets compile, its other buckets compiling on a
+background thread while steps run in the largest ones; the same tokens as an engine that compiled everything first,
+and nothing compiled on a step's path."""
+
+import threading
+
+import pytest
+from helpers import checkpoint, expected, small_engine_args
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.runner.runner import Runner
+
+
+@pytest.fixture
+def held_background(monkeypatch):
+    """Hold the background compiles until the test releases them, so the first steps surely run in the largest
+    buckets."""
+    release = threading.Event()
+    compile_rest = Runner._compile_in_background
+
+    def held(self, groups):
+        release.wait(timeout=120)
+        compile_rest(self, groups)
+
+    monkeypatch.setattr(Runner, "_compile_in_background", held)
+    yield release
+    release.set()
+
+
+def requests():
+    """Prompts with what a step's buckets depend on: plain, penalties (aux tokens), prompt logprobs."""
+    prompts = [{"prompt_token_ids": ids} for ids in expected("llama")["prompts"][:6]]
+    params = [SamplingParams(max_tokens=8, temperature=0)] * 4 + [
+        SamplingParams(max_tokens=8, temperature=0, presence_penalty=0.5, repetition_penalty=1.3),
+        SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=2, logprobs=2)]
+    return prompts, params
+
+
+def outputs(llm: LLM) -> list:
+    prompts, params = requests()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    return [(r.outputs[0].token_ids, [sorted(p) for p in r.outputs[0].logprobs or []],
+             [None if p is None else sorted(p) for p in r.prompt_logprobs or []]) for r in results]
+
+
+def test_steps_run_in_the_largest_buckets_until_theirs_compile(held_background):
+    reference = outputs(LLM(checkpoint("llama"), **small_engine_args()))
+    llm = LLM(checkpoint("llama"), **small_engine_args(background_compile=True))
+    core = llm.engine.core
+    assert core.runner.background_compiles_left() > 0  # ready before the rest compiled
+    assert outputs(llm) == reference
+    during = llm.stats()
+    assert during["steps_in_the_largest_bucket"] == during["steps"] > 0  # every step so far ran in the largest
+    held_background.set()
+    assert core.runner.wait_for_background_compiles(timeout=300)
+    assert outputs(llm) == reference
+    after = llm.stats()
+    assert after["steps_in_the_largest_bucket"] == during["steps_in_the_largest_bucket"]  # none since
+    assert after["background_compiles_left"] == 0
+    assert after["lazy_bucket_compilations"] == 0 and after["compilations_after_warmup"] == 0
+    assert after["kv_pages_free"] == after["kv_pages_total"]
+
+
+def test_multi_step_decoding_compiles_everything_first():
+    llm = LLM(checkpoint("llama"), **small_engine_args(background_compile=True, num_scheduler_steps=4))
+    assert llm.engine.core.runner.background_compiles_left() == 0
