@@ -80,7 +80,7 @@ class FakeRunner:
         self.corpus = corpus  # (C,) int32
         self.spec, self.params, self.mesh, self.page_size, self.cache_dtype = spec, params, mesh, page_size, cache_dtype
         self.host_swap = None  # no host swap pool (preemption_mode recompute)
-        self.num_lazy_compiles = 0
+        self.num_lazy_compiles = self.num_background_compiles = self.num_repadded_steps = 0
         self.num_pages = 0
 
     def page_bytes(self) -> int:
@@ -92,8 +92,12 @@ class FakeRunner:
         """Note the pool's size (no arrays)."""
         self.num_pages = num_pages
 
-    def warmup(self, show_progress: bool = True) -> None:
+    def warmup(self, show_progress: bool = True, background: bool = False) -> None:
         """Nothing to compile."""
+
+    def background_compiles_left(self) -> int:
+        """Nothing compiles."""
+        return 0
 
     def num_executables(self) -> int:
         """No executables."""
