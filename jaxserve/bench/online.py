@@ -294,8 +294,9 @@ def launched_server(server_args: str, timeout_s: float) -> Iterator[tuple[str, s
     from the launch to the first GET /health 200) once it is healthy, and stop it on exit, whatever happens. ValueError (with its log's tail) when it exits
     or is not healthy within `timeout_s` seconds."""
     port = free_port()
+    # every bucket compiled before the first request (server_args may say otherwise): a sweep measures steady serving
     argv = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-            "--log-level", "warning", *shlex.split(server_args)]
+            "--log-level", "warning", "--no-background-compile", *shlex.split(server_args)]
     command = shlex.join(argv)
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="jaxserve-bench-serve-") as folder:
