@@ -13,8 +13,6 @@ import signal
 import sys
 import time
 
-import yaml
-
 from jaxserve import check_config
 from jaxserve.bench.cli import add_bench_commands
 from jaxserve.config import (
@@ -42,8 +40,8 @@ ENGINE_FLAGS = (
     "model", "tokenizer", "dtype", "max_model_len", "page_size", "num_pages", "gpu_memory_utilization",
     "max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
     "scheduling_policy", "tensor_parallel_size", "attention_backend", "seed", "compilation_cache_dir",
-    "skip_precompile", "background_compile", "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching", "load_format",
-    "async_scheduling", "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions",
+    "skip_precompile", "background_compile", "cpu_kv_cache_gib", "min_token_bucket", "generation_config", "batching",
+    "load_format", "async_scheduling", "num_scheduler_steps", "preemption_mode", "swap_space", "max_preemptions",
     "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales", "enable_expert_parallel",
     "enable_structured_outputs", "reasoning_parser", "enable_lora", "max_loras", "max_lora_rank", "lora_modules",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
@@ -56,13 +54,7 @@ def _engine_config(args: argparse.Namespace, **command_defaults) -> EngineConfig
     """EngineConfig from --config (YAML) with the explicitly given flags on top; `command_defaults` are the command's
     own defaults for the options that neither a flag nor the config file sets."""
     flags = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name) is not None}
-    if command_defaults:
-        chosen = set(flags)
-        if args.config:
-            with open(args.config) as f:
-                chosen |= set(yaml.safe_load(f) or {})
-        flags.update({name: value for name, value in command_defaults.items() if name not in chosen})
-    return EngineConfig.for_model(flags.pop("model", None), args.config, **flags)
+    return EngineConfig.for_model(flags.pop("model", None), args.config, command_defaults, **flags)
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> None:

@@ -233,13 +233,14 @@ class EngineConfig:
             )
 
     @classmethod
-    def from_yaml(cls, path: str, **overrides) -> "EngineConfig":
-        """Load a YAML file whose keys are this dataclass's fields; `overrides` win over the file."""
+    def from_yaml(cls, path: str, defaults: dict | None = None, **overrides) -> "EngineConfig":
+        """Load a YAML file whose keys are this dataclass's fields; the file wins over `defaults`, `overrides` win
+        over the file."""
         with open(path) as f:
             values = yaml.safe_load(f) or {}
         if not isinstance(values, dict):
             raise ValueError(f"{path}: a config file must be a mapping of option: value")
-        return cls.from_dict({**values, **overrides}, source=path)
+        return cls.from_dict({**(defaults or {}), **values, **overrides}, source=path)
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> "EngineConfig":
@@ -251,16 +252,17 @@ class EngineConfig:
         return cls(**values)
 
     @classmethod
-    def for_model(cls, model: str | None, config_path: str | None = None, **overrides) -> "EngineConfig":
-        """The config a user asked for: a YAML file (the bundled model's when no model is given) with
-        explicit options on top."""
+    def for_model(cls, model: str | None, config_path: str | None = None, defaults: dict | None = None,
+                  **overrides) -> "EngineConfig":
+        """The config a user asked for: a YAML file (the bundled model's when no model is given) over `defaults` (a
+        command's own), with explicit options on top."""
         if model is not None:
             overrides["model"] = model
         if config_path is None and overrides.get("model") is None:
             config_path = DEFAULT_MODEL_CONFIG
         if config_path is None:
-            return cls.from_dict(overrides)
-        return cls.from_yaml(config_path, **overrides)
+            return cls.from_dict({**(defaults or {}), **overrides})
+        return cls.from_yaml(config_path, defaults, **overrides)
 
     @property
     def prefix_caching(self) -> bool:

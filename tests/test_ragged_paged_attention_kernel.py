@@ -251,7 +251,8 @@ def test_each_row_takes_its_own_kernel(kind, return_lse):
 
     def marked(value):  # a kernel that only marks the tokens it answers
         def call(q, *rest):
-            return (jnp.full_like(q, value), jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else jnp.full_like(q, value)
+            out = jnp.full_like(q, value)  # (T, Hq, D)
+            return (out, jnp.zeros(q.shape[:2], jnp.float32)) if return_lse else out
         return call
 
     # which kernels the data picks: a kernel that did not run leaves no mark

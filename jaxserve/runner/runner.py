@@ -514,13 +514,7 @@ class Runner:
         for kind, table, call, keys in groups:
             for key in keys:  # (a forward against an abstract pool: the steps donate the real one meanwhile)
                 function, args = call(*key, self.num_pages) if kind == "forward" else call(*key)
-                shared_key = self._shared_key(function, args)
-                executable = shared_executable(shared_key)
-                if executable is None:
-                    executable = function.lower(*args).compile()
-                    share_executable(shared_key, executable)
-                    self.num_background_compiles += 1
-                table[key] = executable
+                self.num_background_compiles += self._compile_into(table, key, function, args)
                 self._compiling.discard((kind, key))
 
     def wait_for_background_compiles(self, timeout: float | None = None) -> bool:
@@ -733,12 +727,17 @@ class Runner:
         """Look up a compiled bucket (`call(*key)` gives its function and arguments): a shared one where this
         process has it, else compiled here (counted: warm-up missed the shape, or `skip_precompile` skipped it)."""
         if key not in table:
-            function, args = call(*key)
-            shared_key = self._shared_key(function, args)
-            executable = shared_executable(shared_key)
-            if executable is None:  # never parked as None in the table: a failed compile leaves no entry
-                self.num_lazy_compiles += 1
-                executable = function.lower(*args).compile()
-                share_executable(shared_key, executable)
-            table[key] = executable
+            self.num_lazy_compiles += self._compile_into(table, key, *call(*key))
         return table[key]
+
+    def _compile_into(self, table: dict, key: tuple[int, ...], function: Callable, args: tuple) -> bool:
+        """Put the executable of `function(*args)` in `table[key]`: the process's shared one, else compiled here and
+        shared (True). A failed compile leaves no entry (never a None parked in the table)."""
+        shared_key = self._shared_key(function, args)
+        executable = shared_executable(shared_key)
+        compiled = executable is None
+        if compiled:
+            executable = function.lower(*args).compile()
+            share_executable(shared_key, executable)
+        table[key] = executable
+        return compiled
