@@ -233,9 +233,9 @@ class EngineConfig:
             )
 
     @classmethod
-    def from_yaml(cls, path: str, defaults: dict | None = None, **overrides) -> "EngineConfig":
+    def from_yaml(cls, path: str, defaults: dict | None = None, /, **overrides) -> "EngineConfig":
         """Load a YAML file whose keys are this dataclass's fields; the file wins over `defaults`, `overrides` win
-        over the file."""
+        over the file (positional-only parameters: an option named like one is still refused as unknown)."""
         with open(path) as f:
             values = yaml.safe_load(f) or {}
         if not isinstance(values, dict):
@@ -252,7 +252,7 @@ class EngineConfig:
         return cls(**values)
 
     @classmethod
-    def for_model(cls, model: str | None, config_path: str | None = None, defaults: dict | None = None,
+    def for_model(cls, model: str | None, config_path: str | None = None, defaults: dict | None = None, /,
                   **overrides) -> "EngineConfig":
         """The config a user asked for: a YAML file (the bundled model's when no model is given) over `defaults` (a
         command's own), with explicit options on top."""
