@@ -131,7 +131,8 @@ class EngineCore:
         if config.skip_precompile:
             logger.info("skip_precompile: each bucket compiles at its first use")
         else:
-            # (one process only: every process of a multi-host engine must run the same buckets)
+            if config.background_compile and self.group is not None:  # every process must run the same buckets
+                logger.info("background_compile: a multi-host engine compiles every bucket first")
             self.runner.warmup(show_progress, background=config.background_compile and self.group is None)
         if self.draft is not None:
             self.draft.allocate(self.num_pages, show_progress, precompile=not config.skip_precompile)

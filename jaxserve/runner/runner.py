@@ -11,6 +11,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,8 @@ from jaxserve.runner.executables import (
 )
 from jaxserve.sampling.sampler import SamplingBatch, bitmask_width, raw_logprobs, sample
 from jaxserve.spec.verify import Proposals, verify
+
+logger = logging.getLogger("jaxserve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -476,7 +479,9 @@ class Runner:
         largest buckets until its own are ready (`wait_for_background_compiles`).
         """
         forward, sampler, prompt, steps, verify_rows, verify, pool = self.shapes()
-        if background and not (steps or verify_rows or verify or pool):
+        if background and (steps or verify_rows or verify or pool):
+            logger.info("background_compile: multi-step decoding, speculation and pooling compile every bucket first")
+        elif background:
             largest_tokens, largest_rows = self.ladders.tokens[-1], max(self.ladders.row_buckets())
             early = {("forward", (largest_tokens, self.ladders.page_widths[-1])), ("prompt", (largest_tokens,))}
             early |= {("sampler", (largest_rows, aux, mask)) for aux in (0, self.ladders.aux_widths[-1])
