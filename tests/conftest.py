@@ -2,8 +2,11 @@
 
 import os
 
+from helpers import FAST_COMPILE_XLA_FLAG  # (helpers imports no jax: the flags below still take effect)
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4 "
+                           + FAST_COMPILE_XLA_FLAG)
 
 import pytest  # noqa: E402
 

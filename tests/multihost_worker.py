@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from helpers import checkpoint, expected, small_engine_args
+from helpers import FAST_COMPILE_XLA_FLAG, checkpoint, expected, small_engine_args
 
 ENGINE = small_engine_args(max_model_len=96, max_num_batched_tokens=32, max_num_seqs=16, num_pages=24,
                           skip_precompile=True)
@@ -43,5 +43,5 @@ def main(coordinator: str, process_id: int, http_port: int) -> None:
 
 if __name__ == "__main__":
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=2 {FAST_COMPILE_XLA_FLAG}"
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

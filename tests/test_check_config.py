@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from helpers import FAST_COMPILE_XLA_FLAG
+
 from jaxserve import check_config
 from jaxserve.batch.builder import BucketLadders
 from jaxserve.cli import build_parser
@@ -30,8 +32,8 @@ def shipped(tmp_path_factory):
     """(the command's result, its JSON by config name) for every shipped config, both platforms, the largest
     bucket of each kind; in a fresh process, which sets its own device count and XLA flags."""
     path = tmp_path_factory.mktemp("check") / "checks.json"
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    env.pop("XLA_FLAGS", None)  # this process's 4 simulated devices are not the command's business
+    # this process's 4 simulated devices are not the command's business; the fast compile flag is
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
     command = [sys.executable, "-m", "jaxserve.cli", "check-config", *SHIPPED, "--buckets", "largest",
                "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
