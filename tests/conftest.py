@@ -73,7 +73,7 @@ def openai_server():
     from jaxserve.server.app import build_app
     from jaxserve.server.config import ServerConfig
 
-    options = small_engine_args()
+    options = small_engine_args(min_token_bucket=16)  # decodes in 16-token steps: many tests generate hundreds
     options.pop("show_progress")
     engine = LLMEngine(EngineConfig.for_model(None, **options), show_progress=False)
     config = ServerConfig(api_key=API_KEY, max_n=4, max_body_bytes=64 * 1024, max_prompts=4)

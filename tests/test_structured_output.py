@@ -54,7 +54,8 @@ GRAMMAR = 'start: "(" NUM ("," NUM) ~ 0..3 ")"\nNUM: /[0-9]{1,3}/'  # bounded: a
 PROMPT = "def f(x):"
 
 
-ENGINE = small_engine_args(max_model_len=512, num_pages=128, max_num_seqs=16, enable_structured_outputs=True)
+ENGINE = small_engine_args(max_model_len=512, num_pages=128, max_num_seqs=16, enable_structured_outputs=True,
+                           min_token_bucket=16)
 KEY = "structured-key"
 
 
