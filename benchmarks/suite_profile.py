@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as scratch:
-        env = {**os.environ, STATS_DIR_ENV: scratch, "PYTHONPATH": root}
+        env = {**os.environ, STATS_DIR_ENV: scratch}  # (no PYTHONPATH: the wheel test installs jaxserve anew)
         if args.fresh:
             env["TMPDIR"] = os.path.join(scratch, "tmp")
             os.mkdir(env["TMPDIR"])
