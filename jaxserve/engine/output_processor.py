@@ -237,7 +237,7 @@ class OutputProcessor:
             if not delta:
                 continue  # no new text: nothing to add, no stop string can end in it
             sample.text += delta
-            match = sample.stop_checker.check(sample.text, len(delta)) if sample.stop_checker.stop else None
+            match = sample.stop_checker.check(sample.text, len(delta))
             if match is not None:
                 sample.text = sample.text[: match.truncate_to]
                 sample.finish_reason, sample.stop_reason = "stop", match.stop
