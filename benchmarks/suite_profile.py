@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="empty caches (a new TMPDIR)")
     parser.add_argument("--top", type=int, default=25, help="files to list (default 25)")
     parser.add_argument("--programs", action="store_true",
-                        help="record each compiled program and list the modules compiled most (writes programs.jsonl)")
+                        help="record each compiled program and list the modules compiled most")
     args = parser.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as scratch:
@@ -177,10 +177,11 @@ def main() -> None:
               f"| {c['backend_compile_duration']:.1f} | {c['backend_compile_duration:count']:.0f} "
               f"| {c['cache_hits']:.0f} |")
     if programs:
-        with open("programs.jsonl", "w") as f:
+        path = os.path.join(tempfile.gettempdir(), "jaxserve-suite-programs.jsonl")
+        with open(path, "w") as f:
             f.writelines(json.dumps(program) + "\n" for program in programs)
         print(f"\n{len(programs)} programs compiled or loaded, {len({p['digest'] for p in programs})} distinct "
-              f"(all in programs.jsonl)\n" + repeated_programs(programs, args.top))
+              f"(each in {path})\n" + repeated_programs(programs, args.top))
     sys.exit(done.returncode)
 
 
