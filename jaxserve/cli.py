@@ -99,7 +99,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="split a mixture of experts' experts whole over the tensor-parallel devices")
     parser.add_argument("--attention-backend", choices=list(VALID_ATTENTION_BACKENDS))
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--compilation-cache-dir", help="JAX's persistent compilation cache folder")
+    parser.add_argument("--compilation-cache-dir",
+                        help="JAX's persistent compilation cache folder, with jaxserve's executable store inside")
     parser.add_argument("--skip-precompile", action=argparse.BooleanOptionalAction,
                         help="compile each bucket at its first use instead of all at start-up (a quick start: "
                              "the first request of each new shape waits for its compile); default: on for generate, "

@@ -102,7 +102,7 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     attention_backend: str = "auto"
     seed: int = 0
-    compilation_cache_dir: str | None = DEFAULT_CACHE_DIR
+    compilation_cache_dir: str | None = DEFAULT_CACHE_DIR  # JAX's persistent cache; the executable store inside
     # Compile each bucket at its first use instead of all at start-up: a quick start for development and
     # tests; a request of a shape not yet compiled then waits for its compile (tpu-inference's
     # SKIP_JAX_PRECOMPILE). Off in serving: every step after start-up runs a compiled executable.

@@ -46,7 +46,7 @@ from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_
 from jaxserve.model.spec import ModelSpec
 from jaxserve.pooling.params import PoolerConfig, matryoshka_dimensions, resolve_pooler_config
 from jaxserve.request import Logprob, Request, RequestStatus
-from jaxserve.runner.executables import CompileCounter
+from jaxserve.runner.executables import CompileCounter, use_executable_store
 from jaxserve.runner.runner import PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.spec.draft import DraftModelProposer
 from jaxserve.spec.eagle import EagleProposer
@@ -628,7 +628,9 @@ def _logprob_dict(scored: TokenLogprobs, index: int, token_id: int, num_top: int
 
 
 def enable_compilation_cache(cache_dir: str | None) -> None:
-    """Turn on JAX's persistent compilation cache so a restart skips compilation."""
+    """Turn on JAX's persistent compilation cache and jaxserve's executable store in `cache_dir`, so a restart
+    skips compilation (and, for the step buckets, tracing and lowering)."""
+    use_executable_store(cache_dir or None)
     if not cache_dir:
         return
     os.makedirs(cache_dir, exist_ok=True)

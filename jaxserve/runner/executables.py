@@ -1,5 +1,5 @@
 """The process's compiled executables: counting XLA compilations, sharing executables between engines that trace
-the same steps, and compiling many on a thread pool."""
+the same steps (and, through the executable store, between processes), and compiling many on a thread pool."""
 
 from __future__ import annotations
 
@@ -12,21 +12,36 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from jaxserve.runner.executable_store import FOLDER_NAME, ExecutableStore, open_store
+
 
 class CompileCounter:
-    """Counts XLA backend compilations in this process (all engines together)."""
+    """Counts XLA backend compilations in this process (all engines together), and each thread's loads from JAX's
+    persistent compilation cache."""
 
     _lock = threading.Lock()
     _count = 0
     _registered = False
+    _thread = threading.local()  # cache_hits: this thread's persistent-cache hits
 
     @classmethod
     def install(cls) -> None:
-        """Register the jax.monitoring listener once per process."""
+        """Register the jax.monitoring listeners once per process."""
         with cls._lock:
             if not cls._registered:
                 jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+                jax.monitoring.register_event_listener(cls._on_cache_hit)
                 cls._registered = True
+
+    @classmethod
+    def _on_cache_hit(cls, event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            cls._thread.cache_hits = cls.thread_cache_hits() + 1
+
+    @classmethod
+    def thread_cache_hits(cls) -> int:
+        """Persistent-cache hits of this thread's compiles so far."""
+        return getattr(cls._thread, "cache_hits", 0)
 
     @classmethod
     def _on_event(cls, event: str, duration: float, **kwargs) -> None:
@@ -47,18 +62,51 @@ class CompileCounter:
 SHARED_EXECUTABLES = 512
 _shared_executables: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
 _shared_lock = threading.Lock()
+_store: list[ExecutableStore | None] = [None]  # on disk, for later processes (use_executable_store)
+
+
+def use_executable_store(cache_dir: str | None) -> ExecutableStore | None:
+    """Keep executables on disk inside the compilation cache folder `cache_dir` too (None: in memory only)."""
+    if cache_dir is None or _store[0] is None or _store[0].folder != os.path.join(cache_dir, FOLDER_NAME):
+        _store[0] = open_store(cache_dir)
+    return _store[0]
 
 
 def shared_executable(key: tuple) -> jax.stages.Compiled | None:
-    """The process's executable under `key`, or None."""
+    """The process's executable under `key` (from the executable store when an earlier process stored it), or
+    None."""
     with _shared_lock:
         if key in _shared_executables:
             _shared_executables.move_to_end(key)
-        return _shared_executables.get(key)
+            return _shared_executables[key]
+    executable = _store[0].load(key) if _store[0] is not None else None
+    if executable is not None:
+        _remember(key, executable)
+    return executable
 
 
-def share_executable(key: tuple, executable: jax.stages.Compiled) -> None:
-    """Keep `executable` under `key` for later engines of this process."""
+def compile_here(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
+    """Compile `lowered`; also whether the executable can be stored: XLA compiled it in this call (one loaded from
+    JAX's persistent cache serializes without its kernels on XLA's CPU backend), and it calls back into no Python
+    (a host callback, such as a Pallas kernel in interpret mode, cannot be serialized: XLA crashes trying)."""
+    CompileCounter.install()
+    hits = CompileCounter.thread_cache_hits()
+    executable = lowered.compile()
+    compile_args = getattr(getattr(lowered, "_lowering", None), "compile_args", {})
+    storable = CompileCounter.thread_cache_hits() == hits and compile_args.get("host_callbacks", True) == []
+    return executable, storable
+
+
+def share_executable(key: tuple, executable: jax.stages.Compiled, storable: bool) -> None:
+    """Keep `executable` under `key` for later engines of this process, and in the executable store when it is
+    `storable` (compile_here)."""
+    _remember(key, executable)
+    if _store[0] is not None and storable:
+        _store[0].save(key, executable)
+
+
+def _remember(key: tuple, executable: jax.stages.Compiled) -> None:
+    """Keep `executable` under `key` in memory (the SHARED_EXECUTABLES most recently used)."""
     with _shared_lock:
         _shared_executables[key] = executable
         while len(_shared_executables) > SHARED_EXECUTABLES:
@@ -87,11 +135,11 @@ def compile_all(lowered: list[tuple[tuple[dict, tuple, tuple], jax.stages.Lowere
     bar = tqdm(total=len(lowered), desc=description, disable=not show_progress, leave=False)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
     try:
-        futures = {pool.submit(low.compile): target for target, low in lowered}
+        futures = {pool.submit(compile_here, low): target for target, low in lowered}
         for future in concurrent.futures.as_completed(futures):
             table, key, shared_key = futures[future]
-            table[key] = future.result()
-            share_executable(shared_key, table[key])
+            table[key], storable = future.result()
+            share_executable(shared_key, table[key], storable)
             bar.update()
     except BaseException:  # a failed compile or a KeyboardInterrupt: drop the compiles queued, wait for none
         pool.shutdown(wait=False, cancel_futures=True)

@@ -48,6 +48,7 @@ from jaxserve.runner.executables import (
     CompileCounter,
     abstract_arguments,
     compile_all,
+    compile_here,
     share_executable,
     shared_executable,
 )
@@ -742,7 +743,7 @@ class Runner:
         executable = shared_executable(shared_key)
         compiled = executable is None
         if compiled:
-            executable = function.lower(*args).compile()
-            share_executable(shared_key, executable)
+            executable, storable = compile_here(function.lower(*args))
+            share_executable(shared_key, executable, storable)
         table[key] = executable
         return compiled

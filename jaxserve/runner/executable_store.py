@@ -1,0 +1,163 @@
+"""Compiled step executables on disk, keyed by what they were traced from, so that a restart skips tracing and
+lowering as well as XLA's compile.
+
+JAX's persistent compilation cache is keyed by the lowered program: a warm start still traces and lowers every
+bucket (0.15-0.2 s each for the bundled model on a CPU core, more for a large model) to find its entry. This store
+is keyed by the runner's shared key instead (`Runner.trace_key`, the step function's name, the arguments' tree,
+shapes, dtypes and shardings; executables.py), made stable across processes with the jaxserve source, the jax and
+XLA versions and flags, and the devices, so a hit is one file read and a deserialization.
+
+Entries are pickles (`jax.experimental.serialize_executable`), and unpickling runs code: the store is used only in
+a folder this user owns that no one else can write to (created 0700), and only files this user owns are read.
+Multi-process (multi-host) engines do not use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+
+logger = logging.getLogger(__name__)
+
+FOLDER_NAME = "jaxserve-executables"  # inside the compilation cache folder
+MAX_ENTRIES = 4096  # past this, opening the store removes the least recently written entries
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the jaxserve package
+
+
+def stable_description(value) -> object:
+    """`value` as nested tuples of plain values that print the same in every process (a mesh and a sharding by
+    their device ids, which their reprs leave out; a function by its module and name). Raises ValueError for a
+    value with no such description (a closure or lambda, whose captured values could differ; an address)."""
+    if isinstance(value, Mesh):
+        return ("Mesh", value.axis_names, value.devices.shape, tuple(int(d.id) for d in value.devices.flat))
+    if isinstance(value, NamedSharding):
+        return ("NamedSharding", stable_description(value.mesh), str(value.spec), value.memory_kind)
+    if isinstance(value, SingleDeviceSharding):
+        return ("SingleDeviceSharding", int(next(iter(value.device_set)).id), value.memory_kind)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(stable_description(item) for item in value))
+    if isinstance(value, dict):
+        return ("dict", *((repr(key), stable_description(item)) for key, item in sorted(value.items(), key=repr)))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__qualname__, *((field.name, stable_description(getattr(value, field.name)))
+                                            for field in dataclasses.fields(value)))
+    if callable(value) and not isinstance(value, type) and hasattr(value, "__qualname__"):
+        if "<" in value.__qualname__:  # <locals>, <lambda>
+            raise ValueError(f"no stable description of {value!r}")
+        return ("function", value.__module__, value.__qualname__)
+    text = repr(value)
+    if " at 0x" in text:
+        raise ValueError(f"no stable description of {text}")
+    return text
+
+
+@functools.cache
+def _environment() -> tuple:
+    """What besides the key decides a program: jaxserve's source, jax, jaxlib and XLA settings, the devices."""
+    source = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(SOURCE_ROOT)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    source.update(name.encode() + f.read())
+    devices = tuple((d.id, d.platform, d.device_kind) for d in jax.devices())
+    backend = jax.devices()[0].client
+    return (source.hexdigest(), jax.__version__, jaxlib.__version__, backend.platform_version,
+            os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+            jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision), devices)
+
+
+def _private_folder(path: str) -> bool:
+    """Whether `path` is a folder of this user's that no one else can write to."""
+    info = os.stat(path)
+    return info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+class ExecutableStore:
+    """Compiled executables in a private folder, by shared key (executables.shared_executable's)."""
+
+    def __init__(self, folder: str):
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        if not _private_folder(folder):
+            raise PermissionError(f"{folder} is not this user's alone (owner or group/other write bits)")
+        self.folder = folder
+        self.num_loaded = 0
+        self.num_saved = 0
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the MAX_ENTRIES most recently written entries."""
+        entries = [entry for entry in os.scandir(self.folder) if entry.name.endswith(".executable")]
+        if len(entries) > MAX_ENTRIES:
+            entries.sort(key=lambda entry: entry.stat().st_mtime)
+            for entry in entries[: len(entries) - MAX_ENTRIES]:
+                os.remove(entry.path)
+
+    def _path(self, key: tuple) -> str | None:
+        """The entry's file for `key`, or None when the key has no stable description."""
+        try:
+            description = repr((_environment(), stable_description(key)))
+        except ValueError as error:
+            logger.debug("executable store: %s", error)
+            return None
+        return os.path.join(self.folder, hashlib.sha256(description.encode()).hexdigest() + ".executable")
+
+    def load(self, key: tuple) -> jax.stages.Compiled | None:
+        """The stored executable of `key`, loaded onto its devices, or None."""
+        path = self._path(key)
+        if path is None or not os.path.exists(path):
+            return None
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                return None
+            with open(path, "rb") as f:
+                blob, in_tree, out_tree, device_ids = pickle.load(f)
+            devices = {d.id: d for d in jax.devices()}
+            executable = serialize_executable.deserialize_and_load(
+                blob, in_tree, out_tree, backend=devices[device_ids[0]].client,
+                execution_devices=[devices[i] for i in device_ids])
+        except Exception as error:  # a torn or stale entry: compile instead
+            logger.warning("executable store: could not load %s (%s); compiling instead", path, error)
+            return None
+        self.num_loaded += 1
+        return executable
+
+    def save(self, key: tuple, executable: jax.stages.Compiled) -> None:
+        """Write `executable` under `key` (nothing when the key or the executable cannot be stored)."""
+        path = self._path(key)
+        if path is None:
+            return
+        try:
+            blob, in_tree, out_tree = serialize_executable.serialize(executable)
+            device_ids = [d.id for d in executable.runtime_executable().local_devices()]  # in execution order
+            record = pickle.dumps((blob, in_tree, out_tree, device_ids))
+        except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as error:
+            logger.debug("executable store: not storing %s: %s", key[1:2], error)
+            return
+        handle, scratch = tempfile.mkstemp(dir=self.folder, suffix=".partial")
+        with os.fdopen(handle, "wb") as f:
+            f.write(record)
+        os.replace(scratch, path)  # whole or not at all, for a reader in another process
+        self.num_saved += 1
+
+
+def open_store(cache_dir: str | None) -> ExecutableStore | None:
+    """The store inside the compilation cache folder `cache_dir`, or None (no folder, several processes, or a
+    folder others can write to)."""
+    if not cache_dir or jax.process_count() > 1:
+        return None
+    try:
+        return ExecutableStore(os.path.join(cache_dir, FOLDER_NAME))
+    except PermissionError as error:
+        logger.warning("executable store off: %s", error)
+        return None
