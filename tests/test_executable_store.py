@@ -51,6 +51,13 @@ def test_closures_and_lambdas_have_no_stable_description():
         stable_description((1, outer(1)))
     with pytest.raises(ValueError, match="no stable description"):
         stable_description(outer)  # defined in a function: <locals>
+
+    class Local:
+        pass
+
+    with pytest.raises(ValueError, match="no stable description"):
+        stable_description(Local)
+    assert stable_description(Mesh) == ("class", Mesh.__module__, "Mesh")
     assert stable_description(np.mean) == ("function", "numpy", "mean")
 
 

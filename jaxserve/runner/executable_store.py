@@ -36,8 +36,9 @@ SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the
 
 def stable_description(value) -> object:
     """`value` as nested tuples of plain values that print the same in every process (a mesh and a sharding by
-    their device ids, which their reprs leave out; a function by its module and name). Raises ValueError for a
-    value with no such description (a closure or lambda, whose captured values could differ; an address)."""
+    their device ids, which their reprs leave out; a function or class by its module and name). Raises ValueError
+    for a value with no such description (a closure, lambda or local class, whose captured values could differ; an
+    address)."""
     if isinstance(value, Mesh):
         return ("Mesh", value.axis_names, value.devices.shape, tuple(int(d.id) for d in value.devices.flat))
     if isinstance(value, NamedSharding):
@@ -51,10 +52,10 @@ def stable_description(value) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return (type(value).__qualname__, *((field.name, stable_description(getattr(value, field.name)))
                                             for field in dataclasses.fields(value)))
-    if callable(value) and not isinstance(value, type) and hasattr(value, "__qualname__"):
-        if "<" in value.__qualname__:  # <locals>, <lambda>
+    if callable(value) and hasattr(value, "__qualname__"):  # a function or a class
+        if "<" in value.__qualname__:  # <locals>, <lambda>: what it captured could differ
             raise ValueError(f"no stable description of {value!r}")
-        return ("function", value.__module__, value.__qualname__)
+        return ("function" if not isinstance(value, type) else "class", value.__module__, value.__qualname__)
     text = repr(value)
     if " at 0x" in text:
         raise ValueError(f"no stable description of {text}")
