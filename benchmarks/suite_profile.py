@@ -43,7 +43,7 @@ _programs: list[dict] = []  # one per backend compile: file, module, parameters,
 
 
 def program_signature(module) -> tuple[str, str, str]:
-    """(module name, the main function's type, a digest of the module's text without locations) of a StableHLO module."""
+    """A StableHLO module's name, its main function's type, and a digest of its text without locations."""
     name = str(module.operation.attributes["sym_name"]).strip('"')
     main = next(op for op in module.body.operations if str(op.attributes["sym_name"]).strip('"') == "main")
     text = module.operation.get_asm(enable_debug_info=False)
@@ -121,7 +121,8 @@ def repeated_programs(programs: list[dict], top: int) -> str:
     by_module: collections.defaultdict[str, list[dict]] = collections.defaultdict(list)
     for program in programs:
         by_module[program["module"]].append(program)
-    lines = ["| module | compiles | distinct | seconds | distinct parameter types | files |", "|---|---|---|---|---|---|"]
+    lines = ["| module | compiles | distinct | seconds | distinct parameter types | files |",
+             "|---|---|---|---|---|---|"]
     ranked = sorted(by_module.items(), key=lambda item: -sum(p["seconds"] for p in item[1]))
     for module, compiled in ranked[:top]:
         files = collections.Counter(p["file"] for p in compiled)
