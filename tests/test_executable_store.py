@@ -85,6 +85,16 @@ def test_a_torn_entry_is_compiled_instead(tmp_path, caplog):
     assert "could not load" in caplog.text and "compiling instead" in caplog.text
 
 
+def test_a_store_that_cannot_write_warns_once_and_the_engine_goes_on(tmp_path, caplog):
+    store = ExecutableStore(str(tmp_path / "store"))
+    os.rmdir(store.folder)  # (removed meanwhile)
+    with caplog.at_level(logging.WARNING):
+        for factor in (1.0, 2.0):
+            compiled, key = _compiled(factor=factor)
+            store.save(key, compiled)
+    assert store.num_saved == 0 and caplog.text.count("could not write") == 1
+
+
 def test_a_folder_others_can_write_to_is_not_used(tmp_path, caplog):
     folder = tmp_path / "cache" / executable_store.FOLDER_NAME
     folder.mkdir(parents=True)

@@ -95,6 +95,7 @@ class ExecutableStore:
         self.folder = folder
         self.num_loaded = 0
         self.num_saved = 0
+        self._warned = False  # a failed save was logged
         self._prune()
 
     def _prune(self) -> None:
@@ -143,14 +144,27 @@ class ExecutableStore:
             blob, in_tree, out_tree = serialize_executable.serialize(executable)
             device_ids = [d.id for d in executable.runtime_executable().local_devices()]  # in execution order
             record = zlib.compress(pickle.dumps((blob, in_tree, out_tree, device_ids)), 1)  # 4x smaller, ~4 ms
-        except (ValueError, NotImplementedError, TypeError, pickle.PicklingError) as error:
+        except (ValueError, NotImplementedError) as error:  # what serialize refuses (constants, mutable refs)
             logger.debug("executable store: not storing %s: %s", key[1:2], error)
             return
-        handle, scratch = tempfile.mkstemp(dir=self.folder, suffix=".partial")
-        with os.fdopen(handle, "wb") as f:
-            f.write(record)
-        os.replace(scratch, path)  # whole or not at all, for a reader in another process
+        except Exception as error:  # anything else (another jax, another backend): go on without storing
+            self._warn_once(f"executable store: not storing executables ({type(error).__name__}: {error})")
+            return
+        try:
+            handle, scratch = tempfile.mkstemp(dir=self.folder, suffix=".partial")
+            with os.fdopen(handle, "wb") as f:
+                f.write(record)
+            os.replace(scratch, path)  # whole or not at all, for a reader in another process
+        except OSError as error:  # a full disk, a folder removed meanwhile
+            self._warn_once(f"executable store: could not write {path} ({error})")
+            return
         self.num_saved += 1
+
+    def _warn_once(self, message: str) -> None:
+        """Log `message` as a warning, the first such message of this store only."""
+        if not self._warned:
+            logger.warning(message)
+            self._warned = True
 
 
 def open_store(cache_dir: str | None) -> ExecutableStore | None:
