@@ -174,6 +174,6 @@ def open_store(cache_dir: str | None) -> ExecutableStore | None:
         return None
     try:
         return ExecutableStore(os.path.join(cache_dir, FOLDER_NAME))
-    except PermissionError as error:
+    except OSError as error:  # (PermissionError among them: a folder others can write to)
         logger.warning("executable store off: %s", error)
         return None
