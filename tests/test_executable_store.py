@@ -43,6 +43,14 @@ def test_meshes_on_other_devices_are_other_keys():
     assert stable_description(NamedSharding(first, spec)) != stable_description(NamedSharding(second, spec))
 
 
+def test_large_arrays_that_print_alike_are_other_keys():
+    first, second = np.zeros(2000, np.int32), np.zeros(2000, np.int32)
+    second[1000] = 1
+    assert repr(first) == repr(second)  # (numpy elides the middle)
+    assert stable_description(first) != stable_description(second)
+    assert stable_description(first) == stable_description(np.zeros(2000, np.int32))
+
+
 def test_closures_and_lambdas_have_no_stable_description():
     def outer(n):
         return lambda x: x + n

@@ -630,7 +630,7 @@ def _logprob_dict(scored: TokenLogprobs, index: int, token_id: int, num_top: int
 def enable_compilation_cache(cache_dir: str | None) -> None:
     """Turn on JAX's persistent compilation cache and jaxserve's executable store in `cache_dir`, so a restart
     skips compilation (and, for the step buckets, tracing and lowering)."""
-    use_executable_store(cache_dir or None)
+    use_executable_store(cache_dir)
     if not cache_dir:
         return
     os.makedirs(cache_dir, exist_ok=True)

@@ -25,6 +25,7 @@ import zlib
 
 import jax
 import jaxlib
+import numpy as np
 from jax.experimental import serialize_executable
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
@@ -48,6 +49,9 @@ def stable_description(value) -> object:
         return ("SingleDeviceSharding", int(next(iter(value.device_set)).id), value.memory_kind)
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, *(stable_description(item) for item in value))
+    if isinstance(value, np.ndarray):  # (its repr elides the middle of a large array)
+        digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()
+        return ("ndarray", str(value.dtype), value.shape, digest)
     if isinstance(value, dict):
         return ("dict", *((repr(key), stable_description(item)) for key, item in sorted(value.items(), key=repr)))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -72,11 +76,11 @@ def _environment() -> tuple:
             if name.endswith(".py"):
                 with open(os.path.join(folder, name), "rb") as f:
                     source.update(name.encode() + f.read())
-    devices = tuple((d.id, d.platform, d.device_kind) for d in jax.devices())
-    backend = jax.devices()[0].client
-    return (source.hexdigest(), jax.__version__, jaxlib.__version__, backend.platform_version,
+    devices = jax.devices()
+    return (source.hexdigest(), jax.__version__, jaxlib.__version__, devices[0].client.platform_version,
             os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-            jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision), devices)
+            jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
+            tuple((d.id, d.platform, d.device_kind) for d in devices))
 
 
 def _private_folder(path: str) -> bool:

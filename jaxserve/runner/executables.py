@@ -66,8 +66,10 @@ _store: list[ExecutableStore | None] = [None]  # on disk, for later processes (u
 
 
 def use_executable_store(cache_dir: str | None) -> ExecutableStore | None:
-    """Keep executables on disk inside the compilation cache folder `cache_dir` too (None: in memory only)."""
-    if cache_dir is None or _store[0] is None or _store[0].folder != os.path.join(cache_dir, FOLDER_NAME):
+    """Keep executables on disk inside the compilation cache folder `cache_dir` too (None or empty: in memory
+    only)."""
+    folder = os.path.join(cache_dir, FOLDER_NAME) if cache_dir else None
+    if _store[0] is None or _store[0].folder != folder:
         _store[0] = open_store(cache_dir)
     return _store[0]
 
