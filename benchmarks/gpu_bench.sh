@@ -34,7 +34,7 @@ main() {
 
     echo "== offline: jaxserve bench throughput (Llama-3.1-8B shape, dummy weights)"
     local offline_rc=0
-    timeout --kill-after=10 270 "$PY" -m jaxserve.cli bench throughput --model-shape llama-3.1-8b \
+    timeout --kill-after=10 270 "$PY" -m jaxserve bench throughput --model-shape llama-3.1-8b \
         --cache-dir "$CACHE" --systems jaxserve jaxserve-static "${ENGINE[@]}" --num-pages 2049 "${WORKLOAD[@]}" \
         --repeats 2 --warmup-requests 16 --json "$OUT_DIR/offline.json" --plot-dir "$OUT_DIR" \
         || offline_rc=$?
@@ -52,7 +52,7 @@ main() {
     folder=$("$PY" -c "from jaxserve.bench.models import ensure_model; print(ensure_model('llama-3.1-8b', '$CACHE'))")
     echo "== online: jaxserve bench serve --launch, rates 8 16 32 inf"
     local online_rc=0
-    timeout --kill-after=10 200 "$PY" -m jaxserve.cli bench serve --launch --launch-timeout 150 \
+    timeout --kill-after=10 200 "$PY" -m jaxserve bench serve --launch --launch-timeout 150 \
         --server-args "--model $folder --load-format dummy ${ENGINE[*]} --gpu-memory-utilization 0.85" \
         --request-rate 8 16 32 inf --num-requests 200 "${WORKLOAD[@]:2}" --no-progress \
         --slo-ttft 500 --slo-tpot 50 --json "$OUT_DIR/online.json" --plot-dir "$OUT_DIR" || online_rc=$?

@@ -55,7 +55,7 @@ from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine import core  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path  # noqa: E402
 from jaxserve.engine.step_timing import PHASES  # noqa: E402
-from jaxserve.engine.tokenizer import load_tokenizer  # noqa: E402
+from jaxserve.tokenizer import load_tokenizer  # noqa: E402
 from jaxserve.kv.cache_manager import pages_for_tokens  # noqa: E402
 from jaxserve.runner.runner import PendingStep  # noqa: E402
 from jaxserve.sampling_params import SamplingParams  # noqa: E402

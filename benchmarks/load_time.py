@@ -26,14 +26,14 @@ from jaxserve.bench.models import SHAPE_NAMES, ensure_model  # noqa: E402
 from jaxserve.config import VALID_QUANTIZATIONS, EngineConfig  # noqa: E402
 from jaxserve.model.checkpoint import convert, load_weights  # noqa: E402
 from jaxserve.model.quantize import weight_bytes  # noqa: E402
-from jaxserve.model.sharding import cache_kv_heads, make_mesh  # noqa: E402
-from jaxserve.model.spec import ModelSpec  # noqa: E402
+from jaxserve.sharding import cache_kv_heads, make_mesh  # noqa: E402
+from jaxserve.model.registry import load_model_spec  # noqa: E402
 
 
 def timed_load(folder: str, quantization: str, tensor_parallel_size: int = 1) -> tuple[float, int]:
     """(seconds to load the folder's weights onto the devices and wait for them, their bytes)."""
     config = EngineConfig(model=folder, quantization=quantization, tensor_parallel_size=tensor_parallel_size)
-    spec = ModelSpec.from_pretrained(folder)
+    spec = load_model_spec(folder)
     start = time.perf_counter()
     params, _ = load_weights(config, folder, spec, make_mesh(tensor_parallel_size),
                              cache_kv_heads(spec, tensor_parallel_size))

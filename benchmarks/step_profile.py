@@ -52,12 +52,12 @@ from jaxserve.bench.driver import drive
 from jaxserve.bench.workloads import workload_from_args
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.batch.packing import pack, unpack
-from jaxserve.engine.tokenizer import load_tokenizer
+from jaxserve.tokenizer import load_tokenizer
 
 OPS = ("forward", "attention", "gather", "qkv/o", "mlp", "lm_head", "other", "sampler")
 # The step's modules, in import order: a revision's own copies import each other (a file the revision lacks: today's).
 # Their other imports resolve in today's tree, so a --baseline must be from the layout by concern (85fc9ed) on.
-MODULES = {"fp8": "jaxserve/kv/fp8.py", "layers": "jaxserve/model/layers.py", "registry": "jaxserve/model/registry.py",
+MODULES = {"fp8": "jaxserve/attention/fp8.py", "layers": "jaxserve/model/layers.py", "registry": "jaxserve/model/registry.py",
            "xla": "jaxserve/attention/xla.py", "llama": "jaxserve/model/llama.py", "sampler": "jaxserve/sampling/sampler.py"}
 
 
@@ -85,7 +85,7 @@ def current_modules() -> dict[str, types.ModuleType]:
     """The step modules (MODULES) of the working tree."""
     from jaxserve.sampling import sampler
     from jaxserve.attention import xla
-    from jaxserve.kv import fp8
+    from jaxserve.attention import fp8
     from jaxserve.model import layers, llama, registry
 
     return {"fp8": fp8, "layers": layers, "registry": registry, "xla": xla, "llama": llama, "sampler": sampler}

@@ -42,11 +42,12 @@ import jax.numpy as jnp
 from jax.export import DisabledSafetyCheck
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxserve.attention import fp8
 from jaxserve.config import EAGLE_METHODS, VALID_ATTENTION_BACKENDS, EngineConfig, runs_pooling
-from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES, GIB, MemoryPlan, plan_kv_pages
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec, spec_from_hf_config
+from jaxserve.model_spec import ModelSpec
 
 PLATFORMS = {"cuda": "gpu", "tpu": "tpu"}  # jax.export platform -> the platform name the attention package takes
 DEFAULT_DEVICES = {"cuda": "h100", "tpu": "tpu-v5p"}  # when neither --device nor the config's file name names one
@@ -219,7 +220,7 @@ def resolve_spec(model: str | None, model_shape: str | None) -> tuple[ModelSpec,
         return _published_spec(model_shape), f"published config.json of {model_shape} (--model-shape)"
     folder = model or default_model_path()
     if os.path.isfile(os.path.join(folder, "config.json")):
-        return ModelSpec.from_pretrained(folder), f"{os.path.join(folder, 'config.json')}"
+        return load_model_spec(folder), f"{os.path.join(folder, 'config.json')}"
     name = os.path.basename(os.path.normpath(folder)).lower()
     if name not in PUBLISHED_MODELS:
         raise ValueError(f"model folder {folder!r} has no config.json and its name is none of the known models "
@@ -232,7 +233,7 @@ def _published_spec(name: str) -> ModelSpec:
     if name not in PUBLISHED_MODELS:
         raise ValueError(f"unknown model shape {name!r}; one of {', '.join(PUBLISHED_MODELS)}")
     config = {"hidden_act": "silu", **PUBLISHED_MODELS[name]}
-    return ModelSpec.from_hf_config(config, {"eos_token_id": config["eos_token_id"]})
+    return spec_from_hf_config(config, {"eos_token_id": config["eos_token_id"]})
 
 
 def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_kv_heads: int,
@@ -243,7 +244,7 @@ def abstract_params(spec: ModelSpec, mesh: jax.sharding.Mesh, dtype, num_cache_k
     from jaxserve.model.loader import dummy_params
     from jaxserve.model.quantize import quantized_partition_specs, quantized_shapes, replace_at
     from jaxserve.model.registry import map_weights, param_partition_specs, quantizable_paths
-    from jaxserve.model.sharding import named
+    from jaxserve.sharding import named
 
     shapes = jax.eval_shape(lambda: dummy_params(spec, mesh, dtype, num_cache_kv_heads, seed=0, declared=declared))
     if declared is None:
@@ -422,10 +423,10 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     from jaxserve.model.loader import resolve_dtype
     from jaxserve.model.lora import lora_slot_structs
     from jaxserve.model.registry import model_for
-    from jaxserve.model.sharding import cache_kv_heads, make_mesh
     from jaxserve.runner.runner import Runner
-    from jaxserve.spec.draft_runner import DraftRunner
-    from jaxserve.spec.eagle import EagleRunner
+    from jaxserve.sharding import cache_kv_heads, make_mesh
+    from jaxserve.spec_decode.draft_runner import DraftRunner
+    from jaxserve.spec_decode.eagle import EagleRunner
 
     config = EngineConfig.from_yaml(path, **({"attention_backend": attention_backend} if attention_backend else {}))
     spec, note = resolve_spec(config.model, model_shape)

@@ -32,8 +32,8 @@ from jaxserve.config import (
     EngineConfig,
 )
 from jaxserve.engine.llm_engine import DEFAULT_MODEL_NAME, LLMEngine
-from jaxserve.engine.tokenizer import load_chat_template
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import load_chat_template
 
 # Engine options that have a command-line flag (`--max-num-seqs` for `max_num_seqs`, ...).
 ENGINE_FLAGS = (
@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--kv-cache-dtype", choices=list(VALID_KV_CACHE_DTYPES), default="auto",
                       help="fp8: store the fp8 KV cache's scales (the source's k_scale/v_scale, else 1.0)")
     conv.add_argument("--calculate-kv-scales", action="store_true",
-                      help="with --kv-cache-dtype fp8: store scales from a calibration pass (kv/calibration.py)")
+                      help="with --kv-cache-dtype fp8: store scales from a calibration pass (model/kv_calibration.py)")
     conv.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="store the KV heads replicated as this tensor parallelism needs (default 1)")
     conv.set_defaults(handler=convert)
@@ -429,9 +429,3 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.exit(2, f"jaxserve: error: {error}\n")
 
-
-if __name__ == "__main__":  # `python -m jaxserve.cli`: Ctrl-C as under the console script (jaxserve/console.py)
-    from jaxserve.console import exit_on_interrupt
-
-    exit_on_interrupt()
-    sys.exit(main())

@@ -13,7 +13,7 @@ from jaxserve.pooling.params import PoolerConfig
 VALID_PAGE_SIZES = (8, 16, 32)
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only quantization at load time (model/quantize.py)
-VALID_KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the weights' dtype; fp8: e4m3 pages with per-head scales (kv/fp8.py)
+VALID_KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the weights' dtype; fp8: e4m3 pages with per-head scales (attention/fp8.py)
 VALID_POLICIES = ("fcfs", "priority")
 # How a preempted request gives its KV pages back: recompute (drop them; its tokens are computed again when it
 # resumes), swap (copy them to a host-memory pool and back when it resumes), auto (swap long contexts).
@@ -134,10 +134,10 @@ class EngineConfig:
     # name; None means none).
     quantization: str | None = "none"
     # The KV pages' dtype (vLLM's field): auto (the weights' dtype) or fp8 (e4m3, one scale per layer and KV head:
-    # the checkpoint's k_scale/v_scale, else 1.0; kv/fp8.py).
+    # the checkpoint's k_scale/v_scale, else 1.0; attention/fp8.py).
     kv_cache_dtype: str = "auto"
     # kv_cache_dtype fp8: compute the scales at start-up from a calibration pass over a bundled text
-    # (kv/calibration.py) instead of taking the checkpoint's (or 1.0).
+    # (model/kv_calibration.py) instead of taking the checkpoint's (or 1.0).
     calculate_kv_scales: bool = False
     # Multi-host (distributed/): one process per host on JAX's distributed runtime, process 0 the leader (scheduler,
     # tokenizer, HTTP) and the coordinator's host; "auto" lets jax.distributed.initialize() read what a cluster

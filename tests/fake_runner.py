@@ -17,7 +17,8 @@ from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE, PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.step import SampledToken, SchedulerOutput
 
 VOCAB = 1000
 

@@ -16,8 +16,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxserve.model.loader import load_params  # noqa: E402
-from jaxserve.model.sharding import cache_kv_heads, make_mesh  # noqa: E402
-from jaxserve.model.spec import ModelSpec  # noqa: E402
+from jaxserve.sharding import cache_kv_heads, make_mesh  # noqa: E402
+from jaxserve.model.registry import load_model_spec  # noqa: E402
 
 
 def _status_bytes(key: str) -> int:
@@ -30,7 +30,7 @@ def _status_bytes(key: str) -> int:
 
 
 def _load(folder: str) -> dict:
-    spec = ModelSpec.from_pretrained(folder)
+    spec = load_model_spec(folder)
     return jax.block_until_ready(load_params(folder, spec, make_mesh(1), jnp.float32, cache_kv_heads(spec, 1)))
 
 

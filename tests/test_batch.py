@@ -9,7 +9,7 @@ from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.request import Request
 from jaxserve.sampling.sampler import KIND_BANNED, KIND_OUTPUT, KIND_PROMPT
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxserve.step import ScheduledRequest, SchedulerOutput
 
 LADDERS = BucketLadders.build(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64, page_size=8,
                               min_token_bucket=8, max_aux_extra=4)

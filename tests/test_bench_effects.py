@@ -152,7 +152,7 @@ def test_preemption_report_lines():
 def test_speculation_workload_and_report_lines():
     from jaxserve.bench.speculation import MARKER, code_editing_workload, speculation_lines
     from jaxserve.engine.llm_engine import default_model_path
-    from jaxserve.engine.tokenizer import load_tokenizer
+    from jaxserve.tokenizer import load_tokenizer
 
     model = default_model_path()
     workload = code_editing_workload(model, 3, 300, 16)

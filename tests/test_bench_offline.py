@@ -14,8 +14,8 @@ from helpers import TEST_CACHE_DIR
 from jaxserve.bench import models, offline
 from jaxserve.bench.workloads import BenchRequest, Workload, workload_from_args
 from jaxserve.engine.llm_engine import default_model_path
-from jaxserve.model.spec import ModelSpec
-from jaxserve.engine.tokenizer import load_tokenizer
+from jaxserve.model.registry import load_model_spec
+from jaxserve.tokenizer import load_tokenizer
 
 # The CTranslate2 copy of the bundled model is cached here across test sessions.
 PEER_CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-test-bench-cache")
@@ -179,12 +179,12 @@ def test_generated_folders(tmp_path):
     small = models.ensure_model("llama-small", str(tmp_path), seed=0)
     assert not models.needs_dummy_weights(small)
     assert models.ensure_model("llama-small", str(tmp_path), seed=0) == small  # cached
-    spec = ModelSpec.from_pretrained(small)
+    spec = load_model_spec(small)
     shape = (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.vocab_size)
     assert shape == (4, 256, 8, 2, 4096)
     big = models.ensure_model("llama-3.1-8b", str(tmp_path), seed=0)
     assert models.needs_dummy_weights(big)  # config and tokenizer only: load_format dummy
-    spec = ModelSpec.from_pretrained(big)
+    spec = load_model_spec(big)
     assert (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.intermediate_size,
             spec.vocab_size, spec.torch_dtype) == (32, 4096, 32, 8, 14336, 128256, "bfloat16")
     assert (spec.rope.rope_type, spec.rope.theta, spec.rope.factor) == ("llama3", 500000.0, 8.0)

@@ -22,7 +22,7 @@ from jaxserve.bench.workloads import (
     workload_from_args,
 )
 from jaxserve.engine.llm_engine import default_model_path
-from jaxserve.engine.tokenizer import load_tokenizer
+from jaxserve.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def shipped(tmp_path_factory):
     path = tmp_path_factory.mktemp("check") / "checks.json"
     # this process's 4 simulated devices are not the command's business; the fast compile flag is
     env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
-    command = [sys.executable, "-m", "jaxserve.cli", "check-config", *SHIPPED, "--buckets", "largest",
+    command = [sys.executable, "-m", "jaxserve", "check-config", *SHIPPED, "--buckets", "largest",
                "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

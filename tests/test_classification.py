@@ -18,7 +18,8 @@ import pytest
 from helpers import checkpoint, small_engine_args
 from jaxserve import LLM, ClassificationOutput, PoolingParams, SamplingParams
 from jaxserve.model.registry import model_for, registered_architectures
-from jaxserve.model.spec import ClassifierHead, ModelSpec, classifier_head
+from jaxserve.model_spec import ClassifierHead, classifier_head
+from jaxserve.model.registry import load_model_spec
 
 TOLERANCE = 3e-5
 CHUNKED = dict(max_num_batched_tokens=32)
@@ -162,6 +163,6 @@ def test_every_language_model_architecture_has_its_classifier():
         assert classifier in names and model_for(classifier) is model_for(causal)
     assert model_for("Gemma3TextForSequenceClassification") is model_for("Gemma3ForCausalLM")
     assert "Gemma3ForSequenceClassification" not in names  # transformers' image-text classifier
-    spec = ModelSpec.from_pretrained(checkpoint("qwen3-cross-encoder"))
+    spec = load_model_spec(checkpoint("qwen3-cross-encoder"))
     assert spec.architecture == "Qwen3ForCausalLM" and spec.qk_norm and spec.classifier.num_labels == 1
-    assert ModelSpec.from_pretrained(checkpoint("qwen3")).classifier is None
+    assert load_model_spec(checkpoint("qwen3")).classifier is None

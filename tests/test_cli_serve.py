@@ -92,7 +92,7 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
     port = _free_port()
     log = tmp_path / "serve.log"
     env = {**os.environ, "JAXSERVE_API_KEY": "env-key", "JAX_PLATFORMS": "cpu"}
-    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--max-num-seqs", "32",
+    command = [sys.executable, "-m", "jaxserve", "serve", "--config", str(config), "--max-num-seqs", "32",
                "--port", str(port), "--compilation-cache-dir", TEST_CACHE_DIR, "--skip-precompile",
                "--ssl-keyfile", os.path.join(TLS, "key.pem"), "--ssl-certfile", CERTIFICATE, "--root-path", "/api",
                "--served-model-name", "tiny-stdlib-llama", "tiny"]

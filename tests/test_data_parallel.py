@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
 from jaxserve.config import EngineConfig
-from jaxserve.distributed.replicas import ROUTED_PREFIX_PAGES, ReplicaRouter
+from jaxserve.engine.replicas import ROUTED_PREFIX_PAGES, ReplicaRouter
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig

@@ -22,7 +22,7 @@ from jaxserve.model import moe
 from jaxserve.model.checkpoint import convert
 from jaxserve.model.quantize import dequantize, leaf_at, replace_at
 from jaxserve.model.registry import quantizable_paths
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec, spec_from_hf_config
 
 FP8 = "deepseek-v3-fp8-block"  # deepseek-v3 as DeepSeek-V3's release stores it: fp8 in blocks (of 16 x 8 here)
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -34,7 +34,7 @@ def _config(name: str = "deepseek-v3") -> dict:
 
 
 def test_the_spec_reads_latent_attention_and_routing():
-    spec = ModelSpec.from_pretrained(checkpoint("deepseek-v3"))
+    spec = load_model_spec(checkpoint("deepseek-v3"))
     assert (spec.head_dim, spec.num_kv_heads, spec.num_heads) == (24 + 8, 1, 4)  # the cache: latent + rotary key
     assert (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.v_head_dim) == (32, 24, 16, 12)
     assert (spec.first_dense_layers, spec.dense_intermediate_size, spec.intermediate_size) == (1, 128, 32)
@@ -42,7 +42,7 @@ def test_the_spec_reads_latent_attention_and_routing():
     assert spec.shared_expert_size == 32 and spec.routed_scaling_factor == 2.5 and spec.rope_interleave
     assert spec.rope.rope_type == "yarn" and spec.rope.head_dim == 8
     assert spec.softmax_scale == pytest.approx((16 + 8) ** -0.5 * (0.1 * math.log(2.0) + 1) ** 2)
-    plain = ModelSpec.from_pretrained(checkpoint("deepseek-v3-q-proj"))
+    plain = load_model_spec(checkpoint("deepseek-v3-q-proj"))
     assert plain.q_lora_rank is None and plain.first_dense_layers == 0 and plain.shared_expert_size == 64
     assert plain.softmax_scale == pytest.approx(24 ** -0.5)  # no YaRN: no mscale
 
@@ -111,7 +111,7 @@ def test_routing_keeps_the_best_groups_then_the_best_experts_in_them(seed, group
 ])
 def test_configs_it_does_not_serve_are_value_errors(changes, message):
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config({**_config(), **changes})
+        spec_from_hf_config({**_config(), **changes})
 
 
 @pytest.mark.parametrize("options, message", [
@@ -152,7 +152,7 @@ def fp8_llm():
 
 
 def test_every_projection_of_both_stacks_is_quantizable_the_router_is_not():
-    paths = set(quantizable_paths(ModelSpec.from_pretrained(checkpoint("deepseek-v3"))))
+    paths = set(quantizable_paths(load_model_spec(checkpoint("deepseek-v3"))))
     attention = {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo"}
     assert paths == {*(("dense_layers", name) for name in attention | {"w_gate", "w_up", "w_down"}),
                      *(("layers", name) for name in attention | {"w_gate", "w_up", "w_down", "shared_w_gate",
@@ -160,7 +160,7 @@ def test_every_projection_of_both_stacks_is_quantizable_the_router_is_not():
 
 
 def test_the_releases_fp8_blocks_are_served_as_stored_and_give_hugging_faces_tokens(fp8_llm):
-    spec = ModelSpec.from_pretrained(checkpoint(FP8))
+    spec = load_model_spec(checkpoint(FP8))
     assert spec.checkpoint_quantization == "fp8" and spec.checkpoint_weight_block == (16, 8)
     params = fp8_llm.engine.core.runner.params
     for path in quantizable_paths(spec):

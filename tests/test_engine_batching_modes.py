@@ -84,11 +84,11 @@ def test_dummy_weights_for_the_llama_3_1_8b_shape_are_abstractly_right(tmp_path)
     bfloat16, built abstractly (no memory) through the same code the engine runs."""
     from jaxserve.bench import models
     from jaxserve.model.loader import dummy_params
-    from jaxserve.model.sharding import make_mesh
-    from jaxserve.model.spec import ModelSpec
+    from jaxserve.sharding import make_mesh
+    from jaxserve.model.registry import load_model_spec
 
     folder = models.ensure_model("llama-3.1-8b", str(tmp_path))
-    spec = ModelSpec.from_pretrained(folder)
+    spec = load_model_spec(folder)
     shapes = jax.eval_shape(lambda: dummy_params(spec, make_mesh(1), jax.numpy.bfloat16, spec.num_kv_heads, 0))
     leaves = jax.tree_util.tree_leaves(shapes)
     assert {leaf.dtype for leaf in leaves} == {jax.numpy.dtype("bfloat16")}

@@ -13,7 +13,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.cli import ENGINE_FLAGS
 from jaxserve.config import EngineConfig
 from jaxserve.engine.generation_config import load_generation_defaults
-from jaxserve.engine.tokenizer import IncrementalDetokenizer
+from jaxserve.tokenizer import IncrementalDetokenizer
 
 PROMPT = {"prompt_token_ids": [5, 99, 143, 7, 301, 42, 18, 256]}
 

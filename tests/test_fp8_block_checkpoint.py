@@ -25,8 +25,8 @@ from helpers import (
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.loader import load_params
 from jaxserve.model.quantize import dequantize, linear
-from jaxserve.model.sharding import cache_kv_heads, make_mesh
-from jaxserve.model.spec import ModelSpec
+from jaxserve.sharding import cache_kv_heads, make_mesh
+from jaxserve.model.registry import load_model_spec, spec_from_hf_config
 
 NAME, MOE = "qwen3-fp8-block", "qwen3-moe-fp8-block"
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -91,7 +91,7 @@ def test_compressed_tensors_blocks_and_tensor_parallelism_give_the_same_tokens(l
 
 def test_blocks_that_do_not_split_over_the_devices_are_refused():
     """o_proj's 128 input rows are 2 blocks of 64: 4 devices cannot each take whole blocks."""
-    spec = ModelSpec.from_pretrained(checkpoint(NAME))
+    spec = load_model_spec(checkpoint(NAME))
     with pytest.raises(ValueError, match="2 blocks of 64 input rows do not split over 4 devices"):
         load_params(checkpoint(NAME), spec, make_mesh(4), jnp.float32, cache_kv_heads(spec, 4))
 
@@ -118,7 +118,7 @@ def test_partial_row_blocks_scale_their_own_rows(tmp_path):
     save_file(tensors, os.path.join(str(tmp_path), "model.safetensors"))
     with open(os.path.join(str(tmp_path), "config.json"), "w") as f:
         json.dump(config, f)
-    spec = ModelSpec.from_pretrained(str(tmp_path))
+    spec = load_model_spec(str(tmp_path))
     layers = load_params(str(tmp_path), spec, make_mesh(1), jnp.float32, cache_kv_heads(spec, 1))["layers"]
     wk = {"weight": layers["wk"]["weight"][0], "scale": layers["wk"]["scale"][0]}  # (in, out), (1, out)
     row_scales = np.where(np.arange(64) < 48, 0.5, 2.0).astype(np.float32)  # (out,)
@@ -139,7 +139,7 @@ def test_partial_row_blocks_scale_their_own_rows(tmp_path):
 ])
 def test_malformed_block_configs_are_refused(quantization_config, message):
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))
+        spec_from_hf_config(tiny_llama_config(quantization_config=quantization_config))
 
 
 def test_scales_of_the_wrong_shape_are_refused(tmp_path):

@@ -1,4 +1,4 @@
-"""The fp8 KV cache (issue 16, `kv_cache_dtype: fp8`): jaxserve/kv/fp8.py and every attention backend.
+"""The fp8 KV cache (issue 16, `kv_cache_dtype: fp8`): jaxserve/attention/fp8.py and every attention backend.
 
 - e4m3 rounding per element (within 1/16 of the value, or the subnormal step of the scale), saturation
   instead of NaN;
@@ -33,10 +33,11 @@ from jaxserve.attention.base import LayerAttention
 from jaxserve.batch.builder import padded_batch_arrays
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.config import EngineConfig
-from jaxserve.kv import fp8
+from jaxserve.attention import fp8
 from jaxserve.model.checkpoint import convert, load_weights
-from jaxserve.model.sharding import cache_kv_heads, make_mesh
-from jaxserve.model.spec import ModelSpec
+from jaxserve.sharding import cache_kv_heads, make_mesh
+from jaxserve.model_spec import ModelSpec
+from jaxserve.model.registry import load_model_spec
 
 PAGE_SIZE, NUM_PAGES, NUM_LAYERS, LAYER = 8, 16, 2, 1
 # Three steps over three rows: (cached tokens, new tokens) per row: prefill, a mixed step, pure decode.
@@ -66,7 +67,7 @@ def test_scale_heads_multiplies_each_query_head_by_its_kv_heads_scale():
 
 
 def _spec(num_kv_heads: int = 2, group: int = 2, head_dim: int = 16) -> ModelSpec:
-    base = ModelSpec.from_pretrained(checkpoint("llama"))
+    base = load_model_spec(checkpoint("llama"))
     return dataclasses.replace(base, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                num_layers=NUM_LAYERS)
 
@@ -155,7 +156,7 @@ def engines():
 def test_the_pool_holds_twice_the_pages_of_bfloat16_in_the_same_memory(engines):
     bf16, fp8_pool = engines["auto", 1].engine.core, engines["fp8", 1].engine.core
     assert bf16.runner.kv_caches[0].dtype == jnp.bfloat16 and fp8_pool.runner.cache_dtype == fp8.FP8_DTYPE
-    assert fp8_pool.runner.kv_caches[0].dtype == jnp.uint8  # the e4m3 values' bits (kv/fp8.py)
+    assert fp8_pool.runner.kv_caches[0].dtype == jnp.uint8  # the e4m3 values' bits (attention/fp8.py)
     assert fp8_pool.runner.page_bytes() * 2 == bf16.runner.page_bytes()
     assert fp8_pool.num_pages in (2 * bf16.num_pages, 2 * bf16.num_pages + 1)
 
@@ -184,7 +185,7 @@ def _with_kv_scales(folder: str, k_scale, v_scale) -> None:
 
 
 def _load(folder: str, tp: int = 1, kv_cache_dtype: str = "fp8") -> dict:
-    spec = ModelSpec.from_pretrained(folder)
+    spec = load_model_spec(folder)
     config = EngineConfig(model=folder, kv_cache_dtype=kv_cache_dtype, tensor_parallel_size=tp)
     params, _ = load_weights(config, folder, spec, make_mesh(tp), cache_kv_heads(spec, tp))
     return params["layers"]
@@ -267,7 +268,7 @@ def test_calibrated_scales_rescue_kv_outside_e4m3s_range(tmp_path):
 
 
 def _load_calibrated(folder: str) -> dict:
-    spec = ModelSpec.from_pretrained(folder)
+    spec = load_model_spec(folder)
     config = EngineConfig(model=folder, kv_cache_dtype="fp8", calculate_kv_scales=True)
     params, _ = load_weights(config, folder, spec, make_mesh(1), cache_kv_heads(spec, 1))
     return params["layers"]

@@ -27,7 +27,7 @@ from helpers import (
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.quantized_checkpoint import quantize_gptq, quantize_int4
 from jaxserve.model.loader import GptqPacked, TensorMapping, _group_zero_points
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import spec_from_hf_config
 
 ASYMMETRIC, MOE, CHANNEL = "qwen2-gptq-asym", "qwen3-moe-gptq", "qwen3-gptq-channel"
 ACT_ORDER, ACT_ORDER_MOE, INT8 = "qwen2-gptq-act-order", "qwen3-moe-gptq-act-order", "llama-gptq-int8"
@@ -146,4 +146,4 @@ def _gptq(**fields) -> dict:
 ])
 def test_gptq_settings_jaxserve_does_not_read_are_refused(quantization_config, message):
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))
+        spec_from_hf_config(tiny_llama_config(quantization_config=quantization_config))

@@ -293,7 +293,7 @@ def test_end_to_end_command_parses_for_both_plans(plan, tmp_path):
     from jaxserve.cli import build_parser
 
     argv = command(Step(plan=plan, work_dir=str(tmp_path), deadline=0.0))
-    assert argv[1:5] == ["-m", "jaxserve.cli", "bench", "throughput"]
+    assert argv[1:5] == ["-m", "jaxserve", "bench", "throughput"]
     args = build_parser().parse_args(argv[3:])
     assert (args.model_shape, args.input_len, args.output_len) == (
         plan.e2e["model_shape"], plan.e2e["input_len"], plan.e2e["output_len"])

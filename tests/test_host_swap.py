@@ -1,4 +1,4 @@
-"""HostSwap (jaxserve/kv/host_swap.py): page copies between a device pool and the host pool, on tiny pools.
+"""HostSwap (jaxserve/runner/host_swap.py): page copies between a device pool and the host pool, on tiny pools.
 
 Pages swapped out and back in land whole in their new places, in every cache array of the layout; a swap-in
 reads the host pool before the same call's swap-outs land in it and writes the device after they read it;
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxserve.kv.host_swap import HostSwap, swap_buckets
+from jaxserve.runner.host_swap import HostSwap, swap_buckets
 
 SHAPE = (2, 12, 4, 2, 3)  # (L, P, S, heads, D): 12 device pages of 4 slots
 

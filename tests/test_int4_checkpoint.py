@@ -31,7 +31,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.bench.quantized_checkpoint import quantize_awq, quantize_int4
 from jaxserve.model.loader import AwqGemm, PackedInt4, SafetensorsFolder, TensorMapping, _group_zero_points
 from jaxserve.model.quantize import unpack_int4, weight_bytes
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec, spec_from_hf_config
 
 NAME, MOE = "llama-int4", "qwen3-moe-int4"
 ASYMMETRIC, ASYMMETRIC_MOE, AWQ, AWQ_MOE = "qwen3-int4-asym", "qwen3-moe-int4-asym", "qwen2-awq", "qwen3-moe-awq"
@@ -56,7 +56,7 @@ def test_greedy_tokens_and_first_logprobs_match_hugging_face(llm):
 
 
 def test_the_linear_layers_take_a_quarter_of_bfloat16_plus_their_scales(llm):
-    spec = ModelSpec.from_pretrained(checkpoint(NAME))
+    spec = load_model_spec(checkpoint(NAME))
     leaves = {name: llm.engine.core.runner.params["layers"][name] for name in ("wq", "wk", "wv", "wo", "w_gate",
                                                                                 "w_up", "w_down")}
     weights = sum(2 * leaf["weight"].size for leaf in leaves.values())  # two to a byte
@@ -126,7 +126,7 @@ def _int4_config(**weights) -> dict:
 ])
 def test_int4_forms_jaxserve_does_not_read_are_refused(quantization_config, message):
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))
+        spec_from_hf_config(tiny_llama_config(quantization_config=quantization_config))
 
 
 @pytest.mark.parametrize("tensor_parallel_size", [1, 2])
@@ -231,7 +231,7 @@ def test_the_awq_view_reads_awq_tensors_as_the_asymmetric_form():
 ])
 def test_awq_settings_jaxserve_does_not_read_are_refused(quantization_config, message):
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))
+        spec_from_hf_config(tiny_llama_config(quantization_config=quantization_config))
 
 
 def test_a_missing_scale_is_named(tmp_path):

@@ -25,7 +25,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.model.lora import lora_slot_structs
 from jaxserve.model.registry import Model
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
 
@@ -164,7 +164,7 @@ def test_lora_options_are_checked():
         EngineConfig(enable_lora=True, lora_modules={"a": ALPHA.lora_path, "b": BETA.lora_path})
     with pytest.raises(ValueError, match="max_lora_rank must be an integer >= 1"):
         EngineConfig(enable_lora=True, max_lora_rank=0)
-    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    spec = load_model_spec(checkpoint("llama"))
     with pytest.raises(ValueError, match="takes no LoRA adapters"):
         lora_slot_structs(Model(spec_from_config=None, weights=None, module=None), spec, 2, None, 1, 8, "float32")
 

@@ -12,7 +12,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import resolve_num_pages
 from jaxserve.model.loader import SafetensorsFolder
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec, spec_from_hf_config
 from helpers import ARCHITECTURES, checkpoint
 
 
@@ -23,24 +23,24 @@ def _config(name):
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_every_fixture_parses(name):
-    spec = ModelSpec.from_pretrained(checkpoint(name))
+    spec = load_model_spec(checkpoint(name))
     assert spec.num_layers == _config(name)["num_hidden_layers"] and spec.vocab_size == 512
     assert spec.eos_token_ids == (1,)
 
 
 def test_architecture_specific_fields():
-    assert ModelSpec.from_pretrained(checkpoint("qwen2")).qkv_bias
-    qwen3 = ModelSpec.from_pretrained(checkpoint("qwen3"))
+    assert load_model_spec(checkpoint("qwen2")).qkv_bias
+    qwen3 = load_model_spec(checkpoint("qwen3"))
     assert qwen3.qk_norm and qwen3.head_dim == 32 and qwen3.hidden_size // qwen3.num_heads == 16
-    assert ModelSpec.from_pretrained(checkpoint("mistral")).sliding_window == 16
-    assert ModelSpec.from_pretrained(checkpoint("llama-linear")).tie_word_embeddings
-    gemma2, gemma3 = ModelSpec.from_pretrained(checkpoint("gemma2")), ModelSpec.from_pretrained(checkpoint("gemma3"))
+    assert load_model_spec(checkpoint("mistral")).sliding_window == 16
+    assert load_model_spec(checkpoint("llama-linear")).tie_word_embeddings
+    gemma2, gemma3 = load_model_spec(checkpoint("gemma2")), load_model_spec(checkpoint("gemma3"))
     assert gemma2.layer_kinds == (1, 0, 1, 0) and gemma3.layer_kinds == (1, 1, 0, 1, 1, 0)  # 1: sliding
     assert (gemma2.attn_soft_cap, gemma2.final_soft_cap, gemma3.attn_soft_cap) == (5.0, 10.0, None)
     assert gemma2.query_scale == gemma3.query_scale == 24**-0.5 and gemma2.sliding_window == 16
     assert gemma3.qk_norm and (gemma3.rope.theta, gemma3.rope.rope_type, gemma3.rope.factor) == (1e6, "linear", 2.0)
     assert (gemma3.local_rope.theta, gemma3.local_rope.rope_type) == (1e4, "default")
-    mixtral, qwen3_moe = ModelSpec.from_pretrained(checkpoint("mixtral")), ModelSpec.from_pretrained(checkpoint("qwen3-moe"))
+    mixtral, qwen3_moe = load_model_spec(checkpoint("mixtral")), load_model_spec(checkpoint("qwen3-moe"))
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.normalize_top_k, mixtral.round_weights) == (
         4, 2, True, False)
     assert (qwen3_moe.num_experts, qwen3_moe.num_experts_per_tok, qwen3_moe.intermediate_size) == (8, 3, 32)
@@ -53,16 +53,16 @@ def test_transformers4_rope_layout_equals_transformers5_layout():
     params = dict(new["rope_parameters"])
     old["rope_theta"] = params.pop("rope_theta")
     old["rope_scaling"] = params
-    assert ModelSpec.from_hf_config(old) == ModelSpec.from_hf_config(new)
+    assert spec_from_hf_config(old) == spec_from_hf_config(new)
 
 
 def test_llama3_rope_scales_low_frequencies_only():
-    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    spec = load_model_spec(checkpoint("llama"))
     scaled = spec.rope.inv_freq()
     plain = 1.0 / (spec.rope.theta ** (np.arange(0, spec.head_dim, 2) / spec.head_dim))
     assert scaled[0] == pytest.approx(plain[0])  # high frequency untouched
     assert scaled[-1] == pytest.approx(plain[-1] / spec.rope.factor)  # low frequency slowed by factor
-    linear = ModelSpec.from_pretrained(checkpoint("llama-linear"))
+    linear = load_model_spec(checkpoint("llama-linear"))
     np.testing.assert_allclose(linear.rope.inv_freq() * 2, plain)
 
 
@@ -84,7 +84,7 @@ def test_yarn_rope_equals_transformers(scaling):
     config = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 64, "hidden_size": 256, "num_hidden_layers": 1,
               "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64, "rope_theta": 1e6,
               "max_position_embeddings": 32768, "rope_scaling": scaling}
-    spec = ModelSpec.from_hf_config(config)
+    spec = spec_from_hf_config(config)
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](transformers.Qwen2Config(**config), "cpu")
     np.testing.assert_allclose(spec.rope.inv_freq(), inv_freq.numpy(), rtol=2e-6)
     assert spec.rope.attention_factor == pytest.approx(attention_factor)
@@ -104,12 +104,12 @@ def test_yarn_rope_equals_transformers(scaling):
 )
 def test_unsupported_configs_are_value_errors(change, message):
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config({**_config("llama"), **change})
+        spec_from_hf_config({**_config("llama"), **change})
 
 
 def test_missing_files_are_value_errors(tmp_path):
     with pytest.raises(ValueError, match="config.json"):
-        ModelSpec.from_pretrained(str(tmp_path))
+        load_model_spec(str(tmp_path))
     with pytest.raises(ValueError, match="safetensors"):
         SafetensorsFolder(str(tmp_path))
     sharded = tmp_path / "sharded"
@@ -161,7 +161,7 @@ def test_the_loader_reads_each_devices_shard_of_one_layer_at_a_time(monkeypatch)
     """Host memory stays about one layer's shard: at TP 2 every tensor is read from the file as slices,
     the model-sharded matrices in halves, one layer at a time, and the stacked params equal the tensors."""
     from jaxserve.model.loader import load_params
-    from jaxserve.model.sharding import cache_kv_heads, make_mesh
+    from jaxserve.sharding import cache_kv_heads, make_mesh
 
     reads = []  # (name, bytes read, whole tensor requested)
     read = SafetensorsFolder.get
@@ -172,7 +172,7 @@ def test_the_loader_reads_each_devices_shard_of_one_layer_at_a_time(monkeypatch)
         return array
 
     monkeypatch.setattr(SafetensorsFolder, "get", spy)
-    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    spec = load_model_spec(checkpoint("llama"))
     params = load_params(checkpoint("llama"), spec, make_mesh(2), jnp.float32, cache_kv_heads(spec, 2))
     monkeypatch.undo()
     folder = SafetensorsFolder(checkpoint("llama"))

@@ -23,8 +23,9 @@ from jaxserve.model.loader import load_params, tensor_source
 from jaxserve.model.registry import (
     Weight, map_weights, model_for, quantizable_paths, registered_architectures,
 )
-from jaxserve.model.sharding import cache_kv_heads, make_mesh
-from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec
+from jaxserve.sharding import cache_kv_heads, make_mesh
+from jaxserve.model_spec import LLAMA_FAMILY
+from jaxserve.model.registry import load_model_spec
 
 
 def test_the_llama_family_is_registered_and_an_unknown_architecture_is_refused():
@@ -39,17 +40,17 @@ def test_the_llama_family_is_registered_and_an_unknown_architecture_is_refused()
             model_for(head)
     # weight quantization takes the leaves the model declares quantizable: the seven projections
     projections = {("layers", name) for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
-    assert set(quantizable_paths(ModelSpec.from_pretrained(checkpoint("qwen2")))) == projections
+    assert set(quantizable_paths(load_model_spec(checkpoint("qwen2")))) == projections
     # a mixture of experts: the experts (L, E, in, out) too, never the router
-    assert set(quantizable_paths(ModelSpec.from_pretrained(checkpoint("mixtral")))) == projections
+    assert set(quantizable_paths(load_model_spec(checkpoint("mixtral")))) == projections
     assert "router" in model_for("MixtralForCausalLM").weights(
-        ModelSpec.from_pretrained(checkpoint("mixtral")), 2, 1)["layers"]
+        load_model_spec(checkpoint("mixtral")), 2, 1)["layers"]
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_every_declared_weight_is_in_the_checkpoint_and_loads_as_declared(name, tp):
-    spec = ModelSpec.from_pretrained(checkpoint(name))
+    spec = load_model_spec(checkpoint(name))
     kv_heads = cache_kv_heads(spec, tp)
     declared = model_for(spec.architecture).weights(spec, kv_heads, tp)
     folder = tensor_source(checkpoint(name), spec)  # as the loader reads it (Phi-3's fused parts apart)

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.model import moe
 from jaxserve.model import quantize
-from jaxserve.model.sharding import MODEL_AXIS
+from jaxserve.sharding import MODEL_AXIS
 
 H, I = 32, 48  # hidden and expert intermediate sizes of every test
 T, E = 37, 8  # the common layer shape, so that tests share compilations

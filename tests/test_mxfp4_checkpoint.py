@@ -30,8 +30,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.model.checkpoint import load_weights
 from jaxserve.model.loader import Mxfp4Experts, SafetensorsFolder, TensorMapping, check_source
 from jaxserve.model.quantize import quantize_weight
-from jaxserve.model.sharding import make_mesh
-from jaxserve.model.spec import ModelSpec
+from jaxserve.sharding import make_mesh
+from jaxserve.model.registry import load_model_spec, spec_from_hf_config
 
 NAME = "gpt-oss-mxfp4"
 OPTIONS = small_engine_args(page_size=8, num_pages=40, max_num_seqs=48, skip_precompile=True)  # test_engine_vs_hf.py's
@@ -102,7 +102,7 @@ def test_the_engines_int8_and_fp8_quantize_the_dequantized_experts():
     """quantization int8 (served) and fp8 (loaded) quantize the dequantized experts as they would the float
     experts: per output channel of each expert, exactly quantize_weight's result."""
     want = fixture_experts()
-    spec, mesh = ModelSpec.from_pretrained(checkpoint(NAME)), make_mesh(1)
+    spec, mesh = load_model_spec(checkpoint(NAME)), make_mesh(1)
     for mode in ("int8", "fp8"):
         config = EngineConfig(model=checkpoint(NAME), quantization=mode)
         params, _ = load_weights(config, checkpoint(NAME), spec, mesh, spec.num_kv_heads)
@@ -206,7 +206,7 @@ def test_blocks_of_the_wrong_size_do_not_fit_the_served_model(tmp_path):
             name = "model.layers.1.mlp.experts.gate_up_proj" + part
             tensors[name] = np.ascontiguousarray(tensors[name][:, :32])
 
-    spec = ModelSpec.from_pretrained(checkpoint(NAME))
+    spec = load_model_spec(checkpoint(NAME))
     folder = SafetensorsFolder(_broken_copy(tmp_path, halve))
     with pytest.raises(ValueError, match=r"weight 'model.layers.1.mlp.experts.gate_up_proj' has shape \(4, 64, 32\), "
                                          r"which does not fit the served model \(it needs \(4, 64, 64\)\)"):
@@ -220,4 +220,4 @@ def test_mxfp4_is_refused_for_other_architectures(name):
         config = json.load(f)
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}
     with pytest.raises(ValueError, match="quant_method 'mxfp4' .* is read for GptOssForCausalLM only"):
-        ModelSpec.from_hf_config(config)
+        spec_from_hf_config(config)

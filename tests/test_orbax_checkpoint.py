@@ -71,8 +71,9 @@ READS_SCRIPT = """
 import json, sys
 import jax
 from jaxserve.model.checkpoint import load_checkpoint
-from jaxserve.model.sharding import cache_kv_heads, make_mesh
-from jaxserve.model.spec import ModelSpec
+from jaxserve.sharding import cache_kv_heads, make_mesh
+from jaxserve.model_spec import ModelSpec
+from jaxserve.model.registry import load_model_spec
 
 
 def bytes_read():
@@ -81,7 +82,7 @@ def bytes_read():
 
 
 folder = sys.argv[1]
-spec = ModelSpec.from_pretrained(folder)
+spec = load_model_spec(folder)
 read = {1: [], 2: []}
 for tp in (1, 2) + (1, 2) * 3:
     before = bytes_read()

@@ -10,7 +10,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.loader import FusedRows, TensorMapping
 from jaxserve.model.phi3 import fused_parts
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec, spec_from_hf_config
 from helpers import checkpoint, expected, small_engine_args
 
 ORIGINAL_CONTEXT = 32  # the fixture's original_max_position_embeddings
@@ -67,7 +67,7 @@ def test_long_context_at_tp2_serves_hf_outputs_on_the_long_factors():
 
 
 def test_fused_rows_read_each_part_from_the_fused_tensor():
-    spec = ModelSpec.from_pretrained(checkpoint("phi3"))
+    spec = load_model_spec(checkpoint("phi3"))
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((128, 64)).astype(np.float32)  # q 64 rows, k 32, v 32
     gate_up = rng.standard_normal((256, 64)).astype(np.float32)
@@ -97,7 +97,7 @@ HUB_CONFIG = {"architectures": ["Phi3ForCausalLM"], "vocab_size": 32064, "hidden
 
 def test_published_config_layout():
     config = {**HUB_CONFIG, "partial_rotary_factor": 1 / 12}  # 8 of the 96 head dims rotate: 4 factors
-    rope = ModelSpec.from_hf_config(config).rope
+    rope = spec_from_hf_config(config).rope
     assert (rope.rope_type, rope.rotary_dim, rope.original_max_position_embeddings) == ("longrope", 8, 4096)
     assert rope.attention_factor == pytest.approx(np.sqrt(1 + np.log(32) / np.log(4096)))
     base = 1 / 10000.0 ** (np.arange(0, 8, 2) / 8)
@@ -105,9 +105,9 @@ def test_published_config_layout():
     np.testing.assert_allclose(rope.for_max_model_len(8192).inv_freq(), base / np.array([1.0, 1.5, 8.0, 40.0]))
     assert not rope.for_max_model_len(4096).long_context
     su = {**config, "rope_scaling": {**config["rope_scaling"], "type": "su"}}  # Phi-3's first name for it
-    assert ModelSpec.from_hf_config(su).rope == rope
+    assert spec_from_hf_config(su).rope == rope
     phi4 = {**HUB_CONFIG, "rope_scaling": None, "max_position_embeddings": 16384}  # Phi-4: plain rope
-    spec = ModelSpec.from_hf_config(phi4)
+    spec = spec_from_hf_config(phi4)
     assert dataclasses.astuple(spec.rope)[:3] == (10000.0, 96, "default") and spec.rope.rotary_dim == 0
 
 
@@ -121,4 +121,4 @@ def test_published_config_layout():
 def test_refusals(change, message):
     config = {**HUB_CONFIG, "partial_rotary_factor": 1 / 12, **change}
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(config)
+        spec_from_hf_config(config)

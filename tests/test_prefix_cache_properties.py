@@ -34,7 +34,8 @@ from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens, root_has
 from jaxserve.kv.page_pool import NULL_PAGE, PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.step import SampledToken, SchedulerOutput
 
 VOCAB = 1000
 ALPHABET = 4  # prompt tokens come from a tiny alphabet so page contents repeat across prefixes and positions

@@ -37,8 +37,8 @@ from jaxserve.engine.llm_engine import default_model_path
 from jaxserve.model.loader import load_params
 from jaxserve.model.quantize import FORMATS, dequantize, linear, quantize_params, quantize_weight, weight_bytes
 from jaxserve.model.registry import quantizable_paths
-from jaxserve.model.sharding import cache_kv_heads, make_mesh
-from jaxserve.model.spec import ModelSpec
+from jaxserve.sharding import cache_kv_heads, make_mesh
+from jaxserve.model.registry import load_model_spec, spec_from_hf_config
 
 THRESHOLDS = {  # (model, mode) -> (least top-1 agreement, largest mean KL in nats)
     ("llama", "int8"): (0.90, 1e-2), ("llama", "fp8"): (0.75, 1e-1),
@@ -108,7 +108,7 @@ def test_quantized_quality_against_the_float_model(scored, model, mode):
 
 
 def test_linear_weights_take_half_the_bytes_of_bfloat16():
-    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    spec = load_model_spec(checkpoint("llama"))
     params = load_params(checkpoint("llama"), spec, make_mesh(1), jnp.bfloat16, cache_kv_heads(spec, 1))
     linear_bytes = weight_bytes({name: params["layers"][name] for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up",
                                                                           "w_down")})
@@ -185,7 +185,7 @@ def test_an_fp8_checkpoint_is_served_as_it_is(engines, tmp_path):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in engines["fp8", 1].generate(prompts, params, use_tqdm=False)]
     assert got == want
-    spec = ModelSpec.from_pretrained(str(tensor))
+    spec = load_model_spec(str(tensor))
     layers = load_params(str(tensor), spec, make_mesh(1), jnp.float32, cache_kv_heads(spec, 1))["layers"]
     scale = np.asarray(layers["wq"]["scale"])  # (L, out): one value per layer, broadcast over the channels
     assert layers["wq"]["weight"].dtype == jnp.float8_e4m3fn and np.all(scale == scale[:, :1])
@@ -222,4 +222,4 @@ def test_an_fp8_mixture_of_experts_checkpoint_is_served_as_it_is(tmp_path):
 ])
 def test_unsupported_checkpoint_quantization_is_refused(quantization_config, message):
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(tiny_llama_config(quantization_config=quantization_config))
+        spec_from_hf_config(tiny_llama_config(quantization_config=quantization_config))

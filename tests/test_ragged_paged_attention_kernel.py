@@ -26,7 +26,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.attention import resolve_backend
 from jaxserve.attention.pallas_gpu import decode_and_prompt_rows
 from pallas_kernels.paged_decode_attention import kernel as decode_kernel
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec
 from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
 from pallas_kernels.paged_kv_write import reference as kv_write_reference
 from pallas_kernels.ragged_paged_attention import kernel, reference
@@ -150,7 +150,7 @@ def test_engine_with_pallas_interpret_matches_xla(name, tp):
 
 
 def test_backend_choice_on_the_cpu():
-    spec = ModelSpec.from_pretrained(checkpoint("llama"))
+    spec = load_model_spec(checkpoint("llama"))
     assert resolve_backend("auto", spec, 16) == "xla"
     assert resolve_backend("pallas-interpret", spec, 8) == "pallas-interpret"
     with pytest.raises(ValueError, match="use pallas-interpret"):
@@ -165,7 +165,7 @@ LOWERING_CASES = [
     pytest.param(32, 1, 3, 64, jnp.float32, 64, 30.0, None, id="group3-window-cap"),
     pytest.param(16, 4, 1, 64, jnp.bfloat16, None, None, None, id="mha"),
     pytest.param(8, 2, 2, 128, jnp.bfloat16, None, None, None, id="page8"),
-    pytest.param(16, 2, 4, 128, jnp.bfloat16, None, None, jnp.uint8, id="fp8-cache"),  # e4m3 bits (kv/fp8.py)
+    pytest.param(16, 2, 4, 128, jnp.bfloat16, None, None, jnp.uint8, id="fp8-cache"),  # e4m3 bits (attention/fp8.py)
 ]
 
 

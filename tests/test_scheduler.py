@@ -32,7 +32,7 @@ from fake_runner import (
 )
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.request import RequestStatus
-from jaxserve.engine.scheduler import SampledToken
+from jaxserve.step import SampledToken
 
 # ---- random workloads ----------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from jaxserve.batch.builder import BucketLadders
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import ASSETS_DIR, DEFAULT_MODEL_NAME
 from jaxserve.kv.page_pool import NULL_PAGE
-from jaxserve.spec.draft import DraftModelProposer
+from jaxserve.spec_decode.draft import DraftModelProposer
 
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
 SELF_DRAFT = {"method": "draft_model", "model": checkpoint("llama"), "num_speculative_tokens": 3}

@@ -30,8 +30,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.model.eagle import read_head_config
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping
-from jaxserve.model.spec import ModelSpec
-from jaxserve.spec.eagle import read_draft_tokens
+from jaxserve.model.registry import load_model_spec
+from jaxserve.spec_decode.eagle import read_draft_tokens
 
 HEADS = {"eagle": ("llama", "llama-eagle"), "eagle3": ("gemma2", "gemma2-eagle3")}  # method: (target, head)
 ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=24)  # 23 usable pages of 16 tokens
@@ -200,7 +200,7 @@ def test_bad_eagle_configs_are_value_errors():
 # ---- an EAGLE-3 head's folder ---------------------------------------------------------------------------------------
 
 HEAD3 = checkpoint("gemma2-eagle3")
-TARGET3 = ModelSpec.from_pretrained(checkpoint("gemma2"))
+TARGET3 = load_model_spec(checkpoint("gemma2"))
 
 
 def test_the_head_reads_its_layers_and_vocabulary():
@@ -302,7 +302,7 @@ def test_the_method_must_be_the_heads():
     with pytest.raises(ValueError, match="EAGLE-3 head: use speculative_config method eagle3"):
         read_head_config(HEAD3, "eagle", TARGET3)
     with pytest.raises(ValueError, match="EAGLE-1 head: use speculative_config method eagle$"):
-        read_head_config(checkpoint("llama-eagle"), "eagle3", ModelSpec.from_pretrained(checkpoint("llama")))
+        read_head_config(checkpoint("llama-eagle"), "eagle3", load_model_spec(checkpoint("llama")))
 
 
 @pytest.mark.parametrize("tensors, message", [

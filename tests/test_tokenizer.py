@@ -1,8 +1,8 @@
-"""Tests for jaxserve.engine.tokenizer: loading and streaming detokenization.
+"""Tests for jaxserve.tokenizer: loading and streaming detokenization.
 
 The tokenizers are tiny ones built here; the reference for what a user must
 see is the Hugging Face decode of the prompt and output together, minus the
-decode of the prompt (see the module docstring of jaxserve.engine.tokenizer).
+decode of the prompt (see the module docstring of jaxserve.tokenizer).
 """
 
 import functools
@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from jaxserve.engine.llm_engine import default_model_path
-from jaxserve.engine.tokenizer import IncrementalDetokenizer, load_chat_template, load_tokenizer, render_chat_text
+from jaxserve.tokenizer import IncrementalDetokenizer, load_chat_template, load_tokenizer, render_chat_text
 
 REPLACEMENT = "\ufffd"
 SPECIALS = ["<unk>", "<s>", "</s>"]

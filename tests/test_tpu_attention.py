@@ -24,8 +24,9 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.attention import make_attention, resolve_backend, tpu
 from jaxserve.attention.base import LayerAttention
 from jaxserve.batch.descriptor import BatchDescriptor
-from jaxserve.model.sharding import make_mesh
-from jaxserve.model.spec import ModelSpec
+from jaxserve.sharding import make_mesh
+from jaxserve.model_spec import ModelSpec
+from jaxserve.model.registry import load_model_spec
 from pallas_kernels.ragged_paged_attention import reference
 
 ROWS = [(20, 7), (0, 16), (31, 1), (15, 1), (0, 5), (0, 0), (0, 0)]  # (cached, query) tokens; two padded rows
@@ -34,7 +35,7 @@ NUM_LAYERS, LAYER = 2, 1
 
 def _spec(num_kv_heads: int, group: int, head_dim: int, window: int | None = None) -> ModelSpec:
     """The llama fixture's spec with other attention shapes."""
-    return dataclasses.replace(ModelSpec.from_pretrained(checkpoint("llama")), num_layers=NUM_LAYERS,
+    return dataclasses.replace(load_model_spec(checkpoint("llama")), num_layers=NUM_LAYERS,
                                num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                sliding_window=window)
 
@@ -141,7 +142,7 @@ def test_engine_matches_xla(name, tp):
 
 
 def test_backend_choice_for_tpu(caplog):
-    spec = ModelSpec.from_pretrained(checkpoint("llama"))  # 2 KV heads
+    spec = load_model_spec(checkpoint("llama"))  # 2 KV heads
     assert resolve_backend("auto", spec, 16, "tpu") == "pallas"
     assert resolve_backend("pallas", spec, 8, "tpu", tensor_parallel_size=2) == "pallas"
     assert resolve_backend("pallas-tpu-interpret", spec, 16) == "pallas-tpu-interpret"
@@ -214,7 +215,7 @@ def test_lowers_for_tpu_on_the_cpu(tp):
 def test_a_model_with_attention_sinks_takes_the_xla_path_on_a_tpu():
     """gpt-oss's sinks are not in JAX's TPU kernel: auto picks the XLA path there, pallas says why, and the kernel
     backend refuses sinks passed to it."""
-    spec = ModelSpec.from_pretrained(checkpoint("gpt-oss"))
+    spec = load_model_spec(checkpoint("gpt-oss"))
     assert spec.attention_sinks
     assert resolve_backend("auto", spec, 16, "tpu") == "xla"
     assert resolve_backend("auto", dataclasses.replace(spec, attention_sinks=False), 16, "tpu") == "pallas"

@@ -64,7 +64,7 @@ def server(tmp_path_factory):
     template = folder / "chat_template.jinja"
     with open(os.path.join(default_model_path(), "chat_template.jinja")) as f:
         template.write_text("{{ '" + TEMPLATE_MARK.replace("\n", "\\n") + "' }}" + f.read())
-    command = [sys.executable, "-m", "jaxserve.cli", "serve", "--config", str(config), "--port", str(port),
+    command = [sys.executable, "-m", "jaxserve", "serve", "--config", str(config), "--port", str(port),
                "--compilation-cache-dir", TEST_CACHE_DIR, "--chat-template", str(template), *VLLM_FLAGS]
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,

@@ -15,7 +15,7 @@ import sysconfig
 
 from helpers import TEST_CACHE_DIR, small_engine_args
 
-from jaxserve.engine.tokenizer import load_tokenizer
+from jaxserve.tokenizer import load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = os.path.join(REPO, "tests", "fixtures", "default_model_expected.json")

@@ -28,7 +28,7 @@ from jaxserve.attention.base import LayerAttention
 from jaxserve.batch.builder import BucketLadders
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.bench.models import SHAPES
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec
 from pallas_kernels.ragged_paged_attention import reference
 
 NUM_LAYERS, LAYER = 2, 1
@@ -100,7 +100,7 @@ def _tiled(arrays, batch, window, tiles):
 
 
 def _spec(window, head_dim=16):
-    return dataclasses.replace(ModelSpec.from_pretrained(checkpoint("llama")), head_dim=head_dim,
+    return dataclasses.replace(load_model_spec(checkpoint("llama")), head_dim=head_dim,
                                sliding_window=window)
 
 

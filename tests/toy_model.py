@@ -22,7 +22,7 @@ from safetensors.numpy import save_file
 from jaxserve.attention.base import LayerAttention
 from jaxserve.model.layers import StepContext, apply_rope, rms_norm, rope_cos_sin, scan_layers
 from jaxserve.model.registry import Model, Weight, register
-from jaxserve.model.spec import ModelSpec, RopeSpec
+from jaxserve.model_spec import ModelSpec, RopeSpec
 
 ARCHITECTURE = "ToyForCausalLM"
 

@@ -58,7 +58,7 @@ def command(step: Step) -> list[str]:
         options["--num-pages"] = pages
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # a persistent cache the caller chose (the tests' shared one)
         options["--compilation-cache-dir"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
-    return [sys.executable, "-m", "jaxserve.cli", "bench", "throughput"] + [
+    return [sys.executable, "-m", "jaxserve", "bench", "throughput"] + [
         str(part) for option, value in options.items() for part in (option, value)]
 
 

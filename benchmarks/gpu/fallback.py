@@ -27,9 +27,9 @@ FALLBACK_CALLS = 8  # calls a dispatch; 8 of the Pallas backend's >= 84 us still
 def model_spec(model: Model):
     """Llama-3.1-8B's ModelSpec with the plan's heads and head dim (the backends read head_dim and the window)."""
     from jaxserve.bench.models import SHAPES, hf_config
-    from jaxserve.model.spec import ModelSpec
+    from jaxserve.model.registry import spec_from_hf_config
 
-    spec = ModelSpec.from_hf_config(hf_config(SHAPES["llama-3.1-8b"]))
+    spec = spec_from_hf_config(hf_config(SHAPES["llama-3.1-8b"]))
     return dataclasses.replace(spec, num_heads=model.heads, num_kv_heads=model.kv_heads, head_dim=model.head_dim,
                                hidden_size=model.heads * model.head_dim)
 
@@ -63,7 +63,7 @@ def measure_backend(name: str, inputs: dict, batch, num_sets: int, step: Step) -
     """Per-call time and spot error of one backend's attention on a decode step."""
     from jaxserve.attention import make_attention
     from jaxserve.attention.base import LayerAttention
-    from jaxserve.model.sharding import make_mesh
+    from jaxserve.sharding import make_mesh
 
     spec = model_spec(step.plan.model)
     backend = make_attention(spec, name, make_mesh(1), step.plan.page_size)

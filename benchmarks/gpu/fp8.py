@@ -58,16 +58,16 @@ def measure(step: Step, quantization: str, kv_cache_dtype: str) -> dict:
     from jaxserve.attention import make_attention
     from jaxserve.bench.models import SHAPES, hf_config
     from jaxserve.config import EngineConfig
-    from jaxserve.kv import fp8
+    from jaxserve.attention import fp8
     from jaxserve.model.checkpoint import load_weights
     from jaxserve.model.quantize import weight_bytes
     from jaxserve.model.registry import model_for
-    from jaxserve.model.sharding import make_mesh
-    from jaxserve.model.spec import ModelSpec
+    from jaxserve.sharding import make_mesh
+    from jaxserve.model.registry import spec_from_hf_config
 
     plan, options = step.plan, step.plan.fp8
     page_size, rows, context = plan.page_size, options["batch"], options["context"]
-    spec = ModelSpec.from_hf_config(hf_config(SHAPES[options["model_shape"]]))
+    spec = spec_from_hf_config(hf_config(SHAPES[options["model_shape"]]))
     mesh = make_mesh(1)
     config = EngineConfig(model=options["model_shape"], load_format="dummy", dtype=plan.model.dtype,
                           quantization=quantization, kv_cache_dtype=kv_cache_dtype, seed=step.seed)

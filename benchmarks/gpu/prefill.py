@@ -91,7 +91,7 @@ def xla_backend_call(plan: Plan, inputs: dict):
     from jaxserve.attention.base import LayerAttention
     from jaxserve.batch.builder import padded_batch_arrays
     from jaxserve.batch.descriptor import BatchDescriptor
-    from jaxserve.model.sharding import make_mesh
+    from jaxserve.sharding import make_mesh
 
     page_size = plan.page_size
     spec = model_spec(plan.model)

@@ -353,13 +353,13 @@ def build(step: Step) -> dict:
     from jaxserve.config import EngineConfig
     from jaxserve.model.checkpoint import load_weights
     from jaxserve.model.registry import model_for
-    from jaxserve.model.sharding import make_mesh
-    from jaxserve.model.spec import ModelSpec
+    from jaxserve.sharding import make_mesh
+    from jaxserve.model.registry import spec_from_hf_config
     from jaxserve.sampling.sampler import sample
 
     plan, options = step.plan, step.plan.profile
     page_size, rows, context, chunk = plan.page_size, options["batch"], options["context"], options["chunk"]
-    spec = ModelSpec.from_hf_config(hf_config(SHAPES[options["model_shape"]]))
+    spec = spec_from_hf_config(hf_config(SHAPES[options["model_shape"]]))
     mesh = make_mesh(1)
     config = EngineConfig(model=options["model_shape"], load_format="dummy", dtype=plan.model.dtype, seed=step.seed)
     params, dtype = load_weights(config, config.model, spec, mesh, spec.num_kv_heads)

@@ -9,7 +9,7 @@ Backends (`attention_backend`):
 - `auto`: `pallas` on a GPU or a TPU when its kernels take the model's shapes, else `xla`.
 
 Every backend is an `AttentionBackend` (attention/base.py): its cache layout, `attention` and `write_kv`. Every
-backend reads a cache in the queries' dtype or in float8_e4m3fn (the fp8 KV cache, kv/fp8.py).
+backend reads a cache in the queries' dtype or in float8_e4m3fn (the fp8 KV cache, attention/fp8.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 
 from jaxserve.attention.base import AttentionBackend
 from jaxserve.config import VALID_ATTENTION_BACKENDS
-from jaxserve.model.sharding import cache_kv_heads
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model_spec import ModelSpec
+from jaxserve.sharding import cache_kv_heads
 from pallas_kernels.ragged_paged_attention.tuning import gpu_unsupported
 
 logger = logging.getLogger("jaxserve")

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.attention.base import AttentionBackend, LayerAttention
 from jaxserve.batch.descriptor import BatchDescriptor
-from jaxserve.model.sharding import KV_CACHE_SPEC, MODEL_AXIS
+from jaxserve.sharding import KV_CACHE_SPEC, MODEL_AXIS
 from pallas_kernels.paged_decode_attention import kernel as decode_kernel
 from pallas_kernels.paged_kv_write import kernel as kv_write_kernel
 from pallas_kernels.ragged_paged_attention import kernel as attention_kernel

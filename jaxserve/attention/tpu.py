@@ -27,7 +27,7 @@ The kernel runs inside `shard_map` over the `model` mesh axis like our GPU kerne
 own query heads over its own KV heads. The fused head axis (2 * Hkv) is split in contiguous blocks, so a
 device holding KV heads h0..h1 holds the K/V pairs 2h0..2h1+1 of exactly those heads.
 
-An fp8 cache (kv/fp8.py): the kernel casts K and V to the queries' dtype only when given a scale, so it gets
+An fp8 cache (attention/fp8.py): the kernel casts K and V to the queries' dtype only when given a scale, so it gets
 k_scale = v_scale = 1.0 (the real scales are folded into q and the output by the model).
 
 Interpret mode (`pallas-tpu-interpret`, CPU tests) runs the kernel in JAX's TPU interpreter, which in JAX
@@ -50,7 +50,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.attention.base import AttentionBackend, LayerAttention, cache_shapes
 from jaxserve.batch.descriptor import BatchDescriptor
-from jaxserve.model.sharding import KV_CACHE_SPEC, MODEL_AXIS
+from jaxserve.sharding import KV_CACHE_SPEC, MODEL_AXIS
 
 HEADS_SPEC = P(None, MODEL_AXIS, None)  # (T, heads, D): heads split over the mesh
 # Half of the 1 MiB SMEM of TPU v4-v6e for the page table, the budget vLLM's TPU backend gives it.

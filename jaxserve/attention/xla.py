@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxserve.attention import cudnn
+import jaxserve.attention.cudnn as cudnn
 from jaxserve.attention.base import AttentionBackend, LayerAttention
 from jaxserve.batch.descriptor import BatchDescriptor
 from pallas_kernels.ragged_paged_attention import reference

@@ -14,7 +14,6 @@ import numpy as np
 
 from jaxserve.batch.buckets import geometric_ladder, pick_bucket
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PoolingBatch, PromptLogprobBatch
-from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.request import Request
@@ -28,6 +27,7 @@ from jaxserve.sampling.sampler import (
     SamplingBatch,
     bitmask_width,
 )
+from jaxserve.sampling.verify import Proposals
 from jaxserve.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -35,7 +35,7 @@ from jaxserve.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_TOKEN_IDS,
 )
-from jaxserve.spec.verify import Proposals
+from jaxserve.step import ScheduledRequest, SchedulerOutput
 
 PAD_TOKEN_ID = 0
 _NO_AUX_TOKENS = ((), (), ())  # (ids, kinds, values) of a sampling row without aux tokens

@@ -76,8 +76,8 @@ from jaxserve.bench.workloads import BenchRequest, Workload, random_workload, sh
 from jaxserve.config import DEFAULT_CACHE_DIR
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.step_timing import PHASES
-from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import load_tokenizer
 
 EFFECTS = ("chunked-prefill", "prefix-cache", "overlap", "parallel-sampling", "preemption", "speculation",
            "quantization")

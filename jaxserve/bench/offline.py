@@ -61,9 +61,9 @@ from jaxserve.bench.workloads import BenchRequest, Workload, add_workload_argume
 from jaxserve.config import VALID_DTYPES, EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.step_timing import PHASES
-from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.kv.cache_manager import pages_for_tokens
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec
+from jaxserve.tokenizer import load_tokenizer
 
 SYSTEMS = ("jaxserve", "jaxserve-sync", "jaxserve-static", "hf-generate", "hf-continuous", "ctranslate2")
 JAXSERVE_SYSTEMS = SYSTEMS[:3]
@@ -249,12 +249,12 @@ def model_dtype(folder: str, dtype: str) -> str:
     """`dtype`, or the model's own when "auto" (config.json's dtype / torch_dtype, else float32)."""
     if dtype != "auto":
         return dtype
-    return ModelSpec.from_pretrained(folder).torch_dtype
+    return load_model_spec(folder).torch_dtype
 
 
 def default_max_model_len(folder: str) -> int:
     """DEFAULT_MAX_MODEL_LEN, or the model's max_position_embeddings when smaller."""
-    return min(DEFAULT_MAX_MODEL_LEN, ModelSpec.from_pretrained(folder).max_position_embeddings)
+    return min(DEFAULT_MAX_MODEL_LEN, load_model_spec(folder).max_position_embeddings)
 
 
 def default_num_pages(workload: Workload, max_num_seqs: int, page_size: int, max_model_len: int) -> int:

@@ -223,7 +223,7 @@ def reset_prefix_cache(target: Target, api_key: str | None) -> bool:
 def load_workload(args: argparse.Namespace, card: dict) -> tuple[Workload, str, int]:
     """The workload of the options, with the tokenizer folder and max_model_len it was built for."""
     from jaxserve.engine.llm_engine import default_model_path
-    from jaxserve.engine.tokenizer import load_tokenizer
+    from jaxserve.tokenizer import load_tokenizer
 
     root = card.get("root")
     tokenizer_path = args.tokenizer or (root if isinstance(root, str) and os.path.isdir(root) else default_model_path())
@@ -295,7 +295,7 @@ def launched_server(server_args: str, timeout_s: float) -> Iterator[tuple[str, s
     or is not healthy within `timeout_s` seconds."""
     port = free_port()
     # every bucket compiled before the first request (server_args may say otherwise): a sweep measures steady serving
-    argv = [sys.executable, "-m", "jaxserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "jaxserve", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--log-level", "warning", "--no-background-compile", *shlex.split(server_args)]
     command = shlex.join(argv)
     url = f"http://127.0.0.1:{port}"

@@ -12,14 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.attention import fp8
 from jaxserve.batch.builder import BucketLadders, prefill_batches
 from jaxserve.config import EngineConfig
-from jaxserve.kv import fp8
 from jaxserve.model.checkpoint import load_weights
-from jaxserve.model.registry import model_for
-from jaxserve.model.sharding import cache_kv_heads, make_mesh
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec, model_for
 from jaxserve.runner.runner import Runner
+from jaxserve.sharding import cache_kv_heads, make_mesh
 
 PAGE_SIZE = 16
 
@@ -28,7 +27,7 @@ def scoring_runner(path: str, quantization: str = "none", kv_cache_dtype: str = 
                    calculate_kv_scales: bool = False, attention_backend: str = "xla") -> Runner:
     """A Runner of a checkpoint's float32 weights (quantized under `quantization`, its KV cache in
     `kv_cache_dtype`, calibrated under `calculate_kv_scales`), compiled for nothing."""
-    spec = ModelSpec.from_pretrained(path)
+    spec = load_model_spec(path)
     mesh = make_mesh(1)
     kv_heads = cache_kv_heads(spec, 1)
     config = EngineConfig(model=path, dtype="float32", quantization=quantization, kv_cache_dtype=kv_cache_dtype,
@@ -45,7 +44,7 @@ def source_prompts(model: str, count: int, num_tokens: int) -> list[list[int]]:
     """`count` prompts of `num_tokens` tokens: consecutive pieces of jaxserve's scheduler source (Python, which
     the bundled model was trained on), in the model's tokenizer."""
     import jaxserve.engine.scheduler
-    from jaxserve.engine.tokenizer import load_tokenizer
+    from jaxserve.tokenizer import load_tokenizer
 
     with open(jaxserve.engine.scheduler.__file__) as f:
         ids = load_tokenizer(model).encode(f.read(), add_special_tokens=False)

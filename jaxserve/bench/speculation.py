@@ -26,7 +26,7 @@ import jaxserve
 from jaxserve.bench import models
 from jaxserve.bench.harness import Engines, Run, System, cell, compare, ms, ratios, same_tokens, spread, timing
 from jaxserve.bench.workloads import BenchRequest, Workload
-from jaxserve.engine.tokenizer import load_tokenizer
+from jaxserve.tokenizer import load_tokenizer
 
 MARKER = "\n# the same code again:\n"
 

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 from collections.abc import Sequence
-from importlib import resources
 
 import numpy as np
+
+from jaxserve.datasets import load_sharegpt
 
 WORKLOADS = ("random", "shared-prefix", "long-prompt-mix", "sharegpt")
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "lognormal")
 LOGNORMAL_SIGMA = 0.8  # the spread of log(length): a long tail (p99 about 6.4x the median before clipping)
 SHAREGPT_MIN_TOKENS = 4  # vLLM's rule: shorter prompts or replies are skipped
-_BUNDLED_SHAREGPT = "data/sharegpt_sample.json"  # inside the jaxserve.bench package
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,22 +176,6 @@ def long_prompt_mix_workload(num_requests: int, vocab_ids: range | Sequence[int]
     description = (f"{num_requests} requests: {num_long} with {long_len}-token prompts spread among "
                    f"{num_requests - num_long} with {short_len}-token prompts, output {output_len}")
     return Workload("long-prompt-mix", requests, description)
-
-
-def load_sharegpt(path: str | None) -> tuple[str, list]:
-    """(a name for messages, the conversations) of a ShareGPT JSON file; the bundled sample when `path` is
-    None."""
-    if path is None:
-        name = f"the bundled {os.path.basename(_BUNDLED_SHAREGPT)}"
-        text = resources.files("jaxserve.bench").joinpath(_BUNDLED_SHAREGPT).read_text(encoding="utf-8")
-    else:
-        name = path
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    data = json.loads(text)
-    if not isinstance(data, list):
-        raise ValueError(f"{name} is not in the ShareGPT format: expected a JSON list of conversations")
-    return name, data
 
 
 def _first_exchange(entry: dict) -> tuple[str, str] | None:

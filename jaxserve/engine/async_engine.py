@@ -16,12 +16,12 @@ import threading
 from collections.abc import Callable, Mapping
 
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
-from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("jaxserve")
 

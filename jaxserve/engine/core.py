@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import jax
 
+from jaxserve.attention import fp8
 from jaxserve.batch.builder import (
     MAX_AUX_EXTRA,
     BucketLadders,
@@ -29,10 +30,9 @@ from jaxserve.config import EAGLE_METHODS, EngineConfig, runs_pooling
 from jaxserve.distributed import runtime
 from jaxserve.distributed.channel import FollowerChannel, LeaderChannel
 from jaxserve.distributed.mirror import Mirrored, exit_soon, serve_leader
-from jaxserve.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from jaxserve.engine.host_gc import tune_garbage_collector
+from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.step_timing import StepTiming
-from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
@@ -41,18 +41,19 @@ from jaxserve.model.checkpoint import is_checkpoint, load_weights
 from jaxserve.model.eagle import read_head_config
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping, check_source
 from jaxserve.model.lora import lora_slot_structs, read_adapter, with_lora_slots
-from jaxserve.model.registry import model_for
-from jaxserve.model.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec, model_for
+from jaxserve.model_spec import ModelSpec
 from jaxserve.pooling.params import PoolerConfig, matryoshka_dimensions, resolve_pooler_config
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.runner.executables import CompileCounter, use_executable_store
 from jaxserve.runner.runner import PendingStep, Runner, StepOutput, TokenLogprobs
-from jaxserve.spec.draft import DraftModelProposer
-from jaxserve.spec.eagle import EagleProposer
-from jaxserve.spec.metrics import SpecDecodeStats
-from jaxserve.spec.ngram import NgramProposer
-from jaxserve.spec.proposer import Proposer
+from jaxserve.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
+from jaxserve.spec_decode.draft import DraftModelProposer
+from jaxserve.spec_decode.eagle import EagleProposer
+from jaxserve.spec_decode.metrics import SpecDecodeStats
+from jaxserve.spec_decode.ngram import NgramProposer
+from jaxserve.spec_decode.proposer import Proposer
+from jaxserve.step import SampledToken, SchedulerOutput
 
 logger = logging.getLogger("jaxserve")
 # Longest a step with nothing to run sleeps on the grammar compiles its waiting requests need (they wake it at
@@ -72,7 +73,7 @@ class EngineCore:
                                   config.distributed_timeout_s)  # before anything touches a device
         self.channel = self._open_step_channel()
         enable_compilation_cache(config.compilation_cache_dir)
-        self.spec = with_expert_parallel(ModelSpec.from_pretrained(model_path), config.enable_expert_parallel)
+        self.spec = with_expert_parallel(load_model_spec(model_path), config.enable_expert_parallel)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         self.spec = self.spec.for_max_model_len(self.max_model_len)
         pooling = runs_pooling(config, self.spec)

@@ -11,12 +11,12 @@ from tqdm.auto import tqdm
 from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
-from jaxserve.engine.tokenizer import encode_text_pair, load_chat_template, render_chat
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.pooling.score import cosine_scores, score_pairs
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import encode_text_pair, load_chat_template, render_chat
 
 PromptInput = str | list[int] | dict
 

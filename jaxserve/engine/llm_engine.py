@@ -18,7 +18,6 @@ from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.engine.harmony import HarmonyReasoning
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.reasoning import ReasoningParser, with_budget_end
-from jaxserve.engine.tokenizer import load_tokenizer
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput
 from jaxserve.pooling.params import CLASSIFIER_TASKS, POOLING_TASKS, PoolingParams, check_dimensions
@@ -26,6 +25,7 @@ from jaxserve.pooling.pooled import PER_TOKEN, PooledPrompt
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from jaxserve.structured.constraint import ReplyConstraint, ThinkingSection
+from jaxserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("jaxserve")
 ASSETS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets")

@@ -12,7 +12,6 @@ import dataclasses
 import time
 
 from jaxserve.engine.stop_checker import StopStringChecker
-from jaxserve.engine.tokenizer import IncrementalDetokenizer
 from jaxserve.outputs import (
     ClassificationOutput,
     CompletionOutput,
@@ -25,6 +24,7 @@ from jaxserve.outputs import (
 from jaxserve.pooling.pooled import PooledPrompt
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.tokenizer import IncrementalDetokenizer
 
 
 @dataclasses.dataclass

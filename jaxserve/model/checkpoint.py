@@ -24,14 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxserve.attention import fp8
 from jaxserve.config import EngineConfig
-from jaxserve.kv import fp8
-from jaxserve.kv.calibration import calibrate_kv_scales, calibration_prompts
+from jaxserve.model.kv_calibration import calibrate_kv_scales, calibration_prompts
 from jaxserve.model.loader import dummy_params, load_kv_scales, load_params, resolve_dtype
 from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
-from jaxserve.model.registry import model_for, param_partition_specs, quantizable_paths
-from jaxserve.model.sharding import cache_kv_heads, make_mesh, put_global
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec, model_for, param_partition_specs, quantizable_paths
+from jaxserve.model_spec import ModelSpec
+from jaxserve.sharding import cache_kv_heads, make_mesh, put_global
 
 logger = logging.getLogger("jaxserve")
 
@@ -65,7 +65,7 @@ def convert(source: str, destination: str, dtype: str = "auto", quantization: st
         raise ValueError(f"{destination!r} exists and is not empty: choose a new folder")
     config = EngineConfig(model=source, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                           calculate_kv_scales=calculate_kv_scales, tensor_parallel_size=tensor_parallel_size)
-    spec = ModelSpec.from_pretrained(source)
+    spec = load_model_spec(source)
     kv_heads = cache_kv_heads(spec, tensor_parallel_size)
     params, cast = load_weights(config, source, spec, make_mesh(tensor_parallel_size), kv_heads)
     os.makedirs(destination, exist_ok=True)
@@ -112,8 +112,8 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: M
 
 def with_kv_scales(params: dict, config: EngineConfig, model_path: str, scales: dict | None, spec: ModelSpec,
                    mesh: Mesh, kv_heads: int) -> dict:
-    """The params with the fp8 KV cache's scale leaves (kv/fp8.py) under kv_cache_dtype fp8, without them
-    otherwise. The scales are calibrated under calculate_kv_scales (kv/calibration.py), else `scales` (from a
+    """The params with the fp8 KV cache's scale leaves (attention/fp8.py) under kv_cache_dtype fp8, without them
+    otherwise. The scales are calibrated under calculate_kv_scales (model/kv_calibration.py), else `scales` (from a
     Hugging Face checkpoint), else the ones a converted folder holds, else 1.0 (vLLM's default, with a warning)."""
     layers = {name: leaf for name, leaf in params["layers"].items() if name not in fp8.SCALE_LEAVES}
     if config.kv_cache_dtype != "fp8":

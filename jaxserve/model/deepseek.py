@@ -62,8 +62,8 @@ from jaxserve.model.layers import (
 )
 from jaxserve.model.moe_llama import MoeSpec
 from jaxserve.model.registry import Model, Weight, register
-from jaxserve.model.sharding import MODEL_AXIS, cache_kv_heads
-from jaxserve.model.spec import llama_family_spec
+from jaxserve.model_spec import llama_family_spec
+from jaxserve.sharding import MODEL_AXIS, cache_kv_heads
 
 ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 

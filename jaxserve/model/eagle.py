@@ -52,8 +52,8 @@ from jaxserve.attention.base import AttentionFn, WriteKVFn
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.model import llama
 from jaxserve.model.layers import StepContext, optional_param, rope_cos_sin, scan_layers
-from jaxserve.model.registry import Weight, copy_pages, model_for
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import Weight, copy_pages, model_for, spec_from_hf_config
+from jaxserve.model_spec import ModelSpec
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")  # an EAGLE-3 head's config names these
 # a speculators head's options that change its math and are not implemented (newer speculators releases' norms)
@@ -107,7 +107,7 @@ def read_head_config(path: str, method: str, target_spec: ModelSpec) -> HeadConf
         raise ValueError(f"{path!r} is an EAGLE-{version} head: use speculative_config method {other}")
     if version == 3:
         config = {**config, "architectures": ["LlamaForCausalLM"]}  # its layer is a Llama layer's
-    spec = ModelSpec.from_hf_config(config)
+    spec = spec_from_hf_config(config)
     if spec.architecture != "LlamaForCausalLM" or spec.num_layers != 1:
         raise ValueError(f"the EAGLE head {path!r} must be a one-layer Llama head, got {spec.architecture} with "
                          f"{spec.num_layers} layers")

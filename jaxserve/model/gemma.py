@@ -28,7 +28,7 @@ from jaxserve.attention.base import LayerAttention
 from jaxserve.model import llama
 from jaxserve.model.layers import StepContext, apply_rope, project, rope_cos_sin
 from jaxserve.model.registry import Model, map_weights, register
-from jaxserve.model.spec import (
+from jaxserve.model_spec import (
     ModelSpec,
     RopeSpec,
     checkpoint_quantization_fields,

@@ -46,8 +46,8 @@ from jaxserve.model.gemma import SLIDING, _layer_kinds
 from jaxserve.model.layers import StepContext, apply_rope, project, projection, weight_value
 from jaxserve.model.moe_llama import MoeSpec
 from jaxserve.model.registry import Model, Weight, register
-from jaxserve.model.sharding import MODEL_AXIS
-from jaxserve.model.spec import checkpoint_quantization_fields, llama_family_spec
+from jaxserve.model_spec import checkpoint_quantization_fields, llama_family_spec
+from jaxserve.sharding import MODEL_AXIS
 
 
 @dataclasses.dataclass(frozen=True)

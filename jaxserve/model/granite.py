@@ -12,7 +12,7 @@ import jax
 from jaxserve.model import llama
 from jaxserve.model.layers import StepContext
 from jaxserve.model.registry import Model, register
-from jaxserve.model.spec import ModelSpec, llama_family_spec
+from jaxserve.model_spec import ModelSpec, llama_family_spec
 
 GRANITE = ("GraniteForCausalLM",)
 

@@ -18,8 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
+from jaxserve.attention.fp8 import write_and_attend
 from jaxserve.batch.descriptor import BatchDescriptor
-from jaxserve.kv.fp8 import write_and_attend
 from jaxserve.model.quantize import dequantize, linear
 
 
@@ -118,7 +118,7 @@ class StepContext:
                sinks: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """Write the layer's K/V into its pages and attend as `hows[which]` (layers of several kinds in one scan
         pick theirs by a traced index): (attention out, caches). `kv_scales` are the layer's fp8 KV scales
-        (kv/fp8.py); `sinks` (Hq,) its heads' attention sinks (gpt-oss)."""
+        (attention/fp8.py); `sinks` (Hq,) its heads' attention sinks (gpt-oss)."""
         # q: (T, Hq, D); k, v: (T, Hkv, D) -> out (T, Hq, D)
         return write_and_attend(q, k, v, caches, layer, self.batch, hows, which, kv_scales,
                                 attention=self.attention, write_kv=self.write_kv, sinks=sinks)

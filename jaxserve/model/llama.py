@@ -14,7 +14,7 @@ Params layout (leading `L` = layers, stacked so the layer loop is one `lax.scan`
 Under weight quantization (model/quantize.py) each of wq, wk, wv, wo, w_gate, w_up, w_down is
 {"weight": the same shape in int8 or float8_e4m3fn, "scale": (L, out) float32} (model/quantize.py: a checkpoint's
 block or group scales, int4 weights, zero points).
-Under an fp8 KV cache (kv/fp8.py): layers/k_scale, v_scale (L, Hkv) float32.
+Under an fp8 KV cache (attention/fp8.py): layers/k_scale, v_scale (L, Hkv) float32.
 Serving LoRA adapters (model/lora.py): layers/lora/{wq, ..., w_down}/{a (L, S, in, R), b (L, S, R, out)}.
 """
 
@@ -40,8 +40,8 @@ from jaxserve.model.layers import (
     scan_layers,
 )
 from jaxserve.model.registry import Model, Weight, register
-from jaxserve.model.sharding import MODEL_AXIS
-from jaxserve.model.spec import LLAMA_FAMILY, ModelSpec, llama_family_spec
+from jaxserve.model_spec import LLAMA_FAMILY, ModelSpec, llama_family_spec
+from jaxserve.sharding import MODEL_AXIS
 
 
 class LlamaLayer(nnx.Module):

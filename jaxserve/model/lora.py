@@ -30,8 +30,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from safetensors.numpy import load_file
 
-from jaxserve.model.sharding import put_global
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model_spec import ModelSpec
+from jaxserve.sharding import put_global
 
 # PEFT's module name -> the projection leaf it adapts (model/llama.py)
 LORA_TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate",

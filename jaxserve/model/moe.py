@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxserve.model.quantize import dequantize, is_grouped, linear, quantized_spec, weight_values
-from jaxserve.model.sharding import MODEL_AXIS
+from jaxserve.sharding import MODEL_AXIS
 
 IMPLS = ("blocked", "ragged")
 

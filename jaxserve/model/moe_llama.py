@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.model import llama, moe
 from jaxserve.model.layers import StepContext, optional_param, project, projection, weight_value
 from jaxserve.model.registry import Model, Weight, register
-from jaxserve.model.sharding import MODEL_AXIS
-from jaxserve.model.spec import ModelSpec, llama_family_spec
+from jaxserve.model_spec import ModelSpec, llama_family_spec
+from jaxserve.sharding import MODEL_AXIS
 
 # architecture -> (the Llama-family architecture whose attention it has, the MoE block's HF prefix, the HF names of
 # the expert's gate, up and down projections)

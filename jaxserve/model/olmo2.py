@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.model import llama
 from jaxserve.model.layers import StepContext
 from jaxserve.model.registry import Model, Weight, register
-from jaxserve.model.sharding import MODEL_AXIS
-from jaxserve.model.spec import ModelSpec, llama_family_spec
+from jaxserve.model_spec import ModelSpec, llama_family_spec
+from jaxserve.sharding import MODEL_AXIS
 
 OLMO2 = ("Olmo2ForCausalLM",)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxserve.model import llama
 from jaxserve.model.registry import Model, register
-from jaxserve.model.spec import ModelSpec, llama_family_spec
+from jaxserve.model_spec import ModelSpec, llama_family_spec
 
 PHI3 = ("Phi3ForCausalLM",)
 

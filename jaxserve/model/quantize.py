@@ -9,7 +9,7 @@ activations' dtype (exact: int8 and e4m3 values are bf16 values), the scale fact
 embeddings, the LM head and the norms stay as loaded.
 
 A quantized checkpoint is served as it is stored (model/loader.py): fp8 weights with a scale per channel or per
-tensor like the above, or with block-wise scales (model/spec.py's `checkpoint_weight_block`, DeepSeek's and
+tensor like the above, or with block-wise scales (model_spec.py's `checkpoint_weight_block`, DeepSeek's and
 Qwen3-FP8's form), and int4 weights (compressed-tensors W4A16) with a scale per channel or per group of input
 columns, and for asymmetric groups (llm-compressor's W4A16_ASYM, its AWQ's form) a zero point per group:
 `{"weight", "scale", "zero": (..., groups, out) int8}`, the weight standing for (q - zero) * scale; and for GPTQ's

@@ -24,7 +24,15 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxserve.attention.base import AttentionFn, WriteKVFn
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.model.layers import StepContext
-from jaxserve.model.spec import ModelSpec, causal_architecture, classifier_architecture
+from jaxserve.model_spec import (
+    CLASSIFIER_SUFFIX,
+    TOKEN_CLASSIFIER_SUFFIX,
+    ModelSpec,
+    causal_architecture,
+    classifier_architecture,
+    classifier_head,
+    read_hf_config,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +153,26 @@ def model_for(architecture: str) -> Model:
         raise ValueError(f"unsupported architecture {architecture!r}; registered: "
                          f"{', '.join(registered_architectures())}")
     return _MODELS[body]
+
+
+def load_model_spec(path: str) -> ModelSpec:
+    """The spec of a Hugging Face folder: its `config.json` (and `generation_config.json` for EOS ids)."""
+    return spec_from_hf_config(*read_hf_config(path))
+
+
+def spec_from_hf_config(config: dict, generation_config: dict | None = None) -> ModelSpec:
+    """A spec from a Hugging Face config dict, by the parser of the first architecture it names that a model is
+    registered for; a clear ValueError when there is none, or for anything else unsupported."""
+    architectures = config.get("architectures") or []
+    registered = registered_architectures()
+    arch = next((a for a in architectures if a in registered), None)
+    if arch is None:
+        raise ValueError(f"unsupported architecture {architectures!r}; registered: {', '.join(registered)}")
+    if not arch.endswith((CLASSIFIER_SUFFIX, TOKEN_CLASSIFIER_SUFFIX)):
+        return model_for(arch).spec_from_config(arch, config, generation_config or {})
+    causal = causal_architecture(arch)  # the classifier's body is this language model's
+    spec = model_for(causal).spec_from_config(causal, config, generation_config or {})
+    return dataclasses.replace(spec, classifier=classifier_head(config, arch.endswith(TOKEN_CLASSIFIER_SUFFIX)))
 
 
 def _import_builtins() -> None:

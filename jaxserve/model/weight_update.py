@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxserve.model.loader import TensorSource, load_params
 from jaxserve.model.quantize import leaf_at, quantize_params, replace_at
 from jaxserve.model.registry import model_for, quantizable_paths
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model_spec import ModelSpec
 
 QUANTIZED_MODES = {"int8": "int8", "float8_e4m3fn": "fp8"}  # a quantized leaf's weight dtype -> its mode
 

@@ -35,14 +35,12 @@ from jaxserve.batch.builder import (
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PoolingBatch, PromptLogprobBatch
 from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.batch.repad import repad_batch, repad_prompt, repad_sampling
-from jaxserve.kv.host_swap import HostSwap
 from jaxserve.model.eagle import TargetFeatures
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping
 from jaxserve.model.lora import write_slot
 from jaxserve.model.registry import copy_pages, model_for
-from jaxserve.model.sharding import KV_CACHE_SPEC, put_global
-from jaxserve.model.spec import ModelSpec
 from jaxserve.model.weight_update import quantized_at_load, reload_params, undeclared_leaves
+from jaxserve.model_spec import ModelSpec
 from jaxserve.runner.decode_steps import run_decode_steps, sampled_by
 from jaxserve.runner.executables import (
     CompileCounter,
@@ -52,8 +50,10 @@ from jaxserve.runner.executables import (
     share_executable,
     shared_executable,
 )
+from jaxserve.runner.host_swap import HostSwap
 from jaxserve.sampling.sampler import SamplingBatch, bitmask_width, raw_logprobs, sample
-from jaxserve.spec.verify import Proposals, verify
+from jaxserve.sampling.verify import Proposals, verify
+from jaxserve.sharding import KV_CACHE_SPEC, put_global
 
 logger = logging.getLogger("jaxserve")
 
@@ -197,7 +197,7 @@ class Runner:
         self._replicated = NamedSharding(mesh, P())
         self.attention = make_attention(spec, attention_backend, mesh, page_size, platform, cache_dtype)
         self.cache_dtype = jnp.dtype(cache_dtype)  # what the pages hold (float8_e4m3fn for an fp8 cache)
-        self._cache_dtype = self.attention.storage_dtype(cache_dtype)  # the arrays' dtype (kv/fp8.py)
+        self._cache_dtype = self.attention.storage_dtype(cache_dtype)  # the arrays' dtype (attention/fp8.py)
         self._num_cache_kv_heads = num_cache_kv_heads
         # EAGLE's features (spec/eagle.py): what each computed token gives the head (its final hidden state, or
         # EAGLE-3's layer inputs) kept in a page-shaped array (1, P, S, 1, F) after the attention's, so page

@@ -14,9 +14,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 import jaxserve
-from jaxserve.distributed.replicas import DataParallelEngine, build_replicas
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.replicas import DataParallelEngine, build_replicas
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.embeddings import EmbeddingsServing
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response

@@ -16,13 +16,13 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from jaxserve.engine.async_engine import RequestStream
-from jaxserve.engine.tokenizer import encode_text_pair, render_chat
 from jaxserve.outputs import PoolingRequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.pooling.score import cosine_scores, score_pairs
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatMessage
 from jaxserve.server.serving import OpenAIServing, RequestFailedError, last_outputs
+from jaxserve.tokenizer import encode_text_pair, render_chat
 
 
 class _PoolingFields(BaseModel):

@@ -28,7 +28,6 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError, anthropic_error_body
 from jaxserve.server.messages_protocol import MESSAGES_PARAM, CountTokensRequest, MessagesRequest
-from jaxserve.server.responses import ChoiceStream, named_sse
 from jaxserve.server.serving import (
     EngineStreamingResponse,
     OpenAIServing,
@@ -37,6 +36,7 @@ from jaxserve.server.serving import (
     reply_delta,
     request_failure,
 )
+from jaxserve.server.sse import ChoiceStream, named_sse
 from jaxserve.server.tools import ToolCallExtractor, ToolCallStream
 
 BLOCK_DELTAS = {"text": ("text_delta", "text"), "thinking": ("thinking_delta", "thinking")}  # kind -> (delta, field)

@@ -34,7 +34,6 @@ from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest
-from jaxserve.server.responses import ChoiceStream, chat_logprobs, named_sse
 from jaxserve.server.responses_protocol import RESPONSES_PARAM, ResponsesRequest
 from jaxserve.server.serving import (
     EngineStreamingResponse,
@@ -44,6 +43,7 @@ from jaxserve.server.serving import (
     reply_delta,
     request_failure,
 )
+from jaxserve.server.sse import ChoiceStream, chat_logprobs, named_sse
 from jaxserve.server.tools import ToolCallExtractor, ToolCallStream
 
 

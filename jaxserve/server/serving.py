@@ -29,7 +29,6 @@ from jaxserve.engine.beam_search import (
 )
 from jaxserve.engine.harmony import HarmonyReasoning, HarmonyStream
 from jaxserve.engine.reasoning import ReasoningStream
-from jaxserve.engine.tokenizer import render_chat, render_chat_text
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
@@ -44,7 +43,7 @@ from jaxserve.server.protocol import (
     UnloadLoRAAdapterRequest,
     _SamplingFields,
 )
-from jaxserve.server.responses import (
+from jaxserve.server.sse import (
     ChoiceStream,
     ChunkEncoder,
     TokenText,
@@ -66,6 +65,7 @@ from jaxserve.server.tools import (
     call_id,
     tool_call_field,
 )
+from jaxserve.tokenizer import render_chat, render_chat_text
 
 logger = logging.getLogger("jaxserve")
 

@@ -3,7 +3,7 @@
 
 A page stores `clip(x / scale, -448, 448)` in e4m3, so `x ~ stored * scale`. The scales are two params leaves,
 `layers/k_scale` and `layers/v_scale` (L, Hkv) float32, from the checkpoint's `self_attn.k_scale` / `v_scale`
-(one per layer or one per KV head), calibrated (`calculate_kv_scales`, kv/calibration.py), or 1.0 (vLLM's default).
+(one per layer or one per KV head), calibrated (`calculate_kv_scales`, model/kv_calibration.py), or 1.0 (vLLM's default).
 
 The pages hold e4m3 values; a backend stores them as their uint8 bits (the XLA path and our Pallas kernels:
 integer pages are scattered in place everywhere, while XLA's CPU scatter converts a whole float8 pool) or as
@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.attention.base import AttentionFn, LayerAttention, WriteKVFn
 from jaxserve.batch.descriptor import BatchDescriptor
-from jaxserve.model.sharding import MODEL_AXIS
+from jaxserve.sharding import MODEL_AXIS
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value

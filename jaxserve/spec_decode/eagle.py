@@ -22,21 +22,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.attention import fp8
 from jaxserve.batch.builder import BucketLadders, padded_batch_arrays, padded_decode_step_arrays
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps
 from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.config import EngineConfig
-from jaxserve.engine.scheduler import ScheduledRequest
-from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager
 from jaxserve.model.eagle import HeadConfig, MidlayerNames, eagle3_weights, eagle_forward, eagle_weights
 from jaxserve.model.loader import SafetensorsFolder, load_params
-from jaxserve.model.sharding import cache_kv_heads, put_global
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model_spec import ModelSpec
 from jaxserve.request import Request
 from jaxserve.runner.runner import Runner
-from jaxserve.spec.draft import DraftModelProposer
-from jaxserve.spec.draft_runner import DraftRunner, run_draft_steps
+from jaxserve.sharding import cache_kv_heads, put_global
+from jaxserve.spec_decode.draft import DraftModelProposer
+from jaxserve.spec_decode.draft_runner import DraftRunner, run_draft_steps
+from jaxserve.step import ScheduledRequest
 
 
 @jax.tree_util.register_dataclass

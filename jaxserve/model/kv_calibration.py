@@ -18,10 +18,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve.attention import make_attention
+from jaxserve.attention.fp8 import FP8_MAX
 from jaxserve.batch.builder import prefill_batches
-from jaxserve.kv.fp8 import FP8_MAX
 from jaxserve.model.registry import model_for
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model_spec import ModelSpec
 
 HEADROOM = 2.0  # the largest |K| or |V| the text gave lands at FP8_MAX / HEADROOM
 CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 8, 256
@@ -31,8 +31,8 @@ PAGE_SIZE = 16
 def calibration_prompts(tokenizer_path: str, max_tokens: int) -> list[list[int]]:
     """The calibration text in the tokenizer of `tokenizer_path`: CALIBRATION_PROMPTS prompts of
     min(CALIBRATION_TOKENS, max_tokens) tokens (fewer prompts if the text runs out)."""
-    from jaxserve.bench.workloads import load_sharegpt
-    from jaxserve.engine.tokenizer import load_tokenizer
+    from jaxserve.datasets import load_sharegpt
+    from jaxserve.tokenizer import load_tokenizer
 
     _, conversations = load_sharegpt(None)
     tokenizer = load_tokenizer(tokenizer_path)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model_spec import ModelSpec
 
 logger = logging.getLogger("jaxserve")
 MODEL_AXIS = "model"

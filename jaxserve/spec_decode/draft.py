@@ -25,18 +25,19 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxserve.attention import fp8
 from jaxserve.batch.builder import BucketLadders, build_batch, padded_decode_step_arrays
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps
 from jaxserve.config import EngineConfig
-from jaxserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from jaxserve.kv import fp8
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
 from jaxserve.model.checkpoint import load_weights
-from jaxserve.model.sharding import cache_kv_heads
-from jaxserve.model.spec import ModelSpec
+from jaxserve.model.registry import load_model_spec
+from jaxserve.model_spec import ModelSpec
 from jaxserve.request import Request
-from jaxserve.spec.draft_runner import DraftRunner
+from jaxserve.sharding import cache_kv_heads
+from jaxserve.spec_decode.draft_runner import DraftRunner
+from jaxserve.step import ScheduledRequest, SchedulerOutput
 
 
 @dataclasses.dataclass
@@ -70,7 +71,7 @@ class DraftModelProposer:
         target's); a ValueError when its vocabulary differs from the target's or it is shorter than max_model_len."""
         speculative = config.speculative_config
         model_path = speculative["model"]
-        spec = ModelSpec.from_pretrained(model_path).for_max_model_len(max_model_len)
+        spec = load_model_spec(model_path).for_max_model_len(max_model_len)
         if spec.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model {model_path!r} has vocab_size {spec.vocab_size} but the target has "
                              f"{target.vocab_size}: a draft model must share the target's tokenizer and vocabulary")

@@ -238,39 +238,20 @@ class ModelSpec:
         base = {field.name: getattr(self, field.name) for field in dataclasses.fields(ModelSpec)}
         return cls(**{**base, **fields})
 
-    @classmethod
-    def from_pretrained(cls, path: str) -> "ModelSpec":
-        """Read `config.json` (and `generation_config.json` for EOS ids) from a Hugging Face folder."""
-        config_path = os.path.join(path, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"no config.json in model folder {path!r}: is this a Hugging Face checkpoint folder?")
-        with open(config_path) as f:
-            config = json.load(f)
-        generation_config = {}
-        gen_path = os.path.join(path, "generation_config.json")
-        if os.path.isfile(gen_path):
-            with open(gen_path) as f:
-                generation_config = json.load(f)
-        return cls.from_hf_config(config, generation_config)
 
-    @classmethod
-    def from_hf_config(cls, config: dict, generation_config: dict | None = None) -> "ModelSpec":
-        """Build a spec from a Hugging Face config dict with the parser of the first architecture it names that a
-        model is registered for (model/registry.py); a clear ValueError when there is none, or for anything
-        else unsupported."""
-        from jaxserve.model.registry import model_for, registered_architectures  # here: the registry imports us
-
-        architectures = config.get("architectures") or []
-        registered = registered_architectures()
-        arch = next((a for a in architectures if a in registered), None)
-        if arch is None:
-            raise ValueError(f"unsupported architecture {architectures!r}; registered: {', '.join(registered)}")
-        if not arch.endswith((CLASSIFIER_SUFFIX, TOKEN_CLASSIFIER_SUFFIX)):
-            return model_for(arch).spec_from_config(arch, config, generation_config or {})
-        causal = causal_architecture(arch)  # the classifier's body is this language model's
-        spec = model_for(causal).spec_from_config(causal, config, generation_config or {})
-        return dataclasses.replace(spec, classifier=classifier_head(config, arch.endswith(TOKEN_CLASSIFIER_SUFFIX)))
-
+def read_hf_config(path: str) -> tuple[dict, dict]:
+    """A Hugging Face folder's `config.json` and `generation_config.json` (empty when absent) as dicts."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"no config.json in model folder {path!r}: is this a Hugging Face checkpoint folder?")
+    with open(config_path) as f:
+        config = json.load(f)
+    generation_config = {}
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            generation_config = json.load(f)
+    return config, generation_config
 
 # Sequence classifiers whose name is not their language model's with the suffix swapped (transformers' Gemma 3 text
 # classifier: its Gemma3ForSequenceClassification is the image-text model's)

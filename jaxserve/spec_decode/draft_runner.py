@@ -20,10 +20,10 @@ from jaxserve.batch.builder import padded_batch_arrays, padded_decode_step_array
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps
 from jaxserve.batch.packing import Layout, pack, unpack
 from jaxserve.kv.page_pool import NULL_PAGE
-from jaxserve.model.sharding import put_global
 from jaxserve.runner.decode_steps import run_decode_steps
 from jaxserve.runner.runner import Runner, activation_bytes
 from jaxserve.sampling.sampler import first_argmax
+from jaxserve.sharding import put_global
 
 
 def run_draft_steps(forward: Callable, params: dict, caches: tuple, batch: BatchDescriptor, steps: DecodeSteps,
