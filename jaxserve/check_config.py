@@ -400,7 +400,7 @@ def memory_plan(device: str, utilization: float, weight_bytes: int, activation_b
                 max_model_len: int, page_size: int) -> MemoryPlan:
     """The device's split (kv/sizing.py); ValueError when nothing is left for the pool or the pool cannot hold
     one request of max_model_len (the engine's own check)."""
-    from jaxserve.engine.core import check_pool_holds_a_request
+    from jaxserve.engine.sizing import check_pool_holds_a_request
 
     plan = plan_kv_pages(DEVICE_MEMORY_BYTES[device], utilization, weight_bytes, activation_bytes, page_bytes)
     try:
@@ -417,7 +417,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
                  buckets: str = "all", attention_backend: str | None = None) -> ConfigCheck:
     """Check one YAML config on every platform in `platforms` (see the module docstring), with the config's
     attention backend or `attention_backend`."""
-    from jaxserve.engine.core import bucket_ladders, resolve_max_model_len
+    from jaxserve.engine.sizing import bucket_ladders, resolve_max_model_len
     from jaxserve.model.checkpoint import weight_quantization
     from jaxserve.model.eagle import eagle3_weights, eagle_weights, read_head_config
     from jaxserve.model.loader import resolve_dtype

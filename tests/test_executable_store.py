@@ -130,7 +130,7 @@ def test_an_executable_from_the_persistent_cache_is_not_stored(tmp_path):
     """XLA's CPU backend serializes such an executable without its kernels: stored, it would fail when it runs."""
     script = textwrap.dedent(f"""
         import jax, numpy as np
-        from jaxserve.engine.core import enable_compilation_cache
+        from jaxserve.runner.executables import enable_compilation_cache
         from jaxserve.runner import executables
         enable_compilation_cache({str(tmp_path)!r})
         key = ("test", "tanh", (8, 5))

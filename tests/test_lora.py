@@ -250,7 +250,7 @@ def test_data_parallel_replicas_serve_the_same_adapters_in_the_same_slots():
         loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": BETA.lora_path})
         assert loaded.status_code == 200, loaded.text
         replicas = app.state.async_engine.replicas
-        assert [{name: lora.slot for name, lora in r.engine.core.loras.items()} for r in replicas] == \
+        assert [{name: lora.slot for name, lora in r.engine.core.lora_slots.loaded.items()} for r in replicas] == \
             [{"alpha": 0, "beta": 1}] * 2
 
         def complete(case):

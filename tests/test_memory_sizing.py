@@ -8,7 +8,7 @@ import pytest
 from helpers import small_engine_args
 
 from jaxserve import LLM
-from jaxserve.engine import core as engine_core
+from jaxserve.engine import sizing as engine_sizing
 from jaxserve.kv import sizing
 from jaxserve.kv.sizing import GIB, check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
 
@@ -69,8 +69,8 @@ def test_an_engine_on_an_accelerator_sizes_its_pool_from_memory_analysis(monkeyp
     """On a (pretended) TPU with 64 MiB of memory, the pool is what 0.5 of it leaves after what is in use
     and the largest step's activations, measured by XLA's memory analysis of the compiled step."""
     device_bytes, in_use = 64 * 2**20, 3 * 2**20
-    monkeypatch.setattr(engine_core, "device_platform", lambda: "tpu")
-    monkeypatch.setattr(engine_core, "device_memory_stats",
+    monkeypatch.setattr(engine_sizing, "device_platform", lambda: "tpu")
+    monkeypatch.setattr(engine_sizing, "device_memory_stats",
                         lambda num_devices: {"bytes_limit": device_bytes, "bytes_in_use": in_use})
     args = small_engine_args(gpu_memory_utilization=0.5, max_model_len=32, max_num_batched_tokens=16, max_num_seqs=4)
     args.pop("num_pages")

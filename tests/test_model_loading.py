@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig
-from jaxserve.engine.core import resolve_num_pages
+from jaxserve.engine.sizing import resolve_num_pages
 from jaxserve.model.loader import SafetensorsFolder
 from jaxserve.model.registry import load_model_spec, spec_from_hf_config
 from helpers import ARCHITECTURES, checkpoint

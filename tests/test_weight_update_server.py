@@ -46,7 +46,7 @@ def test_the_server_route_updates_every_data_parallel_replica(bundled_copy):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
         answer = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": bundled_copy}, headers=auth)
         assert answer.status_code == 200 and answer.json()["weights_version"] == 1
-        assert [replica.engine.core.weights_version for replica in app.state.async_engine.replicas] == [1, 1]
+        assert [replica.engine.core.weights.version for replica in app.state.async_engine.replicas] == [1, 1]
         for _ in range(4):  # (a prompt shorter than a page: the router alternates the replicas)
             reply = httpx.post(f"{url}/v1/completions", headers=auth, json={
                 "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0, "ignore_eos": True,

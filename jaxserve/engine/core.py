@@ -5,18 +5,12 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import itertools
 import logging
-import os
 import time
 from collections.abc import Mapping
 
-import jax
-
 from jaxserve.attention import fp8
 from jaxserve.batch.builder import (
-    MAX_AUX_EXTRA,
-    BucketLadders,
     PageRows,
     build_batch,
     build_decode_steps,
@@ -31,21 +25,22 @@ from jaxserve.distributed import runtime
 from jaxserve.distributed.channel import FollowerChannel, LeaderChannel
 from jaxserve.distributed.mirror import Mirrored, exit_soon, serve_leader
 from jaxserve.engine.host_gc import tune_garbage_collector
+from jaxserve.engine.lora_slots import LoraSlots
 from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.sizing import bucket_ladders, resolve_max_model_len, resolve_num_host_pages, resolve_num_pages
 from jaxserve.engine.step_timing import StepTiming
+from jaxserve.engine.weight_control import WeightControl
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import PagePool
-from jaxserve.kv.sizing import check_allocator_limit, device_memory_bytes, plan_kv_pages, reserve_device_memory
+from jaxserve.kv.sizing import reserve_device_memory
 from jaxserve.lora_request import LoRARequest
 from jaxserve.model.checkpoint import is_checkpoint, load_weights
 from jaxserve.model.eagle import read_head_config
-from jaxserve.model.loader import SafetensorsFolder, TensorMapping, check_source
-from jaxserve.model.lora import lora_slot_structs, read_adapter, with_lora_slots
+from jaxserve.model.lora import lora_slot_structs, with_lora_slots
 from jaxserve.model.registry import load_model_spec, model_for
-from jaxserve.model_spec import ModelSpec
 from jaxserve.pooling.params import PoolerConfig, matryoshka_dimensions, resolve_pooler_config
 from jaxserve.request import Logprob, Request, RequestStatus
-from jaxserve.runner.executables import CompileCounter, use_executable_store
+from jaxserve.runner.executables import CompileCounter, enable_compilation_cache
 from jaxserve.runner.runner import PendingStep, Runner, StepOutput, TokenLogprobs
 from jaxserve.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
 from jaxserve.spec_decode.draft import DraftModelProposer
@@ -142,14 +137,10 @@ class EngineCore:
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.prefix_caching, host_pool)
         if isinstance(self.draft, EagleProposer):
             self.draft.target_kv = self.kv  # where the target keeps each request's features
-        self.loras: dict[str, LoadedLora] = {}  # the LoRA adapters in the slots, by name
-        self.weights_version = 0  # weight updates so far (update_weights); part of every request's prefix salt
-        # Sleep mode: 0 awake, else the level slept at; the weights a wake-up reads (a folder or arrays that
-        # update_weights gave while asleep); the folder the served weights came from, when they did from one.
-        self.sleep_level = 0
-        self._wake_source: str | TensorMapping | None = None
-        self._weights_folder = model_path if config.load_format == "auto" and not is_checkpoint(model_path) else None
-        self._lora_loads = itertools.count()
+        self.lora_slots = LoraSlots(self.spec, config.max_loras, config.max_lora_rank, tp)
+        self.weights = WeightControl(  # the weights version and source; sleep mode
+            self.spec, tp, self.mesh.devices.size, self.group is not None,
+            model_path if config.load_format == "auto" and not is_checkpoint(model_path) else None)
         if config.enable_lora:
             self.runner.set_lora(0, {})  # compiles the slot writes now, not at the first adapter loaded later
             for index, (name, path) in enumerate((config.lora_modules or {}).items()):
@@ -213,70 +204,22 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request (ValueError while asleep)."""
-        self._check_awake("run requests")
+        self.weights.check_awake("run requests")
         self.scheduler.add_request(request)
 
-    def _check_awake(self, to: str) -> None:
-        """ValueError while the engine sleeps, saying what it cannot do (`to`) and how to wake it."""
-        if self.sleep_level:
-            raise ValueError(f"the engine is asleep (sleep level {self.sleep_level}) and cannot {to}: call wake_up() "
-                             "first")
-
     def add_lora(self, request: LoRARequest) -> int:
-        """Load a LoRA adapter into a free slot (one loaded before under the same name and folder keeps its
-        slot); returns the slot. ValueError when the engine serves no adapters, the name is taken by another
-        folder, every slot holds one, or the adapter cannot be served (model/lora.py)."""
+        """Load a LoRA adapter into a free slot and return the slot (engine/lora_slots.py); ValueError when the
+        engine serves no adapters, sleeps, or cannot load this one."""
         if not self.config.enable_lora:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
-        self._check_awake("load LoRA adapters")
-        loaded = self.loras.get(request.lora_name)
-        if loaded is not None:
-            if loaded.request.lora_path != request.lora_path:
-                raise ValueError(f"LoRA adapter name {request.lora_name!r} is taken by {loaded.request.lora_path}")
-            return loaded.slot
-        taken = {loaded.slot for loaded in self.loras.values()}
-        free = [slot for slot in range(self.config.max_loras) if slot not in taken]
-        if not free:
-            raise ValueError(f"every one of the max_loras={self.config.max_loras} adapter slots holds an adapter "
-                             f"({', '.join(self.loras)}): raise max_loras, or remove one")
-        adapter = read_adapter(request.lora_path, self.spec, self.config.max_lora_rank,
-                               cache_kv_heads(self.spec, self.config.tensor_parallel_size),
-                               set(self.runner.params["layers"]["lora"]),
-                               model_for(self.spec.architecture).fused_parts(self.spec))
-        self.runner.set_lora(free[0], adapter)
-        self.loras[request.lora_name] = LoadedLora(free[0], request, f"{request.lora_name}#{next(self._lora_loads)}")
-        logger.info("LoRA adapter %r from %s in slot %d", request.lora_name, request.lora_path, free[0])
-        return free[0]
+        self.weights.check_awake("load LoRA adapters")
+        return self.lora_slots.add(request, self.runner)
 
     def remove_lora(self, name: str) -> None:
-        """Free the slot of the adapter loaded as `name`; ValueError while a request that runs with it is
-        unfinished. (Its cached prefix pages can never be taken again: a later load is keyed anew.)"""
-        loaded = self.lora(name)
-        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_slot == loaded.slot]
-        if users:
-            raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} unfinished request(s)")
-        self._check_awake("remove LoRA adapters")
-        self.runner.set_lora(loaded.slot, {})
-        del self.loras[name]
-
-    def _lora_stats(self) -> dict | None:
-        """The adapters running and waiting requests use, by name, and max_loras (None without enable_lora)."""
-        if not self.config.enable_lora:
-            return None
-        names = {loaded.slot: name for name, loaded in self.loras.items()}
-
-        def used(requests) -> list[str]:
-            return sorted({names[r.lora_slot] for r in requests if r.lora_slot in names})
-
-        return {"max_loras": self.config.max_loras, "running": used(self.scheduler.running),
-                "waiting": used(self.scheduler.waiting)}
-
-    def lora(self, name: str) -> LoadedLora:
-        """The adapter loaded as `name`; ValueError naming the loaded ones otherwise."""
-        if name not in self.loras:
-            loaded = ", ".join(self.loras) or "none"
-            raise ValueError(f"no LoRA adapter {name!r} is loaded (loaded: {loaded})")
-        return self.loras[name]
+        """Free the slot of the adapter loaded as `name`; ValueError while an unfinished request uses it."""
+        self.lora_slots.get(name)  # an unknown name is refused first
+        self.weights.check_awake("remove LoRA adapters")
+        self.lora_slots.remove(name, self.scheduler.requests.values(), self.runner)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); their pages go back at once."""
@@ -298,33 +241,13 @@ class EngineCore:
         now on takes a page cached before (the prefix cache is forgotten, and requests' salts carry the version).
         ValueError, the served weights untouched, for a source that does not fit the model. The draft model of
         speculative decoding keeps its weights. While asleep, the weights are read when the engine wakes up."""
-        if isinstance(source, str):
-            if is_checkpoint(source):
-                raise ValueError(f"update_weights: {source!r} is a converted (orbax) folder; give the Hugging Face "
-                                 "folder (safetensors) it was converted from")
-            folder = SafetensorsFolder(source)
-        elif not isinstance(source, Mapping):
-            raise ValueError(f"update_weights takes a folder path or a mapping of Hugging Face tensor names to "
-                             f"arrays, got {type(source).__name__}")
-        elif self.group is not None:
-            raise ValueError("a multi-host engine takes new weights from a folder every host can read, not from "
-                             "arrays in this process's memory")
-        else:
-            folder = source = TensorMapping(source)
-        try:  # once, here: before the runner's call, which a multi-host launch mirrors to every process
-            check_source(folder, self.spec, cache_kv_heads(self.spec, self.config.tensor_parallel_size),
-                         self.mesh.devices.size)
-        except ValueError as error:
-            raise ValueError(f"update_weights: these weights do not fit the served model: {error}") from error
-        if self.sleep_level:
-            self._wake_source = source
-        else:
+        source = self.weights.checked_source(source)  # here: before the runner's call, mirrored to every process
+        if not self.weights.sleep_level:
             self.runner.update_weights(source)
-        self._weights_folder = source if isinstance(source, str) else None
         self.kv.pool.reset_cache()
-        self.weights_version += 1
-        logger.info("weights updated (version %d)", self.weights_version)
-        return self.weights_version
+        version = self.weights.updated(source)
+        logger.info("weights updated (version %d)", version)
+        return version
 
     def sleep(self, level: int = 1) -> None:
         """Free the device memory the engine holds between uses (vLLM's sleep mode, for a trainer that shares the
@@ -332,25 +255,14 @@ class EngineCore:
         1, discarded at level 2 (`wake_up` reads them again from their folder, or from what `update_weights` gives
         while asleep). LoRA slots, KV scales and a draft model's weights wait in host memory at either level.
         ValueError without enable_sleep_mode, with unfinished requests, on a multi-host engine, or asleep."""
-        if not self.config.enable_sleep_mode:
-            raise ValueError("sleep needs an engine started with enable_sleep_mode (--enable-sleep-mode)")
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (weights kept in host memory) or 2 (weights discarded), got "
-                             f"{level!r}")
-        if self.sleep_level:
-            raise ValueError(f"the engine is already asleep (sleep level {self.sleep_level})")
-        if self.group is not None:
-            raise ValueError("a multi-host engine cannot sleep: its weights are spread over the hosts' memories")
-        unfinished = len(self.scheduler.requests)
-        if unfinished:
-            raise ValueError(f"{unfinished} request(s) are unfinished: let them finish or abort them before sleep")
+        self.weights.check_can_sleep(self.config.enable_sleep_mode, level, len(self.scheduler.requests))
         while self._in_flight:  # steps of requests aborted since
             self._collect()
         self.reset_prefix_cache()
         self.runner.sleep(keep_weights=level == 1)
         if self.draft is not None:
             self.draft.runner.sleep(keep_weights=True)
-        self.sleep_level = level
+        self.weights.sleep_level = level
         logger.info("asleep (level %d): the KV pool and the weights left the devices", level)
 
     def wake_up(self) -> None:
@@ -358,18 +270,12 @@ class EngineCore:
         memory, or read from what `update_weights` gave while asleep, or after level 2 from the folder they came
         from. ValueError, still asleep, after level 2 with no folder to read them from (the served weights came
         from arrays, a converted folder or random): give them with `update_weights` first."""
-        if not self.sleep_level:
+        if not self.weights.sleep_level:
             return
-        source = self._wake_source
-        if source is None and self.sleep_level == 2:
-            if self._weights_folder is None:
-                raise ValueError("wake_up: the weights were discarded (sleep level 2) and came from no Hugging Face "
-                                 "folder the engine can read again: give them with update_weights(...) first")
-            source = self._weights_folder
-        self.runner.wake_up(source)
+        self.runner.wake_up(self.weights.wake_source())
         if self.draft is not None:
             self.draft.runner.wake_up()
-        self.sleep_level, self._wake_source = 0, None
+        self.weights.sleep_level, self.weights.pending = 0, None
         logger.info("awake: the KV pool and the weights are back on the devices")
 
     def has_unfinished_requests(self) -> bool:
@@ -571,7 +477,8 @@ class EngineCore:
             "num_requests_waiting": len(self.scheduler.waiting),
             "num_requests_swapped": len(self.kv.swapped_request_ids()),
             "num_requests_by_priority": self.scheduler.queue_lengths_by_priority(),
-            "lora": self._lora_stats(),
+            "lora": (self.lora_slots.stats(self.scheduler.running, self.scheduler.waiting)
+                     if self.config.enable_lora else None),
             "compilations_after_warmup": (CompileCounter.count() - self._compiles_after_warmup_base
                                           - self.runner.num_background_compiles),
             "background_compiles_left": self.runner.background_compiles_left(),
@@ -600,15 +507,6 @@ class _TimedProposer:
         self.proposer.release(request_id)
 
 
-@dataclasses.dataclass(frozen=True)
-class LoadedLora:
-    """A LoRA adapter in a slot of the params (model/lora.py)."""
-
-    slot: int
-    request: LoRARequest  # how it was asked for (its name and folder)
-    key: str  # unique to this load: what the prefix cache keys the adapter's pages by
-
-
 @dataclasses.dataclass
 class _InFlight:
     """A dispatched step whose samples the scheduler has not seen."""
@@ -626,110 +524,3 @@ def _logprob_dict(scored: TokenLogprobs, index: int, token_id: int, num_top: int
     entries = {tid: Logprob(lp, rank=rank + 1) for rank, (tid, lp) in enumerate(zip(top_ids, top_lps))}
     own = Logprob(float(scored.logprobs[index]), rank=int(scored.ranks[index]))
     return {token_id: own, **{tid: e for tid, e in entries.items() if tid != token_id}}
-
-
-def enable_compilation_cache(cache_dir: str | None) -> None:
-    """Turn on JAX's persistent compilation cache and jaxserve's executable store in `cache_dir`, so a restart
-    skips compilation (and, for the step buckets, tracing and lowering)."""
-    use_executable_store(cache_dir)
-    if not cache_dir:
-        return
-    os.makedirs(cache_dir, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
-    """The configured length, bounded by what the model was trained for."""
-    if config.max_model_len is None:
-        length = spec.max_position_embeddings
-    elif config.max_model_len > spec.max_position_embeddings:
-        raise ValueError(
-            f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
-            f"({spec.max_position_embeddings})"
-        )
-    else:
-        length = config.max_model_len
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < length:
-        raise ValueError(
-            f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
-            f"max_model_len ({length}); enable chunked prefill or lower max_model_len"
-        )
-    return length
-
-
-def bucket_ladders(config: EngineConfig, spec: ModelSpec, max_model_len: int) -> BucketLadders:
-    """The padded shapes an engine with this config compiles for."""
-    return BucketLadders.build(
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
-        page_size=config.page_size,
-        min_token_bucket=config.min_token_bucket,
-        max_aux_extra=MAX_AUX_EXTRA + len(spec.eos_token_ids),
-    )
-
-
-def resolve_num_pages(config: EngineConfig, max_model_len: int, runners: list[Runner]) -> int:
-    """Pages from `num_pages`, or what `gpu_memory_utilization` of the device leaves after the weights and the
-    largest step's activations (kv/sizing.py), or the CPU's `cpu_kv_cache_gib`. `runners`: the target model's
-    and, with a draft model, the draft's; each holds a pool of that many pages, and their steps run one after
-    the other, so the peak activation is the largest of theirs."""
-    per_page = sum(runner.page_bytes() for runner in runners)
-    platform = device_platform()
-    if config.num_pages is not None:
-        num_pages = config.num_pages
-    elif platform == "cpu":
-        num_pages = int(config.cpu_kv_cache_gib * 2**30 // per_page)
-    else:
-        tp = config.tensor_parallel_size
-        stats = device_memory_stats(tp)
-        if platform == "gpu":
-            check_allocator_limit(stats, config.gpu_memory_utilization)
-        pool = pages_for_tokens(max_model_len, config.page_size) + 1
-        plan = plan_kv_pages(
-            device_bytes=device_memory_bytes(stats, platform),
-            utilization=config.gpu_memory_utilization,
-            used_bytes=int(stats.get("bytes_in_use", 0)),
-            activation_bytes=max(runner.peak_activation_bytes(pool) for runner in runners),
-            page_bytes=per_page // tp,
-        )
-        logger.info("KV cache sizing: %s", plan.describe())
-        num_pages = plan.num_pages
-    check_pool_holds_a_request(num_pages, max_model_len, config.page_size)
-    return num_pages
-
-
-def resolve_num_host_pages(swap_space_gib: float, page_bytes: int) -> int:
-    """Pages of the host swap pool that `swap_space_gib` holds, page 0 (never handed out) included; a ValueError
-    when that is not one usable page."""
-    num_pages = int(swap_space_gib * 2**30 // page_bytes)
-    if num_pages < 2:
-        raise ValueError(
-            f"swap_space={swap_space_gib} GiB does not hold one KV page of {page_bytes} bytes (plus the unused "
-            f"page 0): raise swap_space to at least {2 * page_bytes / 2**30:.6g} GiB or use preemption_mode recompute"
-        )
-    return num_pages
-
-
-def check_pool_holds_a_request(num_pages: int, max_model_len: int, page_size: int) -> None:
-    """ValueError when a pool of `num_pages` cannot hold one request of `max_model_len` plus the null page."""
-    needed = pages_for_tokens(max_model_len, page_size) + 1
-    if num_pages < needed:
-        raise ValueError(
-            f"the KV pool of {num_pages} pages cannot hold one request of max_model_len={max_model_len} "
-            f"({needed - 1} pages of {page_size} tokens plus the null page): raise num_pages or the "
-            f"memory for the cache, or lower max_model_len"
-        )
-
-
-def device_platform() -> str:
-    """The platform the engine runs on: 'cpu', 'gpu' or 'tpu'."""
-    return jax.default_backend()
-
-
-def device_memory_stats(num_devices: int) -> dict:
-    """The memory stats of the most loaded of the engine's devices (the pool is the same size on each)."""
-    stats = [device.memory_stats() or {} for device in jax.devices()[:num_devices]]
-    return max(stats, key=lambda s: s.get("bytes_in_use", 0))

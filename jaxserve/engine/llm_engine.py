@@ -168,7 +168,7 @@ class LLMEngine:
 
     def list_loras(self) -> dict[str, str]:
         """The loaded LoRA adapters: name -> PEFT folder."""
-        return {name: loaded.request.lora_path for name, loaded in self.core.loras.items()}
+        return {name: loaded.request.lora_path for name, loaded in self.core.lora_slots.loaded.items()}
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation-config defaults in the fields it sets."""
@@ -289,8 +289,8 @@ class LLMEngine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or cache_salt[0] == "\0"):
             raise ValueError(f"cache_salt must be a non-empty string not starting with NUL when given, got "
                              f"{cache_salt!r}")
-        lora = None if lora_name is None else self.core.lora(lora_name)
-        return prefix_salt(cache_salt, None if lora is None else lora.key, self.core.weights_version), lora
+        lora = None if lora_name is None else self.core.lora_slots.get(lora_name)
+        return prefix_salt(cache_salt, None if lora is None else lora.key, self.core.weights.version), lora
 
     @functools.cached_property
     def grammars(self):
@@ -393,7 +393,7 @@ class LLMEngine:
 
     def is_sleeping(self) -> bool:
         """True between `sleep` and `wake_up`."""
-        return bool(self.core.sleep_level)
+        return bool(self.core.weights.sleep_level)
 
     def has_unfinished_requests(self) -> bool:
         """True while anything waits or runs."""

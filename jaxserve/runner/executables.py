@@ -149,3 +149,15 @@ def compile_all(lowered: list[tuple[tuple[dict, tuple, tuple], jax.stages.Lowere
     finally:
         bar.close()
     pool.shutdown()
+
+
+def enable_compilation_cache(cache_dir: str | None) -> None:
+    """Turn on JAX's persistent compilation cache and jaxserve's executable store in `cache_dir`, so a restart
+    skips compilation (and, for the step buckets, tracing and lowering)."""
+    use_executable_store(cache_dir)
+    if not cache_dir:
+        return
+    os.makedirs(cache_dir, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
