@@ -137,9 +137,9 @@ class EngineCore:
         self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.prefix_caching, host_pool)
         if isinstance(self.draft, EagleProposer):
             self.draft.target_kv = self.kv  # where the target keeps each request's features
-        self.lora_slots = LoraSlots(self.spec, config.max_loras, config.max_lora_rank, tp)
+        self.lora_slots = LoraSlots(self.spec, config.max_loras, config.max_lora_rank, kv_heads)
         self.weights = WeightControl(  # the weights version and source; sleep mode
-            self.spec, tp, self.mesh.devices.size, self.group is not None,
+            self.spec, kv_heads, self.mesh.devices.size, self.group is not None,
             model_path if config.load_format == "auto" and not is_checkpoint(model_path) else None)
         if config.enable_lora:
             self.runner.set_lora(0, {})  # compiles the slot writes now, not at the first adapter loaded later
@@ -262,7 +262,7 @@ class EngineCore:
         self.runner.sleep(keep_weights=level == 1)
         if self.draft is not None:
             self.draft.runner.sleep(keep_weights=True)
-        self.weights.sleep_level = level
+        self.weights.fell_asleep(level)
         logger.info("asleep (level %d): the KV pool and the weights left the devices", level)
 
     def wake_up(self) -> None:
@@ -275,7 +275,7 @@ class EngineCore:
         self.runner.wake_up(self.weights.wake_source())
         if self.draft is not None:
             self.draft.runner.wake_up()
-        self.weights.sleep_level, self.weights.pending = 0, None
+        self.weights.woke_up()
         logger.info("awake: the KV pool and the weights are back on the devices")
 
     def has_unfinished_requests(self) -> bool:

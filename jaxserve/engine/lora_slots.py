@@ -14,7 +14,6 @@ from jaxserve.model.registry import model_for
 from jaxserve.model_spec import ModelSpec
 from jaxserve.request import Request
 from jaxserve.runner.runner import Runner
-from jaxserve.sharding import cache_kv_heads
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +31,11 @@ class LoraSlots:
     """The adapters in the slots, by name. The runner is passed to each call that writes a slot: a multi-host
     leader's runner mirrors the write to every process."""
 
-    def __init__(self, spec: ModelSpec, max_loras: int, max_lora_rank: int, tensor_parallel_size: int):
+    def __init__(self, spec: ModelSpec, max_loras: int, max_lora_rank: int, num_cache_kv_heads: int):
         self.spec = spec
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
-        self.tensor_parallel_size = tensor_parallel_size
+        self.num_cache_kv_heads = num_cache_kv_heads
         self.loaded: dict[str, LoadedLora] = {}
         self._loads = itertools.count()
 
@@ -54,8 +53,7 @@ class LoraSlots:
         if not free:
             raise ValueError(f"every one of the max_loras={self.max_loras} adapter slots holds an adapter "
                              f"({', '.join(self.loaded)}): raise max_loras, or remove one")
-        adapter = read_adapter(request.lora_path, self.spec, self.max_lora_rank,
-                               cache_kv_heads(self.spec, self.tensor_parallel_size),
+        adapter = read_adapter(request.lora_path, self.spec, self.max_lora_rank, self.num_cache_kv_heads,
                                set(runner.params["layers"]["lora"]),
                                model_for(self.spec.architecture).fused_parts(self.spec))
         runner.set_lora(free[0], adapter)

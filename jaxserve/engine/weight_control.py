@@ -8,16 +8,15 @@ from collections.abc import Mapping
 from jaxserve.model.checkpoint import is_checkpoint
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping, check_source
 from jaxserve.model_spec import ModelSpec
-from jaxserve.sharding import cache_kv_heads
 
 
 class WeightControl:
     """The served weights' version and source, and the sleep level (0 awake)."""
 
-    def __init__(self, spec: ModelSpec, tensor_parallel_size: int, num_devices: int, multi_host: bool,
+    def __init__(self, spec: ModelSpec, num_cache_kv_heads: int, num_devices: int, multi_host: bool,
                  weights_folder: str | None):
         self.spec = spec
-        self.tensor_parallel_size = tensor_parallel_size
+        self.num_cache_kv_heads = num_cache_kv_heads
         self.num_devices = num_devices
         self.multi_host = multi_host
         self.version = 0  # weight updates so far; part of every request's prefix salt
@@ -48,7 +47,7 @@ class WeightControl:
         else:
             folder = source = TensorMapping(source)
         try:
-            check_source(folder, self.spec, cache_kv_heads(self.spec, self.tensor_parallel_size), self.num_devices)
+            check_source(folder, self.spec, self.num_cache_kv_heads, self.num_devices)
         except ValueError as error:
             raise ValueError(f"update_weights: these weights do not fit the served model: {error}") from error
         return source
@@ -75,6 +74,14 @@ class WeightControl:
             raise ValueError("a multi-host engine cannot sleep: its weights are spread over the hosts' memories")
         if unfinished:
             raise ValueError(f"{unfinished} request(s) are unfinished: let them finish or abort them before sleep")
+
+    def fell_asleep(self, level: int) -> None:
+        """Record that the engine sleeps at `level` (its device memory freed)."""
+        self.sleep_level = level
+
+    def woke_up(self) -> None:
+        """Record that the engine is awake again, the weights asleep updates gave now served."""
+        self.sleep_level, self.pending = 0, None
 
     def wake_source(self) -> str | TensorMapping | None:
         """What a wake-up reads the weights from: what update_weights gave while asleep, or after level 2 the
