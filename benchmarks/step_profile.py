@@ -57,8 +57,9 @@ from jaxserve.tokenizer import load_tokenizer
 OPS = ("forward", "attention", "gather", "qkv/o", "mlp", "lm_head", "other", "sampler")
 # The step's modules, in import order: a revision's own copies import each other (a file the revision lacks: today's).
 # Their other imports resolve in today's tree, so a --baseline must be from the layout by concern (85fc9ed) on.
-MODULES = {"fp8": "jaxserve/attention/fp8.py", "layers": "jaxserve/model/layers.py", "registry": "jaxserve/model/registry.py",
-           "xla": "jaxserve/attention/xla.py", "llama": "jaxserve/model/llama.py", "sampler": "jaxserve/sampling/sampler.py"}
+MODULES = {"fp8": "jaxserve/attention/fp8.py", "layers": "jaxserve/model/layers.py",
+           "registry": "jaxserve/model/registry.py", "xla": "jaxserve/attention/xla.py",
+           "llama": "jaxserve/model/llama.py", "sampler": "jaxserve/sampling/sampler.py"}
 
 
 def load_revision(revision: str) -> dict[str, types.ModuleType]:

@@ -13,13 +13,14 @@ from jaxserve.pooling.params import PoolerConfig
 VALID_PAGE_SIZES = (8, 16, 32)
 VALID_DTYPES = ("auto", "float32", "bfloat16", "float16")
 VALID_QUANTIZATIONS = ("none", "int8", "fp8")  # weight-only quantization at load time (model/quantize.py)
-VALID_KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the weights' dtype; fp8: e4m3 pages with per-head scales (attention/fp8.py)
+# auto: the weights' dtype; fp8: e4m3 pages with per-head scales (attention/fp8.py)
+VALID_KV_CACHE_DTYPES = ("auto", "fp8")
 VALID_POLICIES = ("fcfs", "priority")
 # How a preempted request gives its KV pages back: recompute (drop them; its tokens are computed again when it
 # resumes), swap (copy them to a host-memory pool and back when it resumes), auto (swap long contexts).
 VALID_PREEMPTION_MODES = ("recompute", "swap", "auto")
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")  # proposers of speculative_config's `method`
-EAGLE_METHODS = ("eagle", "eagle3")  # the methods of EAGLE heads (EAGLE-1, EAGLE-3: spec/eagle.py)
+EAGLE_METHODS = ("eagle", "eagle3")  # the methods of EAGLE heads (EAGLE-1, EAGLE-3: spec_decode/eagle.py)
 SPECULATIVE_DEFAULTS = {"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas-tpu-interpret")
 # continuous: requests join and leave the running batch at every step and hold only the pages they fill;

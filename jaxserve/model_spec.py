@@ -1,5 +1,5 @@
 """ModelSpec: the hyper-parameters every architecture has, parsed from a checkpoint's config.json (an architecture
-with more subclasses it: model/gemma.py, model/moe_models.py), and the Llama family's parser."""
+with more subclasses it: model/gemma.py, model/moe_llama.py), and the Llama family's parser."""
 
 from __future__ import annotations
 

@@ -173,7 +173,7 @@ def test_penalised_requests_speculate_and_keep_the_plain_tokens(engines, tempera
 
 
 def test_seeded_sampling_gives_the_plain_engines_tokens(engines):
-    """Each emitted token is the one plain sampling draws at its index (spec/verify.py), so seeded outputs equal
+    """Each emitted token is the one plain sampling draws at its index (sampling/verify.py), so seeded outputs equal
     the plain engine's, run after run (the second run's prompts hit the prefix cache: other steps verify)."""
     prompts = _repetitive_prompts()
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=5, max_tokens=32, ignore_eos=True, n=2)

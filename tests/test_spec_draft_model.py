@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (issue 15): jaxserve/spec/draft.py and spec/draft_runner.py.
+"""Speculative decoding with a draft model (issue 15): jaxserve/spec_decode/draft.py and spec_decode/draft_runner.py.
 
 The proposer's bookkeeping is checked against a fake draft runner (which tokens it feeds at which positions
 as proposals are accepted or rejected, the step budget, its pages). On the real engine, greedy outputs must
@@ -352,7 +352,7 @@ def test_penalised_and_short_requests_share_the_batch(engines):
 
 
 def test_seeded_sampling_gives_the_plain_engines_tokens(engines):
-    """Each emitted token is the one plain sampling draws at its index (spec/verify.py), so seeded outputs equal
+    """Each emitted token is the one plain sampling draws at its index (sampling/verify.py), so seeded outputs equal
     the plain engine's, run after run (the second run's prompts hit the prefix cache: other steps verify)."""
     prompts = _prompts(4, 7, (5, 20))
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=5, max_tokens=24, ignore_eos=True, n=2)

@@ -1,6 +1,6 @@
-"""EAGLE speculative decoding (spec/eagle.py, model/eagle.py) with tiny random heads: an EAGLE-1 head on the llama
-test checkpoint (tests/fixtures/checkpoints/llama-eagle, scripts/make_eagle_fixture.py) and an EAGLE-3 head on the
-gemma2 one (gemma2-eagle3, scripts/make_eagle3_fixture.py: it reads the inputs of the target's layers 0, 2 and 3
+"""EAGLE speculative decoding (spec_decode/eagle.py, model/eagle.py) with tiny random heads: an EAGLE-1 head on the
+llama test checkpoint (tests/fixtures/checkpoints/llama-eagle, scripts/make_eagle_fixture.py) and an EAGLE-3 head on
+the gemma2 one (gemma2-eagle3, scripts/make_eagle3_fixture.py: it reads the inputs of the target's layers 0, 2 and 3
 side by side and proposes over a draft vocabulary of 96 of the target's 512 tokens), and that head's twin in
 vllm-project/speculators' format with `norm_before_residual` (gemma2-eagle3-speculators,
 scripts/make_speculators_eagle3_fixture.py).

@@ -1,4 +1,4 @@
-"""Speculative verification (jaxserve/spec/verify.py) and the n-gram proposer (jaxserve/spec/ngram.py).
+"""Speculative verification (jaxserve/sampling/verify.py) and the n-gram proposer (jaxserve/spec_decode/ngram.py).
 
 The verifier must be exact in distribution: over many seeds, the first emitted token is distributed as the
 target's sampling distribution (temperature, top-k, top-p, min-p applied) whatever the proposal, and the

@@ -3,7 +3,8 @@
 
 A page stores `clip(x / scale, -448, 448)` in e4m3, so `x ~ stored * scale`. The scales are two params leaves,
 `layers/k_scale` and `layers/v_scale` (L, Hkv) float32, from the checkpoint's `self_attn.k_scale` / `v_scale`
-(one per layer or one per KV head), calibrated (`calculate_kv_scales`, model/kv_calibration.py), or 1.0 (vLLM's default).
+(one per layer or one per KV head), calibrated (`calculate_kv_scales`, model/kv_calibration.py), or 1.0 (vLLM's
+default).
 
 The pages hold e4m3 values; a backend stores them as their uint8 bits (the XLA path and our Pallas kernels:
 integer pages are scattered in place everywhere, while XLA's CPU scatter converts a whole float8 pool) or as

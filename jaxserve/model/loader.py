@@ -28,7 +28,8 @@ from jaxserve.model.quantize import INT4_PER_BYTE, WEIGHT_DTYPES, quantized_spec
 from jaxserve.model.registry import Weight, map_weights, map_weights_with, model_for
 from jaxserve.model_spec import ModelSpec
 
-# The fp8 KV cache's scales (attention/fp8.py): params leaf -> HF name template (vLLM's names; a scalar or one per KV head)
+# The fp8 KV cache's scales (attention/fp8.py): params leaf -> HF name template (vLLM's names; a scalar or one per
+# KV head)
 _KV_SCALES = {"k_scale": "model.layers.{i}.self_attn.k_scale", "v_scale": "model.layers.{i}.self_attn.v_scale"}
 
 

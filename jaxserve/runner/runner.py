@@ -199,7 +199,7 @@ class Runner:
         self.cache_dtype = jnp.dtype(cache_dtype)  # what the pages hold (float8_e4m3fn for an fp8 cache)
         self._cache_dtype = self.attention.storage_dtype(cache_dtype)  # the arrays' dtype (attention/fp8.py)
         self._num_cache_kv_heads = num_cache_kv_heads
-        # EAGLE's features (spec/eagle.py): what each computed token gives the head (its final hidden state, or
+        # EAGLE's features (spec_decode/eagle.py): what each computed token gives the head (its final hidden state, or
         # EAGLE-3's layer inputs) kept in a page-shaped array (1, P, S, 1, F) after the attention's, so page
         # copies, swaps and the prefix cache carry it with the KV
         self.features = features

@@ -1,7 +1,7 @@
 """The draft-model proposer: a smaller model of the same vocabulary guesses each request's next k tokens.
 
 The draft has its own weights, its own KV pool (as many pages as the target's: it never holds more tokens
-than the target does) and its own compiled buckets (spec/draft_runner.py: one call per engine step catches
+than the target does) and its own compiled buckets (spec_decode/draft_runner.py: one call per engine step catches
 the draft's KV up and proposes k tokens greedily). The scheduler asks it only for the steps that verify
 proposals, and tells it when a request leaves the running batch, which gives its draft pages back.
 

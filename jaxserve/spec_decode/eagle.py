@@ -4,7 +4,7 @@ over the target's own features proposes each request's next k tokens (model/eagl
 The target keeps every computed token's feature (EAGLE-1: its final hidden state after the final norm; EAGLE-3:
 the inputs of three of its layers side by side) in its KV pages, beside the attention's arrays (runner.py's
 `features`), so prefix-cache hits, page copies, swaps and preemptions carry the features with the KV. The head
-has its own KV pool and pages, as a draft model does (spec/draft.py's proposer, whose catch-up and proposing this
+has its own KV pool and pages, as a draft model does (spec_decode/draft.py's proposer, whose catch-up and proposing this
 reuses): at a position p it feeds the token after p with the target's feature at p, read through the target's
 page table. A request with known tokens t_0..t_n has features up to position n - 1, so the head feeds positions
 up to n - 1 (t_1..t_n) and proposes after them; the positions it fed its own proposals at are computed anew after
