@@ -4,7 +4,7 @@
     python benchmarks/compile_time.py --baseline 68a272a --overrides '{"speculative_config": {"method": "ngram"}}'
 
 Each run is a fresh process (`python -c`, the persistent compilation cache off) that builds the engine on the
-bundled model with its default buckets (and --overrides, a JSON object of EngineConfig fields) and reports how
+bundled model with its default buckets (and --overrides, a JSON object of engine options) and reports how
 long `Runner.warmup` took (tracing, lowering and compiling every bucket) and how many executables it compiled.
 The baseline runs from a `git worktree` of the revision; runs alternate baseline / current, so a slow spell of a
 shared machine hits both. Prints mean and best.
@@ -57,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="git revision to compare with (e.g. HEAD~3)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--overrides", default="{}", help="EngineConfig fields as a JSON object (default: none)")
+    parser.add_argument("--overrides", default="{}", help="engine options as a JSON object (default: none)")
     args = parser.parse_args()
     current = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as scratch:

@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 
 from jaxserve.batch.packing import pack  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.engine import core  # noqa: E402
+from jaxserve.engine import core_builder  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path  # noqa: E402
 from jaxserve.engine.step_timing import PHASES  # noqa: E402
 from jaxserve.tokenizer import load_tokenizer  # noqa: E402
@@ -195,7 +195,7 @@ def make_engine(workload: Workload, folder: str, corpus: np.ndarray) -> LLMEngin
     config = EngineConfig(model=folder, max_model_len=workload.max_model_len, page_size=16, num_pages=num_pages,
                           max_num_seqs=workload.rows, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                           skip_precompile=True, compilation_cache_dir=None, enable_structured_outputs=False)
-    with mock.patch.object(core, "Runner", functools.partial(FakeRunner, corpus)):
+    with mock.patch.object(core_builder, "Runner", functools.partial(FakeRunner, corpus)):
         return LLMEngine(config, show_progress=False)
 
 

@@ -43,7 +43,7 @@ from jax.export import DisabledSafetyCheck
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.attention import fp8
-from jaxserve.config import EAGLE_METHODS, VALID_ATTENTION_BACKENDS, EngineConfig, runs_pooling
+from jaxserve.config import EAGLE_METHODS, VALID_ATTENTION_BACKENDS, EngineConfig
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES, GIB, MemoryPlan, plan_kv_pages
 from jaxserve.model.registry import load_model_spec, spec_from_hf_config
@@ -429,38 +429,39 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     from jaxserve.spec_decode.eagle import EagleRunner
 
     config = EngineConfig.from_yaml(path, **({"attention_backend": attention_backend} if attention_backend else {}))
-    spec, note = resolve_spec(config.model, model_shape)
+    cache, lora = config.cache_config, config.lora_config
+    spec, note = resolve_spec(config.model_config.model, model_shape)
     max_model_len = resolve_max_model_len(config, spec)
     spec = spec.for_max_model_len(max_model_len)
-    tp = config.tensor_parallel_size
+    tp = config.parallel_config.tensor_parallel_size
     mesh = make_mesh(tp)
     kv_heads = cache_kv_heads(spec, tp)
-    dtype = jnp.dtype(resolve_dtype(config.dtype, spec))
+    dtype = jnp.dtype(resolve_dtype(config.model_config.dtype, spec))
     ladders = bucket_ladders(config, spec, max_model_len)
-    params = abstract_params(spec, mesh, dtype, kv_heads, weight_quantization(config, spec), config.kv_cache_dtype)
-    if config.enable_lora:  # the adapter slots: weights the engine holds, and work in every projection
-        lora = lora_slot_structs(model_for(spec.architecture), spec, kv_heads, mesh, config.max_loras,
-                                 config.max_lora_rank, dtype)
+    params = abstract_params(spec, mesh, dtype, kv_heads, weight_quantization(config, spec), cache.kv_cache_dtype)
+    if lora.enable_lora:  # the adapter slots: weights the engine holds, and work in every projection
+        lora = lora_slot_structs(model_for(spec.architecture), spec, kv_heads, mesh, lora.max_loras,
+                                 lora.max_lora_rank, dtype)
         params = {**params, "layers": {**params["layers"], "lora": lora}}
-    needed_pages = pages_for_tokens(max_model_len, config.page_size) + 1
+    needed_pages = pages_for_tokens(max_model_len, cache.page_size) + 1
 
-    speculative = config.speculative_config or {}
-    method = speculative.get("method")
+    speculative = config.speculative_config
+    method = speculative.method if speculative is not None else None
     draft = None  # (spec, abstract params, KV heads, dtype) of a draft model or an EAGLE head
     head = None  # an EAGLE head's config (model/eagle.py)
     if method == "draft_model":
-        draft_spec, draft_note = resolve_spec(speculative["model"], None)
-        draft_dtype, declared = jnp.dtype(resolve_dtype(config.dtype, draft_spec)), None
+        draft_spec, draft_note = resolve_spec(speculative.model, None)
+        draft_dtype, declared = jnp.dtype(resolve_dtype(config.model_config.dtype, draft_spec)), None
     elif method in EAGLE_METHODS:
-        head = read_head_config(speculative["model"], method, spec)
-        draft_spec, draft_note, draft_dtype = head.spec, os.path.join(speculative["model"], "config.json"), dtype
+        head = read_head_config(speculative.model, method, spec)
+        draft_spec, draft_note, draft_dtype = head.spec, os.path.join(speculative.model, "config.json"), dtype
     if method in ("draft_model", *EAGLE_METHODS):
         draft_spec = draft_spec.for_max_model_len(max_model_len)
         draft_kv_heads = cache_kv_heads(draft_spec, tp)
         if head is not None:  # an EAGLE head's weights (an embedding always: its own or the target's copy)
             declared = (eagle3_weights(draft_spec, draft_kv_heads, tp, True, head.draft_vocab_size)
                         if head.version == 3 else eagle_weights(draft_spec, draft_kv_heads, tp, True, True))
-        draft_params = abstract_params(draft_spec, mesh, draft_dtype, draft_kv_heads, "none", config.kv_cache_dtype,
+        draft_params = abstract_params(draft_spec, mesh, draft_dtype, draft_kv_heads, "none", cache.kv_cache_dtype,
                                        declared)
         if head is not None and head.draft_vocab_size < draft_spec.vocab_size:  # EAGLE-3's draft ids' tokens
             draft_params["draft_tokens"] = jax.ShapeDtypeStruct((head.draft_vocab_size,), jnp.int32,
@@ -469,20 +470,20 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
         note = f"{note}; {'EAGLE head' if head else 'draft model'} {draft_note}"
 
     def runner(backend: str, platform: str) -> Runner:
-        return Runner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads,
-                      cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype),
+        return Runner(spec, params, mesh, page_size=cache.page_size, num_cache_kv_heads=kv_heads,
+                      cache_dtype=fp8.cache_dtype(cache.kv_cache_dtype, dtype),
                       ladders=ladders, attention_backend=backend, platform=platform,
-                      num_scheduler_steps=config.num_scheduler_steps,
+                      num_scheduler_steps=config.scheduler_config.num_scheduler_steps,
                       num_speculative_tokens=config.num_speculative_tokens,
-                      pooling=runs_pooling(config, spec), features=head.features if head else None)
+                      pooling=config.model_config.runs_pooling(spec), features=head.features if head else None)
 
     def draft_runner(backend: str, platform: str, target: Runner) -> DraftRunner | None:
         if draft is None:
             return None
         draft_spec, draft_params, draft_kv_heads, draft_dtype = draft
         kind = functools.partial(EagleRunner, target=target, version=head.version) if head else DraftRunner
-        return kind(draft_spec, draft_params, mesh, page_size=config.page_size, num_cache_kv_heads=draft_kv_heads,
-                    cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, draft_dtype), ladders=ladders,
+        return kind(draft_spec, draft_params, mesh, page_size=cache.page_size, num_cache_kv_heads=draft_kv_heads,
+                    cache_dtype=fp8.cache_dtype(cache.kv_cache_dtype, draft_dtype), ladders=ladders,
                     attention_backend=backend, platform=platform, num_proposals=config.num_speculative_tokens)
 
     cpu_runner = runner("xla", "cpu")
@@ -494,16 +495,17 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
     for platform in platforms:
         device = devices[platform]
         try:
-            platform_runner = runner(config.attention_backend, PLATFORMS[platform])
-            platform_draft = draft_runner(config.attention_backend, PLATFORMS[platform], platform_runner)
+            backend = config.compilation_config.attention_backend
+            platform_runner = runner(backend, PLATFORMS[platform])
+            platform_draft = draft_runner(backend, PLATFORMS[platform], platform_runner)
         except ValueError as why:
             checks.append(PlatformCheck(platform, device, None, [], [], None, f"attention backend: {why}"))
             continue
         # a page as the platform's backend stores it (the TPU layout pads the head dimension), the draft's too
         page_bytes = sum(r.page_bytes() for r in (platform_runner, platform_draft) if r is not None) // tp
         try:
-            plan, error = memory_plan(device, config.gpu_memory_utilization, weight_bytes, activation_bytes,
-                                      page_bytes, max_model_len, config.page_size), None
+            plan, error = memory_plan(device, cache.gpu_memory_utilization, weight_bytes, activation_bytes,
+                                      page_bytes, max_model_len, cache.page_size), None
         except ValueError as why:
             plan, error = None, f"memory on {device}: {why}"
         pool_pages = plan.num_pages if plan else needed_pages  # the pool the engine would compile against
@@ -512,7 +514,7 @@ def check_config(path: str, platforms: list[str], devices: dict[str, str], model
                                                     select_buckets(ladders, every_shape, buckets), pool_pages, platform)
         checks.append(PlatformCheck(platform, device, platform_runner.attention.name, bucket_checks,
                                     sorted(custom_calls), plan, error))
-    return ConfigCheck(path, note, tp, config.page_size, dict(zip(KINDS, map(len, every_shape))), weight_bytes,
+    return ConfigCheck(path, note, tp, cache.page_size, dict(zip(KINDS, map(len, every_shape))), weight_bytes,
                        activation_bytes, compile_seconds, checks)
 
 
@@ -602,7 +604,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Check every config; print the report; 0 when every bucket lowered and every config fits, else 1."""
     configs = [EngineConfig.from_yaml(path) for path in args.configs]
-    use_host_devices(max(config.tensor_parallel_size for config in configs))
+    use_host_devices(max(config.parallel_config.tensor_parallel_size for config in configs))
     checks = []
     for path in args.configs:
         devices = {platform: device_for(platform, path, args.device) for platform in args.platforms}

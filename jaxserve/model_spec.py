@@ -210,7 +210,7 @@ class ModelSpec:
     # GPTQ's act-order (`desc_act` without `static_groups`): each weight's `g_idx` puts its input rows in any group
     checkpoint_act_order: bool = False
     # A mixture of experts' experts split whole over the `model` mesh axis (expert parallelism) instead of each
-    # expert split like a dense MLP: EngineConfig.enable_expert_parallel, vLLM's flag (model/moe_llama.py).
+    # expert split like a dense MLP: the enable_expert_parallel option, vLLM's flag (model/moe_llama.py).
     expert_parallel: bool = False
     # Each attention head has a learned sink logit in its softmax's denominator (gpt-oss): the attention backend must
     # take `sinks` (JAX's TPU kernel does not)

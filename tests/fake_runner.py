@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import SchedulerSettings
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.kv.page_pool import NULL_PAGE, PagePool
 from jaxserve.request import Request, RequestStatus
@@ -143,7 +143,7 @@ def make_scheduler(
     num_speculative_tokens: int = 0,
     proposer: FakeProposer | None = None,
 ) -> Scheduler:
-    config = SchedulerConfig(
+    config = SchedulerSettings(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
@@ -408,7 +408,7 @@ def run_workload(scheduler: Scheduler, specs: list[RequestSpec], max_steps: int,
                           max_running)
 
 
-def run_alone(spec: RequestSpec, config: SchedulerConfig, page_size: int) -> Request:
+def run_alone(spec: RequestSpec, config: SchedulerSettings, page_size: int) -> Request:
     """Run one request (never aborted) through a fresh scheduler whose pool holds it many times over."""
     num_pages = 4 * pages_for_tokens(config.max_model_len, page_size) + 1
     scheduler = Scheduler(config, KVCacheManager(PagePool(num_pages), page_size))

@@ -73,7 +73,8 @@ def greedy_outputs_compiling_nothing(engines: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = {}
     for key, llm in engines.items():
-        assert not llm.engine.config.skip_precompile, "only a precompiled engine can promise to compile nothing"
+        assert not llm.engine.config.compilation_config.skip_precompile, \
+            "only a precompiled engine can promise to compile nothing"
         before = llm.stats()["compilations_after_warmup"]
         outputs[key] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.stats()["compilations_after_warmup"] == before
@@ -172,7 +173,8 @@ def running_server(app):
 def spec_generate(llm, prompts: list[list[int]], params) -> tuple[list, dict]:
     """(each request's samples' token ids, the increase of the spec_decode counters); checks that nothing compiled
     during the run and that every page of the KV pool (and of the draft model's, when there is one) is back."""
-    assert not llm.engine.config.skip_precompile, "only a precompiled engine can promise to compile nothing"
+    assert not llm.engine.config.compilation_config.skip_precompile, \
+        "only a precompiled engine can promise to compile nothing"
     before = llm.stats()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     after = llm.stats()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import engine_stats, running_server
 
+from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from jaxserve.engine.llm_engine import default_model_path
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -25,10 +26,7 @@ class FakeEngine:
     token per step. `gate` (set by default) holds steps back; `fail` makes the next step raise."""
 
     def __init__(self):
-        self.config = SimpleNamespace(tokenizer=None, scheduling_policy="fcfs", page_size=16, num_pages=None,
-                                      enable_prefix_caching=False, gpu_memory_utilization=0.9,
-                                      preemption_mode="recompute", swap_space=4.0, data_parallel_size=1,
-                                      enable_sleep_mode=False)
+        self.config = EngineConfig(page_size=16, enable_prefix_caching=False)
         self.model_path = default_model_path()
         self.max_model_len = 128
         self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096, classifier=None), num_pages=11,

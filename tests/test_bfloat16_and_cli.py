@@ -49,12 +49,12 @@ def test_generate_compiles_at_first_use_unless_a_flag_or_the_config_file_says(tm
         args = build_parser().parse_args(["generate", "--prompt", "x", *flags])
         return _engine_config(args, skip_precompile=True)
 
-    assert config().skip_precompile
-    assert not config("--no-skip-precompile").skip_precompile
+    assert config().compilation_config.skip_precompile
+    assert not config("--no-skip-precompile").compilation_config.skip_precompile
     path = tmp_path / "engine.yaml"
     path.write_text("skip_precompile: false\n")
-    assert not config("--config", str(path)).skip_precompile
+    assert not config("--config", str(path)).compilation_config.skip_precompile
     path.write_text("max_num_seqs: 4\n")
-    assert config("--config", str(path)).skip_precompile
+    assert config("--config", str(path)).compilation_config.skip_precompile
     serve = build_parser().parse_args(["serve"])
-    assert not _engine_config(serve).skip_precompile  # serve compiles every bucket before it answers
+    assert not _engine_config(serve).compilation_config.skip_precompile  # serve compiles every bucket before it answers

@@ -48,12 +48,13 @@ def test_every_shipped_config_lowers_for_cuda_and_tpu(shipped):
     assert sorted(checks) == sorted(os.path.splitext(os.path.basename(p))[0] for p in SHIPPED)
     for name, check in checks.items():
         config = EngineConfig.from_yaml(check["config"])
-        spec, _ = check_config.resolve_spec(config.model, None)
+        spec, _ = check_config.resolve_spec(config.model_config.model, None)
         assert [p["platform"] for p in check["platforms"]] == ["cuda", "tpu"]
         for platform in check["platforms"]:
             assert platform["error"] is None, (name, platform["error"])
-            expected = resolve_backend(config.attention_backend, spec, config.page_size,
-                                       check_config.PLATFORMS[platform["platform"]], config.tensor_parallel_size)
+            expected = resolve_backend(config.compilation_config.attention_backend, spec,
+                                       config.cache_config.page_size, check_config.PLATFORMS[platform["platform"]],
+                                       config.parallel_config.tensor_parallel_size)
             assert platform["backend"] == expected
             assert platform["buckets"] and all(b["error"] is None and b["seconds"] > 0 for b in platform["buckets"])
             if platform["backend"] == "pallas" and platform["platform"] == "cuda":
@@ -77,8 +78,10 @@ def test_the_largest_buckets_are_lowered_and_every_executable_counted(shipped):
 def test_edges_are_each_ladders_ends_and_the_rungs_either_side_of_max_num_seqs():
     """On the 8B config's ladders (max_num_seqs 256), with the shapes Runner.shapes() makes of them."""
     config = EngineConfig.from_yaml(os.path.join(CONFIGS_DIR, "llama-3.1-8b-1xh200.yaml"))
-    ladders = BucketLadders.build(config.max_num_batched_tokens, config.max_num_seqs, config.max_model_len,
-                                  config.page_size, config.min_token_bucket, max_aux_extra=0)
+    scheduler = config.scheduler_config
+    ladders = BucketLadders.build(scheduler.max_num_batched_tokens, scheduler.max_num_seqs,
+                                  config.model_config.max_model_len, config.cache_config.page_size,
+                                  config.compilation_config.min_token_bucket, max_aux_extra=0)
     shapes = (list(itertools.product(ladders.tokens, ladders.page_widths)),
               list(itertools.product(ladders.row_buckets(), ladders.aux_widths, (0, 4008))),
               [(t,) for t in ladders.tokens], [], [], [], [(t,) for t in ladders.tokens],

@@ -27,14 +27,15 @@ TRUSTED = ssl.create_default_context(cafile=CERTIFICATE)  # a client that trusts
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(CONFIGS_DIR, "*.yaml"))), ids=os.path.basename)
 def test_shipped_configs_are_valid(path):
     config = EngineConfig.from_yaml(path)
-    assert config.max_num_seqs <= config.max_num_batched_tokens
+    assert config.scheduler_config.max_num_seqs <= config.scheduler_config.max_num_batched_tokens
 
 
 def test_the_gpu_configs_ship():
     names = {os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS_DIR, "*.yaml"))}
     assert {"tiny-cpu.yaml", "llama-3.1-8b-1xh200.yaml", "llama-3.1-8b-1xh200-draft.yaml", "llama-3.1-70b-8xh200.yaml",
             "qwen2.5-7b-1xh100.yaml"} <= names
-    assert EngineConfig.from_yaml(os.path.join(CONFIGS_DIR, "llama-3.1-70b-8xh200.yaml")).tensor_parallel_size == 8
+    seventy_b = EngineConfig.from_yaml(os.path.join(CONFIGS_DIR, "llama-3.1-70b-8xh200.yaml"))
+    assert seventy_b.parallel_config.tensor_parallel_size == 8
 
 
 def test_unknown_config_key_is_an_error_listing_the_valid_ones(tmp_path, capsys):
@@ -60,10 +61,11 @@ def test_bad_flags_exit_with_a_message(capsys):
 def test_skip_precompile_is_a_flag_and_a_yaml_key_and_must_be_a_bool(tmp_path):
     from jaxserve.cli import _engine_config, build_parser
 
-    assert _engine_config(build_parser().parse_args(["serve", "--skip-precompile"])).skip_precompile is True
+    lazy = _engine_config(build_parser().parse_args(["serve", "--skip-precompile"]))
+    assert lazy.compilation_config.skip_precompile is True
     path = tmp_path / "lazy.yaml"
     path.write_text("skip_precompile: true\n")
-    assert EngineConfig.from_yaml(str(path)).skip_precompile is True
+    assert EngineConfig.from_yaml(str(path)).compilation_config.skip_precompile is True
     with pytest.raises(ValueError, match="skip_precompile must be true or false, got 'yes'"):
         EngineConfig(skip_precompile="yes")
 

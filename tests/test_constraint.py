@@ -126,8 +126,8 @@ def test_thinking_token_budget_values():
 
 
 def test_reasoning_config_values():
-    assert EngineConfig(reasoning_config='{"reasoning_end_str": "Now.</think>"}').reasoning_config == {
-        "reasoning_end_str": "Now.</think>"}
+    config = EngineConfig(reasoning_config='{"reasoning_end_str": "Now.</think>"}')
+    assert config.structured_outputs_config.reasoning_config == {"reasoning_end_str": "Now.</think>"}
     with pytest.raises(ValueError, match="unknown key.*reasoning_start_str"):
         EngineConfig(reasoning_config={"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"})
     with pytest.raises(ValueError, match="reasoning_end_str must be a non-empty string"):

@@ -20,7 +20,7 @@ def llm():
 def test_no_model_means_the_bundled_model_with_the_tiny_cpu_config():
     config = EngineConfig.for_model(None, max_num_seqs=4)
     assert config == EngineConfig.from_yaml(DEFAULT_MODEL_CONFIG, max_num_seqs=4)
-    assert config.model is None and config.max_num_seqs == 4
+    assert config.model_config.model is None and config.scheduler_config.max_num_seqs == 4
 
 
 def test_bundled_model_is_a_small_hugging_face_folder():

@@ -36,7 +36,7 @@ def test_static_batching_gives_the_same_greedy_tokens(continuous, static):
 
 def test_static_batching_reserves_max_model_len_and_waits_for_the_whole_batch(static):
     engine = static.engine
-    reservation = pages_for_tokens(engine.max_model_len, engine.config.page_size)
+    reservation = pages_for_tokens(engine.max_model_len, engine.config.cache_config.page_size)
     batch_size = engine.core.kv.pool.num_usable // reservation  # 7 with the small test pool
     for i in range(batch_size + 2):
         engine.add_request(f"r{i}", [7] * 5, SamplingParams(max_tokens=2 if i else 12, ignore_eos=True))
@@ -73,7 +73,7 @@ def test_kv_occupancy_counts_a_shared_page_once(continuous):
     while engine.has_unfinished_requests():
         engine.step()
         pages, tokens = engine.core.kv_occupancy()
-        assert tokens <= pages * engine.config.page_size
+        assert tokens <= pages * engine.config.cache_config.page_size
         held = sum(r.num_computed_tokens for r in engine.core.scheduler.requests.values())
         shared_seen |= held > tokens  # the samples hold the prompt's pages together
     assert shared_seen

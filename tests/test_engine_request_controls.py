@@ -2,7 +2,6 @@
 truncate_prompt_tokens, generation_config defaults) and failure isolation: one request that breaks in
 the middle of a step ends alone with finish reason "error", and every page comes back."""
 
-import dataclasses
 import json
 import shutil
 
@@ -10,7 +9,6 @@ import pytest
 
 from helpers import checkpoint, small_engine_args
 from jaxserve import LLM, SamplingParams
-from jaxserve.cli import ENGINE_FLAGS
 from jaxserve.config import EngineConfig
 from jaxserve.engine.generation_config import load_generation_defaults
 from jaxserve.tokenizer import IncrementalDetokenizer
@@ -163,10 +161,6 @@ def test_offline_defaults_come_from_the_engine(llm, monkeypatch):
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3)
     (output,) = llm.generate(PROMPT, use_tqdm=False)
     assert len(output.outputs[0].token_ids) <= 3
-
-
-def test_every_engine_option_has_a_flag():
-    assert set(ENGINE_FLAGS) == {field.name for field in dataclasses.fields(EngineConfig)}
 
 
 def test_a_request_that_cannot_be_queued_leaves_nothing_behind(llm, monkeypatch):

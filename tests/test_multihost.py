@@ -221,8 +221,9 @@ def test_the_command_line_flags_reach_the_config():
                                       "--process-id", "3", "--distributed-timeout-s", "90", "--tensor-parallel-size",
                                       "8"])
     config = _engine_config(args)
-    assert (config.distributed_coordinator, config.num_processes, config.process_id) == ("10.0.0.1:8476", 4, 3)
-    assert config.distributed_timeout_s == 90
+    parallel = config.parallel_config
+    assert (parallel.distributed_coordinator, parallel.num_processes, parallel.process_id) == ("10.0.0.1:8476", 4, 3)
+    assert config.parallel_config.distributed_timeout_s == 90
 
 
 def test_a_mesh_must_span_every_process_equally():

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import jaxserve.kv.cache_manager as cache_manager
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import SchedulerSettings
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens, root_hash
 from jaxserve.kv.page_pool import NULL_PAGE, PagePool
 from jaxserve.request import Request, RequestStatus
@@ -592,7 +592,7 @@ def shared_prefix_workloads(draw, max_requests: int = 10):
 
 def make_caching_scheduler(*, page_size, num_pages, max_num_seqs, max_num_batched_tokens, max_model_len,
                            enable_chunked_prefill=True, policy="fcfs") -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+    config = SchedulerSettings(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                              policy=policy)
     return Scheduler(config, KVCacheManager(PagePool(num_pages), page_size, enable_prefix_caching=True))

@@ -28,7 +28,7 @@ def test_a_repeated_prompt_hits_the_cache_until_it_is_reset(openai_server):
     before = _hits(url)
     second = _complete(url)
     prompt_tokens = second["usage"]["prompt_tokens"]
-    page_size = engine.config.page_size
+    page_size = engine.config.cache_config.page_size
     assert _hits(url) - before == (prompt_tokens - 1) // page_size * page_size > 0
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert httpx.post(f"{url}/reset_prefix_cache", headers=HEADERS).status_code == 200

@@ -161,7 +161,7 @@ def test_server_metrics_move_by_what_one_request_implies(openai_server):
     assert (moved("request_params_max_tokens_count"), moved("request_params_max_tokens_sum")) == (1, max_tokens)
     # one observation per engine step (and, under asynchronous scheduling, one for the step that only brings the
     # last tokens); each sample's prompt once plus every generated token
-    assert moved("iteration_tokens_total_count") == steps + engine.config.async_scheduling
+    assert moved("iteration_tokens_total_count") == steps + engine.config.scheduler_config.async_scheduling
     assert steps >= max_tokens
     assert moved("iteration_tokens_total_sum") == moved("prompt_tokens_total") + moved("generation_tokens_total")
     assert moved("iteration_tokens_total_sum") == n * prompt_len + n * max_tokens
@@ -189,15 +189,15 @@ def test_server_cache_config_info_and_buckets(openai_server):
     assert scrape.values["jaxserve:cache_config_info"] == 1
     assert scrape.labels["jaxserve:cache_config_info"] == [{
         "model_name": "tiny-stdlib-llama",
-        "block_size": str(engine.config.page_size),
+        "block_size": str(engine.config.cache_config.page_size),
         "cache_dtype": engine.core.runner.cache_dtype.name,
-        "enable_prefix_caching": str(engine.config.enable_prefix_caching),
-        "gpu_memory_utilization": str(engine.config.gpu_memory_utilization),
+        "enable_prefix_caching": str(engine.config.cache_config.enable_prefix_caching),
+        "gpu_memory_utilization": str(engine.config.cache_config.gpu_memory_utilization),
         "num_gpu_blocks": str(engine.core.num_pages),
-        "num_gpu_blocks_override": str(engine.config.num_pages),
+        "num_gpu_blocks_override": str(engine.config.cache_config.num_pages),
         "swap_space": "0",  # preemption by recompute: no host pool
         "num_cpu_blocks": "0",
     }]
-    assert engine.config.page_size == 16 and engine.core.num_pages == 64  # the fixture's engine
+    assert engine.config.cache_config.page_size == 16 and engine.core.num_pages == 64  # the fixture's engine
     assert scrape.bounds("jaxserve:iteration_tokens_total") == VLLM_ITERATION_BUCKETS
     assert scrape.bounds("jaxserve:request_generation_tokens") == [1, 2, 5, 10, 20, 50, 100]  # max_model_len 128

@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from jaxserve.config import VALID_TOOL_CALL_PARSERS
+from jaxserve.server.config import VALID_TOOL_CALL_PARSERS
 from jaxserve.server.tools import (
     TOOL_PARSERS,
     GraniteParser,

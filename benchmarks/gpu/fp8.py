@@ -71,7 +71,7 @@ def measure(step: Step, quantization: str, kv_cache_dtype: str) -> dict:
     mesh = make_mesh(1)
     config = EngineConfig(model=options["model_shape"], load_format="dummy", dtype=plan.model.dtype,
                           quantization=quantization, kv_cache_dtype=kv_cache_dtype, seed=step.seed)
-    params, dtype = load_weights(config, config.model, spec, mesh, spec.num_kv_heads)
+    params, dtype = load_weights(config, config.model_config.model, spec, mesh, spec.num_kv_heads)
     cache_dtype = fp8.cache_dtype(kv_cache_dtype, dtype)
     backend = make_attention(spec, "xla" if plan.tiny else "auto", mesh, page_size, cache_dtype=cache_dtype)
     width = -(-context // page_size)

@@ -362,7 +362,7 @@ def build(step: Step) -> dict:
     spec = spec_from_hf_config(hf_config(SHAPES[options["model_shape"]]))
     mesh = make_mesh(1)
     config = EngineConfig(model=options["model_shape"], load_format="dummy", dtype=plan.model.dtype, seed=step.seed)
-    params, dtype = load_weights(config, config.model, spec, mesh, spec.num_kv_heads)
+    params, dtype = load_weights(config, config.model_config.model, spec, mesh, spec.num_kv_heads)
     backend = make_attention(spec, "xla" if plan.tiny else "auto", mesh, page_size)
     decode_rows = [(context - 1, 1)] * rows  # each row: its last token after context - 1 cached ones
     decode, _ = step_batch(decode_rows, page_size, spec.vocab_size, step.seed)

@@ -33,7 +33,7 @@ class Engines:
         self._built: dict[tuple, LLMEngine] = {}
 
     def get(self, **changes) -> LLMEngine:
-        """The engine of the base configuration with `changes` (EngineConfig fields)."""
+        """The engine of the base configuration with `changes` (engine options, by flat name)."""
         key = tuple(sorted(changes.items()))
         if key not in self._built:
             start = time.perf_counter()

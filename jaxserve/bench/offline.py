@@ -399,7 +399,7 @@ def kv_report(system: JaxserveSystem, page_size: int) -> dict:
         report.update(fragmentation_at_most_tokens=stats.fragmentation(fullest.pages_in_use, page_size,
                                                                        fullest.token_slots_used),
                       fragmentation_mean=float(np.average(each, weights=[s.end - s.start for s in holding])))
-    if system.engine.config.batching == "static":
+    if system.engine.config.scheduler_config.batching == "static":
         reserved = pages_for_tokens(system.engine.max_model_len, page_size)
         report.update(reserved_pages_per_sequence=reserved,
                       capacity_sequences=(system.engine.core.num_pages - 1) // reserved,

@@ -39,7 +39,7 @@ def quantization(args, engines: Engines, ids: Sequence[int], log: Callable[[str]
 
 def kv_tokens(engine) -> int:
     """Tokens the engine's KV pool holds (its pages, the null page left out)."""
-    return (engine.stats()["kv_pages_total"] - 1) * engine.config.page_size
+    return (engine.stats()["kv_pages_total"] - 1) * engine.config.cache_config.page_size
 
 
 def quantization_lines(result: dict) -> list[str]:

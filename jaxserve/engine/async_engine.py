@@ -129,7 +129,7 @@ class AsyncLLMEngine:
         self.engine = engine
         # The engine thread detokenizes with engine.tokenizer; the event loop gets its own copy, since a
         # Hugging Face tokenizer may not be used from two threads at once.
-        self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.model_path)
+        self.tokenizer = load_tokenizer(engine.config.model_config.tokenizer or engine.model_path)
         self.max_waiting_requests = max_waiting_requests
         self._on_outputs = on_outputs
         self._on_step = on_step

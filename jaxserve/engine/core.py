@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import Mapping
 
-from jaxserve.attention import fp8
 from jaxserve.batch.builder import (
     PageRows,
     build_batch,
@@ -20,35 +19,22 @@ from jaxserve.batch.builder import (
     build_sampling_batch,
     fill_token_bitmasks,
 )
-from jaxserve.config import EAGLE_METHODS, EngineConfig, runs_pooling
-from jaxserve.distributed import runtime
-from jaxserve.distributed.channel import FollowerChannel, LeaderChannel
-from jaxserve.distributed.mirror import Mirrored, exit_soon, serve_leader
+from jaxserve.config import EngineConfig
+from jaxserve.distributed.channel import LeaderChannel
+from jaxserve.distributed.mirror import serve_leader
+from jaxserve.engine.core_builder import build_core_parts
 from jaxserve.engine.host_gc import tune_garbage_collector
-from jaxserve.engine.lora_slots import LoraSlots
 from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.sizing import bucket_ladders, resolve_max_model_len, resolve_num_host_pages, resolve_num_pages
+from jaxserve.engine.step_results import record_pooled, record_prompt_logprobs, sampled_tokens
 from jaxserve.engine.step_timing import StepTiming
-from jaxserve.engine.weight_control import WeightControl
-from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
-from jaxserve.kv.page_pool import PagePool
-from jaxserve.kv.sizing import reserve_device_memory
 from jaxserve.lora_request import LoRARequest
-from jaxserve.model.checkpoint import is_checkpoint, load_weights
-from jaxserve.model.eagle import read_head_config
-from jaxserve.model.lora import lora_slot_structs, with_lora_slots
-from jaxserve.model.registry import load_model_spec, model_for
-from jaxserve.pooling.params import PoolerConfig, matryoshka_dimensions, resolve_pooler_config
-from jaxserve.request import Logprob, Request, RequestStatus
-from jaxserve.runner.executables import CompileCounter, enable_compilation_cache
-from jaxserve.runner.runner import PendingStep, Runner, StepOutput, TokenLogprobs
-from jaxserve.sharding import cache_kv_heads, check_replica_devices, make_mesh, with_expert_parallel
-from jaxserve.spec_decode.draft import DraftModelProposer
-from jaxserve.spec_decode.eagle import EagleProposer
+from jaxserve.request import Request, RequestStatus
+from jaxserve.runner.executables import CompileCounter
+from jaxserve.runner.runner import PendingStep
 from jaxserve.spec_decode.metrics import SpecDecodeStats
 from jaxserve.spec_decode.ngram import NgramProposer
 from jaxserve.spec_decode.proposer import Proposer
-from jaxserve.step import SampledToken, SchedulerOutput
+from jaxserve.step import SchedulerOutput
 
 logger = logging.getLogger("jaxserve")
 # Longest a step with nothing to run sleeps on the grammar compiles its waiting requests need (they wake it at
@@ -63,115 +49,17 @@ class EngineCore:
         """The engine of `config` over `tensor_parallel_size` devices from `first_device` on (a data-parallel
         replica's); in a multi-host launch (`distributed_coordinator`), over every process's devices."""
         self.config = config
-        reserve_device_memory(config.gpu_memory_utilization)  # before JAX starts its GPU backend
-        self.group = runtime.join(config.distributed_coordinator, config.num_processes, config.process_id,
-                                  config.distributed_timeout_s)  # before anything touches a device
-        self.channel = self._open_step_channel()
-        enable_compilation_cache(config.compilation_cache_dir)
-        self.spec = with_expert_parallel(load_model_spec(model_path), config.enable_expert_parallel)
-        self.max_model_len = resolve_max_model_len(config, self.spec)
-        self.spec = self.spec.for_max_model_len(self.max_model_len)
-        pooling = runs_pooling(config, self.spec)
-        if self.spec.classifier is not None and config.speculative_config:
-            raise ValueError("speculative_config: a sequence classifier generates nothing to speculate on; leave it "
-                             "unset")
-        tp = config.tensor_parallel_size
-        if self.group is not None:
-            runtime.check_mesh_spans_processes(tp, self.group)
-        check_replica_devices(tp, config.data_parallel_size)  # before replica 0 loads anything
-        self.mesh = make_mesh(tp, first_device)
-        kv_heads = cache_kv_heads(self.spec, tp)
-        params, dtype = load_weights(config, model_path, self.spec, self.mesh, kv_heads)
-        if config.enable_lora:  # max_loras free adapter slots in the params (model/lora.py)
-            params = with_lora_slots(params, lora_slot_structs(model_for(self.spec.architecture), self.spec, kv_heads,
-                                                               self.mesh, config.max_loras, config.max_lora_rank,
-                                                               dtype))
-        self.ladders = bucket_ladders(config, self.spec, self.max_model_len)
-        method = (config.speculative_config or {}).get("method")  # speculative decoding's proposer
-        head = None  # an EAGLE head's folder, read once: what the target keeps for it, then the head
-        if method in EAGLE_METHODS:
-            head = read_head_config(config.speculative_config["model"], method, self.spec)
-        self.runner = Runner(
-            self.spec, params, self.mesh,
-            page_size=config.page_size, num_cache_kv_heads=kv_heads,
-            cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=self.ladders,
-            attention_backend=config.attention_backend,
-            num_scheduler_steps=config.num_scheduler_steps, num_speculative_tokens=config.num_speculative_tokens,
-            structured_outputs=config.enable_structured_outputs, pooling=pooling, logprobs_mode=config.logprobs_mode,
-            features=head.features if head else None,  # what an EAGLE head reads of the target
-        )
-        # runner pooling: how prompts are pooled into embeddings or classes, and the sizes a Matryoshka model may cut
-        # embeddings to
-        self.pooler: PoolerConfig | None = None
-        self.matryoshka_dimensions: tuple[int, ...] | None = None
-        if pooling:
-            self.pooler = resolve_pooler_config(model_path, config.pooler_config)
-            self.matryoshka_dimensions = matryoshka_dimensions(model_path, self.spec.hidden_size)
-        self.draft = None  # speculative decoding's draft model or EAGLE head (methods draft_model, eagle)
-        if method == "draft_model":
-            self.draft = DraftModelProposer.load(config, self.spec, self.mesh, self.ladders, self.max_model_len)
-        elif method in EAGLE_METHODS:
-            self.draft = EagleProposer.load(config, head, self.mesh, self.ladders, self.max_model_len, self.runner)
-        # The draft's pool has as many pages as the target's, so a page of each is sized together.
-        self.num_pages = resolve_num_pages(config, self.max_model_len,
-                                           [self.runner] + ([self.draft.runner] if self.draft else []))
-        if self.group is not None:  # hosts may see different free memory: every process takes the smallest pool
-            self.num_pages = runtime.agreed_minimum("num_pages", self.num_pages, self.group)
-        host_pool = None
-        if config.preemption_mode != "recompute":
-            host_pool = PagePool(resolve_num_host_pages(config.swap_space, self.runner.page_bytes()))
-        logger.info("KV cache: %d pages of %d tokens (%d tokens) in %s%s", self.num_pages, config.page_size,
-                    self.num_pages * config.page_size, self.runner.cache_dtype.name,
-                    fp8.tokens_note(config.kv_cache_dtype, dtype))
-        self.runner.allocate_kv(self.num_pages)
-        if config.skip_precompile:
-            logger.info("skip_precompile: each bucket compiles at its first use")
-        else:
-            if config.background_compile and self.group is not None:  # every process must run the same buckets
-                logger.info("background_compile: a multi-host engine compiles every bucket first")
-            self.runner.warmup(show_progress, background=config.background_compile and self.group is None)
-        if self.draft is not None:
-            self.draft.allocate(self.num_pages, show_progress, precompile=not config.skip_precompile)
-        if host_pool is not None:
-            self.runner.allocate_host_kv(host_pool.num_pages, pages_for_tokens(self.max_model_len, config.page_size))
-        self.kv = KVCacheManager(PagePool(self.num_pages), config.page_size, config.prefix_caching, host_pool)
-        if isinstance(self.draft, EagleProposer):
-            self.draft.target_kv = self.kv  # where the target keeps each request's features
-        self.lora_slots = LoraSlots(self.spec, config.max_loras, config.max_lora_rank, kv_heads)
-        self.weights = WeightControl(  # the weights version and source; sleep mode
-            self.spec, kv_heads, self.mesh.devices.size, self.group is not None,
-            model_path if config.load_format == "auto" and not is_checkpoint(model_path) else None)
-        if config.enable_lora:
-            self.runner.set_lora(0, {})  # compiles the slot writes now, not at the first adapter loaded later
-            for index, (name, path) in enumerate((config.lora_modules or {}).items()):
-                self.add_lora(LoRARequest(name, index + 1, path))
+        parts = build_core_parts(config, model_path, show_progress, first_device)  # engine/core_builder.py
+        for field in dataclasses.fields(parts):  # self.group, .channel, .spec, ... .runner, .kv, ... .weights
+            setattr(self, field.name, getattr(parts, field.name))
         self.timing = StepTiming()
-        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv, self._make_proposer())
+        self.scheduler = Scheduler(config.scheduler_settings(self.max_model_len), self.kv, self._make_proposer())
         self._compiles_after_warmup_base = CompileCounter.count()
         self.counters = collections.Counter()
         self._in_flight: collections.deque[_InFlight] = collections.deque()  # dispatched, samples not brought
         self._page_rows = PageRows()  # the running requests' page-table rows, kept between steps
         self.spec_stats = SpecDecodeStats(config.num_speculative_tokens)
         tune_garbage_collector()  # fewer collections in the step loop (engine/host_gc.py)
-        if self.group is not None:  # nobody runs a step (a collective) before everybody can
-            runtime.barrier("started")
-        if isinstance(self.channel, LeaderChannel):  # every device call from here on is made by every process
-            self.runner = Mirrored(self.runner, "runner", self.channel)
-            if self.draft is not None:
-                self.draft.runner = Mirrored(self.draft.runner, "draft", self.channel)
-
-    def _open_step_channel(self) -> LeaderChannel | FollowerChannel | None:
-        """The multi-host step channel (distributed/channel.py), or None in a one-process engine. A lost follower
-        ends the leader soon after (distributed/mirror.py); the leader says stop to the followers at exit."""
-        if self.group is None:
-            return None
-        timeout = self.config.distributed_timeout_s
-        if not self.group.is_leader:
-            return FollowerChannel(self.group, timeout)
-        channel = LeaderChannel(self.group, timeout)
-        channel.on_lost(exit_soon)
-        runtime.before_leaving(channel.close)
-        return channel
 
     def on_peer_lost(self, callback) -> None:
         """Call `callback(reason)` when a process of this multi-host launch goes (the process itself ends soon
@@ -193,13 +81,13 @@ class EngineCore:
     def _make_proposer(self) -> Proposer | None:
         """The proposer speculative_config names (None without speculative decoding)."""
         speculative = self.config.speculative_config
-        if not speculative:
+        if speculative is None:
             return None
         if self.draft is not None:  # a draft model or an EAGLE head
             proposer = self.draft
         else:
-            proposer = NgramProposer(speculative["num_speculative_tokens"], speculative["prompt_lookup_min"],
-                                     speculative["prompt_lookup_max"])
+            proposer = NgramProposer(speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                                     speculative.prompt_lookup_max)
         return _TimedProposer(proposer, self.timing)
 
     def add_request(self, request: Request) -> None:
@@ -210,7 +98,7 @@ class EngineCore:
     def add_lora(self, request: LoRARequest) -> int:
         """Load a LoRA adapter into a free slot and return the slot (engine/lora_slots.py); ValueError when the
         engine serves no adapters, sleeps, or cannot load this one."""
-        if not self.config.enable_lora:
+        if not self.config.lora_config.enable_lora:
             raise ValueError("this engine serves no LoRA adapters: start it with enable_lora")
         self.weights.check_awake("load LoRA adapters")
         return self.lora_slots.add(request, self.runner)
@@ -255,7 +143,7 @@ class EngineCore:
         1, discarded at level 2 (`wake_up` reads them again from their folder, or from what `update_weights` gives
         while asleep). LoRA slots, KV scales and a draft model's weights wait in host memory at either level.
         ValueError without enable_sleep_mode, with unfinished requests, on a multi-host engine, or asleep."""
-        self.weights.check_can_sleep(self.config.enable_sleep_mode, level, len(self.scheduler.requests))
+        self.weights.check_can_sleep(self.config.model_config.enable_sleep_mode, level, len(self.scheduler.requests))
         while self._in_flight:  # steps of requests aborted since
             self._collect()
         self.reset_prefix_cache()
@@ -306,7 +194,8 @@ class EngineCore:
                                         return_when=concurrent.futures.FIRST_COMPLETED)
         # Steps left on the device. A proposer reads each request's latest tokens, so speculative steps are
         # brought before the next is planned.
-        keep = 1 if self.config.async_scheduling and launched and self.scheduler.proposer is None else 0
+        overlap = self.config.scheduler_config.async_scheduling and self.scheduler.proposer is None
+        keep = 1 if overlap and launched else 0
         while len(self._in_flight) > keep:
             changed += self._collect()
         return changed
@@ -362,10 +251,10 @@ class EngineCore:
                 self.runner.host_swap.flush()  # swap-outs dispatched before this step: copied by now
         with self.timing.measure("update"):
             if step.prompt_counts:
-                self._record_prompt_logprobs(step.output, step.prompt_counts, result.prompt_logprobs)
+                record_prompt_logprobs(step.output, step.prompt_counts, result.prompt_logprobs)
             if step.pooled_spans:
-                self._record_pooled(step.output, step.pooled_spans, result.pooled)
-            return self.scheduler.update(step.output, self._sampled_tokens(step.output, result))
+                record_pooled(step.output, step.pooled_spans, result.pooled)
+            return self.scheduler.update(step.output, sampled_tokens(step.output, result, self.spec_stats))
 
     def _build_inputs(self, output: SchedulerOutput):
         """The step's padded inputs: BatchDescriptor, SamplingBatch, (PromptLogprobBatch or None, counts),
@@ -373,7 +262,7 @@ class EngineCore:
         device_rows = {}  # request id -> its row in the step in flight, whose samples stay on the device
         if self._in_flight:
             device_rows = {item.request.request_id: row for row, item in enumerate(self._in_flight[-1].output.scheduled)}
-        batch = build_batch(output, self.config.page_size, self.ladders, device_rows, self._page_rows)
+        batch = build_batch(output, self.config.cache_config.page_size, self.ladders, device_rows, self._page_rows)
         num_rows = batch.page_table.shape[0]
         sampling = build_sampling_batch(output, num_rows, self.ladders, self.spec.vocab_size)
         prompt = build_prompt_logprob_batch(output, batch.input_ids.shape[0])
@@ -396,48 +285,6 @@ class EngineCore:
         for request in failed:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
         return failed
-
-    def _record_prompt_logprobs(self, output: SchedulerOutput, counts: list[int], scored: TokenLogprobs) -> None:
-        """Append each row's newly scored prompt tokens to its request's prompt logprobs."""
-        entry = 0
-        for item, count in zip(output.scheduled, counts, strict=True):
-            num_top = item.request.sampling_params.prompt_logprobs
-            for index in range(entry, entry + count):
-                target = item.request.prompt_token_ids[len(item.request.prompt_logprobs)]
-                item.request.prompt_logprobs.append(_logprob_dict(scored, index, target, num_top))
-            entry += count
-
-    @staticmethod
-    def _record_pooled(output: SchedulerOutput, spans: list[slice], pooled) -> None:
-        """Add each pooling row's newly pooled positions' states to its pool: `pooled` (R, H) the rows' sums, or
-        (T, H) the step tokens' states one by one (`spans`: each row's tokens)."""
-        per_token = any(item.request.pooled is not None and item.request.pooled.per_token for item in output.scheduled)
-        for row, (item, span) in enumerate(zip(output.scheduled, spans)):
-            if span.stop > span.start:
-                item.request.pooled.add(pooled[span] if per_token else pooled[row], span.stop - span.start)
-
-    def _sampled_tokens(self, output: SchedulerOutput, result: StepOutput) -> list[list[SampledToken]]:
-        """Each scheduled chunk's samples, in order (none for a chunk that stops mid-prompt), with their
-        logprobs when the request asked."""
-        sampled: list[list[SampledToken]] = []
-        rows = result.token_ids.T.tolist()  # (num_seqs, S): each row's samples, as Python ints at once
-        for row, item in enumerate(output.scheduled):
-            if not item.samples:
-                sampled.append([])
-                continue
-            if item.spec_token_ids:  # the accepted proposals and the token after them; -1 after
-                token_ids = [t for t in rows[row][: item.num_samples] if t >= 0]
-                self.spec_stats.observe(len(item.spec_token_ids), len(token_ids) - 1)
-            else:
-                token_ids = rows[row][: item.num_steps]
-            num_logprobs = item.request.sampling_params.logprobs
-            if num_logprobs is None:  # (multi-step decodes never have logprobs rows)
-                sampled.append(list(map(SampledToken, token_ids)))
-            else:
-                first = row * result.logprobs_per_row
-                sampled.append([SampledToken(t, _logprob_dict(result.sampled_logprobs, first + j, t, num_logprobs))
-                                for j, t in enumerate(token_ids)])
-        return sampled
 
     def kv_occupancy(self) -> tuple[int, int]:
         """(KV pages held by requests, reserved ones included; token slots of those pages holding computed
@@ -478,7 +325,7 @@ class EngineCore:
             "num_requests_swapped": len(self.kv.swapped_request_ids()),
             "num_requests_by_priority": self.scheduler.queue_lengths_by_priority(),
             "lora": (self.lora_slots.stats(self.scheduler.running, self.scheduler.waiting)
-                     if self.config.enable_lora else None),
+                     if self.config.lora_config.enable_lora else None),
             "compilations_after_warmup": (CompileCounter.count() - self._compiles_after_warmup_base
                                           - self.runner.num_background_compiles),
             "background_compiles_left": self.runner.background_compiles_left(),
@@ -515,12 +362,3 @@ class _InFlight:
     prompt_counts: list[int]  # prompt-logprob entries per scheduled row ([] when none)
     pooled_spans: list[slice]  # the step tokens each scheduled row pooled ([] when none)
     pending: PendingStep
-
-
-def _logprob_dict(scored: TokenLogprobs, index: int, token_id: int, num_top: int) -> dict[int, Logprob]:
-    """vLLM's per-token logprobs: the token itself (exact rank) plus the `num_top` most likely tokens."""
-    top_ids = scored.top_token_ids[index, :num_top].tolist()
-    top_lps = scored.top_logprobs[index, :num_top].tolist()
-    entries = {tid: Logprob(lp, rank=rank + 1) for rank, (tid, lp) in enumerate(zip(top_ids, top_lps))}
-    own = Logprob(float(scored.logprobs[index]), rank=int(scored.ranks[index]))
-    return {token_id: own, **{tid: e for tid, e in entries.items() if tid != token_id}}

@@ -24,7 +24,7 @@ PromptInput = str | list[int] | dict
 class LLM:
     """Generate for a batch of prompts with continuous batching, returning results in input order.
 
-    Keyword arguments are EngineConfig fields, named as vLLM's engine arguments
+    Keyword arguments are engine options (EngineConfig), named as vLLM's engine arguments
     (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `page_size`, `num_pages`,
     `tensor_parallel_size`, `dtype`, `seed`, ...). With no model, the bundled tiny model runs with
     the settings of `configs/tiny-cpu.yaml`.
@@ -36,7 +36,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **engine_args):
         config = EngineConfig.for_model(model, **engine_args)
-        config.check_one_replica("the offline LLM")
+        config.parallel_config.check_one_replica("the offline LLM")
         self.engine = LLMEngine(config, show_progress=show_progress)
         self._ids = itertools.count()
 

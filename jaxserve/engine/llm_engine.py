@@ -93,28 +93,28 @@ class LLMEngine:
         of a multi-host launch (`process_id` > 0) this serves the leader's steps and ends the process when the
         leader stops (SystemExit(0)): a script run on every host goes past it on the leader only."""
         self.config = config
-        self.model_path = config.model or default_model_path()
+        self.model_path = config.model_config.model or default_model_path()
         if not os.path.isdir(self.model_path):
             raise ValueError(f"model folder {self.model_path!r} does not exist")
-        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer or self.model_path)
         # A reasoning model's markers (engine/reasoning.py), checked against the tokenizer before anything loads.
-        self.reasoning = None if config.reasoning_parser is None else _reasoning_parser(config.reasoning_parser,
-                                                                                        self.tokenizer)
+        parser = config.structured_outputs_config.reasoning_parser
+        self.reasoning = None if parser is None else _reasoning_parser(parser, self.tokenizer)
         self.core = EngineCore(config, self.model_path, show_progress, first_device)
         if not self.core.is_leader:
             self.core.follow_leader()
             raise SystemExit(0)
         if self.reasoning is None and self.core.spec.reasoning_parser is not None:
             self.reasoning = _default_reasoning_parser(self.core.spec.reasoning_parser, self.tokenizer)
-        if config.reasoning_config is not None:
+        reasoning_end = config.structured_outputs_config.reasoning_end_str
+        if reasoning_end is not None:
             if self.reasoning is None:
                 raise ValueError("reasoning_config is for a reasoning model: set reasoning_parser too")
-            self.reasoning = with_budget_end(self.reasoning, config.reasoning_config["reasoning_end_str"],
-                                             self.tokenizer)
+            self.reasoning = with_budget_end(self.reasoning, reasoning_end, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         # SamplingParams field -> the model's default, for the fields a request leaves unset (vLLM's rule).
-        self.generation_defaults = load_generation_defaults(config.generation_config, self.model_path)
-        self._seed_rng = random.Random(config.seed)
+        self.generation_defaults = load_generation_defaults(config.model_config.generation_config, self.model_path)
+        self._seed_rng = random.Random(config.model_config.seed)
         # Start-up leaves hundreds of thousands of long-lived objects (jax, transformers, executables);
         # freezing them keeps every later full garbage collection from walking them (pauses of
         # ~0.3 s mid-generation otherwise).
@@ -305,7 +305,7 @@ class LLMEngine:
         before is ready at once); None without one."""
         if params.structured_outputs is None:
             return None
-        if not self.config.enable_structured_outputs:
+        if not self.config.structured_outputs_config.enable_structured_outputs:
             raise ValueError("structured_outputs: this engine runs with enable_structured_outputs off; start it with "
                              "it on to constrain outputs")
         return self.grammars.submit(params.structured_outputs)
@@ -317,10 +317,11 @@ class LLMEngine:
         if self.reasoning is None:
             raise ValueError("thinking_token_budget bounds a reasoning model's thinking: start the engine with "
                              "reasoning_parser set to the model's (the markers its thinking ends at)")
-        if not self.config.enable_structured_outputs:
+        if not self.config.structured_outputs_config.enable_structured_outputs:
             raise ValueError("thinking_token_budget forces the end of thinking through the structured-output token "
                              "mask: start the engine with enable_structured_outputs on")
-        if params.structured_outputs is not None and self.config.structured_outputs_in_reasoning:
+        in_reasoning = self.config.structured_outputs_config.structured_outputs_in_reasoning
+        if params.structured_outputs is not None and in_reasoning:
             raise ValueError("thinking_token_budget cannot bound a thinking that the request's grammar spells out "
                              "(structured_outputs_in_reasoning): bound it in the grammar")
 
@@ -333,8 +334,8 @@ class LLMEngine:
         grammar = None if compiled is None else self.grammars.request_grammar(compiled)
         budget = params.thinking_token_budget
         ends_with = opens_with = None
-        if self.reasoning is not None and (budget is not None or (grammar is not None and
-                                                                  not self.config.structured_outputs_in_reasoning)):
+        in_reasoning = self.config.structured_outputs_config.structured_outputs_in_reasoning
+        if self.reasoning is not None and (budget is not None or (grammar is not None and not in_reasoning)):
             ends_with, opens_with = self.reasoning.thinking_markers(prompt_token_ids)
         thinking = None if ends_with is None else ThinkingSection(ends_with, opens_with, budget,
                                                                   self.reasoning.budget_end, prompt_token_ids)

@@ -99,7 +99,7 @@ class DataParallelEngine:
         self.engine = replicas[0].engine  # configuration, validation and the grammar compiler (all alike)
         self.tokenizer = replicas[0].tokenizer
         self.max_waiting_requests = replicas[0].max_waiting_requests  # requests accepted, not started, in all
-        self.router = ReplicaRouter(len(replicas), self.engine.config.page_size)
+        self.router = ReplicaRouter(len(replicas), self.engine.config.cache_config.page_size)
 
     @property
     def error(self) -> BaseException | None:
@@ -203,6 +203,7 @@ def build_replicas(engine: LLMEngine, make_async: Callable[[LLMEngine], AsyncLLM
     (validated, seeded, their constraints compiled) by replica 0 whichever replica runs them."""
     config = engine.config
     engines = [engine]
-    for replica in range(1, config.data_parallel_size):
-        engines.append(LLMEngine(config, show_progress=False, first_device=replica * config.tensor_parallel_size))
+    for replica in range(1, config.parallel_config.data_parallel_size):
+        first_device = replica * config.parallel_config.tensor_parallel_size
+        engines.append(LLMEngine(config, show_progress=False, first_device=first_device))
     return [make_async(each) for each in engines]

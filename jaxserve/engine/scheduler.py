@@ -11,7 +11,7 @@ import concurrent.futures
 import dataclasses
 import time
 
-from jaxserve.config import SchedulerConfig
+from jaxserve.config import SchedulerSettings
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import MAX_EOS_TOKEN_IDS
@@ -27,7 +27,7 @@ class Scheduler:
     max_model_len tokens when the batch forms, and members share no pages (no forks, no prefix cache).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, proposer: Proposer | None = None):
+    def __init__(self, config: SchedulerSettings, kv: KVCacheManager, proposer: Proposer | None = None):
         self.config = config
         self.kv = kv
         self.proposer = proposer  # speculative decoding's guesses, asked for in the steps that verify them

@@ -19,18 +19,19 @@ logger = logging.getLogger(__name__)
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     """The configured length, bounded by what the model was trained for."""
-    if config.max_model_len is None:
+    requested, scheduler = config.model_config.max_model_len, config.scheduler_config
+    if requested is None:
         length = spec.max_position_embeddings
-    elif config.max_model_len > spec.max_position_embeddings:
+    elif requested > spec.max_position_embeddings:
         raise ValueError(
-            f"max_model_len ({config.max_model_len}) exceeds the model's max_position_embeddings "
+            f"max_model_len ({requested}) exceeds the model's max_position_embeddings "
             f"({spec.max_position_embeddings})"
         )
     else:
-        length = config.max_model_len
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < length:
+        length = requested
+    if not scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens < length:
         raise ValueError(
-            f"without chunked prefill max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= "
+            f"without chunked prefill max_num_batched_tokens ({scheduler.max_num_batched_tokens}) must be >= "
             f"max_model_len ({length}); enable chunked prefill or lower max_model_len"
         )
     return length
@@ -39,11 +40,11 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 def bucket_ladders(config: EngineConfig, spec: ModelSpec, max_model_len: int) -> BucketLadders:
     """The padded shapes an engine with this config compiles for."""
     return BucketLadders.build(
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        max_num_seqs=config.scheduler_config.max_num_seqs,
         max_model_len=max_model_len,
-        page_size=config.page_size,
-        min_token_bucket=config.min_token_bucket,
+        page_size=config.cache_config.page_size,
+        min_token_bucket=config.compilation_config.min_token_bucket,
         max_aux_extra=MAX_AUX_EXTRA + len(spec.eos_token_ids),
     )
 
@@ -55,26 +56,26 @@ def resolve_num_pages(config: EngineConfig, max_model_len: int, runners: list[Ru
     the other, so the peak activation is the largest of theirs."""
     per_page = sum(runner.page_bytes() for runner in runners)
     platform = device_platform()
-    if config.num_pages is not None:
-        num_pages = config.num_pages
+    if config.cache_config.num_pages is not None:
+        num_pages = config.cache_config.num_pages
     elif platform == "cpu":
-        num_pages = int(config.cpu_kv_cache_gib * 2**30 // per_page)
+        num_pages = int(config.cache_config.cpu_kv_cache_gib * 2**30 // per_page)
     else:
-        tp = config.tensor_parallel_size
+        tp = config.parallel_config.tensor_parallel_size
         stats = device_memory_stats(tp)
         if platform == "gpu":
-            check_allocator_limit(stats, config.gpu_memory_utilization)
-        pool = pages_for_tokens(max_model_len, config.page_size) + 1
+            check_allocator_limit(stats, config.cache_config.gpu_memory_utilization)
+        pool = pages_for_tokens(max_model_len, config.cache_config.page_size) + 1
         plan = plan_kv_pages(
             device_bytes=device_memory_bytes(stats, platform),
-            utilization=config.gpu_memory_utilization,
+            utilization=config.cache_config.gpu_memory_utilization,
             used_bytes=int(stats.get("bytes_in_use", 0)),
             activation_bytes=max(runner.peak_activation_bytes(pool) for runner in runners),
             page_bytes=per_page // tp,
         )
         logger.info("KV cache sizing: %s", plan.describe())
         num_pages = plan.num_pages
-    check_pool_holds_a_request(num_pages, max_model_len, config.page_size)
+    check_pool_holds_a_request(num_pages, max_model_len, config.cache_config.page_size)
     return num_pages
 
 

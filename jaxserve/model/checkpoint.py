@@ -90,22 +90,24 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: M
     (`load_checkpoint`), random (load_format dummy) or a Hugging Face folder, then quantized as configured, with
     the fp8 KV cache's scales when `kv_cache_dtype` is fp8 (and none otherwise)."""
     check_params_options(config, spec)
-    if config.load_format != "dummy" and is_checkpoint(model_path):
-        params, stored = load_checkpoint(model_path, spec, mesh, kv_heads, config.dtype, config.quantization)
+    model, cache = config.model_config, config.cache_config
+    dummy = model.load_format == "dummy"
+    if not dummy and is_checkpoint(model_path):
+        params, stored = load_checkpoint(model_path, spec, mesh, kv_heads, model.dtype, model.quantization)
         logger.info("weights: %.1f MiB (orbax, %s, %s)", weight_bytes(params) / 2**20, stored["dtype"],
                     stored["quantization"])
         return with_kv_scales(params, config, model_path, None, spec, mesh, kv_heads), jnp.dtype(stored["dtype"])
-    dtype = resolve_dtype(config.dtype, spec)
+    dtype = resolve_dtype(model.dtype, spec)
     mode = weight_quantization(config, spec)
-    if config.load_format == "dummy":
-        params = dummy_params(spec, mesh, dtype, kv_heads, config.seed)
+    if dummy:
+        params = dummy_params(spec, mesh, dtype, kv_heads, model.seed)
     else:
         params = load_params(model_path, spec, mesh, dtype, kv_heads)  # an fp8 checkpoint's layers come quantized
-    if mode != "none" and (spec.checkpoint_quantization == "none" or config.load_format == "dummy"):
+    if mode != "none" and (spec.checkpoint_quantization == "none" or dummy):
         params = quantize_params(params, mode, quantizable_paths(spec))
     logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, mode)
     scales = None
-    if config.kv_cache_dtype == "fp8" and config.load_format != "dummy" and not config.calculate_kv_scales:
+    if cache.kv_cache_dtype == "fp8" and not dummy and not cache.calculate_kv_scales:
         scales = load_kv_scales(model_path, spec, kv_heads)
     return with_kv_scales(params, config, model_path, scales, spec, mesh, kv_heads), dtype
 
@@ -116,10 +118,10 @@ def with_kv_scales(params: dict, config: EngineConfig, model_path: str, scales: 
     otherwise. The scales are calibrated under calculate_kv_scales (model/kv_calibration.py), else `scales` (from a
     Hugging Face checkpoint), else the ones a converted folder holds, else 1.0 (vLLM's default, with a warning)."""
     layers = {name: leaf for name, leaf in params["layers"].items() if name not in fp8.SCALE_LEAVES}
-    if config.kv_cache_dtype != "fp8":
+    if config.cache_config.kv_cache_dtype != "fp8":
         return {**params, "layers": layers}
-    if config.calculate_kv_scales:
-        prompts = calibration_prompts(config.tokenizer or model_path, spec.max_position_embeddings)
+    if config.cache_config.calculate_kv_scales:
+        prompts = calibration_prompts(config.model_config.tokenizer or model_path, spec.max_position_embeddings)
         scales = calibrate_kv_scales({**params, "layers": layers}, spec, mesh, kv_heads, prompts)
         logger.info("KV scales calibrated over %d tokens: k %.3g..%.3g, v %.3g..%.3g", sum(map(len, prompts)),
                     scales["k_scale"].min(), scales["k_scale"].max(), scales["v_scale"].min(),
@@ -139,21 +141,22 @@ def check_params_options(config: EngineConfig, spec: ModelSpec) -> None:
     """ValueError for a weight quantization the architecture declares no weights for, or an fp8 KV cache its
     layers do not read (the KV scales live in params["layers"], one stack of every layer, which a model with two
     kinds of layers in two stacks, DeepSeek-V3, does not have)."""
-    if config.quantization != "none" and not quantizable_paths(spec):
-        raise ValueError(f"quantization {config.quantization}: {spec.architecture} has no weights it applies to; "
+    quantization = config.model_config.quantization
+    if quantization != "none" and not quantizable_paths(spec):
+        raise ValueError(f"quantization {quantization}: {spec.architecture} has no weights it applies to; "
                          f"serve it unquantized")
-    if config.kv_cache_dtype == "fp8" and not model_for(spec.architecture).fp8_kv_cache:
+    if config.cache_config.kv_cache_dtype == "fp8" and not model_for(spec.architecture).fp8_kv_cache:
         raise ValueError(f"kv_cache_dtype fp8 is not supported for {spec.architecture}: use auto")
 
 
 def weight_quantization(config: EngineConfig, spec: ModelSpec) -> str:
     """The quantization the weights are served in: the configured one, or an fp8 checkpoint's own; a ValueError
     when the two disagree."""
-    stored = spec.checkpoint_quantization
-    if stored != "none" and config.quantization not in ("none", stored):
-        raise ValueError(f"the checkpoint's weights are already {stored}: quantization={config.quantization} cannot "
+    stored, configured = spec.checkpoint_quantization, config.model_config.quantization
+    if stored != "none" and configured not in ("none", stored):
+        raise ValueError(f"the checkpoint's weights are already {stored}: quantization={configured} cannot "
                          f"apply to them (drop it, or start from the float checkpoint)")
-    return stored if config.quantization == "none" else config.quantization
+    return stored if configured == "none" else configured
 
 
 def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: int, dtype: str,

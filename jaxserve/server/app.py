@@ -42,7 +42,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
         return AsyncLLMEngine(each, config.max_waiting_requests, on_outputs=metrics.observe_outputs,
                               stream_interval=config.stream_interval, on_step=metrics.observe_step)
 
-    if engine.config.data_parallel_size > 1:
+    if engine.config.parallel_config.data_parallel_size > 1:
         async_engine = DataParallelEngine(build_replicas(engine, serve_async))
         replica_stats = async_engine.replica_stats
     else:
@@ -160,7 +160,7 @@ def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
             return {"success": True, "message": f"weights updated from {body.model_path}",
                     "weights_version": version}
 
-    if serving.engine.engine.config.enable_sleep_mode:
+    if serving.engine.engine.config.model_config.enable_sleep_mode:
         @app.post("/sleep", dependencies=guard)
         async def sleep(level: int = 1) -> Response:
             """vLLM's sleep route: free the devices' memory (LLM.sleep) between two steps; a 400 saying why not."""

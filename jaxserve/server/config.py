@@ -6,6 +6,11 @@ import dataclasses
 
 from jaxserve.engine.harmony import HarmonyReasoning
 
+# The tool call parsers (vLLM's names; server/tools.py's TOOL_PARSERS, which a test keeps equal), named here for the
+# command line, which imports no server packages.
+VALID_TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "pythonic", "granite",
+                           "phi4_mini_json", "openai")
+
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
@@ -56,10 +61,9 @@ class ServerConfig:
             raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        from jaxserve.server.tools import TOOL_PARSERS
-
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in VALID_TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(VALID_TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if not self.metrics_prefix.replace("_", "").isalnum():
             raise ValueError(f"metrics_prefix must be letters, digits and underscores, got {self.metrics_prefix!r}")
 

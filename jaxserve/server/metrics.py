@@ -46,16 +46,17 @@ def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
 def cache_config_info(engine: LLMEngine) -> dict[str, str]:
     """The engine's KV-cache configuration as `cache_config_info` labels, under vLLM's CacheConfig names
     (a block is a page; `num_gpu_blocks` counts the null page, as vLLM's counts its null block)."""
-    config = engine.config
+    cache = engine.config.cache_config
+    recomputes = engine.config.scheduler_config.preemption_mode == "recompute"
     return {
-        "block_size": str(config.page_size),
+        "block_size": str(cache.page_size),
         "cache_dtype": engine.core.runner.cache_dtype.name,
-        "enable_prefix_caching": str(config.enable_prefix_caching),
-        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "enable_prefix_caching": str(cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
         "num_gpu_blocks": str(engine.core.num_pages),
-        "num_gpu_blocks_override": str(config.num_pages),
+        "num_gpu_blocks_override": str(cache.num_pages),
         # GiB of host swap space and its pages (page 0 included), allocated only when preemption swaps
-        "swap_space": str(config.swap_space if config.preemption_mode != "recompute" else 0),
+        "swap_space": str(0 if recomputes else cache.swap_space),
         "num_cpu_blocks": str(engine.core.kv.host_pool.num_pages if engine.core.kv.host_pool else 0),
     }
 

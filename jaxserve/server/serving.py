@@ -96,7 +96,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.token_text = TokenText(engine.tokenizer)
         self.max_model_len = engine.engine.max_model_len
-        self.scheduling_policy = engine.engine.config.scheduling_policy
+        self.scheduling_policy = engine.engine.config.scheduler_config.scheduling_policy
         self.generation_defaults = dict(engine.engine.generation_defaults)
         # LoRA adapter name -> folder, a request's `model` may name one; the event loop's copy of the engine's,
         # updated by the load and unload routes
@@ -395,7 +395,7 @@ class OpenAIServing:
         if constraint is None:
             return
         field = next(iter(body.constraints()), None)
-        if not self.engine.engine.config.enable_structured_outputs:
+        if not self.engine.engine.config.structured_outputs_config.enable_structured_outputs:
             raise APIError(400, "this server's engine runs with enable_structured_outputs off: it cannot constrain "
                                 "outputs", field)
         try:

@@ -70,7 +70,7 @@ class DraftModelProposer:
         the engine's dtype, load format and KV cache dtype; never quantized; dummy weights seeded apart from the
         target's); a ValueError when its vocabulary differs from the target's or it is shorter than max_model_len."""
         speculative = config.speculative_config
-        model_path = speculative["model"]
+        model_path = speculative.model
         spec = load_model_spec(model_path).for_max_model_len(max_model_len)
         if spec.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model {model_path!r} has vocab_size {spec.vocab_size} but the target has "
@@ -79,13 +79,14 @@ class DraftModelProposer:
             raise ValueError(f"the draft model {model_path!r} has max_position_embeddings "
                              f"{spec.max_position_embeddings} < max_model_len {max_model_len}: lower max_model_len")
         kv_heads = cache_kv_heads(spec, mesh.devices.size)
-        draft_config = dataclasses.replace(config, model=model_path, quantization="none", seed=config.seed + 1)
+        draft_config = config.replace(model=model_path, quantization="none", seed=config.model_config.seed + 1)
         params, dtype = load_weights(draft_config, model_path, spec, mesh, kv_heads)
-        runner = DraftRunner(spec, params, mesh, page_size=config.page_size, num_cache_kv_heads=kv_heads,
-                             cache_dtype=fp8.cache_dtype(config.kv_cache_dtype, dtype), ladders=ladders,
-                             attention_backend=config.attention_backend,
-                             num_proposals=speculative["num_speculative_tokens"])
-        return cls(runner, config.max_num_batched_tokens, max_model_len, enable_prefix_caching=config.prefix_caching)
+        runner = DraftRunner(spec, params, mesh, page_size=config.cache_config.page_size, num_cache_kv_heads=kv_heads,
+                             cache_dtype=fp8.cache_dtype(config.cache_config.kv_cache_dtype, dtype), ladders=ladders,
+                             attention_backend=config.compilation_config.attention_backend,
+                             num_proposals=speculative.num_speculative_tokens)
+        return cls(runner, config.scheduler_config.max_num_batched_tokens, max_model_len,
+                   enable_prefix_caching=config.prefix_caching)
 
     def allocate(self, num_pages: int, show_progress: bool = True, precompile: bool = True) -> None:
         """Allocate the draft's KV pool of `num_pages` pages and compile its buckets (with `precompile`; else each

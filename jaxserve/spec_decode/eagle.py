@@ -114,7 +114,7 @@ class EagleProposer(DraftModelProposer):
              target: Runner) -> "EagleProposer":
         """The head that config's speculative_config names (its folder's `head`, read_head_config's), in the
         target's dtype (never quantized)."""
-        path = config.speculative_config["model"]
+        path = config.speculative_config.model
         spec = head.spec.for_max_model_len(max_model_len)
         kv_heads = cache_kv_heads(spec, mesh.devices.size)
         folder = SafetensorsFolder(path)
@@ -130,11 +130,11 @@ class EagleProposer(DraftModelProposer):
         if head.version == 3 and head.draft_vocab_size < spec.vocab_size:
             params["draft_tokens"] = put_global(read_draft_tokens(folder, head.draft_vocab_size, spec.vocab_size),
                                                 target._replicated)
-        runner = EagleRunner(spec, params, mesh, target=target, page_size=config.page_size,
+        runner = EagleRunner(spec, params, mesh, target=target, page_size=config.cache_config.page_size,
                              num_cache_kv_heads=kv_heads, cache_dtype=fp8.cache_dtype("auto", target.weight_dtype),
-                             ladders=ladders, attention_backend=config.attention_backend,
-                             num_proposals=config.speculative_config["num_speculative_tokens"], version=head.version)
-        return cls(runner, config.max_num_batched_tokens, max_model_len, enable_prefix_caching=False)
+                             ladders=ladders, attention_backend=config.compilation_config.attention_backend,
+                             num_proposals=config.num_speculative_tokens, version=head.version)
+        return cls(runner, config.scheduler_config.max_num_batched_tokens, max_model_len, enable_prefix_caching=False)
 
     def _fed_positions(self, request: Request) -> int:
         """The positions whose target features exist: every known token's but the last."""
