@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import itertools
 import logging
 import threading
@@ -33,15 +32,14 @@ from jaxserve.batch.builder import (
     padded_sampling_arrays,
 )
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PoolingBatch, PromptLogprobBatch
-from jaxserve.batch.packing import Layout, pack, unpack
+from jaxserve.batch.packing import pack
 from jaxserve.batch.repad import repad_batch, repad_prompt, repad_sampling
 from jaxserve.model.eagle import TargetFeatures
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping
 from jaxserve.model.lora import write_slot
-from jaxserve.model.registry import copy_pages, model_for
+from jaxserve.model.registry import model_for
 from jaxserve.model.weight_update import quantized_at_load, reload_params, undeclared_leaves
 from jaxserve.model_spec import ModelSpec
-from jaxserve.runner.decode_steps import run_decode_steps, sampled_by
 from jaxserve.runner.executables import (
     CompileCounter,
     abstract_arguments,
@@ -51,8 +49,9 @@ from jaxserve.runner.executables import (
     shared_executable,
 )
 from jaxserve.runner.host_swap import HostSwap
-from jaxserve.sampling.sampler import SamplingBatch, bitmask_width, raw_logprobs, sample
-from jaxserve.sampling.verify import Proposals, verify
+from jaxserve.runner.step_functions import StepProgram, build_step_functions
+from jaxserve.sampling.sampler import SamplingBatch, bitmask_width
+from jaxserve.sampling.verify import Proposals
 from jaxserve.sharding import KV_CACHE_SPEC, put_global
 
 logger = logging.getLogger("jaxserve")
@@ -130,11 +129,6 @@ class PendingStep:
                           self.logprobs_per_row, pooled)
 
 
-def _padded_rows(token_ids: jax.Array, max_rows: int) -> jax.Array:
-    """(R,) samples -> (max_rows,), where the next step reads the ids the host has not seen yet."""
-    return jnp.zeros((max_rows,), jnp.int32).at[: token_ids.shape[0]].set(token_ids)
-
-
 def activation_bytes(function: Callable, args: tuple) -> int:
     """Per-device bytes an executable needs beyond its inputs: temporaries plus outputs that do not alias a
     donated input (XLA's memory analysis)."""
@@ -151,14 +145,6 @@ def _ready_time(arrays) -> float:
     """Block until `arrays` are computed; the time.perf_counter() at which they were."""
     jax.block_until_ready(arrays)
     return time.perf_counter()
-
-
-def with_device_tokens(batch: BatchDescriptor, last_tokens: jax.Array) -> BatchDescriptor:
-    """The batch with each token whose id is still on the device read from the last step's samples."""
-    # last_tokens: (max rows,) int32; batch.device_token_index: (T,) int32 row there, or -1
-    index = batch.device_token_index
-    input_ids = jnp.where(index >= 0, last_tokens[jnp.maximum(index, 0)], batch.input_ids)  # (T,)
-    return dataclasses.replace(batch, input_ids=input_ids)
 
 
 class Runner:
@@ -217,111 +203,18 @@ class Runner:
         self.quantized_at_load = quantized_at_load(params, spec)  # int8 / fp8 applied to a float checkpoint, or None
         self.host_params: dict | None = None  # while asleep (`sleep`): what of the params waits in host memory
 
-        model = model_for(spec.architecture)
-        token_logits = model.token_logits  # (params, hidden (N, H), spec) -> (N, V) float32
-        final_states = model.final_states  # (params, hidden (N, H), spec) -> (N, H) after the final norm
-        forward = model.make_forward(spec, self.attention.attention, self.attention.write_kv, mesh)
-        tap_layers = features.layers if features else ()  # EAGLE-3's: the forward gives those layers' inputs
-        tapped = model.make_forward(spec, self.attention.attention, self.attention.write_kv, mesh, tap_layers)
-        self.model_forward = forward  # (params, caches, BatchDescriptor) -> (logits (R, V), hidden (T, H), caches)
+        self.max_rows = max(ladders.row_buckets())
         # Each leaf's own sharding (the loader's, or a quantized leaf's): params of any layout the model takes.
-        self.param_shardings = param_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, params)
-        self.max_rows = max_rows = max(ladders.row_buckets())
-        # Everything the step functions below close over: runners with equal keys trace equal executables.
-        self.trace_key = (model, spec, self.attention.name, self.attention.options, mesh, page_size,
-                          num_cache_kv_heads, self.cache_dtype, max_rows, num_scheduler_steps, logprobs_mode,
-                          features)
-        # The jitted functions below must not capture `self`: JAX's jit objects would keep the runner, its
-        # executables and their memory mappings alive after the engine is dropped.
-
-        def forward_packed(params, caches, last_tokens, buffer, layout: Layout):
-            batch = with_device_tokens(unpack(buffer, layout, BatchDescriptor), last_tokens)
-            if not feature_width:
-                return forward(params, caches, batch)
-            logits, hidden, kv, *taps = tapped(params, caches[:num_kv_arrays], batch)
-            pages = copy_pages(caches[num_kv_arrays:], batch.copy_src, batch.copy_dst)[0]  # (1, P, S, 1, F)
-            slots = batch.slot_mapping  # (T,)
-            states = taps[0] if tap_layers else final_states(params, hidden, spec)  # (T, F)
-            pages = pages.at[0, slots // page_size, slots % page_size, 0].set(states.astype(pages.dtype))
-            return logits, hidden, (*kv, pages)
-
-        def sample_packed(logits, buffer, layout: Layout):
-            out = sample(logits, unpack(buffer, layout, SamplingBatch), logprobs_mode)
-            return out, _padded_rows(out.token_ids, max_rows)
-
-        def last_of_rows(tokens, counts):
-            """Each row's last token of `tokens` (K, R), of which it has `counts` (R,), padded to (max_rows,)."""
-            last_index = jnp.maximum(counts - 1, 0)[None]  # (1, R)
-            return _padded_rows(jnp.take_along_axis(tokens, last_index, axis=0)[0], max_rows)
-
-        def decode_steps_packed(params, caches, last_tokens, buffers, layouts: tuple[Layout, Layout, Layout]):
-            if feature_width:  # (speculative decoding, which EAGLE is, and multi-step decodes are alternatives)
-                raise ValueError("multi-step decodes do not keep EAGLE's features")
-            batch = with_device_tokens(unpack(buffers[0], layouts[0], BatchDescriptor), last_tokens)
-            sampling, steps = unpack(buffers[1], layouts[1], SamplingBatch), unpack(buffers[2], layouts[2], DecodeSteps)
-            samples, caches = run_decode_steps(forward, params, caches, batch, sampled_by(sampling), steps,
-                                               num_scheduler_steps, page_size)  # samples: (K, R)
-            return samples, last_of_rows(samples, steps.num_steps), caches
-
-        def verify_rows_packed(hidden, buffer, layout: Layout):
-            """The hidden states (R * S, H) of each row's last token and proposals, out of the step's (T, H)."""
-            return hidden[unpack(buffer, layout, Proposals).logits_index.reshape(-1)]
-
-        def verify_packed(params, rows, buffers, layouts: tuple[Layout, Layout]):
-            """A speculative verification after the step's forward: the target's logits at each row's last token
-            and proposals (from their hidden states `rows`, (R * S, H)) decide the tokens (S, R), -1 after each
-            row's last; also each row's last token, padded to (max_rows,), and the logprobs of every (row,
-            position)."""
-            sampling = unpack(buffers[0], layouts[0], SamplingBatch)
-            proposals = unpack(buffers[1], layouts[1], Proposals)
-            num_rows, width = proposals.logits_index.shape
-            logits = token_logits(params, rows, spec)  # (R * S, V)
-            tokens, out = verify(logits.reshape(num_rows, width, -1), sampling, proposals, logprobs_mode)  # (S, R)
-            return tokens, last_of_rows(tokens, jnp.sum(tokens >= 0, axis=0)), out
-
-        def prompt_logprobs_packed(params, hidden, buffer, layout: Layout):
-            prompt = unpack(buffer, layout, PromptLogprobBatch)
-            logits = token_logits(params, hidden[prompt.token_index], spec)  # (Q, V) float32
-            return raw_logprobs(logits, prompt.target_ids)
-
-        pooled_states = final_states if self.generates else token_logits  # a classifier pools its class logits
-
-        def pool_packed(params, hidden, buffer, layout: Layout, num_segments: int):
-            """Each of the step's segments' (its R rows', or its T tokens') sum (R or T, H) float32 of the final
-            states of its tokens (a classifier's: (R or T, labels) of their class logits, the score head being
-            linear)."""
-            segments = unpack(buffer, layout, PoolingBatch).token_segments  # (T,) segment, or num_segments: none
-            states = pooled_states(params, hidden, spec).astype(jnp.float32)  # (T, H) or (T, labels)
-            return jax.ops.segment_sum(states, segments, num_segments=num_segments + 1)[:num_segments]
-
-        # Step functions of (params, caches, last tokens, packed inputs, layouts) -> (outputs, last tokens or
-        # hidden states, caches), the pool donated.
-        step_jit = functools.partial(
-            jax.jit,
-            in_shardings=(param_shardings, self._kv_sharding, self._replicated, self._replicated),
-            out_shardings=(self._replicated, self._replicated, self._kv_sharding),
-            donate_argnums=(1,),
-            static_argnums=(4,),
-        )
-        self._forward = step_jit(forward_packed)
-        self._sample = jax.jit(
-            sample_packed, in_shardings=(self._replicated, self._replicated), out_shardings=self._replicated,
-            static_argnums=(2,),
-        )
-        self._decode_steps = step_jit(decode_steps_packed)
-        self._verify_rows = jax.jit(verify_rows_packed, in_shardings=(self._replicated, self._replicated),
-                                    out_shardings=self._replicated, static_argnums=(2,))
-        self._verify = jax.jit(verify_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
-                               out_shardings=self._replicated, static_argnums=(3,))
+        self.param_shardings = jax.tree_util.tree_map(lambda leaf: leaf.sharding, params)
+        program = StepProgram(model_for(spec.architecture), spec, self.attention, mesh, page_size, num_cache_kv_heads,
+                              self.cache_dtype, self.max_rows, num_kv_arrays, num_scheduler_steps, logprobs_mode,
+                              features)
+        self.trace_key = program.trace_key()  # runners with equal keys trace equal executables
+        self.model_forward = program.model_forward()  # (params, caches, batch) -> (logits (R, V), hidden, caches)
+        self.steps = build_step_functions(program, self.param_shardings, self._kv_sharding, self._replicated)
         # The last step's sampled token of each row, where the next step reads the ids the host has not seen.
         self.last_tokens = put_global(np.zeros((self.max_rows,), np.int32), self._replicated)  # (max rows,)
         self._ready_clock = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxserve-ready")
-        self._prompt_logprobs = jax.jit(
-            prompt_logprobs_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
-            out_shardings=self._replicated, static_argnums=(3,),
-        )
-        self._pool = jax.jit(pool_packed, in_shardings=(param_shardings, self._replicated, self._replicated),
-                             out_shardings=self._replicated, static_argnums=(3, 4))
         self._forward_exec: dict[tuple[int, int], jax.stages.Compiled] = {}  # (T, W) -> executable
         self._sample_exec: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # (R, P, M) -> executable
         self._prompt_exec: dict[tuple[int], jax.stages.Compiled] = {}  # (T,) -> executable
@@ -582,7 +475,7 @@ class Runner:
         )
         buffer, layout = pack(example)
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
-        return self._forward, (self.params, self.caches(num_pages), last_tokens, self._abstract(buffer), layout)
+        return self.steps.forward, (self.params, self.caches(num_pages), last_tokens, self._abstract(buffer), layout)
 
     def decode_steps_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
         """The multi-step decode bucket (T, W): T tokens, one per row, sampled with no per-row token lists."""
@@ -592,7 +485,7 @@ class Runner:
                  pack(DecodeSteps(**padded_decode_step_arrays(num_rows))))
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return self._decode_steps, (self.params, self.caches(num_pages), last_tokens, buffers,
+        return self.steps.decode_steps, (self.params, self.caches(num_pages), last_tokens, buffers,
                                     tuple(layout for _, layout in parts))
 
     def verify_rows_call(self, num_tokens: int) -> tuple[Callable, tuple]:
@@ -600,7 +493,7 @@ class Runner:
         T: the rows of that token rung."""
         buffer, layout = pack(Proposals(**padded_proposal_arrays(self.ladders.rows_for(num_tokens),
                                                                  1 + self.num_speculative_tokens)))
-        return self._verify_rows, (self._hidden_struct(num_tokens), self._abstract(buffer), layout)
+        return self.steps.verify_rows, (self._hidden_struct(num_tokens), self._abstract(buffer), layout)
 
     def verify_call(self, num_rows: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
         """The speculative verification bucket (R, P, M): R rows of 1 + k verified positions each (their hidden
@@ -609,25 +502,26 @@ class Runner:
         parts = (pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width, mask_width))),
                  pack(Proposals(**padded_proposal_arrays(num_rows, width))))
         buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return self._verify, (self.params, self._hidden_struct(num_rows * width), buffers,
+        return self.steps.verify, (self.params, self._hidden_struct(num_rows * width), buffers,
                               tuple(layout for _, layout in parts))
 
     def sampler_call(self, num_rows: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
         """The sampler bucket (R, P, M)."""
         buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width, mask_width)))
         logits = jax.ShapeDtypeStruct((num_rows, self.spec.vocab_size), jnp.float32, sharding=self._replicated)
-        return self._sample, (logits, self._abstract(buffer), layout)
+        return self.steps.sample, (logits, self._abstract(buffer), layout)
 
     def prompt_logprobs_call(self, num_tokens: int) -> tuple[Callable, tuple]:
         """The prompt-logprob bucket (T,)."""
         buffer, layout = pack(PromptLogprobBatch(**padded_prompt_logprob_arrays(num_tokens)))
-        return self._prompt_logprobs, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout)
+        return self.steps.prompt_logprobs, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer),
+                                            layout)
 
     def pooling_call(self, num_tokens: int, num_segments: int) -> tuple[Callable, tuple]:
         """The pooling bucket (T, S): the step's T tokens' states summed into S segments (its rows, or S = T: the
         tokens one by one)."""
         buffer, layout = pack(PoolingBatch(**padded_pooling_arrays(num_tokens, num_segments)))
-        return self._pool, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout,
+        return self.steps.pool, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout,
                             num_segments)
 
     def _hidden_struct(self, num_tokens: int) -> jax.ShapeDtypeStruct:
