@@ -175,35 +175,8 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
-class _DefaultsShown(argparse.HelpFormatter):
-    """Help that ends each flag's text with its default, unless the text already names it (the engine's flags)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "(default:" in text or action.default is argparse.SUPPRESS or not action.option_strings:
-            return text
-        if isinstance(action.default, bool):
-            return f"{text} (default: {'on' if action.default else 'off'})"
-        if action.default is None:
-            return f"{text} (default: none)"
-        return f"{text} (default: %(default)s)"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The `jaxserve` argument parser."""
-    parser = argparse.ArgumentParser(prog="jaxserve", description="A JAX LLM serving engine.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    gen = commands.add_parser("generate", help="stream a completion for one prompt", formatter_class=_DefaultsShown)
-    add_engine_flags(gen, "generate", GENERATE_DEFAULTS)
-    gen.add_argument("--prompt", required=True, help="the prompt text")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    gen.set_defaults(handler=generate)
-    srv = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=_DefaultsShown)
-    add_engine_flags(srv, "serve", SERVE_DEFAULTS)
+def _add_server_flags(srv: argparse.ArgumentParser) -> None:
+    """`serve`'s own flags (ServerConfig's, TLS, logging)."""
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
     srv.add_argument("--port", type=int, default=8000, help="port to listen on")
     srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (or set JAXSERVE_API_KEY)")
@@ -265,6 +238,38 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: none)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="the server's log level")
+
+
+class _DefaultsShown(argparse.HelpFormatter):
+    """Help that ends each flag's text with its default, unless the text already names it (the engine's flags)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default:" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if isinstance(action.default, bool):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        if action.default is None:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `jaxserve` argument parser."""
+    parser = argparse.ArgumentParser(prog="jaxserve", description="A JAX LLM serving engine.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="stream a completion for one prompt", formatter_class=_DefaultsShown)
+    add_engine_flags(gen, "generate", GENERATE_DEFAULTS)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.set_defaults(handler=generate)
+    srv = commands.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=_DefaultsShown)
+    add_engine_flags(srv, "serve", SERVE_DEFAULTS)
+    _add_server_flags(srv)
     srv.set_defaults(handler=serve)
     add_bench_commands(commands)
     conv = commands.add_parser("convert", help="write a Hugging Face folder as an orbax checkpoint of the engine's "

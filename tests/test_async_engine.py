@@ -31,7 +31,7 @@ class FakeEngine:
         self.max_model_len = 128
         self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096, classifier=None), num_pages=11,
                                     runner=SimpleNamespace(cache_dtype=np.dtype("float32")),
-                                    kv=SimpleNamespace(host_pool=None), on_peer_lost=lambda callback: None)
+                                    kv=SimpleNamespace(host_pool=None))
         self.generation_defaults = {}
         self.reasoning = None  # no reasoning parser
         self.gate = threading.Event()
@@ -44,6 +44,9 @@ class FakeEngine:
 
     def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None, cache_salt=None, lora_name=None):
         return prompt, params.max_tokens
+
+    def on_peer_lost(self, callback):
+        pass  # one process: no peer to lose
 
     def list_loras(self):
         return {}

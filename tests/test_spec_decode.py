@@ -195,11 +195,13 @@ def test_spec_decode_stats(engines):
 def test_prometheus_counters_follow_the_stats(engines):
     from prometheus_client.parser import text_string_to_metric_families
 
+    from jaxserve.engine.served_model import ServedModel
     from jaxserve.server.metrics import ServerMetrics, cache_config_info
 
     llm = engines["spec"]
     spec_generate(llm, _repetitive_prompts(), GREEDY)
-    metrics = ServerMetrics("vllm", "llama", lambda: [llm.stats()], 128, cache_config_info(llm.engine))
+    kv_cache = ServedModel.of(llm.engine).kv_cache
+    metrics = ServerMetrics("vllm", "llama", lambda: [llm.stats()], 128, cache_config_info(kv_cache))
     samples = [s for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples]
     values = {s.name: s.value for s in samples if "position" not in s.labels}
     stats = llm.stats()["spec_decode"]

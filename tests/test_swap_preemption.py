@@ -184,11 +184,13 @@ def test_metrics_show_swapped_requests_and_host_pool_usage(engines):
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
+    from jaxserve.engine.served_model import ServedModel
     from jaxserve.server.metrics import ServerMetrics, cache_config_info
 
     llm = engines("swap")
     engine = llm.engine
-    metrics = ServerMetrics("jaxserve", "llama", lambda: [llm.stats()], 128, cache_config_info(engine))
+    kv_cache = ServedModel.of(engine).kv_cache
+    metrics = ServerMetrics("jaxserve", "llama", lambda: [llm.stats()], 128, cache_config_info(kv_cache))
     for index, (prompt, params, _, _) in enumerate(_heavy_jobs()):
         engine.add_request(f"metrics-{index}", prompt, params)
     for _ in range(500):

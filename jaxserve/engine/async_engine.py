@@ -16,11 +16,13 @@ import threading
 from collections.abc import Callable, Mapping
 
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
+from jaxserve.engine.served_model import ServedModel
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured.params import StructuredOutputsParams
 from jaxserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("jaxserve")
@@ -130,6 +132,7 @@ class AsyncLLMEngine:
         # The engine thread detokenizes with engine.tokenizer; the event loop gets its own copy, since a
         # Hugging Face tokenizer may not be used from two threads at once.
         self.tokenizer = load_tokenizer(engine.config.model_config.tokenizer or engine.model_path)
+        self.model = ServedModel.of(engine)  # what the front end may know of the model
         self.max_waiting_requests = max_waiting_requests
         self._on_outputs = on_outputs
         self._on_step = on_step
@@ -194,6 +197,11 @@ class AsyncLLMEngine:
         own tokenizer (LLMEngine.make_pooling_requests)."""
         return self.engine.make_pooling_requests(request_id, prompt, params, priority, tokenizer=self.tokenizer,
                                                  cache_salt=cache_salt, lora_name=lora_name, task=task)
+
+    async def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
+        """Compile a request's output constraint on the grammar engine's threads (the engine then finds it in its
+        cache); ValueError for one that cannot be compiled."""
+        await asyncio.wrap_future(self.engine.grammars.submit(constraint))
 
     async def reset_prefix_cache(self) -> int:
         """Forget every cached page (on the engine thread, between steps); returns how many were forgotten."""

@@ -22,16 +22,18 @@ PromptInput = str | list[int] | dict
 
 
 class LLM:
-    """Generate for a batch of prompts with continuous batching, returning results in input order.
+    """The offline engine (vLLM's `LLM`): batches of prompts run with continuous batching, results in input order.
 
-    Keyword arguments are engine options (EngineConfig), named as vLLM's engine arguments
-    (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`, `page_size`, `num_pages`,
-    `tensor_parallel_size`, `dtype`, `seed`, ...). With no model, the bundled tiny model runs with
-    the settings of `configs/tiny-cpu.yaml`.
+    Args:
+        model: a Hugging Face model folder or a `jaxserve convert` checkpoint; None runs the bundled tiny model with
+            the settings of `configs/tiny-cpu.yaml`.
+        show_progress: progress bars while the step buckets compile.
+        **engine_args: engine options (EngineConfig), named as vLLM's engine arguments: `max_num_seqs`,
+            `max_model_len`, `page_size`, `tensor_parallel_size`, `dtype`, `seed`, ... (docs/configuration.md).
 
-    Multi-host (`distributed_coordinator`, `num_processes`, `process_id`): run the same script on every host;
-    on the followers the constructor serves the leader's steps and ends the process when the leader is done, so
-    what follows it runs on the leader (process 0) only.
+    Multi-host (`distributed_coordinator`, `num_processes`, `process_id`): run the same script on every host; on
+    the followers the constructor serves the leader's steps and ends the process when the leader is done, so what
+    follows it runs on the leader (process 0) only.
     """
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **engine_args):
@@ -56,10 +58,18 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; a prompt is text, token ids, or {'prompt' | 'prompt_token_ids': ...}
-        (with an optional 'cache_salt', vLLM's key: only requests with equal salts share cached pages). With
-        `lora_request` (one for all prompts, or one or None per prompt; vLLM's argument) they run with that LoRA
-        adapter, loaded into a free slot first when it is not yet (the engine needs enable_lora)."""
+        """Run every prompt to completion.
+
+        Args:
+            prompts: one prompt or a list: text, token ids, or {'prompt' | 'prompt_token_ids': ...} with an optional
+                'cache_salt' (vLLM's key: only requests with equal salts share cached pages).
+            sampling_params: one for all prompts or one per prompt; None: the model's generation defaults.
+            use_tqdm: a progress bar over the prompts.
+            lora_request: a LoRA adapter for all prompts, or one (or None) per prompt, loaded into a free slot when
+                it is not yet (the engine needs enable_lora).
+        Returns:
+            One RequestOutput per prompt, in input order. A bad prompt raises ValueError before anything runs.
+        """
         params = sampling_params or self.get_default_sampling_params()
         return self._run_all(self.engine.make_requests, prompts, params, SamplingParams, lora_request, use_tqdm)
 
@@ -70,9 +80,17 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
-        """vLLM's `LLM.embed`: each prompt's embedding (`output.outputs.embedding`), its final hidden states pooled
-        as the engine's pooler says (LAST, MEAN or CLS; pooling/params.py) and L2-normalized unless
-        `pooling_params` say otherwise. Prompts and adapters as for `generate`; the engine needs runner pooling."""
+        """vLLM's `LLM.embed`: each prompt's final hidden states pooled into one vector (the engine needs runner
+        pooling).
+
+        Args:
+            prompts, use_tqdm, lora_request: as for `generate`.
+            pooling_params: one for all prompts or one per prompt (`dimensions`, `normalize`, ...); None: the
+                defaults, L2-normalized.
+        Returns:
+            One PoolingRequestOutput per prompt; `output.outputs.embedding` pooled as the engine's pooler says
+            (LAST, MEAN or CLS; pooling/params.py).
+        """
         return self._pool("embed", prompts, pooling_params, use_tqdm, lora_request)
 
     def classify(
@@ -82,10 +100,15 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
-        """vLLM's `LLM.classify` for a sequence classifier: each prompt's class probabilities
-        (`output.outputs.probs`), the model's activation (softmax, or sigmoid for one label or multi-label models)
-        of its score head over the last prompt token's final state; `PoolingParams(use_activation=False)` gives
-        the raw logits (a reward model's score). Prompts and adapters as for `generate`."""
+        """vLLM's `LLM.classify` for a sequence classifier: each prompt's class probabilities.
+
+        Args:
+            prompts, use_tqdm, lora_request: as for `generate`.
+            pooling_params: `PoolingParams(use_activation=False)` gives the raw logits (a reward model's score).
+        Returns:
+            One PoolingRequestOutput per prompt; `output.outputs.probs` is the model's activation (softmax, or
+            sigmoid for one label or multi-label models) of its score head over the last prompt token.
+        """
         return self._pool("classify", prompts, pooling_params, use_tqdm, lora_request)
 
     def encode(
@@ -96,13 +119,18 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
-        """vLLM's `LLM.encode`: each prompt pooled for `pooling_task`, which must be given (pooling/params.
-        POOLING_TASKS; embed and classify as `embed` and `classify` give them). The token-wise tasks give every
-        prompt token's result (`output.outputs.data`, one entry per prompt token): `token_embed` (an embedding
-        model's) each token's final state, cut to `dimensions` and L2-normalized as an embedding is;
-        `token_classify` (a sequence classifier's) each token's class probabilities (or raw logits with
-        `use_activation=False`). Every prompt token is computed (the prefix cache is not read for them). Prompts
-        and adapters as for `generate`."""
+        """vLLM's `LLM.encode`: each prompt pooled for `pooling_task`.
+
+        Args:
+            prompts, pooling_params, use_tqdm, lora_request: as for `embed`.
+            pooling_task: required, one of pooling/params.POOLING_TASKS: embed and classify as `embed` and
+                `classify` give them; token_embed (each prompt token's final state, cut and normalized as an
+                embedding is) and token_classify (each token's class probabilities) are token-wise, and compute
+                every prompt token (the prefix cache is not read for them).
+        Returns:
+            One PoolingRequestOutput per prompt; token-wise tasks give one entry per prompt token in
+            `output.outputs.data`.
+        """
         return self._pool(pooling_task, prompts, pooling_params, use_tqdm, lora_request)
 
     def reward(
@@ -122,11 +150,17 @@ class LLM:
         use_tqdm: bool = True,
         lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's `LLM.score`: each pair's score (`output.outputs.score`). For an embedding model, the cosine
-        similarity of the two texts' embeddings; for a cross-encoder (a sequence classifier of one label), its
-        score of the pair tokenized together (the tokenizer's text pair), through its activation. `data_1` is one
-        text (scored against every text of `data_2`) or as many texts as `data_2`, paired in order. Texts take the
-        forms `generate` takes (a cross-encoder's: strings); the engine needs runner pooling."""
+        """vLLM's `LLM.score`: the score of each pair of texts (the engine needs runner pooling).
+
+        Args:
+            data_1: one text, scored against every text of `data_2`, or as many texts as `data_2`, paired in order
+                (the forms `generate` takes; a cross-encoder's: strings).
+            data_2: the other side of the pairs.
+            use_tqdm, lora_request: as for `generate`.
+        Returns:
+            One ScoringRequestOutput per pair: for an embedding model the cosine similarity of the two embeddings;
+            for a cross-encoder (a one-label sequence classifier) its score of the pair tokenized together.
+        """
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = score_pairs(len(first), len(second))
         if self.engine.core.spec.classifier is not None:
@@ -166,11 +200,13 @@ class LLM:
 
     def beam_search(self, prompts: PromptInput | Sequence[PromptInput],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """vLLM's offline beam search: the best `params.beam_width` beams of each prompt, best first.
+        """vLLM's offline beam search: each step runs every live beam as a one-token request (engine/beam_search.py).
 
-        Each step runs every live beam of every prompt through `generate` as a one-token request
-        (see jaxserve/engine/beam_search.py). Prompts take the forms `generate` takes (a dict may carry a
-        'cache_salt'); every prompt is validated before any step runs.
+        Args:
+            prompts: as for `generate` (every prompt is validated before any step runs).
+            params: beam width, max tokens, length penalty, ...
+        Returns:
+            One BeamSearchOutput per prompt: its best `params.beam_width` beams, best first.
         """
         step_params = params.step_params()
         searches = []
@@ -193,8 +229,18 @@ class LLM:
         tools: list[dict] | None = None,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template (`chat_template`, a Jinja template or its file, else the tokenizer's) to each
-        conversation (with the `tools` it may call, OpenAI's shape), then generate."""
+        """Render each conversation with the chat template, then `generate`.
+
+        Args:
+            messages: one conversation (a list of OpenAI-shaped messages) or a list of them.
+            sampling_params, use_tqdm: as for `generate`.
+            add_generation_prompt: end the prompt where the assistant's reply starts.
+            chat_template_kwargs: extra variables for the template (e.g. enable_thinking).
+            tools: the tools the model may call, OpenAI's shape.
+            chat_template: a Jinja template or its file, used instead of the tokenizer's.
+        Returns:
+            One RequestOutput per conversation, in input order.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         template = None if chat_template is None else load_chat_template(chat_template)
         prompts = [self.render_chat(c, add_generation_prompt, chat_template_kwargs, tools, template)
@@ -214,10 +260,15 @@ class LLM:
         return True
 
     def update_weights(self, source: str | Mapping[str, object]) -> int:
-        """Generate with new weights of the same model from now on, without a restart or a recompile (reinforcement
-        learning's rollouts): `source` is a Hugging Face folder, or arrays (numpy or JAX) by their Hugging Face
-        tensor names; every tensor the model has must be there, in its shape (ValueError otherwise, the weights
-        untouched). Returns the weights version (updates so far). See EngineCore.update_weights."""
+        """Generate with new weights of the same model from now on, without a restart or a recompile (an RL
+        trainer's rollouts).
+
+        Args:
+            source: a Hugging Face folder, or arrays (numpy or JAX) by their Hugging Face tensor names; every
+                tensor the model has must be there, in its shape (ValueError otherwise, the weights untouched).
+        Returns:
+            The weights version: updates so far.
+        """
         return self.engine.update_weights(source)
 
     def sleep(self, level: int = 1) -> None:

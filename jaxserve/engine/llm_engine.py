@@ -121,6 +121,10 @@ class LLMEngine:
         gc.collect()
         gc.freeze()
 
+    def on_peer_lost(self, callback) -> None:
+        """Call `callback(reason)` when a process of this multi-host launch goes (never in one process)."""
+        self.core.on_peer_lost(callback)
+
     @property
     def max_model_len(self) -> int:
         """The longest sequence (prompt + output) a request may reach."""

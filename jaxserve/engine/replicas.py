@@ -97,6 +97,7 @@ class DataParallelEngine:
     def __init__(self, replicas: list[AsyncLLMEngine]):
         self.replicas = replicas
         self.engine = replicas[0].engine  # configuration, validation and the grammar compiler (all alike)
+        self.model = replicas[0].model
         self.tokenizer = replicas[0].tokenizer
         self.max_waiting_requests = replicas[0].max_waiting_requests  # requests accepted, not started, in all
         self.router = ReplicaRouter(len(replicas), self.engine.config.cache_config.page_size)
@@ -158,6 +159,10 @@ class DataParallelEngine:
         replica = self.router.route(requests[0].prompt_token_ids, cost, requests[0].cache_salt)
         return self.replicas[replica].submit(request_id, made,
                                              on_close=lambda: self.router.finished(replica, cost))
+
+    async def compile_grammar(self, constraint) -> None:
+        """Compile an output constraint (the replicas share one grammar compiler: same tokenizer)."""
+        await self.replicas[0].compile_grammar(constraint)
 
     async def add_lora(self, lora_request) -> str:
         """Load a LoRA adapter on every replica, one after the other: each takes it into the same slot (the lowest

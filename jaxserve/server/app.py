@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 from contextlib import asynccontextmanager
 
@@ -17,11 +18,15 @@ import jaxserve
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.replicas import DataParallelEngine, build_replicas
+from jaxserve.engine.served_model import ServedModel
+from jaxserve.server.chat import ChatServing
+from jaxserve.server.completions import CompletionServing
 from jaxserve.server.config import ServerConfig
 from jaxserve.server.embeddings import EmbeddingsServing
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
 from jaxserve.server.messages_api import MessagesServing
 from jaxserve.server.metrics import ServerMetrics, cache_config_info
+from jaxserve.server.models import ServedModels
 from jaxserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,12 +36,40 @@ from jaxserve.server.protocol import (
 )
 from jaxserve.server.responses_api import ResponsesServing
 from jaxserve.server.serving import OpenAIServing
+from jaxserve.server.tokenization import TokenizationServing
+
+logger = logging.getLogger("jaxserve")
+
+
+@dataclasses.dataclass(frozen=True)
+class Handlers:
+    """The route handlers, each over the same engine facade and served names."""
+
+    models: ServedModels
+    completions: CompletionServing
+    chat: ChatServing
+    tokenization: TokenizationServing
+    embeddings: EmbeddingsServing
+    responses: ResponsesServing
+    messages: MessagesServing
+
+    @classmethod
+    def over(cls, engine: AsyncLLMEngine | DataParallelEngine, config: ServerConfig) -> Handlers:
+        """Every handler over `engine`."""
+        config.check_reasoning(engine.model.reasoning)
+        models = ServedModels(engine, config)
+        chat = ChatServing(engine, config, models)
+        pooling = EmbeddingsServing(OpenAIServing(engine, config, models))
+        return cls(models, CompletionServing(engine, config, models), chat,
+                   TokenizationServing(engine, config, models), pooling,
+                   ResponsesServing(chat, config.max_stored_responses), MessagesServing(chat))
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     """The app serving `engine`; the engine thread runs between the app's startup and shutdown."""
+    served = ServedModel.of(engine)
     metrics = ServerMetrics(config.metrics_prefix, config.served_model_name, lambda: replica_stats(),
-                            engine.max_model_len, cache_config_info(engine))
+                            served.max_model_len, cache_config_info(served.kv_cache))
 
     def serve_async(each: LLMEngine) -> AsyncLLMEngine:
         return AsyncLLMEngine(each, config.max_waiting_requests, on_outputs=metrics.observe_outputs,
@@ -48,11 +81,10 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     else:
         async_engine = serve_async(engine)
         replica_stats = lambda: [async_engine.stats()]  # noqa: E731
-    serving = OpenAIServing(async_engine, config)
-    responses = ResponsesServing(serving, config.max_stored_responses)
-    embeddings = EmbeddingsServing(serving)
-    messages = MessagesServing(serving)
-    engine.core.on_peer_lost(lambda reason: async_engine.fail(EngineDeadError(f"the multi-host launch broke: {reason}")))
+    handlers = Handlers.over(async_engine, config)
+    logger.info("sampling defaults from the model's generation config, for the fields a request leaves unset: %s",
+                served.generation_defaults or "none")
+    engine.on_peer_lost(lambda reason: async_engine.fail(EngineDeadError(f"the multi-host launch broke: {reason}")))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -72,30 +104,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
                            allow_credentials=config.allow_credentials)
     app.state.async_engine = async_engine
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_guard(config.api_key))])
-    v1.add_api_route("/completions", serving.completions, methods=["POST"], response_model=None)
-    v1.add_api_route("/chat/completions", serving.chat, methods=["POST"], response_model=None)
-    v1.add_api_route("/responses", responses.create, methods=["POST"], response_model=None)
-    v1.add_api_route("/responses/{response_id}", responses.get, methods=["GET"])
-    v1.add_api_route("/responses/{response_id}", responses.delete, methods=["DELETE"])
-    v1.add_api_route("/responses/{response_id}/input_items", responses.input_items, methods=["GET"])
-    v1.add_api_route("/responses/{response_id}/cancel", responses.cancel, methods=["POST"])
-    v1.add_api_route("/messages", messages.create, methods=["POST"], response_model=None)
-    v1.add_api_route("/messages/count_tokens", messages.count_tokens, methods=["POST"])
-    v1.add_api_route("/embeddings", embeddings.create, methods=["POST"], response_model=None)
-    v1.add_api_route("/score", embeddings.score, methods=["POST"], response_model=None)
-    v1.add_api_route("/rerank", embeddings.rerank, methods=["POST"], response_model=None)
-    v1.add_api_route("/models", serving.models, methods=["GET"])
-    if config.allow_runtime_lora_updating:
-        v1.add_api_route("/load_lora_adapter", serving.load_lora_adapter, methods=["POST"], response_model=None)
-        v1.add_api_route("/unload_lora_adapter", serving.unload_lora_adapter, methods=["POST"], response_model=None)
-    app.include_router(v1)
-    guard = [Depends(_api_key_guard(config.api_key))]  # vLLM serves these outside /v1 too
-    app.add_api_route("/score", embeddings.score, methods=["POST"], response_model=None, dependencies=guard)
-    app.add_api_route("/rerank", embeddings.rerank, methods=["POST"], response_model=None, dependencies=guard)
-    app.add_api_route("/v2/rerank", embeddings.rerank, methods=["POST"], response_model=None, dependencies=guard)
-    app.add_api_route("/classify", embeddings.classify, methods=["POST"], response_model=None, dependencies=guard)
-    app.add_api_route("/pooling", embeddings.pooling, methods=["POST"], response_model=None, dependencies=guard)
+    _add_api_routes(app, handlers, config)
 
     @app.get("/health")
     async def health() -> Response:
@@ -117,18 +126,51 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         """Token ids of a prompt or of chat messages."""
-        return serving.tokenize(body)
+        return handlers.tokenization.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         """Text of token ids."""
-        return serving.detokenize(body)
+        return handlers.tokenization.detokenize(body)
 
-    _add_vllm_routes(app, serving, config, load)
+    _add_vllm_routes(app, async_engine, handlers, config, load)
     return app
 
 
-def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig, load: ServerLoad) -> None:
+def _add_api_routes(app: FastAPI, handlers: Handlers, config: ServerConfig) -> None:
+    """The API's routes behind the API key: OpenAI's under /v1 (completions, chat, responses, embeddings, models),
+    Anthropic's messages, and vLLM's pooling routes (also outside /v1, as vLLM serves them)."""
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_guard(config.api_key))])
+    v1.add_api_route("/completions", handlers.completions.completions, methods=["POST"], response_model=None)
+    v1.add_api_route("/chat/completions", handlers.chat.chat, methods=["POST"], response_model=None)
+    responses, messages, embeddings = handlers.responses, handlers.messages, handlers.embeddings
+    v1.add_api_route("/responses", responses.create, methods=["POST"], response_model=None)
+    v1.add_api_route("/responses/{response_id}", responses.get, methods=["GET"])
+    v1.add_api_route("/responses/{response_id}", responses.delete, methods=["DELETE"])
+    v1.add_api_route("/responses/{response_id}/input_items", responses.input_items, methods=["GET"])
+    v1.add_api_route("/responses/{response_id}/cancel", responses.cancel, methods=["POST"])
+    v1.add_api_route("/messages", messages.create, methods=["POST"], response_model=None)
+    v1.add_api_route("/messages/count_tokens", messages.count_tokens, methods=["POST"])
+    v1.add_api_route("/embeddings", embeddings.create, methods=["POST"], response_model=None)
+    v1.add_api_route("/score", embeddings.score, methods=["POST"], response_model=None)
+    v1.add_api_route("/rerank", embeddings.rerank, methods=["POST"], response_model=None)
+    v1.add_api_route("/models", handlers.models.models, methods=["GET"])
+    if config.allow_runtime_lora_updating:
+        v1.add_api_route("/load_lora_adapter", handlers.models.load_lora_adapter, methods=["POST"],
+                         response_model=None)
+        v1.add_api_route("/unload_lora_adapter", handlers.models.unload_lora_adapter, methods=["POST"],
+                         response_model=None)
+    app.include_router(v1)
+    guard = [Depends(_api_key_guard(config.api_key))]  # vLLM serves these outside /v1 too
+    app.add_api_route("/score", embeddings.score, methods=["POST"], response_model=None, dependencies=guard)
+    app.add_api_route("/rerank", embeddings.rerank, methods=["POST"], response_model=None, dependencies=guard)
+    app.add_api_route("/v2/rerank", embeddings.rerank, methods=["POST"], response_model=None, dependencies=guard)
+    app.add_api_route("/classify", embeddings.classify, methods=["POST"], response_model=None, dependencies=guard)
+    app.add_api_route("/pooling", embeddings.pooling, methods=["POST"], response_model=None, dependencies=guard)
+
+
+def _add_vllm_routes(app: FastAPI, engine: AsyncLLMEngine | DataParallelEngine, handlers: Handlers,
+                     config: ServerConfig, load: ServerLoad) -> None:
     """vLLM's further routes: /load, /reset_prefix_cache, SageMaker's /invocations, and /tokenizer_info when enabled."""
     guard = [Depends(_api_key_guard(config.api_key))]
 
@@ -141,7 +183,7 @@ def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
     async def reset_prefix_cache() -> Response:
         """Forget every cached KV page (vLLM's route); pages in use stay in use."""
         try:
-            await serving.engine.reset_prefix_cache()
+            await engine.reset_prefix_cache()
         except EngineDeadError as error:
             raise APIError(503, str(error)) from error
         return Response(status_code=200)
@@ -152,7 +194,7 @@ def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
             """New weights of the served model from a Hugging Face folder (SGLang's route), between two steps; a 400
             naming what does not fit, the served weights untouched."""
             try:
-                version = await serving.engine.update_weights(body.model_path)
+                version = await engine.update_weights(body.model_path)
             except EngineDeadError as error:
                 raise APIError(503, str(error)) from error
             except ValueError as error:
@@ -160,32 +202,32 @@ def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
             return {"success": True, "message": f"weights updated from {body.model_path}",
                     "weights_version": version}
 
-    if serving.engine.engine.config.model_config.enable_sleep_mode:
+    if engine.model.sleep_mode:
         @app.post("/sleep", dependencies=guard)
         async def sleep(level: int = 1) -> Response:
             """vLLM's sleep route: free the devices' memory (LLM.sleep) between two steps; a 400 saying why not."""
-            await _engine_call(serving.engine.sleep(level))
+            await _engine_call(engine.sleep(level))
             return Response(status_code=200)
 
         @app.post("/wake_up", dependencies=guard)
         async def wake_up() -> Response:
             """vLLM's wake-up route: take the devices back (LLM.wake_up); a 400 saying why not."""
-            await _engine_call(serving.engine.wake_up())
+            await _engine_call(engine.wake_up())
             return Response(status_code=200)
 
         @app.get("/is_sleeping", dependencies=guard)
         async def is_sleeping() -> dict:
             """Whether the engine sleeps."""
-            return {"is_sleeping": serving.engine.is_sleeping()}
+            return {"is_sleeping": engine.is_sleeping()}
 
     @app.post("/invocations", dependencies=guard, response_model=None)
     async def invocations(raw: Request) -> Response | dict:
         """SageMaker's one route: a body with `messages` is a chat completion, one with `prompt` a completion."""
         body = await _json_body(raw)
         if isinstance(body, dict) and "messages" in body:
-            return await serving.chat(_parse(ChatCompletionRequest, body), raw)
+            return await handlers.chat.chat(_parse(ChatCompletionRequest, body), raw)
         if isinstance(body, dict) and "prompt" in body:
-            return await serving.completions(_parse(CompletionRequest, body), raw)
+            return await handlers.completions.completions(_parse(CompletionRequest, body), raw)
         raise APIError(400, "cannot tell the request type: /invocations takes a chat completion request (with "
                             "messages) or a completion request (with prompt)")
 
@@ -194,7 +236,7 @@ def _add_vllm_routes(app: FastAPI, serving: OpenAIServing, config: ServerConfig,
         @app.get("/tokenizer_info", dependencies=guard)
         async def tokenizer_info() -> dict:
             """The tokenizer's configuration and chat template."""
-            return serving.tokenizer_info()
+            return handlers.tokenization.tokenizer_info()
 
 
 async def _engine_call(call) -> object:

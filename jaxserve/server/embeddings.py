@@ -21,7 +21,8 @@ from jaxserve.pooling.params import PoolingParams
 from jaxserve.pooling.score import cosine_scores, score_pairs
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatMessage
-from jaxserve.server.serving import OpenAIServing, RequestFailedError, last_outputs
+from jaxserve.server.request_streams import RequestFailedError, last_outputs
+from jaxserve.server.serving import OpenAIServing
 from jaxserve.tokenizer import encode_text_pair, render_chat
 
 
@@ -104,7 +105,7 @@ class EmbeddingsServing:
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
         self.engine = serving.engine
-        self.classifier = serving.engine.engine.core.spec.classifier  # a sequence classifier's head, or None
+        self.classifier = serving.model.classifier  # a sequence classifier's head, or None
 
     async def create(self, body: EmbeddingRequest, raw: Request) -> Response | dict:
         """POST /v1/embeddings: every input's embedding, in input order (OpenAI's `list` of `embedding`s), with the
@@ -180,13 +181,13 @@ class EmbeddingsServing:
         ranked = sorted(range(len(documents)), key=lambda index: -scores[index])[: body.top_n or None]
         results = [{"index": index, "document": {"text": documents[index]}, "relevance_score": scores[index]}
                    for index in ranked]
-        return {"id": request_id, "model": self.serving.model_name(body),
+        return {"id": request_id, "model": self.serving.models.model_name(body),
                 "usage": {"total_tokens": usage["total_tokens"]}, "results": results}
 
     def _listed(self, request_id: str, body: _PoolingFields, data: list[dict], usage: dict) -> dict:
         """A pooling route's response: vLLM's (and OpenAI's) `list` object of `data`, with the `usage`."""
         return {"id": request_id, "object": "list", "created": int(time.time()),
-                "model": self.serving.model_name(body), "data": data, "usage": usage}
+                "model": self.serving.models.model_name(body), "data": data, "usage": usage}
 
     def _counted(self, texts: list, field: str) -> list:
         """`texts`, or a 400 naming `field` unless there are 1 to max_prompts of them."""
@@ -235,10 +236,10 @@ class EmbeddingsServing:
         `options` (all queued, or none), and wait for them: their outputs in order, or None when the client leaves
         first; a 400 naming the field for what the engine refuses."""
         serving = self.serving
-        lora_name = serving.check_model(body.model)
-        if body.priority != 0 and serving.scheduling_policy != "priority":
+        lora_name = serving.models.check_model(body.model)
+        if body.priority != 0 and serving.model.scheduling_policy != "priority":
             raise APIError(400, "priority needs the server to run with --scheduling-policy priority", "priority")
-        truncate = serving.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+        truncate = serving.model.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
         try:
             params = PoolingParams(truncate_prompt_tokens=truncate, **options)
         except ValueError as error:  # PoolingParams' messages start with the field they are about

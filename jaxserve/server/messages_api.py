@@ -1,6 +1,7 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API on the chat route's machinery.
 
-The request becomes a chat request (server/messages_protocol.py) and runs as one (`OpenAIServing.start_chat`).
+The request becomes a chat request (server/messages_protocol.py) and runs as one
+(`ChatServing.start_chat`, server/chat.py).
 Its reply, split as a chat reply is (reasoning, content, tool calls), comes back as content blocks
 (`ContentBlocks`): a `thinking` block (with a reasoning parser; its `signature` empty: nothing here signs it),
 a `text` block, a `tool_use` block per call (its arguments parsed into `input`). `stop_reason` is `end_turn`,
@@ -26,16 +27,10 @@ from fastapi.responses import Response
 from jaxserve.engine.async_engine import EngineDeadError, RequestStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.chat import ChatServing, reply_delta
 from jaxserve.server.errors import APIError, anthropic_error_body
 from jaxserve.server.messages_protocol import MESSAGES_PARAM, CountTokensRequest, MessagesRequest
-from jaxserve.server.serving import (
-    EngineStreamingResponse,
-    OpenAIServing,
-    RequestFailedError,
-    read_outputs,
-    reply_delta,
-    request_failure,
-)
+from jaxserve.server.request_streams import EngineStreamingResponse, RequestFailedError, read_outputs, request_failure
 from jaxserve.server.sse import ChoiceStream, named_sse
 from jaxserve.server.tools import ToolCallExtractor, ToolCallStream
 
@@ -117,22 +112,22 @@ def tool_input(arguments: str) -> dict[str, Any]:
 
 
 class MessagesServing:
-    """Handlers of /v1/messages on an OpenAIServing's chat machinery."""
+    """Handlers of /v1/messages on the chat route's machinery (ChatServing)."""
 
-    def __init__(self, serving: OpenAIServing):
+    def __init__(self, serving: ChatServing):
         self.serving = serving
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         """POST /v1/messages/count_tokens: the prompt's tokens under the chat template, nothing generated."""
-        self.serving.check_model(body.model)
+        self.serving.models.check_model(body.model)
         return {"input_tokens": len(self.serving.chat_prompt(body.to_chat()))}
 
     async def create(self, body: MessagesRequest, raw: Request) -> Response | dict:
         """POST /v1/messages."""
-        self.serving.check_model(body.model)
+        self.serving.models.check_model(body.model)
         # a reasoning model's thinking is bounded by budget_tokens, as Anthropic's is; a model that does not think
         # (no reasoning parser) has no thinking to bound
-        thinking = self.serving.engine.engine.reasoning is not None
+        thinking = self.serving.model.reasoning is not None
         chat = body.to_chat(thinking_token_budget=body.thinking_budget() if thinking else None)
         message_id = f"msg_{uuid.uuid4().hex}"
         try:
@@ -140,7 +135,7 @@ class MessagesServing:
         except APIError as error:
             error.param = MESSAGES_PARAM.get(error.param, error.param)
             raise
-        head = {"id": message_id, "type": "message", "role": "assistant", "model": self.serving.model_name(chat),
+        head = {"id": message_id, "type": "message", "role": "assistant", "model": self.serving.models.model_name(chat),
                 "content": [], "stop_reason": None, "stop_sequence": None}
         if body.stream:
             return EngineStreamingResponse(self._events(head, params, streams[0], tools), streams)

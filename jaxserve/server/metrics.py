@@ -17,7 +17,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.served_model import KVCacheFacts
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -43,21 +43,19 @@ def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
         scale *= 10
 
 
-def cache_config_info(engine: LLMEngine) -> dict[str, str]:
+def cache_config_info(kv_cache: KVCacheFacts) -> dict[str, str]:
     """The engine's KV-cache configuration as `cache_config_info` labels, under vLLM's CacheConfig names
     (a block is a page; `num_gpu_blocks` counts the null page, as vLLM's counts its null block)."""
-    cache = engine.config.cache_config
-    recomputes = engine.config.scheduler_config.preemption_mode == "recompute"
     return {
-        "block_size": str(cache.page_size),
-        "cache_dtype": engine.core.runner.cache_dtype.name,
-        "enable_prefix_caching": str(cache.enable_prefix_caching),
-        "gpu_memory_utilization": str(cache.gpu_memory_utilization),
-        "num_gpu_blocks": str(engine.core.num_pages),
-        "num_gpu_blocks_override": str(cache.num_pages),
+        "block_size": str(kv_cache.page_size),
+        "cache_dtype": kv_cache.cache_dtype,
+        "enable_prefix_caching": str(kv_cache.enable_prefix_caching),
+        "gpu_memory_utilization": str(kv_cache.gpu_memory_utilization),
+        "num_gpu_blocks": str(kv_cache.num_pages),
+        "num_gpu_blocks_override": str(kv_cache.num_pages_override),
         # GiB of host swap space and its pages (page 0 included), allocated only when preemption swaps
-        "swap_space": str(0 if recomputes else cache.swap_space),
-        "num_cpu_blocks": str(engine.core.kv.host_pool.num_pages if engine.core.kv.host_pool else 0),
+        "swap_space": str(kv_cache.swap_space),
+        "num_cpu_blocks": str(kv_cache.num_host_pages),
     }
 
 

@@ -1,7 +1,8 @@
 """POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items, POST
 /v1/responses/{id}/cancel: OpenAI's Responses API on the chat route's machinery.
 
-The request becomes a chat request (server/responses_protocol.py) and runs as one (`OpenAIServing.start_chat`).
+The request becomes a chat request (server/responses_protocol.py) and runs as one
+(`ChatServing.start_chat`, server/chat.py).
 Its reply, split as a chat reply is (reasoning, content, tool calls), comes back as output items (`OutputItems`):
 a `reasoning` item (its text in `content`), a `message` with one `output_text` part, a `function_call` item per
 call. Streamed, the same items come as OpenAI's events, each with its `sequence_number`: `response.created`,
@@ -32,17 +33,11 @@ from fastapi.responses import Response
 from jaxserve.engine.async_engine import EngineDeadError, RequestStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.chat import ChatServing, reply_delta
 from jaxserve.server.errors import APIError
 from jaxserve.server.protocol import ChatCompletionRequest
+from jaxserve.server.request_streams import EngineStreamingResponse, RequestFailedError, read_outputs, request_failure
 from jaxserve.server.responses_protocol import RESPONSES_PARAM, ResponsesRequest
-from jaxserve.server.serving import (
-    EngineStreamingResponse,
-    OpenAIServing,
-    RequestFailedError,
-    read_outputs,
-    reply_delta,
-    request_failure,
-)
 from jaxserve.server.sse import ChoiceStream, chat_logprobs, named_sse
 from jaxserve.server.tools import ToolCallExtractor, ToolCallStream
 
@@ -175,9 +170,9 @@ class EventEncoder:
 
 
 class ResponsesServing:
-    """Handlers of /v1/responses on an OpenAIServing's chat machinery, and the responses kept."""
+    """Handlers of /v1/responses on the chat route's machinery (ChatServing), and the responses kept."""
 
-    def __init__(self, serving: OpenAIServing, max_stored: int):
+    def __init__(self, serving: ChatServing, max_stored: int):
         self.serving = serving
         self.max_stored = max_stored
         self.stored: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
@@ -221,7 +216,7 @@ class ResponsesServing:
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Response | dict:
         """POST /v1/responses."""
-        self.serving.check_model(body.model)
+        self.serving.models.check_model(body.model)
         history = [] if body.previous_response_id is None else \
             self._stored(body.previous_response_id, "previous_response_id").items
         body.check()
@@ -298,7 +293,8 @@ class ResponsesServing:
         return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
                 "background": False, "error": None, "incomplete_details": None, "instructions": body.instructions,
                 "max_output_tokens": max_tokens, "metadata": body.metadata or {},
-                "model": self.serving.model_name(body), "output": [], "parallel_tool_calls": body.parallel_tool_calls,
+                "model": self.serving.models.model_name(body), "output": [],
+                "parallel_tool_calls": body.parallel_tool_calls,
                 "previous_response_id": body.previous_response_id,
                 "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
                 "store": self._keeps(body), "temperature": temperature,
@@ -327,7 +323,7 @@ class ResponsesServing:
 
     def _reasoning_tokens(self, output: RequestOutput, c: CompletionOutput) -> int:
         """Tokens of the reply's thinking, its end marker included (0 without a reasoning parser)."""
-        parser = self.serving.engine.engine.reasoning
+        parser = self.serving.model.reasoning
         return 0 if parser is None else parser.reasoning_tokens(output.prompt_token_ids, c.token_ids)
 
     def _keeps(self, body: ResponsesRequest) -> bool:
