@@ -92,12 +92,14 @@ def expected(name: str) -> dict:
 
 def engine_stats(**values) -> dict:
     """An engine's stats() as the metrics collector reads it: every counter and gauge 0 unless given."""
+    from jaxserve.engine.step_timing import StepTiming
+
     stats = dict.fromkeys(("num_requests_running", "num_requests_waiting", "num_requests_swapped", "preemptions",
                            "prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
                            "swapped_out_requests", "swapped_out_pages", "swapped_in_pages", "steps"), 0)
     stats.update(kv_pages_free=10, kv_pages_total=10, cpu_cache_usage_perc=0.0,
                  spec_decode={"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
-                              "accepted_per_position": []})
+                              "accepted_per_position": []}, timing=StepTiming().summary())
     return {**stats, **values}
 
 

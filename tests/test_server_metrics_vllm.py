@@ -9,6 +9,7 @@ from conftest import API_KEY
 from helpers import engine_stats
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxserve.engine.step_timing import PHASES
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.server.metrics import ServerMetrics
 
@@ -201,3 +202,25 @@ def test_server_cache_config_info_and_buckets(openai_server):
     assert engine.config.cache_config.page_size == 16 and engine.core.num_pages == 64  # the fixture's engine
     assert scrape.bounds("jaxserve:iteration_tokens_total") == VLLM_ITERATION_BUCKETS
     assert scrape.bounds("jaxserve:request_generation_tokens") == [1, 2, 5, 10, 20, 50, 100]  # max_model_len 128
+
+
+def test_the_engines_host_time_by_phase_and_the_front_ends_cpu(openai_server):
+    """/metrics carries the engine's host seconds by step phase and its steps (the step timing of stats(), as
+    counters) and the CPU seconds of the front end's thread, which serving a request moves."""
+    url, engine = openai_server
+    before = _wait_until_idle(url)
+    body = {"prompt": "def add(a, b):", "max_tokens": 8, "ignore_eos": True, "stream": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert response.status_code == 200, response.text
+    after = _wait_until_idle(url)
+    host = {sample.labels["phase"]: sample.value for family in text_string_to_metric_families(
+        httpx.get(f"{url}/metrics").text) for sample in family.samples
+        if sample.name == "jaxserve:engine_host_seconds_total"}
+    timing = engine.stats()["timing"]
+    assert set(host) == {*PHASES, "propose"}
+    for phase, seconds in host.items():
+        assert seconds == pytest.approx(timing[f"{phase}_ms"] * timing["steps"] / 1e3), phase
+    assert host["schedule"] > 0 and host["build"] > 0 and host["output"] > 0
+    assert after.values["jaxserve:engine_steps_total"] - before.values["jaxserve:engine_steps_total"] >= 8
+    cpu_before, cpu_after = (scrape.values["jaxserve:front_end_cpu_seconds_total"] for scrape in (before, after))
+    assert 0 < cpu_before < cpu_after

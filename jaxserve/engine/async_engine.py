@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
@@ -144,12 +145,16 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
         self.error: BaseException | None = None
+        self._front_end_clock: int | None = None  # the event loop thread's CPU clock, from `start`
+        self._front_end_cpu_at_start = 0.0  # its reading then
 
     # ---- life cycle (event loop) ---------------------------------------------------------------
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the outputs."""
         self._loop = asyncio.get_running_loop()
+        self._front_end_clock = time.pthread_getcpuclockid(threading.get_ident())
+        self._front_end_cpu_at_start = time.clock_gettime(self._front_end_clock)
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -175,8 +180,16 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def stats(self) -> dict:
-        """The engine counters as of the last step (see EngineCore.stats), plus the waiting requests."""
-        return {**self._stats, "num_requests_unstarted": self._num_unstarted}
+        """The engine counters as of the last step (see EngineCore.stats), plus the waiting requests and the CPU
+        seconds the front end (the event loop's thread: HTTP, tokenizing, SSE) has spent since the engine started."""
+        return {**self._stats, "num_requests_unstarted": self._num_unstarted,
+                "front_end_cpu_s": self.front_end_cpu_s()}
+
+    def front_end_cpu_s(self) -> float:
+        """CPU seconds of the event loop's thread since `start` (0 before it)."""
+        if self._front_end_clock is None:
+            return 0.0
+        return time.clock_gettime(self._front_end_clock) - self._front_end_cpu_at_start
 
     # ---- requests (event loop) -----------------------------------------------------------------
 

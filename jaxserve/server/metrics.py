@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine.served_model import KVCacheFacts
+from jaxserve.engine.step_timing import PHASES
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
@@ -72,6 +73,8 @@ class _EngineCollector:
         families: dict[str, object] = {}
         for replica, stats in enumerate(self.replica_stats()):
             for kind, name, doc, labels, value in self._samples(stats):
+                if replica and name == "front_end_cpu_seconds":  # one front end for every replica
+                    continue
                 if name not in families:
                     families[name] = kind(f"{self.prefix}:{name}", doc, labels=["model_name", "replica", *labels])
                 families[name].add_metric([self.model_name, str(replica), *labels.values()], value)
@@ -112,6 +115,7 @@ class _EngineCollector:
         })
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily, name, doc, {}, value
+        yield from _host_time_samples(stats)
         for position, count in enumerate(spec["accepted_per_position"]):
             yield (CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
                    "Proposed tokens accepted, by their position among a step's proposals.", {"position": str(position)},
@@ -122,6 +126,22 @@ class _EngineCollector:
                       "running_lora_adapters": ",".join(lora["running"])}
             yield (GaugeMetricFamily, "lora_requests_info", "LoRA adapters of the running and waiting requests.",
                    labels, time.time())
+
+
+def _host_time_samples(stats: dict):
+    """The engine's host time by step phase (EngineCore's step timing: schedule, build, update, ...) and its steps,
+    as counters; a dashboard divides their rates for the host milliseconds per step. The front end's CPU seconds
+    (the event loop's thread), whose rate over generation_tokens' is its CPU per streamed token, come with the
+    first replica only: the replicas share one front end."""
+    timing = stats["timing"]
+    yield CounterMetricFamily, "engine_steps", "Engine steps that dispatched device work.", {}, timing["steps"]
+    for phase in (*PHASES, "propose"):
+        yield (CounterMetricFamily, "engine_host_seconds", "Host seconds of the engine's steps, by phase.",
+               {"phase": phase}, timing[f"{phase}_ms"] * timing["steps"] / 1e3)
+    if "front_end_cpu_s" in stats:
+        yield (CounterMetricFamily, "front_end_cpu_seconds",
+               "CPU seconds of the front end's thread (HTTP, chat templates, tokenizing, SSE).", {},
+               stats["front_end_cpu_s"])
 
 
 class ServerMetrics:

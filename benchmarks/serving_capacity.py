@@ -1,0 +1,149 @@
+"""The serving path's own capacity (issue 49): streamed tokens/s through `jaxserve serve`'s HTTP front end when the
+device takes no time, at 64, 256 and 512 concurrent SSE streams.
+
+    python -m benchmarks.serving_capacity                        # 64, 256 and 512 streams
+    python -m benchmarks.serving_capacity --streams 512 --json out.json
+
+For each stream count N, a server is started in its own process: the real app (`build_app`: FastAPI, the async
+engine, detokenizing, SSE at stream interval 1) over an LLMEngine whose runner is benchmarks/host_step.py's
+FakeRunner (its samples ready at once, no device work), max_num_seqs N. `jaxserve bench serve` then sends N
+streaming completions at once (--max-concurrency N): prompts of 32 tokens, 256 output tokens each (ignore_eos),
+through its raw-socket client, on the same 2-core machine. Reported per N: the streamed output tokens/s (all
+tokens over the run's wall time), TTFT and inter-token latency, the client's own CPU per chunk, and the engine's
+host time per step from the server's step timing (schedule, build, update, output) and the front end's CPU per
+generated token, read when the server stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from unittest import mock
+
+from benchmarks.host_step import FakeRunner, corpus_token_ids, model_folder
+from jaxserve.bench.online import free_port, healthy, log_tail, stop_process
+from jaxserve.config import EngineConfig
+from jaxserve.engine import core_builder
+from jaxserve.engine.llm_engine import LLMEngine, default_model_path
+from jaxserve.kv.cache_manager import pages_for_tokens
+from jaxserve.tokenizer import load_tokenizer
+
+PROMPT_LEN = 32
+OUTPUT_LEN = 256
+MAX_MODEL_LEN = 512  # a page-rounded room for the prompt and the output
+
+
+def serve(port: int, rows: int, stats_path: str) -> None:
+    """Run the real app over a FakeRunner engine of `rows` rows on `port` until SIGTERM; then write the engine's
+    stats (its step timing among them) to `stats_path`."""
+    import uvicorn
+
+    from jaxserve.server.app import build_app
+    from jaxserve.server.config import ServerConfig
+
+    corpus = corpus_token_ids(load_tokenizer(default_model_path()), 200_000)
+    with model_folder(MAX_MODEL_LEN) as folder:
+        config = EngineConfig(model=folder, max_model_len=MAX_MODEL_LEN, page_size=16,
+                              num_pages=rows * pages_for_tokens(MAX_MODEL_LEN, 16) + 1, max_num_seqs=rows,
+                              max_num_batched_tokens=max(8192, rows), skip_precompile=True,
+                              compilation_cache_dir=None, enable_structured_outputs=False)
+        with mock.patch.object(core_builder, "Runner", functools.partial(FakeRunner, corpus)):
+            engine = LLMEngine(config, show_progress=False)
+        app = build_app(engine, ServerConfig(port=port, max_waiting_requests=4 * rows, stream_interval=1))
+        # uvicorn raises the SIGTERM it shut down on again once it has restored the handler it found: a no-op
+        # one here lets the stats below be written
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
+        with open(stats_path, "w") as f:  # the async engine's: the engine's counters and the front end's CPU
+            json.dump(app.state.async_engine.stats(), f)
+
+
+@contextlib.contextmanager
+def fake_server(rows: int, stats_path: str):
+    """A `serve` process for `rows` streams; yields its base URL once /health answers."""
+    port = free_port()
+    log_path = stats_path + ".log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serving_capacity", "--serve", str(port), "--rows",
+                                 str(rows), "--stats", stats_path], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the fake server did not start:\n{log_tail(log_path)}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        stop_process(proc)  # SIGTERM: uvicorn shuts down gracefully, then `serve` writes the stats
+
+
+def measure(rows: int) -> dict:
+    """One stream count: the client's figures and the server's step timing."""
+    with tempfile.TemporaryDirectory() as folder:
+        stats_path, result_path = os.path.join(folder, "stats.json"), os.path.join(folder, "client.json")
+        with fake_server(rows, stats_path) as url:
+            subprocess.run([sys.executable, "-m", "jaxserve", "bench", "serve", "--base-url", url, "--request-rate",
+                            "inf", "--max-concurrency", str(rows), "--num-requests", str(rows), "--input-len-dist",
+                            "fixed", "--input-len", str(PROMPT_LEN), "--output-len-dist", "fixed", "--output-len",
+                            str(OUTPUT_LEN), "--no-progress", "--json", result_path],
+                           check=True, stdout=subprocess.DEVNULL)
+        with open(result_path) as f:
+            client = json.load(f)["rates"][0]
+        with open(stats_path) as f:
+            stats = json.load(f)
+    timing = stats["timing"]
+    latency = client["latency_ms"]
+    return {"streams": rows, "output_tokens": client["output_tokens"], "duration_s": client["duration_s"],
+            "output_tokens_per_s": client["output_tokens_per_s"], "failed": client["failed"],
+            "ttft_ms": latency["ttft_ms"], "itl_ms": latency["itl_ms"], "client": client["client"],
+            "engine_steps": timing["steps"],
+            # the front end's thread from the engine's start (the client's warm-up requests included)
+            "front_end_cpu_us_per_token": 1e6 * stats["front_end_cpu_s"] / stats["generation_tokens"],
+            "engine_ms_per_step": {key.removesuffix("_ms"): timing[key] for key in timing if key.endswith("_ms")}}
+
+
+def report(results: list[dict]) -> str:
+    """A markdown table of the results."""
+    lines = ["| streams | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | engine steps | host ms per step: "
+             "schedule / build / update / output | front end CPU us per token | failed |",
+             "|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in results:
+        ms = r["engine_ms_per_step"]
+        lines.append(f"| {r['streams']} | {r['output_tokens_per_s']:.0f} | {r['ttft_ms']['p50']:.0f} / "
+                     f"{r['ttft_ms']['p99']:.0f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} | "
+                     f"{r['engine_steps']} | {ms['schedule']:.2f} / {ms['build']:.2f} / {ms['update']:.2f} / "
+                     f"{ms['output']:.2f} | {r['front_end_cpu_us_per_token']:.1f} | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Measure each stream count in turn; print the table (and write the JSON when asked)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--json", metavar="PATH", help="also write the results here")
+    parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the server process
+    parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--stats", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve is not None:
+        serve(args.serve, args.rows, args.stats)
+        return []
+    results = [measure(rows) for rows in args.streams]
+    print(report(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()
