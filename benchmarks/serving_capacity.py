@@ -68,7 +68,8 @@ def serve(port: int, rows: int, stats_path: str) -> None:
 
 @contextlib.contextmanager
 def fake_server(rows: int, stats_path: str):
-    """A `serve` process for `rows` streams; yields its base URL once /health answers."""
+    """A `serve` process for `rows` streams; yields (its base URL, the process) once /health answers, and stops it
+    (SIGTERM, then SIGKILL after 30 s) on exit."""
     port = free_port()
     log_path = stats_path + ".log"
     with open(log_path, "wb") as log:
@@ -81,7 +82,7 @@ def fake_server(rows: int, stats_path: str):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the fake server did not start:\n{log_tail(log_path)}")
             time.sleep(0.2)
-        yield url
+        yield url, proc
     finally:
         stop_process(proc)  # SIGTERM: uvicorn shuts down gracefully, then `serve` writes the stats
 
@@ -90,7 +91,7 @@ def measure(rows: int) -> dict:
     """One stream count: the client's figures and the server's step timing."""
     with tempfile.TemporaryDirectory() as folder:
         stats_path, result_path = os.path.join(folder, "stats.json"), os.path.join(folder, "client.json")
-        with fake_server(rows, stats_path) as url:
+        with fake_server(rows, stats_path) as (url, _):
             subprocess.run([sys.executable, "-m", "jaxserve", "bench", "serve", "--base-url", url, "--request-rate",
                             "inf", "--max-concurrency", str(rows), "--num-requests", str(rows), "--input-len-dist",
                             "fixed", "--input-len", str(PROMPT_LEN), "--output-len-dist", "fixed", "--output-len",
