@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jaxserve.config.options import check_bools, check_choice, check_positive_ints, option
+from jaxserve.config.options import SERVE_ONLY, check_bools, check_choice, check_positive_ints, option
 
 VALID_ATTENTION_BACKENDS = ("auto", "xla", "pallas", "pallas-interpret", "pallas-tpu-interpret")
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "jaxserve", "xla")
@@ -27,7 +27,7 @@ class CompilationConfig:
         "of each new shape waits for its compile)")
     background_compile: bool = option(
         False, "compile the largest buckets first and serve, the others on a background thread, each step padded "
-        "into the largest until its own are ready", commands=("serve",))
+        "into the largest until its own are ready", commands=SERVE_ONLY)
     min_token_bucket: int = option(8, "smallest padded token count of a step")
 
     def __post_init__(self):
