@@ -7,7 +7,8 @@ pool, nothing is left running, and the server's process ends when stopped.
 The server is benchmarks/serving_capacity.py's: the real app over a FakeRunner engine (no device time) in its own
 process. An httpx client keeps `--concurrency` streaming completions in flight (32-token prompts, 64 tokens each,
 ignore_eos); every fifth request (by default) closes its connection after its first chunk. Afterwards /metrics must
-show no request running or waiting and no KV page in use, and the process must exit on SIGTERM.
+show no request running or waiting and no KV page in use, and the process must exit on SIGTERM leaving no process
+of its own behind (the engine core's, by default: `--engine thread` runs the engine in the server's process).
 """
 
 from __future__ import annotations
@@ -77,20 +78,45 @@ def settled(url: str, timeout_s: float = 30.0) -> dict:
         time.sleep(0.1)
 
 
+def child_processes(pid: int) -> list[int]:
+    """The process ids of `pid`'s children (Linux's /proc)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
+def running(pid: int, timeout_s: float = 5.0) -> bool:
+    """Whether process `pid` is still there (not a zombie) after up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return False
+        except FileNotFoundError:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Run the soak; print and return what it found (and write it as JSON when asked)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--leave-every", type=int, default=5, help="every Nth client leaves after its first chunk")
+    parser.add_argument("--engine", choices=["thread", "process"], default="process",
+                        help="the engine on a thread of the server's process, or in an engine-core process")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         stats_path = os.path.join(folder, "stats.json")
-        with fake_server(args.concurrency, stats_path) as (url, process):
+        with fake_server(args.concurrency, stats_path, args.engine) as (url, process):
+            children = child_processes(process.pid)  # the engine core's (and multiprocessing's resource tracker)
             result = asyncio.run(soak(url, args.requests, args.concurrency, args.leave_every))
             result["after"] = settled(url)
         result["server_exit_code"] = process.returncode  # fake_server has stopped it
+        result["engine"], result["child_processes"] = args.engine, len(children)
+        result["processes_left"] = [pid for pid in children if running(pid)]
         with open(stats_path) as f:
             stats = json.load(f)
     result["kv_pages_free_at_stop"], result["kv_pages_total"] = stats["kv_pages_free"], stats["kv_pages_total"]

@@ -41,23 +41,34 @@ OUTPUT_LEN = 256
 MAX_MODEL_LEN = 512  # a page-rounded room for the prompt and the output
 
 
-def serve(port: int, rows: int, stats_path: str) -> None:
-    """Run the real app over a FakeRunner engine of `rows` rows on `port` until SIGTERM; then write the engine's
-    stats (its step timing among them) to `stats_path`."""
+def fake_engine(config: EngineConfig) -> LLMEngine:
+    """An LLMEngine of `config` over a FakeRunner (the engine-core process's `make_engine`)."""
+    corpus = corpus_token_ids(load_tokenizer(default_model_path()), 200_000)
+    with mock.patch.object(core_builder, "Runner", functools.partial(FakeRunner, corpus)):
+        return LLMEngine(config, show_progress=False)
+
+
+def serve(port: int, rows: int, stats_path: str, engine: str) -> None:
+    """Run the real app over a FakeRunner engine of `rows` rows on `port` until SIGTERM, the engine in this process
+    (`engine` thread) or in an engine-core process (process); then write the engine's stats (its step timing among
+    them) to `stats_path`."""
     import uvicorn
 
+    from jaxserve.engine.core_client import EngineCoreClient
     from jaxserve.server.app import build_app
     from jaxserve.server.config import ServerConfig
 
-    corpus = corpus_token_ids(load_tokenizer(default_model_path()), 200_000)
+    server_config = ServerConfig(port=port, max_waiting_requests=4 * rows, stream_interval=1)
     with model_folder(MAX_MODEL_LEN) as folder:
         config = EngineConfig(model=folder, max_model_len=MAX_MODEL_LEN, page_size=16,
                               num_pages=rows * pages_for_tokens(MAX_MODEL_LEN, 16) + 1, max_num_seqs=rows,
                               max_num_batched_tokens=max(8192, rows), skip_precompile=True,
                               compilation_cache_dir=None, enable_structured_outputs=False)
-        with mock.patch.object(core_builder, "Runner", functools.partial(FakeRunner, corpus)):
-            engine = LLMEngine(config, show_progress=False)
-        app = build_app(engine, ServerConfig(port=port, max_waiting_requests=4 * rows, stream_interval=1))
+        if engine == "process":
+            served = EngineCoreClient.launch(config, server_config.max_waiting_requests, 1, make_engine=fake_engine)
+        else:
+            served = fake_engine(config)
+        app = build_app(served, server_config)
         # uvicorn raises the SIGTERM it shut down on again once it has restored the handler it found: a no-op
         # one here lets the stats below be written
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -67,14 +78,14 @@ def serve(port: int, rows: int, stats_path: str) -> None:
 
 
 @contextlib.contextmanager
-def fake_server(rows: int, stats_path: str):
-    """A `serve` process for `rows` streams; yields (its base URL, the process) once /health answers, and stops it
+def fake_server(rows: int, stats_path: str, engine: str):
+    """A `serve` process for `rows` streams (its engine `thread` or `process`); yields (its base URL, the process) once /health answers, and stops it
     (SIGTERM, then SIGKILL after 30 s) on exit."""
     port = free_port()
     log_path = stats_path + ".log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serving_capacity", "--serve", str(port), "--rows",
-                                 str(rows), "--stats", stats_path], stdout=log, stderr=subprocess.STDOUT)
+                                 str(rows), "--stats", stats_path, "--engine", engine], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -87,11 +98,11 @@ def fake_server(rows: int, stats_path: str):
         stop_process(proc)  # SIGTERM: uvicorn shuts down gracefully, then `serve` writes the stats
 
 
-def measure(rows: int) -> dict:
-    """One stream count: the client's figures and the server's step timing."""
+def measure(rows: int, engine: str) -> dict:
+    """One stream count on one engine layout: the client's figures and the server's step timing."""
     with tempfile.TemporaryDirectory() as folder:
         stats_path, result_path = os.path.join(folder, "stats.json"), os.path.join(folder, "client.json")
-        with fake_server(rows, stats_path) as (url, _):
+        with fake_server(rows, stats_path, engine) as (url, _):
             subprocess.run([sys.executable, "-m", "jaxserve", "bench", "serve", "--base-url", url, "--request-rate",
                             "inf", "--max-concurrency", str(rows), "--num-requests", str(rows), "--input-len-dist",
                             "fixed", "--input-len", str(PROMPT_LEN), "--output-len-dist", "fixed", "--output-len",
@@ -103,7 +114,7 @@ def measure(rows: int) -> dict:
             stats = json.load(f)
     timing = stats["timing"]
     latency = client["latency_ms"]
-    return {"streams": rows, "output_tokens": client["output_tokens"], "duration_s": client["duration_s"],
+    return {"engine": engine, "streams": rows, "output_tokens": client["output_tokens"], "duration_s": client["duration_s"],
             "output_tokens_per_s": client["output_tokens_per_s"], "failed": client["failed"],
             "ttft_ms": latency["ttft_ms"], "itl_ms": latency["itl_ms"], "client": client["client"],
             "engine_steps": timing["steps"],
@@ -114,15 +125,15 @@ def measure(rows: int) -> dict:
 
 def report(results: list[dict]) -> str:
     """A markdown table of the results."""
-    lines = ["| streams | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | engine steps | host ms per step: "
-             "schedule / build / update / output | front end CPU us per token | failed |",
-             "|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = ["| engine | streams | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | engine steps | host ms per "
+             "step: schedule / build / update / output / send | front end CPU us per token | failed |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in results:
         ms = r["engine_ms_per_step"]
-        lines.append(f"| {r['streams']} | {r['output_tokens_per_s']:.0f} | {r['ttft_ms']['p50']:.0f} / "
+        lines.append(f"| {r['engine']} | {r['streams']} | {r['output_tokens_per_s']:.0f} | {r['ttft_ms']['p50']:.0f} / "
                      f"{r['ttft_ms']['p99']:.0f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} | "
                      f"{r['engine_steps']} | {ms['schedule']:.2f} / {ms['build']:.2f} / {ms['update']:.2f} / "
-                     f"{ms['output']:.2f} | {r['front_end_cpu_us_per_token']:.1f} | {r['failed']} |")
+                     f"{ms['output']:.2f} / {ms.get('send', 0.0):.2f} | {r['front_end_cpu_us_per_token']:.1f} | {r['failed']} |")
     return "\n".join(lines)
 
 
@@ -130,15 +141,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Measure each stream count in turn; print the table (and write the JSON when asked)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--engine", nargs="+", choices=["thread", "process"], default=["thread", "process"],
+                        help="the engine's layouts, each measured at every stream count in turn: on a thread of the "
+                             "server's process (as before issue 49), in an engine-core process")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the server process
     parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--stats", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve is not None:
-        serve(args.serve, args.rows, args.stats)
+        serve(args.serve, args.rows, args.stats, args.engine[0])
         return []
-    results = [measure(rows) for rows in args.streams]
+    results = [measure(rows, engine) for rows in args.streams for engine in args.engine]
     print(report(results))
     if args.json:
         with open(args.json, "w") as f:

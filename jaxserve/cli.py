@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -26,6 +27,11 @@ from jaxserve.tokenizer import load_chat_template
 # buckets, so it compiles each at its first use; the server is ready after its largest buckets compile.
 GENERATE_DEFAULTS = {"skip_precompile": True}
 SERVE_DEFAULTS = {"background_compile": True}
+
+
+# How long a server whose engine-core process died keeps answering (503 on /health, errors to requests) before it
+# stops, so a load balancer's health check sees it.
+CORE_DEATH_GRACE_S = 2.0
 
 
 def _engine_config(args: argparse.Namespace, **command_defaults) -> EngineConfig:
@@ -109,21 +115,48 @@ def serve(args: argparse.Namespace) -> int:
         max_stored_responses=args.max_stored_responses, enable_weight_updates=args.enable_weight_updates,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
+    engine = _serving_engine(engine_config, server_config, args.engine_in_process)
     app = build_app(engine, server_config)
+    model = app.state.async_engine.model
     logging.getLogger("jaxserve").info(
         "serving %r from %s on %s://%s:%d%s (max_model_len %d, %d KV pages of %d tokens, max_num_seqs %d, "
-        "tensor_parallel_size %d, API key %s)",
-        server_config.served_model_name, engine.model_path, "https" if "ssl_certfile" in listen else "http",
+        "tensor_parallel_size %d, engine %s, API key %s)",
+        server_config.served_model_name, model.model_path, "https" if "ssl_certfile" in listen else "http",
         server_config.host, server_config.port, args.root_path,
-        engine.max_model_len, engine.core.num_pages, engine_config.cache_config.page_size,
+        model.max_model_len, model.kv_cache.num_pages, engine_config.cache_config.page_size,
         engine_config.scheduler_config.max_num_seqs, engine_config.parallel_config.tensor_parallel_size,
+        "in this process" if isinstance(engine, LLMEngine) else f"core process {engine.process.pid}",
         "required" if server_config.api_key else "off",
     )
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, **listen)
-    _server_class(uvicorn)(config).run()
+    server = _server_class(uvicorn)(config)
+    if not isinstance(engine, LLMEngine):
+        def core_died(error: BaseException) -> None:
+            # /health answers 503 meanwhile; the responses in flight end with the error
+            asyncio.get_running_loop().call_later(CORE_DEATH_GRACE_S, setattr, server, "should_exit", True)
+
+        engine.on_dead = core_died
+    server.run()
+    error = app.state.async_engine.error
+    if error is not None and not isinstance(engine, LLMEngine):
+        print(f"jaxserve serve: {error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _serving_engine(engine_config: EngineConfig, server_config, in_process: bool):
+    """The engine `serve` runs: an engine-core process's client (the default), or an LLMEngine in this process
+    (--engine-in-process, data parallelism and multi-host launches)."""
+    parallel = engine_config.parallel_config
+    if not in_process and (parallel.data_parallel_size > 1 or parallel.num_processes > 1):
+        logging.getLogger("jaxserve").info("data parallelism and multi-host launches run the engine in this process")
+        in_process = True
+    if in_process:
+        return LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
+    from jaxserve.engine.core_client import EngineCoreClient
+
+    return EngineCoreClient.launch(engine_config, server_config.max_waiting_requests, server_config.stream_interval)
 
 
 def _server_class(uvicorn):
@@ -183,6 +216,9 @@ def _add_server_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--served-model-name", nargs="+",
                      help="the model name clients send (default: --model, or the bundled model's); several: any of "
                           "them, responses giving the first (vLLM's flag)")
+    srv.add_argument("--engine-in-process", action="store_true",
+                     help="run the engine on a thread of the server's process instead of in an engine-core process "
+                          "of its own (data parallelism and multi-host launches always run it in process)")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests accepted but not started before the server answers 503 with Retry-After")
     srv.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt) a request may ask for")

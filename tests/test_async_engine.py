@@ -32,8 +32,9 @@ class FakeEngine:
         self.core = SimpleNamespace(spec=SimpleNamespace(vocab_size=4096, classifier=None), num_pages=11,
                                     runner=SimpleNamespace(cache_dtype=np.dtype("float32")),
                                     kv=SimpleNamespace(host_pool=None))
-        self.generation_defaults = {}
-        self.reasoning = None  # no reasoning parser
+        self.requests = SimpleNamespace(  # the RequestMaker's facts; no reasoning parser
+            facts=SimpleNamespace(max_model_len=128, vocab_size=4096, classifier=None), reasoning=None,
+            generation_defaults={})
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False

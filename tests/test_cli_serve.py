@@ -15,6 +15,7 @@ import pytest
 import yaml
 from helpers import TEST_CACHE_DIR, small_engine_args
 
+from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.cli import main, uvicorn_options
 from jaxserve.config import CONFIGS_DIR, EngineConfig
 
@@ -123,6 +124,8 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
         tokens = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "def"}, verify=TRUSTED)
         assert tokens.status_code == 200 and tokens.json()["tokens"], tokens.text
         assert httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "def"}, verify=TRUSTED).status_code == 404
+        cores = child_processes(process.pid)  # the engine core's (and multiprocessing's resource tracker)
+        assert cores
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -130,6 +133,8 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
             assert "jaxserve: interrupted" in log.read_text() and "Traceback" not in log.read_text()
         finally:
             process.kill()
+    # Ctrl-C ends the server at once, with no shutdown of its own (as a kill would): its engine core goes with it
+    assert not any(running(pid) for pid in cores), log.read_text()
 
 
 def test_tls_flags_go_to_uvicorn_together_or_are_refused(tmp_path):

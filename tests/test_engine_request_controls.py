@@ -157,7 +157,7 @@ def test_generation_config_defaults(tmp_path):
 
 
 def test_offline_defaults_come_from_the_engine(llm, monkeypatch):
-    monkeypatch.setattr(llm.engine, "generation_defaults", {"temperature": 0.0, "max_tokens": 3})
+    monkeypatch.setattr(llm.engine.requests, "generation_defaults", {"temperature": 0.0, "max_tokens": 3})
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3)
     (output,) = llm.generate(PROMPT, use_tqdm=False)
     assert len(output.outputs[0].token_ids) <= 3

@@ -507,7 +507,7 @@ class RecordingEngine(FakeEngine):
 
     def __init__(self, generation_defaults: dict):
         super().__init__()
-        self.generation_defaults = generation_defaults
+        self.requests.generation_defaults = generation_defaults
         self.params = []
 
     def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None, cache_salt=None, lora_name=None):

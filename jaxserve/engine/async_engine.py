@@ -16,7 +16,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from jaxserve.engine.llm_engine import LLMEngine, Prompt
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.request_maker import Prompt
 from jaxserve.engine.served_model import ServedModel
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
@@ -104,7 +105,146 @@ class RequestStream:
             self._on_close(self)
 
 
-class AsyncLLMEngine:
+class AsyncEngineBase:
+    """What every async engine the server drives shares (AsyncLLMEngine here, EngineCoreClient over a core process):
+    the request streams on the event loop, back-pressure, failure and the front end's CPU clock. A subclass queues
+    a submitted request (`_queue_add`) and an abort (`_queue_abort`) for its engine, and hands each batch of
+    outputs to `_deliver` on the event loop."""
+
+    def __init__(self, tokenizer, model: ServedModel, max_waiting_requests: int, stream_interval: int,
+                 on_outputs: Callable[[list[RequestOutput]], None] | None, on_step: Callable[[dict, dict], None] | None,
+                 stats: dict):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
+        self.tokenizer = tokenizer  # the event loop's own
+        self.model = model  # what the front end may know of the model
+        self.max_waiting_requests = max_waiting_requests
+        self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._on_close: dict[str, Callable[[], None]] = {}  # request id -> submit's on_close (event loop only)
+        self._num_unstarted = 0  # event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.error: BaseException | None = None
+        self._front_end_clock: int | None = None  # the event loop thread's CPU clock, from `start`
+        self._front_end_cpu_at_start = 0.0  # its reading then
+        self._on_outputs, self._on_step = on_outputs, on_step  # the metrics hooks
+        self._stats = stats  # the engine counters as of the last step
+
+    def set_hooks(self, on_outputs: Callable[[list[RequestOutput]], None] | None,
+                  on_step: Callable[[dict, dict], None] | None) -> None:
+        """Set the metrics hooks (before `start`): `on_outputs(outputs)` with every batch of outputs, the final
+        output of every request among them, and `on_step(before, after)` with the counters around every step."""
+        self._on_outputs, self._on_step = on_outputs, on_step
+
+    def _start_clock(self) -> None:
+        """Note the event loop (call from it) and start the front end's CPU clock."""
+        self._loop = asyncio.get_running_loop()
+        self._front_end_clock = time.pthread_getcpuclockid(threading.get_ident())
+        self._front_end_cpu_at_start = time.clock_gettime(self._front_end_clock)
+
+    def front_end_cpu_s(self) -> float:
+        """CPU seconds of the event loop's thread since `start` (0 before it)."""
+        if self._front_end_clock is None:
+            return 0.0
+        return time.clock_gettime(self._front_end_clock) - self._front_end_cpu_at_start
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine runs and has not failed."""
+        raise NotImplementedError
+
+    def is_sleeping(self) -> bool:
+        """True between `sleep` and `wake_up`."""
+        raise NotImplementedError
+
+    def check_capacity(self, num_requests: int = 1) -> None:
+        """EngineDeadError when the engine is down, EngineOverloadedError when `num_requests` more would
+        exceed max_waiting_requests."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error else "the engine is not running")
+        if self.is_sleeping():
+            raise EngineSleepingError("the engine is asleep (sleep mode): wake it up first (POST /wake_up)")
+        if self._num_unstarted + num_requests > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"{self._num_unstarted} requests are already waiting to start "
+                f"(max_waiting_requests={self.max_waiting_requests}); retry later"
+            )
+
+    def submit(self, request_id: str, made: tuple[str | None, list[Request]],
+               on_close: Callable[[], None] | None = None) -> RequestStream:
+        """Queue a request validated by `make_requests`; returns the stream of its outputs. `on_close()` runs
+        (on the event loop) when the stream closes: finished, aborted or failed."""
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = RequestStream(request_id, self._close_stream)
+        if on_close is not None:
+            self._on_close[request_id] = on_close
+        self._streams[request_id] = stream
+        self._num_unstarted += 1
+        self._queue_add(request_id, made)
+        return stream
+
+    def _queue_add(self, request_id: str, made: tuple[str | None, list[Request]]) -> None:
+        raise NotImplementedError
+
+    def _queue_abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _close_stream(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.request_id, None)
+        on_close = self._on_close.pop(stream.request_id, None)
+        if on_close is not None:
+            on_close()
+        if not stream.started:
+            stream.started = True
+            self._num_unstarted -= 1
+        if not stream.finished:
+            self._queue_abort(stream.request_id)
+
+    def _publish_stats(self, stats: dict) -> None:
+        """Hand the step `stats` closes (if one ran) to on_step, then make `stats` the snapshot `stats()` reads
+        (so a snapshot never runs ahead of the step metrics)."""
+        if self._on_step is not None and any(stats[key] > self._stats[key] for key in STEP_MOVES):
+            try:
+                self._on_step(self._stats, stats)
+            except Exception:  # a metrics hook must not take serving down
+                logger.exception("the on_step hook failed")
+        self._stats = stats
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        """Hand a batch of outputs to on_outputs."""
+        if self._on_outputs is not None:
+            try:
+                self._on_outputs(outputs)
+            except Exception:  # a metrics hook must not take serving down
+                logger.exception("the on_outputs hook failed")
+
+    def stats(self) -> dict:
+        """The engine counters as of the last step (see EngineCore.stats), plus the waiting requests and the CPU
+        seconds the front end (the event loop's thread: HTTP, tokenizing, SSE) has spent since the engine started."""
+        return {**self._stats, "num_requests_unstarted": self._num_unstarted,
+                "front_end_cpu_s": self.front_end_cpu_s()}
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if not stream.started:
+                self._num_unstarted -= 1
+            stream.put(output, self.stream_interval)
+
+    def _fail_stream(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.fail(error)
+
+    def _fail_streams(self, error: BaseException) -> None:
+        for stream in list(self._streams.values()):
+            stream.fail(error)
+
+
+class AsyncLLMEngine(AsyncEngineBase):
     """Serve an LLMEngine to asyncio code.
 
     `on_outputs(outputs)` is called on the engine thread with every batch of outputs it publishes,
@@ -126,35 +266,20 @@ class AsyncLLMEngine:
         stream_interval: int = 1,
         on_step: Callable[[dict, dict], None] | None = None,
     ):
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
-        self.stream_interval = stream_interval
-        self.engine = engine
         # The engine thread detokenizes with engine.tokenizer; the event loop gets its own copy, since a
         # Hugging Face tokenizer may not be used from two threads at once.
-        self.tokenizer = load_tokenizer(engine.config.model_config.tokenizer or engine.model_path)
-        self.model = ServedModel.of(engine)  # what the front end may know of the model
-        self.max_waiting_requests = max_waiting_requests
-        self._on_outputs = on_outputs
-        self._on_step = on_step
+        super().__init__(load_tokenizer(engine.config.model_config.tokenizer or engine.model_path),
+                         ServedModel.of(engine), max_waiting_requests, stream_interval, on_outputs, on_step,
+                         engine.stats())
+        self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # event loop only
-        self._on_close: dict[str, Callable[[], None]] = {}  # request id -> submit's on_close (event loop only)
-        self._num_unstarted = 0  # event loop only
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stats = engine.stats()
-        self.error: BaseException | None = None
-        self._front_end_clock: int | None = None  # the event loop thread's CPU clock, from `start`
-        self._front_end_cpu_at_start = 0.0  # its reading then
 
     # ---- life cycle (event loop) ---------------------------------------------------------------
 
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will read the outputs."""
-        self._loop = asyncio.get_running_loop()
-        self._front_end_clock = time.pthread_getcpuclockid(threading.get_ident())
-        self._front_end_cpu_at_start = time.clock_gettime(self._front_end_clock)
+        self._start_clock()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self._thread.start()
 
@@ -178,18 +303,6 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         """True while the engine thread is alive and has not failed."""
         return self._thread is not None and self._thread.is_alive() and self.error is None
-
-    def stats(self) -> dict:
-        """The engine counters as of the last step (see EngineCore.stats), plus the waiting requests and the CPU
-        seconds the front end (the event loop's thread: HTTP, tokenizing, SSE) has spent since the engine started."""
-        return {**self._stats, "num_requests_unstarted": self._num_unstarted,
-                "front_end_cpu_s": self.front_end_cpu_s()}
-
-    def front_end_cpu_s(self) -> float:
-        """CPU seconds of the event loop's thread since `start` (0 before it)."""
-        if self._front_end_clock is None:
-            return 0.0
-        return time.clock_gettime(self._front_end_clock) - self._front_end_cpu_at_start
 
     # ---- requests (event loop) -----------------------------------------------------------------
 
@@ -254,61 +367,11 @@ class AsyncLLMEngine:
         self._commands.put(("call", function, done))
         return await done
 
-    def check_capacity(self, num_requests: int = 1) -> None:
-        """EngineDeadError when the engine is down, EngineOverloadedError when `num_requests` more would
-        exceed max_waiting_requests."""
-        if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error else "the engine is not running")
-        if self.engine.is_sleeping():
-            raise EngineSleepingError("the engine is asleep (sleep mode): wake it up first (POST /wake_up)")
-        if self._num_unstarted + num_requests > self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"{self._num_unstarted} requests are already waiting to start "
-                f"(max_waiting_requests={self.max_waiting_requests}); retry later"
-            )
-
-    def submit(self, request_id: str, made: tuple[str | None, list[Request]],
-               on_close: Callable[[], None] | None = None) -> RequestStream:
-        """Queue a request validated by `make_requests`; returns the stream of its outputs. `on_close()` runs
-        (on the event loop) when the stream closes: finished, aborted or failed."""
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, self._close_stream)
-        if on_close is not None:
-            self._on_close[request_id] = on_close
-        self._streams[request_id] = stream
-        self._num_unstarted += 1
+    def _queue_add(self, request_id: str, made: tuple[str | None, list[Request]]) -> None:
         self._commands.put(("add", request_id, made))
-        return stream
 
-    def _close_stream(self, stream: RequestStream) -> None:
-        self._streams.pop(stream.request_id, None)
-        on_close = self._on_close.pop(stream.request_id, None)
-        if on_close is not None:
-            on_close()
-        if not stream.started:
-            stream.started = True
-            self._num_unstarted -= 1
-        if not stream.finished:
-            self._commands.put(("abort", stream.request_id))
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if not stream.started:
-                self._num_unstarted -= 1
-            stream.put(output, self.stream_interval)
-
-    def _fail_stream(self, request_id: str, error: BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.fail(error)
-
-    def _fail_streams(self, error: BaseException) -> None:
-        for stream in list(self._streams.values()):
-            stream.fail(error)
+    def _queue_abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
 
     # ---- the engine thread ---------------------------------------------------------------------
 
@@ -353,25 +416,10 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return True
 
-    def _publish_stats(self, stats: dict) -> None:
-        """Hand the step `stats` closes (if one ran) to on_step, then make `stats` the snapshot the event
-        loop reads (so a snapshot never runs ahead of the step metrics)."""
-        if self._on_step is not None and any(stats[key] > self._stats[key] for key in STEP_MOVES):
-            try:
-                self._on_step(self._stats, stats)
-            except Exception:  # a metrics hook must not take serving down
-                logger.exception("the on_step hook failed")
-        self._stats = stats
-
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        if not outputs:
-            return
-        if self._on_outputs is not None:
-            try:
-                self._on_outputs(outputs)
-            except Exception:  # a metrics hook must not take serving down
-                logger.exception("the on_outputs hook failed")
-        self._loop.call_soon_threadsafe(self._deliver, outputs)
+        if outputs:
+            self._observe(outputs)
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
 
 
 def _resolve(future: asyncio.Future, value, error: BaseException | None = None) -> None:

@@ -10,7 +10,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, run_beam_search
-from jaxserve.engine.llm_engine import LLMEngine, Prompt
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.request_maker import Prompt
 from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxserve.pooling.params import PoolingParams

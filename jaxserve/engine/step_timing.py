@@ -14,7 +14,8 @@ import concurrent.futures
 import contextlib
 import time
 
-PHASES = ("schedule", "swap", "build", "dispatch", "wait", "update", "output")  # the host's work in one step
+# The host's work in one step ("send": an engine-core process's messages to its front ends)
+PHASES = ("schedule", "swap", "build", "dispatch", "wait", "update", "output", "send")
 
 
 class StepTiming:

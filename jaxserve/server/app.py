@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 import jaxserve
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from jaxserve.engine.core_client import EngineCoreClient
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.replicas import DataParallelEngine, build_replicas
 from jaxserve.engine.served_model import ServedModel
@@ -41,6 +42,12 @@ from jaxserve.server.tokenization import TokenizationServing
 logger = logging.getLogger("jaxserve")
 
 
+def _metrics(config: ServerConfig, served: ServedModel, replica_stats) -> ServerMetrics:
+    """The server's Prometheus metrics for `served`, reading the engine counters from `replica_stats()`."""
+    return ServerMetrics(config.metrics_prefix, config.served_model_name, replica_stats, served.max_model_len,
+                         cache_config_info(served.kv_cache))
+
+
 @dataclasses.dataclass(frozen=True)
 class Handlers:
     """The route handlers, each over the same engine facade and served names."""
@@ -54,7 +61,7 @@ class Handlers:
     messages: MessagesServing
 
     @classmethod
-    def over(cls, engine: AsyncLLMEngine | DataParallelEngine, config: ServerConfig) -> Handlers:
+    def over(cls, engine: AsyncLLMEngine | DataParallelEngine | EngineCoreClient, config: ServerConfig) -> Handlers:
         """Every handler over `engine`."""
         config.check_reasoning(engine.model.reasoning)
         models = ServedModels(engine, config)
@@ -65,26 +72,30 @@ class Handlers:
                    ResponsesServing(chat, config.max_stored_responses), MessagesServing(chat))
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    """The app serving `engine`; the engine thread runs between the app's startup and shutdown."""
-    served = ServedModel.of(engine)
-    metrics = ServerMetrics(config.metrics_prefix, config.served_model_name, lambda: replica_stats(),
-                            served.max_model_len, cache_config_info(served.kv_cache))
-
-    def serve_async(each: LLMEngine) -> AsyncLLMEngine:
-        return AsyncLLMEngine(each, config.max_waiting_requests, on_outputs=metrics.observe_outputs,
-                              stream_interval=config.stream_interval, on_step=metrics.observe_step)
-
-    if engine.config.parallel_config.data_parallel_size > 1:
-        async_engine = DataParallelEngine(build_replicas(engine, serve_async))
-        replica_stats = async_engine.replica_stats
+def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> FastAPI:
+    """The app serving `engine`: an LLMEngine in this process (its loop on a thread, data-parallel replicas each on
+    theirs), or an engine-core process's client; the engine runs between the app's startup and shutdown."""
+    if isinstance(engine, EngineCoreClient):
+        async_engine = engine
+        metrics = _metrics(config, engine.model, lambda: [async_engine.stats()])
+        engine.set_hooks(on_outputs=metrics.observe_outputs, on_step=metrics.observe_step)
     else:
-        async_engine = serve_async(engine)
-        replica_stats = lambda: [async_engine.stats()]  # noqa: E731
+        metrics = _metrics(config, ServedModel.of(engine), lambda: replica_stats())
+
+        def serve_async(each: LLMEngine) -> AsyncLLMEngine:
+            return AsyncLLMEngine(each, config.max_waiting_requests, on_outputs=metrics.observe_outputs,
+                                  stream_interval=config.stream_interval, on_step=metrics.observe_step)
+
+        if engine.config.parallel_config.data_parallel_size > 1:
+            async_engine = DataParallelEngine(build_replicas(engine, serve_async))
+            replica_stats = async_engine.replica_stats
+        else:
+            async_engine = serve_async(engine)
+            replica_stats = lambda: [async_engine.stats()]  # noqa: E731
+        engine.on_peer_lost(lambda reason: async_engine.fail(EngineDeadError(f"the multi-host launch broke: {reason}")))
     handlers = Handlers.over(async_engine, config)
     logger.info("sampling defaults from the model's generation config, for the fields a request leaves unset: %s",
-                served.generation_defaults or "none")
-    engine.on_peer_lost(lambda reason: async_engine.fail(EngineDeadError(f"the multi-host launch broke: {reason}")))
+                async_engine.model.generation_defaults or "none")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):

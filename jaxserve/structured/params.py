@@ -25,7 +25,7 @@ class StructuredOutputsParams:
 
     json: dict | str | None = None
     regex: str | None = None
-    choice: list[str] | tuple[str, ...] | None = None
+    choice: tuple[str, ...] | None = None  # a list is taken too (kept as a tuple)
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | dict | None = None  # kept as its canonical JSON text

@@ -1,0 +1,362 @@
+"""EngineCoreClient: the async engine the server drives, over an engine-core process (engine/core_process.py).
+
+The front end's half of serving, all on the event loop's thread: it checks and tokenizes requests (its own
+RequestMaker), keeps each sample's copy as the core's deltas bring it up to date, detokenizes and checks stop
+strings (OutputProcessor), and streams. The core process only schedules and steps. Messages go out batched: every
+request submitted, aborted or stopped in one turn of the event loop leaves in one message of each kind.
+
+When the core process ends without being asked to, `is_running` turns False at once (/health answers 503), every
+request still streaming ends with EngineDeadError, pending calls fail, and `on_dead(error)` runs (the server
+stops on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import tempfile
+import weakref
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine.async_engine import AsyncEngineBase, EngineDeadError
+from jaxserve.engine.core_messages import (
+    ENCODER,
+    FROM_CORE,
+    Abort,
+    AddRequests,
+    Call,
+    CallResult,
+    FinishSamples,
+    Hello,
+    NewRequest,
+    Ready,
+    RequestFailed,
+    Shutdown,
+    StepOutputs,
+    apply_delta,
+)
+from jaxserve.engine.core_process import run_engine_core
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.request_maker import Prompt, RequestMaker
+from jaxserve.engine.served_model import ServedModel
+from jaxserve.lora_request import LoRARequest
+from jaxserve.outputs import RequestOutput
+from jaxserve.pooling.params import PoolingParams
+from jaxserve.request import Request
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.structured.params import StructuredOutputsParams
+from jaxserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("jaxserve")
+STOP_TIMEOUT_S = 30.0  # how long a stopping core may take to end before it is killed
+
+
+class EngineCoreClient(AsyncEngineBase):
+    """AsyncLLMEngine's methods over an engine-core process; `launch` starts one and waits until it is ready."""
+
+    def __init__(self, config: EngineConfig, process: multiprocessing.process.BaseProcess, context: zmq.Context,
+                 socket: zmq.Socket, ready: Ready, max_waiting_requests: int, stream_interval: int,
+                 on_outputs: Callable[[list[RequestOutput]], None] | None,
+                 on_step: Callable[[dict, dict], None] | None):
+        tokenizer = load_tokenizer(config.model_config.tokenizer or ready.model_path)
+        # Checked here, placed in the core: the core process builds the requests again under its own LoRA slots
+        # and weights version.
+        self.requests = RequestMaker(config, ready.model_path, tokenizer, ready.facts,
+                                     placement=lambda cache_salt, lora_name: (cache_salt, -1))
+        super().__init__(tokenizer, ServedModel.from_parts(config, ready.model_path, self.requests, ready.kv_cache,
+                                                           ready.loras),
+                         max_waiting_requests, stream_interval, on_outputs, on_step, ready.stats)
+        self.config = config
+        self.process = process
+        self.on_dead: Callable[[BaseException], None] | None = None  # what to do when the core process dies
+        self._context, self._sync_socket = context, socket
+        self._socket: zmq.asyncio.Socket | None = None
+        self._output_processor = OutputProcessor(tokenizer)
+        self._made: weakref.WeakKeyDictionary[Request, NewRequest] = weakref.WeakKeyDictionary()  # first sample ->
+        self._samples: dict[str, Request] = {}  # sample id -> the front end's copy
+        self._children: dict[str, list[str]] = {}  # request id -> its sample ids
+        self._new_requests: list[NewRequest] = []  # this turn of the event loop's messages
+        self._aborts: list[str] = []
+        self._outbox: list = []
+        self._flush_scheduled = False
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._sleeping = False
+        self._stopping = False
+        self._reader: asyncio.Task | None = None
+
+    @classmethod
+    def launch(cls, config: EngineConfig, max_waiting_requests: int = 1024, stream_interval: int = 1,
+               on_outputs: Callable[[list[RequestOutput]], None] | None = None,
+               on_step: Callable[[dict, dict], None] | None = None,
+               make_engine: Callable[[EngineConfig], object] | None = None) -> EngineCoreClient:
+        """Start an engine-core process for `config` (its engine made by `make_engine(config)`, a module-level
+        function, when given) and wait until its engine has started; RuntimeError when the process ends first."""
+        address = f"ipc://{tempfile.mkdtemp(prefix='jaxserve-core-')}/engine.sock"
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, address, logging.getLogger("jaxserve").getEffectiveLevel(),
+                                          make_engine), name="jaxserve-engine-core", daemon=True)
+        process.start()
+        logger.info("engine core process %d started", process.pid)
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.IDENTITY, f"front-end-{os.getpid()}".encode())
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(address)
+        socket.send(ENCODER.encode(Hello()))
+        while not socket.poll(100):
+            if not process.is_alive():
+                socket.close()
+                context.term()
+                raise RuntimeError(f"the engine core process ended while starting (exit code {process.exitcode}); "
+                                   "its log above says why")
+        ready = FROM_CORE.decode(socket.recv())
+        return cls(config, process, context, socket, ready, max_waiting_requests, stream_interval, on_outputs,
+                   on_step)
+
+    # ---- life cycle (event loop) ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start reading the core's messages on this event loop, and watching the process."""
+        self._start_clock()
+        self._socket = zmq.asyncio.Socket.shadow(self._sync_socket.underlying)
+        self._reader = self._loop.create_task(self._read())
+        self._loop.add_reader(self.process.sentinel, self._core_ended)
+
+    async def stop(self) -> None:
+        """Stop the core process (killed after STOP_TIMEOUT_S); requests still running end with EngineDeadError."""
+        if self._socket is None or self._stopping:
+            return
+        self._loop.remove_reader(self.process.sentinel)
+        if self.process.is_alive():
+            self._flush()
+            await self._socket.send(ENCODER.encode(Shutdown()))
+        self._stopping = True
+        await asyncio.get_running_loop().run_in_executor(None, self.process.join, STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            logger.error("the engine core process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
+            self.process.kill()
+            self.process.join()
+        self._reader.cancel()
+        self._end_everything(EngineDeadError("the engine was shut down"))
+        self._socket.close()
+        self._context.term()
+
+    def fail(self, error: BaseException) -> None:
+        """Mark the engine dead (event loop only): every request still streaming ends with `error`."""
+        self.error = error
+        self._end_everything(error)
+
+    @property
+    def is_running(self) -> bool:
+        """True while the core process runs and has not failed."""
+        return self._reader is not None and self.error is None and not self._stopping
+
+    def _core_ended(self) -> None:
+        """The core process has ended unasked: fail everything, then `on_dead`."""
+        self._loop.remove_reader(self.process.sentinel)
+        self.process.join(1.0)
+        error = EngineDeadError(f"the engine core process died (exit code {self.process.exitcode}); no request can "
+                                "run: restart the server")
+        logger.error("%s", error)
+        self.fail(error)
+        if self.on_dead is not None:
+            self.on_dead(error)
+
+    def _end_everything(self, error: BaseException) -> None:
+        self._fail_streams(error)
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+        self._calls.clear()
+
+    # ---- requests (event loop) -----------------------------------------------------------------
+
+    def make_requests(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+        cache_salt: str | None = None, lora_name: str | None = None,
+    ) -> tuple[str | None, list[Request]]:
+        """Validate one request (ValueError when invalid) without queueing it (RequestMaker.make_requests)."""
+        text, children = self.requests.make_requests(request_id, prompt, params, priority, cache_salt=cache_salt,
+                                                     lora_name=lora_name)
+        self._made[children[0]] = NewRequest(request_id, children[0].prompt_token_ids, params, None, "", priority,
+                                             cache_salt, lora_name)
+        return text, children
+
+    def make_pooling_requests(
+        self, request_id: str, prompt: Prompt, params: PoolingParams, priority: int = 0,
+        cache_salt: str | None = None, lora_name: str | None = None, task: str = "embed",
+    ) -> tuple[str | None, list[Request]]:
+        """Validate one pooling request of `task` (ValueError when invalid) without queueing it
+        (RequestMaker.make_pooling_requests)."""
+        params = params or PoolingParams()
+        text, children = self.requests.make_pooling_requests(request_id, prompt, params, priority,
+                                                             cache_salt=cache_salt, lora_name=lora_name, task=task)
+        self._made[children[0]] = NewRequest(request_id, children[0].prompt_token_ids, None, params, task, priority,
+                                             cache_salt, lora_name)
+        return text, children
+
+    async def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
+        """Check that a request's output constraint compiles (ValueError when not), on this process's grammar
+        threads; the core compiles it again for the requests it runs."""
+        await asyncio.wrap_future(self.requests.grammars.submit(constraint))
+
+    def _queue_add(self, request_id: str, made: tuple[str | None, list[Request]]) -> None:
+        text, children = made
+        new = self._made.pop(children[0])
+        if new.request_id != request_id:
+            raise ValueError(f"request {request_id!r} was made as {new.request_id!r}: submit it under that id")
+        self._output_processor.add_request(request_id, text, children)
+        self._children[request_id] = [child.request_id for child in children]
+        for child in children:
+            self._samples[child.request_id] = child
+        self._send(new)
+
+    def _queue_abort(self, request_id: str) -> None:
+        sample_ids = self._forget(request_id)
+        final = self._output_processor.abort(request_id)
+        if final is not None:
+            self._observe([final])
+        if sample_ids:
+            self._send(Abort(sample_ids))
+
+    def _forget(self, request_id: str) -> list[str]:
+        """Drop a request's samples; their ids."""
+        sample_ids = self._children.pop(request_id, [])
+        for sample_id in sample_ids:
+            self._samples.pop(sample_id, None)
+        return sample_ids
+
+    # ---- commands between steps ----------------------------------------------------------------
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached page (between two steps); returns how many were forgotten."""
+        return await self._call("reset_prefix_cache")
+
+    async def update_weights(self, source: str) -> int:
+        """Serve new weights from a folder (between two steps; LLMEngine.update_weights); the weights version."""
+        if not isinstance(source, str):
+            raise ValueError("an engine core process reloads weights from a folder: give its path")
+        return await self._call("update_weights", source)
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the devices' memory (between two steps; LLMEngine.sleep)."""
+        await self._call("sleep", level)
+        self._sleeping = True
+
+    async def wake_up(self) -> None:
+        """Take the devices back (between two steps; LLMEngine.wake_up)."""
+        await self._call("wake_up")
+        self._sleeping = False
+
+    def is_sleeping(self) -> bool:
+        """True between `sleep` and `wake_up`."""
+        return self._sleeping
+
+    async def add_lora(self, lora_request: LoRARequest) -> str:
+        """Load a LoRA adapter into a free slot (between two steps; LLMEngine.add_lora)."""
+        return await self._call("add_lora", {"lora_name": lora_request.lora_name,
+                                             "lora_int_id": lora_request.lora_int_id,
+                                             "lora_path": lora_request.lora_path})
+
+    async def remove_lora(self, name: str) -> None:
+        """Free an adapter's slot (between two steps; LLMEngine.remove_lora)."""
+        await self._call("remove_lora", name)
+
+    async def _call(self, method: str, *args) -> object:
+        """`method(*args)` of the core's engine, between two steps (after the requests submitted before it)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        call_id = next(self._call_ids)
+        done = self._calls[call_id] = self._loop.create_future()
+        self._send(Call(call_id, method, list(args)))
+        return await done
+
+    # ---- messages ------------------------------------------------------------------------------
+
+    def _send(self, message) -> None:
+        """Queue a message; the messages of one turn of the event loop leave together once it has run what is
+        ready, new requests and aborts each batched into one (AddRequests, Abort, then the rest in order)."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+        if isinstance(message, NewRequest):
+            self._new_requests.append(message)
+        elif isinstance(message, Abort):
+            self._aborts.extend(message.sample_ids)
+        else:
+            self._outbox.append(message)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        messages = [AddRequests(self._new_requests)] if self._new_requests else []
+        messages += [Abort(self._aborts)] if self._aborts else []
+        messages += self._outbox
+        self._new_requests, self._aborts, self._outbox = [], [], []
+        if not self._stopping and self.process.is_alive():
+            for message in messages:
+                self._socket.send(ENCODER.encode(message), copy=False)
+
+    async def _read(self) -> None:
+        """Apply the core's messages as they come: every message waiting at once, then the event loop's other tasks
+        (the responses writing what they brought) get their turn (a receive that finds a message waiting does not
+        yield). A front end that falls behind the core so streams several tokens per chunk rather than stalling."""
+        while True:
+            payloads = [await self._socket.recv(copy=False)]
+            while True:
+                try:
+                    payloads.append(self._sync_socket.recv(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    break
+            for payload in payloads:
+                message = FROM_CORE.decode(payload)
+                if isinstance(message, StepOutputs):
+                    self._step_outputs(message)
+                elif isinstance(message, RequestFailed):
+                    self._request_failed(message)
+                elif isinstance(message, CallResult):
+                    self._call_result(message)
+            await asyncio.sleep(0)
+
+    def _step_outputs(self, message: StepOutputs) -> None:
+        """Bring the moved samples' copies up to date, turn them into outputs (text, stop strings), stream them."""
+        changed = []
+        for delta in message.deltas:
+            request = self._samples.get(delta.sample_id)
+            if request is not None:
+                apply_delta(request, delta)
+                changed.append(request)
+        outputs, to_finish = self._output_processor.process(changed)
+        if to_finish:
+            self._send(FinishSamples([sample_id for sample_id, _ in to_finish], [int(s) for _, s in to_finish]))
+        for output in outputs:
+            if output.finished:
+                self._forget(output.request_id)
+        if outputs:
+            self._observe(outputs)
+            self._deliver(outputs)
+        if message.stats is not None:
+            self._publish_stats(message.stats)
+
+    def _request_failed(self, message: RequestFailed) -> None:
+        self._forget(message.request_id)
+        self._output_processor.abort(message.request_id)
+        self._fail_stream(message.request_id, ValueError(message.error))
+
+    def _call_result(self, message: CallResult) -> None:
+        future = self._calls.pop(message.call_id, None)
+        if future is None or future.done():
+            return
+        if message.error is None:
+            future.set_result(message.result)
+        else:
+            future.set_exception((ValueError if message.error_type == "ValueError" else RuntimeError)(message.error))

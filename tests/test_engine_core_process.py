@@ -1,0 +1,241 @@
+"""The engine in an engine-core process of its own (engine/core_process.py), the server over its client
+(engine/core_client.py): the same outputs as the engine in the server's process, a client that leaves gives its pages
+back, calls between steps keep their errors, and a core that dies fails what runs and stops the server (a server
+that dies takes its core with it: tests/test_cli_serve.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+import yaml
+
+from benchmarks.disconnect_soak import child_processes
+from jaxserve.config import EngineConfig
+from jaxserve.engine.core_client import EngineCoreClient
+from jaxserve.engine.core_messages import DeltaCursor, SampleDelta, apply_delta
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.pooling.pooled import PER_TOKEN, PooledPrompt
+from jaxserve.request import Logprob, Request, RequestStatus
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.server.app import build_app
+from jaxserve.server.config import ServerConfig
+from tests.helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR, running_server, small_engine_args
+
+MODEL = "tiny-stdlib-llama"
+
+
+def _config() -> EngineConfig:
+    options = small_engine_args(skip_precompile=True)
+    options.pop("show_progress")
+    return EngineConfig.for_model(None, **options)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """(the URL of a server over an engine-core process, its client, the URL of one over the same engine in
+    process)."""
+    client = EngineCoreClient.launch(_config())
+    with running_server(build_app(client, ServerConfig())) as core_url:
+        with running_server(build_app(LLMEngine(_config(), show_progress=False), ServerConfig())) as thread_url:
+            yield core_url, client, thread_url
+    assert not client.process.is_alive()  # the app's shutdown stopped it
+
+
+REQUESTS = [
+    ("/v1/completions", {"prompt": "def fibonacci(n):", "max_tokens": 12, "temperature": 0, "logprobs": 2,
+                         "echo": True}),
+    ("/v1/completions", {"prompt": "import os\n", "max_tokens": 10, "temperature": 0.8, "seed": 7, "n": 2,
+                         "prompt_logprobs": 1}),
+    ("/v1/completions", {"prompt": "class Stack:", "max_tokens": 8, "temperature": 0.9, "seed": 3, "best_of": 3}),
+    ("/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 40, "temperature": 0, "stop": ["\n\n", "return"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Sort a list"}], "max_tokens": 10,
+                              "temperature": 0, "logprobs": True, "top_logprobs": 2}),
+]
+
+
+def _choices(url: str, route: str, body: dict) -> list:
+    response = httpx.post(f"{url}{route}", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"]
+
+
+@pytest.mark.parametrize("route, body", REQUESTS)
+def test_outputs_equal_the_engine_in_the_servers_process(servers, route, body):
+    core_url, _, thread_url = servers
+    assert _choices(core_url, route, body) == _choices(thread_url, route, body)
+
+
+def _streamed_text(url: str, body: dict) -> str:
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json={"model": MODEL, "stream": True, **body},
+                      timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_a_stream_equals_the_whole_reply(servers):
+    core_url, _, thread_url = servers
+    body = {"prompt": "def parse(line):", "max_tokens": 24, "temperature": 0, "stop": [")\n"]}
+    assert _streamed_text(core_url, body) == _streamed_text(thread_url, body) == _choices(
+        core_url, "/v1/completions", body)[0]["text"]
+
+
+def _settled(client: EngineCoreClient, timeout_s: float = 10.0) -> dict:
+    """The core's counters once nothing runs or waits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.stats()
+        idle = stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+        if idle and stats["kv_pages_free"] == stats["kv_pages_total"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def test_a_client_that_leaves_aborts_its_request_in_the_core_and_its_pages_come_back(servers):
+    core_url, client, _ = servers
+    body = {"model": MODEL, "prompt": "def soak(x):", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{core_url}/v1/completions", json=body, timeout=60) as response:
+        chunks = response.iter_lines()
+        while not next(chunks).startswith("data: {"):
+            pass
+    stats = _settled(client)
+    assert stats["num_requests_running"] == 0 and stats["kv_pages_free"] == stats["kv_pages_total"]
+    assert stats["generation_tokens"] > 0
+
+
+def test_calls_between_steps_keep_their_results_and_errors(servers):
+    core_url, client, _ = servers
+    assert httpx.post(f"{core_url}/reset_prefix_cache").status_code == 200
+
+    async def remove_unknown_adapter():
+        await client.remove_lora("nope")
+
+    with pytest.raises(ValueError, match="no LoRA adapter .nope. is loaded"):
+        asyncio.run_coroutine_threadsafe(remove_unknown_adapter(), client._loop).result(timeout=30)
+    assert client.is_running
+
+
+def test_a_request_the_core_refuses_fails_alone(servers):
+    """The core builds each request again from what the front end checked; one it refuses (here an adapter the
+    front end does not know of, past the server's model check) ends with an error and the engine goes on."""
+    _, client, _ = servers
+
+    async def submit_unknown_adapter():
+        made = client.make_requests("refused", "def f():", SamplingParams(max_tokens=4), lora_name="nope")
+        async for _ in client.submit("refused", made):
+            pass
+
+    with pytest.raises(ValueError, match="nope"):
+        asyncio.run_coroutine_threadsafe(submit_unknown_adapter(), client._loop).result(timeout=30)
+    assert client.is_running and _settled(client)["kv_pages_free"] == client.stats()["kv_pages_total"]
+
+
+# ---- the messages' own round trip ---------------------------------------------------------------------------------
+
+
+def _request(**fields) -> Request:
+    return Request(request_id="r", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(logprobs=1),
+                   eos_token_ids=(0,), seed=0, max_tokens=8, **fields)
+
+
+@pytest.mark.parametrize("pooling_type", ["MEAN", PER_TOKEN])
+def test_deltas_bring_a_front_end_copy_level_with_the_cores_sample(pooling_type):
+    core = _request(prompt_logprobs=[None], pooled=PooledPrompt(pooling_type, True, None))
+    copy = _request(prompt_logprobs=[None], pooled=PooledPrompt(pooling_type, True, None))
+    cursor = DeltaCursor()
+    core.output_token_ids += [5, 6]
+    core.output_logprobs += [{5: Logprob(-0.5, 1), 9: Logprob(-1.5, 2)}, {6: Logprob(-0.25, 1)}]
+    core.prompt_logprobs += [{2: Logprob(-2.0, 3)}]
+    core.pooled.add(np.arange(8, dtype=np.float32).reshape(2, 4), 2)
+    apply_delta(copy, _round_trip(cursor.delta(core)))
+    core.output_token_ids.append(7)
+    core.output_logprobs.append({7: Logprob(-0.125, 1)})
+    core.prompt_logprobs.append({3: Logprob(-1.0, 1)})
+    core.pooled.add(np.ones((1, 4), np.float32), 1)
+    core.status, core.stop_reason, core.num_cached_tokens = RequestStatus.FINISHED_STOPPED, 7, 16
+    apply_delta(copy, _round_trip(cursor.delta(core)))
+    for field in ("output_token_ids", "output_logprobs", "prompt_logprobs", "status", "stop_reason",
+                  "num_cached_tokens"):
+        assert getattr(copy, field) == getattr(core, field), field
+    assert copy.pooled.num_pooled == 3
+    if pooling_type == PER_TOKEN:
+        assert copy.pooled.token_data() == core.pooled.token_data()
+    else:
+        assert copy.pooled.embedding() == core.pooled.embedding()
+
+
+def _round_trip(delta: SampleDelta) -> SampleDelta:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(delta), type=SampleDelta)
+
+
+# ---- failures, through `jaxserve serve` ---------------------------------------------------------------------------
+
+
+def _serve(tmp_path, name: str) -> tuple[subprocess.Popen, str, str]:
+    """A `jaxserve serve` of the test shapes, its engine in a core process; (the process, its URL, its log path)."""
+    options = small_engine_args()
+    options.pop("show_progress")
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(options))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path / f"{name}.log"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
+    with open(log, "w") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--config", str(config), "--port",
+                                    str(port), "--compilation-cache-dir", TEST_CACHE_DIR, "--skip-precompile"],
+                                   stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return process, url, log
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+def _core_pid(server: subprocess.Popen) -> int:
+    """The engine core's process id: the server's child named so."""
+    for pid in child_processes(server.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"multiprocessing.resource_tracker" not in f.read():
+                return pid
+    raise AssertionError("the server has no engine core process")
+
+
+def test_a_core_that_dies_fails_every_request_turns_health_503_and_stops_the_server(tmp_path):
+    server, url, log = _serve(tmp_path, "core_dies")
+    try:
+        core = _core_pid(server)
+        body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass
+            os.kill(core, signal.SIGKILL)
+            killed = time.monotonic()
+            while httpx.get(f"{url}/health").status_code != 503:
+                assert time.monotonic() - killed < 1.0, "/health still answers 200 a second after the core died"
+                time.sleep(0.02)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and "engine core process died" in events[-2], events[-3:]
+        assert server.wait(timeout=30) == 1
+        assert "jaxserve serve: the engine core process died (exit code -9)" in log.read_text()
+    finally:
+        server.kill()
