@@ -4,8 +4,10 @@ Every process must run the same executables with the same inputs in the same ord
 Before each device call it sends the call (which runner, which method, its numpy arguments: the step's padded
 batch and sampling inputs) to every follower over one TCP connection each, and the followers make the same call
 on their own runner. The leader listens on a free port of its host and publishes the address in JAX's distributed
-key-value store, so the launch needs no port besides the coordinator's. Messages are length-prefixed pickles: the
-followers trust the leader, as every process of one launch runs the same code (keep the hosts' network private).
+key-value store, so the launch needs no port besides the coordinator's. Messages are length-prefixed MessagePack
+(distributed/wire.py: numpy arrays and jaxserve's dataclasses as extension types), never pickles: whatever connects
+to a follower's channel can at worst send it a bad step, never make it run code. (A raw TCP connection rather than
+ZeroMQ, which the engine-core process uses: a peer that dies closes it, and both sides know at once.)
 
 A process that dies closes its connections, so the other side knows at once (a collective with a dead peer would
 wait forever): the leader's watcher thread reports a lost follower, a follower's `receive` a lost leader.
@@ -14,7 +16,6 @@ wait forever): the leader's watcher thread reports a lost follower, a follower's
 from __future__ import annotations
 
 import logging
-import pickle
 import select
 import socket
 import struct
@@ -39,6 +40,9 @@ class LeaderChannel:
     """The leader's end: one connection to each follower, accepted at start-up."""
 
     def __init__(self, group: ProcessGroup, timeout_s: float):
+        from jaxserve.distributed import wire  # msgspec: imported by multi-host launches only
+
+        self._wire = wire
         self.lost: str | None = None  # why the launch broke, once it has
         self._on_lost: list[Callable[[str], None]] = []
         self._closing = False
@@ -72,7 +76,7 @@ class LeaderChannel:
         """Hand one message to every follower; PeerLost once one has gone."""
         if self.lost is not None:
             raise PeerLost(self.lost)
-        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = self._wire.encode(message)
         frame = _HEADER.pack(len(payload)) + payload
         for process_id, connection in self._followers.items():
             try:
@@ -129,6 +133,9 @@ class FollowerChannel:
     """A follower's end: the connection to the leader."""
 
     def __init__(self, group: ProcessGroup, timeout_s: float):
+        from jaxserve.distributed import wire  # msgspec: imported by multi-host launches only
+
+        self._wire = wire
         client = jax_distributed.global_state.client
         address = client.blocking_key_value_get(ADDRESS_KEY, int(timeout_s * 1000))
         host, _, port = address.rpartition(":")
@@ -141,7 +148,7 @@ class FollowerChannel:
         """The leader's next message; PeerLost when the leader has gone without saying stop."""
         try:
             (size,) = _HEADER.unpack(_receive_exactly(self._connection, _HEADER.size))
-            return pickle.loads(_receive_exactly(self._connection, size))
+            return self._wire.decode(_receive_exactly(self._connection, size))
         except (OSError, EOFError) as error:
             raise PeerLost(f"the leader is gone ({error or 'its connection closed'})") from error
 

@@ -57,7 +57,7 @@ def follow(runners: dict, channel: FollowerChannel) -> None:
     forward = None  # this process's half-dispatched step (dispatch_forward), for the dispatch_sampler after it
     while True:
         message = channel.receive()
-        if message == STOP:
+        if tuple(message) == STOP:  # (a list once decoded)
             return
         name, method, args, kwargs = message
         if method == "dispatch_forward":
