@@ -42,8 +42,10 @@ MAX_MODEL_LEN = 512  # a page-rounded room for the prompt and the output
 
 
 def fake_engine(config: EngineConfig) -> LLMEngine:
-    """An LLMEngine of `config` over a FakeRunner (the engine-core process's `make_engine`)."""
-    corpus = corpus_token_ids(load_tokenizer(default_model_path()), 200_000)
+    """An LLMEngine of `config` over a FakeRunner (the engine-core process's `make_engine`), its samples drawn from a
+    text of as many tokens as its rows stream (the draws wrap around it)."""
+    rows = config.scheduler_config.max_num_seqs
+    corpus = corpus_token_ids(load_tokenizer(default_model_path()), min(rows * (PROMPT_LEN + OUTPUT_LEN), 200_000))
     with mock.patch.object(core_builder, "Runner", functools.partial(FakeRunner, corpus)):
         return LLMEngine(config, show_progress=False)
 

@@ -84,6 +84,15 @@ def _tool_call_parser(args: argparse.Namespace) -> str | None:
 
 def serve(args: argparse.Namespace) -> int:
     """Load the engine (compiling every step shape), then serve HTTP until interrupted."""
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    if args.api_server_count > 1 and args.engine_in_process:
+        raise ValueError("--api-server-count > 1 needs the engine in engine-core processes: drop --engine-in-process")
+    metrics_folder = None
+    if args.api_server_count > 1:  # before prometheus-client is imported (server/front_ends.py)
+        from jaxserve.server.front_ends import prepare_metrics
+
+        metrics_folder = prepare_metrics()
     try:
         import uvicorn
 
@@ -114,6 +123,12 @@ def serve(args: argparse.Namespace) -> int:
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
         max_stored_responses=args.max_stored_responses, enable_weight_updates=args.enable_weight_updates,
     )
+    sleeps = engine_config.model_config.enable_sleep_mode
+    if args.api_server_count > 1 and (server_config.allow_runtime_lora_updating or sleeps):
+        # each front end knows only what was asked of it: the adapters loaded through it, whether it put the engine
+        # to sleep
+        raise ValueError("--api-server-count > 1 cannot serve runtime LoRA loading or sleep mode yet: use one front "
+                         "end (--api-server-count 1) with --allow-runtime-lora-updating or --enable-sleep-mode")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     engine = _serving_engine(engine_config, server_config, args.engine_in_process)
     app = build_app(engine, server_config)
@@ -125,19 +140,29 @@ def serve(args: argparse.Namespace) -> int:
         server_config.host, server_config.port, args.root_path,
         model.max_model_len, model.kv_cache.num_pages, engine_config.cache_config.page_size,
         engine_config.scheduler_config.max_num_seqs, engine_config.parallel_config.tensor_parallel_size,
-        "in this process" if isinstance(engine, LLMEngine) else f"core process {engine.process.pid}",
+        "in this process" if isinstance(engine, LLMEngine) else
+        f"core process {', '.join(str(client.process.pid) for client in getattr(engine, 'replicas', [engine]))}",
         "required" if server_config.api_key else "off",
     )
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, **listen)
     server = _server_class(uvicorn)(config)
+    sockets = None
+    if metrics_folder is not None:
+        from jaxserve.server.front_ends import FrontEnds, core_addresses, listening_socket
+
+        sockets = [listening_socket(server_config.host, server_config.port)]
+        front_ends = FrontEnds(args.api_server_count - 1, engine_config, server_config, core_addresses(engine), listen,
+                               args.log_level, metrics_folder)
+        server.before_shutdown = front_ends.stop  # the other front ends finish their responses before the cores stop
     if not isinstance(engine, LLMEngine):
         def core_died(error: BaseException) -> None:
             # /health answers 503 meanwhile; the responses in flight end with the error
             asyncio.get_running_loop().call_later(CORE_DEATH_GRACE_S, setattr, server, "should_exit", True)
 
-        engine.on_dead = core_died
-    server.run()
+        for client in getattr(engine, "replicas", [engine]):
+            client.on_dead = core_died
+    server.run(sockets=sockets)
     error = app.state.async_engine.error
     if error is not None and not isinstance(engine, LLMEngine):
         print(f"jaxserve serve: {error}", file=sys.stderr)
@@ -146,17 +171,19 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _serving_engine(engine_config: EngineConfig, server_config, in_process: bool):
-    """The engine `serve` runs: an engine-core process's client (the default), or an LLMEngine in this process
-    (--engine-in-process, data parallelism and multi-host launches)."""
-    parallel = engine_config.parallel_config
-    if not in_process and (parallel.data_parallel_size > 1 or parallel.num_processes > 1):
-        logging.getLogger("jaxserve").info("data parallelism and multi-host launches run the engine in this process")
+    """The engine `serve` runs: engine-core processes' clients (the default; one per data-parallel replica), or an
+    LLMEngine in this process (--engine-in-process, and multi-host launches)."""
+    if not in_process and engine_config.parallel_config.num_processes > 1:
+        logging.getLogger("jaxserve").info("a multi-host launch runs the engine in this process")
         in_process = True
     if in_process:
         return LLMEngine(engine_config, show_progress=sys.stderr.isatty())  # no progress bars in server logs
     from jaxserve.engine.core_client import EngineCoreClient
+    from jaxserve.engine.replicas import DataParallelEngine
 
-    return EngineCoreClient.launch(engine_config, server_config.max_waiting_requests, server_config.stream_interval)
+    clients = EngineCoreClient.launch_replicas(engine_config, engine_config.parallel_config.data_parallel_size,
+                                               server_config.max_waiting_requests, server_config.stream_interval)
+    return clients[0] if len(clients) == 1 else DataParallelEngine(clients)
 
 
 def _server_class(uvicorn):
@@ -165,6 +192,13 @@ def _server_class(uvicorn):
     ends the process at once (jaxserve/console.py)."""
 
     class Server(uvicorn.Server):
+        before_shutdown = None  # a blocking call to make (on a thread) before the app shuts down
+
+        async def shutdown(self, sockets=None):
+            if self.before_shutdown is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.before_shutdown)
+            await super().shutdown(sockets)
+
         @contextlib.contextmanager
         def capture_signals(self):
             kept = signal.getsignal(signal.SIGINT)
@@ -219,6 +253,9 @@ def _add_server_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--engine-in-process", action="store_true",
                      help="run the engine on a thread of the server's process instead of in an engine-core process "
                           "of its own (data parallelism and multi-host launches always run it in process)")
+    srv.add_argument("--api-server-count", type=int, default=1,
+                     help="front-end processes serving HTTP on the port (tokenizing, detokenizing, streaming) over the "
+                          "same engine-core processes: more for many streams on a host with the cores to spare")
     srv.add_argument("--max-waiting-requests", type=int, default=1024,
                      help="requests accepted but not started before the server answers 503 with Retry-After")
     srv.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt) a request may ask for")

@@ -1,6 +1,6 @@
 """Data-parallel replicas (`data_parallel_size: 2`) behind one server, in this process over two of the simulated
 CPU devices: the same tokens as one replica, the load split evenly on a uniform workload, requests sharing a
-prefix kept on one replica, and the engine metrics per replica."""
+prefix kept on one replica, and the engine metrics per replica; and the same replicas as engine-core processes."""
 
 import concurrent.futures
 
@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
 from jaxserve.config import EngineConfig
-from jaxserve.engine.replicas import ROUTED_PREFIX_PAGES, ReplicaRouter
+from jaxserve.engine.core_client import EngineCoreClient
+from jaxserve.engine.replicas import ROUTED_PREFIX_PAGES, DataParallelEngine, ReplicaRouter
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
@@ -75,6 +76,24 @@ def test_replicas_give_one_replicas_tokens_and_share_the_load(server):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:  # and concurrent single requests: the same tokens
         singles = list(pool.map(lambda prompt: _complete(url, prompt), PROMPTS[:4]))
     assert [choice["token_ids"] for choice in singles] == [o.outputs[0].token_ids for o in one[:4]]
+
+
+def test_replicas_in_engine_core_processes_give_the_same_tokens_and_share_the_load(server):
+    """`jaxserve serve`'s default layout: each replica an engine-core process over its own device."""
+    url, _ = server
+    options = small_engine_args()
+    options.pop("show_progress")
+    clients = EngineCoreClient.launch_replicas(EngineConfig.for_model(None, data_parallel_size=2, **options), 2)
+    with running_server(build_app(DataParallelEngine(clients), ServerConfig(served_model_name="tiny"))) as core_url:
+        body = {"model": "tiny", "prompt": PROMPTS, "return_token_ids": True, **GREEDY}
+        answers = [httpx.post(f"{each}/v1/completions", json=body, timeout=120) for each in (url, core_url)]
+        assert [a.status_code for a in answers] == [200, 200], answers[1].text
+        in_process, in_cores = (sorted(a.json()["choices"], key=lambda c: c["index"]) for a in answers)
+        assert [c["token_ids"] for c in in_cores] == [c["token_ids"] for c in in_process]
+        metrics = _engine_metrics(core_url)
+        moved = [metrics[("jaxserve:generation_tokens_total", replica)] for replica in ("0", "1")]
+        assert sum(moved) == len(PROMPTS) * GREEDY["max_tokens"] and min(moved) > 0, moved
+    assert not any(client.process.is_alive() for client in clients)  # the app's shutdown stopped each core
 
 
 def test_metrics_carry_each_replicas_engine_state(server):

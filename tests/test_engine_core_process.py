@@ -1,11 +1,13 @@
 """The engine in an engine-core process of its own (engine/core_process.py), the server over its client
 (engine/core_client.py): the same outputs as the engine in the server's process, a client that leaves gives its pages
-back, calls between steps keep their errors, and a core that dies fails what runs and stops the server (a server
-that dies takes its core with it: tests/test_cli_serve.py)."""
+back, calls between steps keep their errors; several front ends (`--api-server-count`) share the port and the core,
+one that dies is replaced while its requests are aborted in the core, and a core that dies fails what runs and stops
+the server (a server that dies takes its core with it: tests/test_cli_serve.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import signal
@@ -20,8 +22,9 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks.disconnect_soak import child_processes
+from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.config import EngineConfig
+from jaxserve.engine.async_engine import EngineOverloadedError
 from jaxserve.engine.core_client import EngineCoreClient
 from jaxserve.engine.core_messages import DeltaCursor, SampleDelta, apply_delta
 from jaxserve.engine.llm_engine import LLMEngine
@@ -128,6 +131,18 @@ def test_calls_between_steps_keep_their_results_and_errors(servers):
     assert client.is_running
 
 
+def test_back_pressure_counts_the_requests_the_core_has_not_started(servers):
+    core_url, client, _ = servers
+    with pytest.raises(EngineOverloadedError, match="retry later"):
+        client.check_capacity(client.max_waiting_requests + 1)
+    limit, client.max_waiting_requests = client.max_waiting_requests, 0  # every request now waits too many
+    try:
+        response = httpx.post(f"{core_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    finally:
+        client.max_waiting_requests = limit
+    assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+
+
 def test_a_request_the_core_refuses_fails_alone(servers):
     """The core builds each request again from what the front end checked; one it refuses (here an adapter the
     front end does not know of, past the server's model check) ends with an error and the engine goes on."""
@@ -184,8 +199,9 @@ def _round_trip(delta: SampleDelta) -> SampleDelta:
 # ---- failures, through `jaxserve serve` ---------------------------------------------------------------------------
 
 
-def _serve(tmp_path, name: str) -> tuple[subprocess.Popen, str, str]:
-    """A `jaxserve serve` of the test shapes, its engine in a core process; (the process, its URL, its log path)."""
+def _serve(tmp_path, name: str, *flags: str) -> tuple[subprocess.Popen, str, str]:
+    """A `jaxserve serve` of the test shapes, its engine in a core process, with `flags`; (the process, its URL, its
+    log path)."""
     options = small_engine_args()
     options.pop("show_progress")
     config = tmp_path / f"{name}.yaml"
@@ -197,7 +213,7 @@ def _serve(tmp_path, name: str) -> tuple[subprocess.Popen, str, str]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
     with open(log, "w") as log_file:
         process = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--config", str(config), "--port",
-                                    str(port), "--compilation-cache-dir", TEST_CACHE_DIR, "--skip-precompile"],
+                                    str(port), "--compilation-cache-dir", TEST_CACHE_DIR, "--skip-precompile", *flags],
                                    stdout=log_file, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -219,23 +235,82 @@ def _core_pid(server: subprocess.Popen) -> int:
     raise AssertionError("the server has no engine core process")
 
 
-def test_a_core_that_dies_fails_every_request_turns_health_503_and_stops_the_server(tmp_path):
-    server, url, log = _serve(tmp_path, "core_dies")
+def _wait_for_line(log, text: str, server: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Wait until the server's log has `text`."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text():
+        assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def _kill_the_core_mid_stream(server: subprocess.Popen, url: str, log) -> None:
+    """Kill the engine core while a request streams: the stream ends with an error event, /health answers 503
+    within a second, and the server exits with status 1 saying why."""
+    core = _core_pid(server)
+    body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+        os.kill(core, signal.SIGKILL)
+        killed = time.monotonic()
+        while httpx.get(f"{url}/health").status_code != 503:
+            assert time.monotonic() - killed < 1.0, "/health still answers 200 a second after the core died"
+            time.sleep(0.02)
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "engine core process died" in events[-2], events[-3:]
+    assert server.wait(timeout=30) == 1
+    assert "jaxserve serve: the engine core process died (exit code -9)" in log.read_text()
+
+
+def _metric(url: str, name: str) -> float:
+    """The sum of a metric's samples on /metrics."""
+    text = httpx.get(f"{url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"jaxserve:{name}"))
+
+
+def _stream_until_done_or_broken(url: str, body: dict) -> bool:
+    """Stream a completion to its end; False when its connection broke first."""
     try:
-        core = _core_pid(server)
-        body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 100, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
-            lines = response.iter_lines()
-            while not next(lines).startswith("data: {"):
-                pass
-            os.kill(core, signal.SIGKILL)
-            killed = time.monotonic()
-            while httpx.get(f"{url}/health").status_code != 503:
-                assert time.monotonic() - killed < 1.0, "/health still answers 200 a second after the core died"
-                time.sleep(0.02)
-            events = [line for line in lines if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and "engine core process died" in events[-2], events[-3:]
-        assert server.wait(timeout=30) == 1
-        assert "jaxserve serve: the engine core process died (exit code -9)" in log.read_text()
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            return any(line == "data: [DONE]" for line in response.iter_lines())
+    except httpx.TransportError:
+        return False
+
+
+def test_front_ends_share_the_port_and_the_cores_one_that_dies_is_replaced_and_a_dead_core_stops_them(tmp_path):
+    server, url, log = _serve(tmp_path, "front_ends", "--api-server-count", "2")
+    try:
+        first = [int(line.rsplit(" ", 2)[1]) for line in log.read_text().splitlines()
+                 if "front end process" in line and line.endswith("started")]
+        assert len(first) == 1, log.read_text()
+        _wait_for_line(log, f"Started server process [{first[0]}]", server)  # the second front end serves too
+        body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
+        answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=60) for _ in range(8)]
+        assert [a.status_code for a in answers] == [200] * 8
+        assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
+        # every scrape, whichever front end answers it, counts the requests of both
+        assert [_metric(url, "request_success_total") for _ in range(4)] == [8.0] * 4
+        long = {"model": MODEL, "prompt": "def g(x):", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:  # (on the one that lives: all but 1 in 1024 times)
+            streams = [pool.submit(_stream_until_done_or_broken, url, long) for _ in range(10)]
+            time.sleep(0.5)
+            os.kill(first[0], signal.SIGKILL)
+            ended = [stream.result(timeout=60) for stream in streams]
+        assert any(ended), "no stream was on the front end that lived"
+        if not all(ended):  # some were on the one that died: the core aborted them
+            _wait_for_line(log, f"front end front-end-{first[0]} has gone;", server)
+        deadline = time.monotonic() + 20
+        while _metric(url, "num_requests_running") or _metric(url, "kv_cache_usage_perc"):
+            assert time.monotonic() < deadline, "the dead front end's requests still run in the core"
+            time.sleep(0.1)
+        while "starting another" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert all(httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200 for _ in range(4))
+        children = child_processes(server.pid)
+        _kill_the_core_mid_stream(server, url, log)
     finally:
         server.kill()
+    assert not any(running(pid) for pid in children), log.read_text()  # the front ends went with the server

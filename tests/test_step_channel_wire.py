@@ -41,3 +41,12 @@ def test_what_a_stray_connection_could_send_is_refused():
             decode(msgspec.msgpack.encode(payload))
     with pytest.raises(WireError, match="cannot send a"):
         encode(object())
+
+
+def test_the_encoding_benchmark_measures_both_encodings():
+    from benchmarks.step_channel_encoding import main
+
+    result = main()
+    assert set(result) == {"pickle", "msgpack"}
+    assert all(figures["bytes"] > 0 and figures["encode_us"] > 0 and figures["decode_us"] > 0
+               for figures in result.values())

@@ -13,10 +13,12 @@ stops on it).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
 import os
+import shutil
 import tempfile
 import weakref
 from collections.abc import Callable
@@ -30,6 +32,7 @@ from jaxserve.engine.core_messages import (
     ENCODER,
     FROM_CORE,
     Abort,
+    Ack,
     AddRequests,
     Call,
     CallResult,
@@ -42,12 +45,11 @@ from jaxserve.engine.core_messages import (
     StepOutputs,
     apply_delta,
 )
-from jaxserve.engine.core_process import run_engine_core
+from jaxserve.engine.core_process import front_end_identity, process_alive, run_engine_core
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request_maker import Prompt, RequestMaker
 from jaxserve.engine.served_model import ServedModel
 from jaxserve.lora_request import LoRARequest
-from jaxserve.outputs import RequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.request import Request
 from jaxserve.sampling_params import SamplingParams
@@ -58,13 +60,45 @@ logger = logging.getLogger("jaxserve")
 STOP_TIMEOUT_S = 30.0  # how long a stopping core may take to end before it is killed
 
 
+# The arguments each made request was built from, by its first sample, until it is submitted (or dropped): any client
+# of this process may submit it (data-parallel replicas' requests are all made by replica 0's).
+_MADE: weakref.WeakKeyDictionary[Request, NewRequest] = weakref.WeakKeyDictionary()
+
+
+@dataclasses.dataclass
+class CoreAddress:
+    """Where an engine-core process listens, and its process id (what another front end needs to join it)."""
+
+    address: str
+    pid: int
+
+
+@dataclasses.dataclass
+class _Connection:
+    """A front end's end of an engine-core process: the core, our socket, and the process and its socket's folder
+    when this front end started it (their owner)."""
+
+    core: CoreAddress
+    context: zmq.Context
+    socket: zmq.Socket
+    process: multiprocessing.process.BaseProcess | None = None
+    folder: str | None = None
+
+    def core_alive(self) -> bool:
+        return self.process.is_alive() if self.process is not None else process_alive(self.core.pid)
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class EngineCoreClient(AsyncEngineBase):
     """AsyncLLMEngine's methods over an engine-core process; `launch` starts one and waits until it is ready."""
 
-    def __init__(self, config: EngineConfig, process: multiprocessing.process.BaseProcess, context: zmq.Context,
-                 socket: zmq.Socket, ready: Ready, max_waiting_requests: int, stream_interval: int,
-                 on_outputs: Callable[[list[RequestOutput]], None] | None,
-                 on_step: Callable[[dict, dict], None] | None):
+    def __init__(self, config: EngineConfig, connection: _Connection, ready: Ready, max_waiting_requests: int,
+                 stream_interval: int):
         tokenizer = load_tokenizer(config.model_config.tokenizer or ready.model_path)
         # Checked here, placed in the core: the core process builds the requests again under its own LoRA slots
         # and weights version.
@@ -72,14 +106,16 @@ class EngineCoreClient(AsyncEngineBase):
                                      placement=lambda cache_salt, lora_name: (cache_salt, -1))
         super().__init__(tokenizer, ServedModel.from_parts(config, ready.model_path, self.requests, ready.kv_cache,
                                                            ready.loras),
-                         max_waiting_requests, stream_interval, on_outputs, on_step, ready.stats)
+                         max_waiting_requests, stream_interval, None, None, ready.stats)
         self.config = config
-        self.process = process
+        self.core = connection.core
+        self.process = connection.process  # when this front end started the core (None when it joined one)
         self.on_dead: Callable[[BaseException], None] | None = None  # what to do when the core process dies
-        self._context, self._sync_socket = context, socket
+        self._connection = connection
+        self._sync_socket = connection.socket
+        self._core_watch: int | None = None  # a pidfd of the core's process: readable once it has ended
         self._socket: zmq.asyncio.Socket | None = None
         self._output_processor = OutputProcessor(tokenizer)
-        self._made: weakref.WeakKeyDictionary[Request, NewRequest] = weakref.WeakKeyDictionary()  # first sample ->
         self._samples: dict[str, Request] = {}  # sample id -> the front end's copy
         self._children: dict[str, list[str]] = {}  # request id -> its sample ids
         self._new_requests: list[NewRequest] = []  # this turn of the event loop's messages
@@ -94,62 +130,72 @@ class EngineCoreClient(AsyncEngineBase):
 
     @classmethod
     def launch(cls, config: EngineConfig, max_waiting_requests: int = 1024, stream_interval: int = 1,
-               on_outputs: Callable[[list[RequestOutput]], None] | None = None,
-               on_step: Callable[[dict, dict], None] | None = None,
                make_engine: Callable[[EngineConfig], object] | None = None) -> EngineCoreClient:
         """Start an engine-core process for `config` (its engine made by `make_engine(config)`, a module-level
         function, when given) and wait until its engine has started; RuntimeError when the process ends first."""
-        address = f"ipc://{tempfile.mkdtemp(prefix='jaxserve-core-')}/engine.sock"
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, address, logging.getLogger("jaxserve").getEffectiveLevel(),
-                                          make_engine), name="jaxserve-engine-core", daemon=True)
-        process.start()
-        logger.info("engine core process %d started", process.pid)
-        context = zmq.Context()
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, f"front-end-{os.getpid()}".encode())
-        socket.setsockopt(zmq.SNDHWM, 0)
-        socket.setsockopt(zmq.RCVHWM, 0)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(address)
-        socket.send(ENCODER.encode(Hello()))
-        while not socket.poll(100):
-            if not process.is_alive():
-                socket.close()
-                context.term()
-                raise RuntimeError(f"the engine core process ended while starting (exit code {process.exitcode}); "
-                                   "its log above says why")
-        ready = FROM_CORE.decode(socket.recv())
-        return cls(config, process, context, socket, ready, max_waiting_requests, stream_interval, on_outputs,
-                   on_step)
+        (client,) = cls.launch_replicas(config, 1, max_waiting_requests, stream_interval, make_engine)
+        return client
+
+    @classmethod
+    def launch_replicas(cls, config: EngineConfig, count: int, max_waiting_requests: int = 1024,
+                        stream_interval: int = 1, make_engine: Callable[[EngineConfig], object] | None = None
+                        ) -> list[EngineCoreClient]:
+        """Start `count` engine-core processes for `config` at once, replica i over the devices from
+        i * tensor_parallel_size on (data parallelism), and wait until every one is ready (`launch`)."""
+        tp = config.parallel_config.tensor_parallel_size
+        started = [_start(config, replica * tp, make_engine) for replica in range(count)]
+        try:
+            return [cls(config, each, _wait_ready(each), max_waiting_requests, stream_interval) for each in started]
+        except BaseException:
+            for each in started:
+                each.process.kill()
+            raise
+
+    @classmethod
+    def join(cls, config: EngineConfig, core: CoreAddress, max_waiting_requests: int = 1024,
+             stream_interval: int = 1) -> EngineCoreClient:
+        """A client of an engine-core process another front end started (`--api-server-count`), once it is ready;
+        RuntimeError when the process has ended."""
+        return cls(config, *_connected(core), max_waiting_requests, stream_interval)
 
     # ---- life cycle (event loop) ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Start reading the core's messages on this event loop, and watching the process."""
+        """Start reading the core's messages on this event loop, and watching the core's process."""
         self._start_clock()
         self._socket = zmq.asyncio.Socket.shadow(self._sync_socket.underlying)
         self._reader = self._loop.create_task(self._read())
-        self._loop.add_reader(self.process.sentinel, self._core_ended)
+        self._core_watch = os.pidfd_open(self.core.pid)
+        self._loop.add_reader(self._core_watch, self._core_ended)
 
     async def stop(self) -> None:
-        """Stop the core process (killed after STOP_TIMEOUT_S); requests still running end with EngineDeadError."""
+        """Stop: the core process this front end started (killed after STOP_TIMEOUT_S), or this front end's requests
+        in a core it joined; requests still running here end with EngineDeadError."""
         if self._socket is None or self._stopping:
             return
-        self._loop.remove_reader(self.process.sentinel)
-        if self.process.is_alive():
+        self._unwatch()
+        if self._connection.core_alive():
             self._flush()
-            await self._socket.send(ENCODER.encode(Shutdown()))
+            if self.process is None:
+                await self._socket.send(ENCODER.encode(Abort(list(self._samples))))
+            else:
+                await self._socket.send(ENCODER.encode(Shutdown()))
         self._stopping = True
-        await asyncio.get_running_loop().run_in_executor(None, self.process.join, STOP_TIMEOUT_S)
-        if self.process.is_alive():
-            logger.error("the engine core process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
-            self.process.kill()
-            self.process.join()
+        if self.process is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.process.join, STOP_TIMEOUT_S)
+            if self.process.is_alive():
+                logger.error("the engine core process did not stop in %.0f s; killing it", STOP_TIMEOUT_S)
+                self.process.kill()
+                self.process.join()
         self._reader.cancel()
         self._end_everything(EngineDeadError("the engine was shut down"))
-        self._socket.close()
-        self._context.term()
+        self._connection.close()
+
+    def _unwatch(self) -> None:
+        if self._core_watch is not None:
+            self._loop.remove_reader(self._core_watch)
+            os.close(self._core_watch)
+            self._core_watch = None
 
     def fail(self, error: BaseException) -> None:
         """Mark the engine dead (event loop only): every request still streaming ends with `error`."""
@@ -163,10 +209,13 @@ class EngineCoreClient(AsyncEngineBase):
 
     def _core_ended(self) -> None:
         """The core process has ended unasked: fail everything, then `on_dead`."""
-        self._loop.remove_reader(self.process.sentinel)
-        self.process.join(1.0)
-        error = EngineDeadError(f"the engine core process died (exit code {self.process.exitcode}); no request can "
-                                "run: restart the server")
+        self._unwatch()
+        if self.process is not None:
+            self.process.join(1.0)
+            how = f"exit code {self.process.exitcode}"
+        else:
+            how = f"process {self.core.pid}"
+        error = EngineDeadError(f"the engine core process died ({how}); no request can run: restart the server")
         logger.error("%s", error)
         self.fail(error)
         if self.on_dead is not None:
@@ -188,8 +237,8 @@ class EngineCoreClient(AsyncEngineBase):
         """Validate one request (ValueError when invalid) without queueing it (RequestMaker.make_requests)."""
         text, children = self.requests.make_requests(request_id, prompt, params, priority, cache_salt=cache_salt,
                                                      lora_name=lora_name)
-        self._made[children[0]] = NewRequest(request_id, children[0].prompt_token_ids, params, None, "", priority,
-                                             cache_salt, lora_name)
+        _MADE[children[0]] = NewRequest(request_id, children[0].prompt_token_ids, params, None, "", priority,
+                                        cache_salt, lora_name)
         return text, children
 
     def make_pooling_requests(
@@ -201,8 +250,8 @@ class EngineCoreClient(AsyncEngineBase):
         params = params or PoolingParams()
         text, children = self.requests.make_pooling_requests(request_id, prompt, params, priority,
                                                              cache_salt=cache_salt, lora_name=lora_name, task=task)
-        self._made[children[0]] = NewRequest(request_id, children[0].prompt_token_ids, None, params, task, priority,
-                                             cache_salt, lora_name)
+        _MADE[children[0]] = NewRequest(request_id, children[0].prompt_token_ids, None, params, task, priority,
+                                        cache_salt, lora_name)
         return text, children
 
     async def compile_grammar(self, constraint: StructuredOutputsParams) -> None:
@@ -212,7 +261,7 @@ class EngineCoreClient(AsyncEngineBase):
 
     def _queue_add(self, request_id: str, made: tuple[str | None, list[Request]]) -> None:
         text, children = made
-        new = self._made.pop(children[0])
+        new = _MADE.pop(children[0])
         if new.request_id != request_id:
             raise ValueError(f"request {request_id!r} was made as {new.request_id!r}: submit it under that id")
         self._output_processor.add_request(request_id, text, children)
@@ -302,7 +351,7 @@ class EngineCoreClient(AsyncEngineBase):
         messages += [Abort(self._aborts)] if self._aborts else []
         messages += self._outbox
         self._new_requests, self._aborts, self._outbox = [], [], []
-        if not self._stopping and self.process.is_alive():
+        if not self._stopping and self._connection.core_alive():
             for message in messages:
                 self._socket.send(ENCODER.encode(message), copy=False)
 
@@ -317,14 +366,18 @@ class EngineCoreClient(AsyncEngineBase):
                     payloads.append(self._sync_socket.recv(zmq.NOBLOCK, copy=False))
                 except zmq.Again:
                     break
+            steps = 0
             for payload in payloads:
                 message = FROM_CORE.decode(payload)
                 if isinstance(message, StepOutputs):
                     self._step_outputs(message)
+                    steps += 1
                 elif isinstance(message, RequestFailed):
                     self._request_failed(message)
                 elif isinstance(message, CallResult):
                     self._call_result(message)
+            if steps:
+                self._send(Ack(steps))
             await asyncio.sleep(0)
 
     def _step_outputs(self, message: StepOutputs) -> None:
@@ -344,8 +397,7 @@ class EngineCoreClient(AsyncEngineBase):
         if outputs:
             self._observe(outputs)
             self._deliver(outputs)
-        if message.stats is not None:
-            self._publish_stats(message.stats)
+        self._publish_stats(message.stats)
 
     def _request_failed(self, message: RequestFailed) -> None:
         self._forget(message.request_id)
@@ -360,3 +412,45 @@ class EngineCoreClient(AsyncEngineBase):
             future.set_result(message.result)
         else:
             future.set_exception((ValueError if message.error_type == "ValueError" else RuntimeError)(message.error))
+
+
+def _start(config: EngineConfig, first_device: int, make_engine) -> _Connection:
+    """Spawn an engine-core process over the devices from `first_device` on, and connect to it."""
+    folder = tempfile.mkdtemp(prefix="jaxserve-core-")
+    address = f"ipc://{folder}/engine.sock"
+    process = multiprocessing.get_context("spawn").Process(
+        target=run_engine_core, args=(config, address, logging.getLogger("jaxserve").getEffectiveLevel(),
+                                      make_engine, first_device), name="jaxserve-engine-core", daemon=True)
+    process.start()
+    logger.info("engine core process %d started (devices from %d on)", process.pid, first_device)
+    connection = _connect(CoreAddress(address, process.pid))
+    connection.process, connection.folder = process, folder
+    return connection
+
+
+def _connect(core: CoreAddress) -> _Connection:
+    """Our socket to the core at `core`, its Hello sent."""
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, front_end_identity(os.getpid()))
+    for option in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
+        socket.setsockopt(option, 0)
+    socket.connect(core.address)
+    socket.send(ENCODER.encode(Hello()))
+    return _Connection(core, context, socket)
+
+
+def _connected(core: CoreAddress) -> tuple[_Connection, Ready]:
+    """A connection to a running core and its Ready."""
+    connection = _connect(core)
+    return connection, _wait_ready(connection)
+
+
+def _wait_ready(connection: _Connection) -> Ready:
+    """The core's Ready, once its engine has started; RuntimeError when its process ends first."""
+    while not connection.socket.poll(100):
+        if not connection.core_alive():
+            connection.close()
+            code = "" if connection.process is None else f" (exit code {connection.process.exitcode})"
+            raise RuntimeError(f"the engine core process ended while starting{code}; its log above says why")
+    return FROM_CORE.decode(connection.socket.recv())

@@ -3,7 +3,8 @@ msgspec structs in MessagePack over ZeroMQ, one message per step each way at mos
 
 A front end sends `Hello`, then `AddRequests` (what `make_requests` was given, so the core builds the same samples with its own
 LoRA slots and weights version), `Abort`, `FinishSamples` (stop strings, found where the text is), `Call` (a method
-of the engine run between two steps) and `Shutdown`. The core answers `Ready` once, then `StepOutputs` (each moved
+of the engine run between two steps), `Ack` (the StepOutputs it has processed: the core waits for a front end that
+falls MAX_UNACKED_STEPS behind) and `Shutdown`. The core answers `Ready` once, then `StepOutputs` (each moved
 sample's new tokens and state, and the engine counters when a step ran), `RequestFailed` and `CallResult`.
 """
 
@@ -60,6 +61,12 @@ class Call(msgspec.Struct, tag=True, array_like=True):
     args: list
 
 
+class Ack(msgspec.Struct, tag=True, array_like=True):
+    """The front end has processed this many StepOutputs (the core runs at most MAX_UNACKED_STEPS ahead of it)."""
+
+    count: int
+
+
 class Hello(msgspec.Struct, tag=True, array_like=True):
     """A front end has connected; the core answers Ready once its engine has started."""
 
@@ -68,7 +75,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Stop the core (the last front end is closing)."""
 
 
-ToCore = Hello | AddRequests | Abort | FinishSamples | Call | Shutdown
+ToCore = Hello | AddRequests | Abort | FinishSamples | Ack | Call | Shutdown
 
 # ---- core -> front end -------------------------------------------------------------------------------------------
 
@@ -109,10 +116,11 @@ class SampleDelta(msgspec.Struct, array_like=True):
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):
-    """One engine step's moved samples for one front end, and the engine counters when they changed."""
+    """One engine step's moved samples for one front end (or none: the counters after a command moved them), and
+    the engine counters."""
 
     deltas: list[SampleDelta]
-    stats: dict | None
+    stats: dict
 
 
 class RequestFailed(msgspec.Struct, tag=True, array_like=True):

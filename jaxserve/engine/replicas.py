@@ -15,6 +15,7 @@ import collections
 from collections.abc import Callable
 
 from jaxserve.engine.async_engine import (
+    AsyncEngineBase,
     AsyncLLMEngine,
     EngineDeadError,
     EngineOverloadedError,
@@ -91,16 +92,20 @@ def request_cost(requests: list[Request]) -> int:
 
 
 class DataParallelEngine:
-    """One front end over several AsyncLLMEngines (replicas of one model over disjoint devices); the server uses it
-    as it uses one AsyncLLMEngine."""
+    """One front end over several async engines (replicas of one model over disjoint devices: AsyncLLMEngines in
+    this process, or engine-core processes' clients); the server uses it as it uses one async engine."""
 
-    def __init__(self, replicas: list[AsyncLLMEngine]):
+    def __init__(self, replicas: list[AsyncEngineBase]):
         self.replicas = replicas
-        self.engine = replicas[0].engine  # configuration, validation and the grammar compiler (all alike)
-        self.model = replicas[0].model
+        self.model = replicas[0].model  # the model, validation and the grammar compiler (all alike)
         self.tokenizer = replicas[0].tokenizer
         self.max_waiting_requests = replicas[0].max_waiting_requests  # requests accepted, not started, in all
-        self.router = ReplicaRouter(len(replicas), self.engine.config.cache_config.page_size)
+        self.router = ReplicaRouter(len(replicas), self.model.kv_cache.page_size)
+
+    def set_hooks(self, on_outputs, on_step) -> None:
+        """Set every replica's metrics hooks (AsyncEngineBase.set_hooks)."""
+        for replica in self.replicas:
+            replica.set_hooks(on_outputs, on_step)
 
     @property
     def error(self) -> BaseException | None:

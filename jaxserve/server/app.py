@@ -72,13 +72,17 @@ class Handlers:
                    ResponsesServing(chat, config.max_stored_responses), MessagesServing(chat))
 
 
-def build_app(engine: LLMEngine | EngineCoreClient, config: ServerConfig) -> FastAPI:
+def build_app(engine: LLMEngine | EngineCoreClient | DataParallelEngine, config: ServerConfig,
+              observe_steps: bool = True) -> FastAPI:
     """The app serving `engine`: an LLMEngine in this process (its loop on a thread, data-parallel replicas each on
-    theirs), or an engine-core process's client; the engine runs between the app's startup and shutdown."""
-    if isinstance(engine, EngineCoreClient):
+    theirs), or engine-core processes' clients (one, or data-parallel replicas over several); the engine runs
+    between the app's startup and shutdown. Without `observe_steps` the engine steps' metrics are left to another
+    front end of the same cores (server/front_ends.py)."""
+    if isinstance(engine, (EngineCoreClient, DataParallelEngine)):  # engine-core processes' clients
         async_engine = engine
-        metrics = _metrics(config, engine.model, lambda: [async_engine.stats()])
-        engine.set_hooks(on_outputs=metrics.observe_outputs, on_step=metrics.observe_step)
+        replica_stats = engine.replica_stats if isinstance(engine, DataParallelEngine) else lambda: [engine.stats()]
+        metrics = _metrics(config, engine.model, replica_stats)
+        engine.set_hooks(on_outputs=metrics.observe_outputs, on_step=metrics.observe_step if observe_steps else None)
     else:
         metrics = _metrics(config, ServedModel.of(engine), lambda: replica_stats())
 

@@ -11,10 +11,11 @@ carries a `model_name` label.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.engine.served_model import KVCacheFacts
@@ -155,7 +156,8 @@ class ServerMetrics:
     def __init__(self, prefix: str, model_name: str, replica_stats: Callable[[], list[dict]], max_model_len: int,
                  cache_config: dict[str, str]):
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(prefix, model_name, replica_stats))
+        self._engine = _EngineCollector(prefix, model_name, replica_stats)
+        self.registry.register(self._engine)
         self.model_name = model_name
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -199,8 +201,11 @@ class ServerMetrics:
             "iteration_tokens_total", "Tokens per engine step: the prompts of the requests that produced their "
             "first token in it plus the tokens it generated.", ITERATION_TOKEN_BUCKETS,
         )
-        Gauge(f"{prefix}:cache_config_info", "The engine's KV-cache configuration (value 1, in the labels).",
-              ["model_name", *cache_config], registry=self.registry).labels(model_name, *cache_config.values()).set(1)
+        info = GaugeMetricFamily(f"{prefix}:cache_config_info", "The engine's KV-cache configuration (value 1, in the "
+                                 "labels).", labels=["model_name", *cache_config])
+        info.add_metric([model_name, *cache_config.values()], 1)
+        self._constant = _Constant([info])
+        self.registry.register(self._constant)
 
     def observe_step(self, before: dict, after: dict) -> None:
         """Record one engine step from the engine counters (EngineCore.stats) before and after it."""
@@ -263,5 +268,23 @@ class ServerMetrics:
                 histogram.observe(end - start)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric: with several front-end processes (prometheus-client's
+        multiprocess mode, PROMETHEUS_MULTIPROC_DIR set before it was imported) the request metrics of all of them,
+        summed, beside the engine's."""
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(self._engine)
+        registry.register(self._constant)
+        return generate_latest(registry)
+
+
+class _Constant:
+    """Metric families that never change."""
+
+    def __init__(self, families: list):
+        self.families = families
+
+    def collect(self):
+        yield from self.families
