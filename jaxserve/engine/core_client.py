@@ -113,7 +113,8 @@ class EngineCoreClient(AsyncEngineBase):
         self.on_dead: Callable[[BaseException], None] | None = None  # what to do when the core process dies
         self._connection = connection
         self._sync_socket = connection.socket
-        self._core_watch: int | None = None  # a pidfd of the core's process: readable once it has ended
+        # readable once the core's process has ended: its sentinel when we started it, else a pidfd (Linux)
+        self._core_watch: int | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._output_processor = OutputProcessor(tokenizer)
         self._samples: dict[str, Request] = {}  # sample id -> the front end's copy
@@ -165,7 +166,7 @@ class EngineCoreClient(AsyncEngineBase):
         self._start_clock()
         self._socket = zmq.asyncio.Socket.shadow(self._sync_socket.underlying)
         self._reader = self._loop.create_task(self._read())
-        self._core_watch = os.pidfd_open(self.core.pid)
+        self._core_watch = self.process.sentinel if self.process is not None else os.pidfd_open(self.core.pid)
         self._loop.add_reader(self._core_watch, self._core_ended)
 
     async def stop(self) -> None:
@@ -194,7 +195,8 @@ class EngineCoreClient(AsyncEngineBase):
     def _unwatch(self) -> None:
         if self._core_watch is not None:
             self._loop.remove_reader(self._core_watch)
-            os.close(self._core_watch)
+            if self.process is None:  # our pidfd (the sentinel is the process object's)
+                os.close(self._core_watch)
             self._core_watch = None
 
     def fail(self, error: BaseException) -> None:
