@@ -6,7 +6,13 @@ console script's, a config's) does not pull in jax: `from jaxserve import LLM` w
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+# transformers' advisory warnings are for its own users: "PyTorch was not found. Models won't be available ..." on
+# every command of an install without torch reads as a fault, and jaxserve needs only its tokenizers and config
+# parsing (set before anything of jaxserve imports transformers; a user's own setting wins)
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 # public name -> the module that defines it
 _EXPORTS = {

@@ -19,6 +19,7 @@ from jaxserve.bench.cli import add_bench_commands
 from jaxserve.config import VALID_DTYPES, VALID_KV_CACHE_DTYPES, VALID_QUANTIZATIONS, EngineConfig
 from jaxserve.config.flags import add_engine_flags, given_engine_options
 from jaxserve.engine.llm_engine import DEFAULT_MODEL_NAME, LLMEngine
+from jaxserve.logs import configure_logging
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import VALID_TOOL_CALL_PARSERS
 from jaxserve.tokenizer import load_chat_template
@@ -129,7 +130,7 @@ def serve(args: argparse.Namespace) -> int:
         # to sleep
         raise ValueError("--api-server-count > 1 cannot serve runtime LoRA loading or sleep mode yet: use one front "
                          "end (--api-server-count 1) with --allow-runtime-lora-updating or --enable-sleep-mode")
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     engine = _serving_engine(engine_config, server_config, args.engine_in_process)
     app = build_app(engine, server_config)
     model = app.state.async_engine.model

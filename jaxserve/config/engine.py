@@ -35,6 +35,23 @@ from jaxserve.config.structured_outputs import StructuredOutputsConfig
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 DEFAULT_MODEL_CONFIG = os.path.join(CONFIGS_DIR, "tiny-cpu.yaml")  # settings for the bundled model
+
+
+def shipped_configs() -> list[str]:
+    """The names of the launch configs that ship with jaxserve (configs/*.yaml, without the extension)."""
+    return sorted(name.removesuffix(".yaml") for name in os.listdir(CONFIGS_DIR) if name.endswith(".yaml"))
+
+
+def resolve_config_path(path: str) -> str:
+    """`path` when it names a file; else the shipped config it names (`tiny-cpu`, `tiny-cpu.yaml`,
+    `configs/tiny-cpu.yaml`: reachable from any install); ValueError listing the shipped ones when neither."""
+    if os.path.isfile(path):
+        return path
+    shipped = os.path.join(CONFIGS_DIR, os.path.basename(path).removesuffix(".yaml") + ".yaml")
+    if os.path.isfile(shipped):
+        return shipped
+    raise ValueError(f"no config file {path}; the shipped configs, named without a path: "
+                     f"{', '.join(shipped_configs())}")
 # the parts whose fields are options, by attribute; speculative_config is one option whose value is a mapping
 PARTS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
          "parallel_config": ParallelConfig, "lora_config": LoraConfig,
@@ -111,10 +128,20 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str, defaults: dict | None = None, /, **overrides) -> EngineConfig:
-        """Load a YAML file whose keys are options; the file wins over `defaults`, `overrides` win over the file
-        (positional-only parameters: an option named like one is still refused as unknown)."""
-        with open(path) as f:
-            values = yaml.safe_load(f) or {}
+        """Load a YAML file whose keys are options (a path, or a shipped config's name: `tiny-cpu`); the file wins
+        over `defaults`, `overrides` win over the file (positional-only parameters: an option named like one is still
+        refused as unknown). ValueError, in one line, for a file that is missing or not YAML."""
+        path = resolve_config_path(path)
+        try:
+            with open(path) as f:
+                values = yaml.safe_load(f) or {}
+        except OSError as error:
+            raise ValueError(f"cannot read the config file {path}: {error.strerror}") from error
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(error, "problem", None) or str(error)
+            raise ValueError(f"the config file {path} is not valid YAML{where}: {problem}") from error
         if not isinstance(values, dict):
             raise ValueError(f"{path}: a config file must be a mapping of option: value")
         return cls.from_dict({**(defaults or {}), **values, **overrides}, source=path)

@@ -43,6 +43,7 @@ from jaxserve.engine.core_messages import (
 )
 from jaxserve.engine.llm_engine import LLMEngine, model_facts
 from jaxserve.engine.served_model import kv_cache_facts
+from jaxserve.logs import configure_logging
 from jaxserve.lora_request import LoRARequest
 from jaxserve.request import Request, RequestStatus
 
@@ -70,7 +71,7 @@ def run_engine_core(config: EngineConfig, address: str, log_level: int = logging
     """The core process's target: bind `address`, start the engine of `config` over the devices from `first_device`
     on (or `make_engine(config)`, a module-level function, e.g. a benchmark's fake runner), serve front ends until
     Shutdown."""
-    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    configure_logging(log_level)
     # Ctrl-C is the front end's to answer (a terminal sends it to the whole process group); the core ends with it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()

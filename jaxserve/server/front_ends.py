@@ -24,6 +24,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine.core_client import CoreAddress, EngineCoreClient
 from jaxserve.engine.core_process import die_with_parent
 from jaxserve.engine.replicas import DataParallelEngine
+from jaxserve.logs import configure_logging
 from jaxserve.server.config import ServerConfig
 
 logger = logging.getLogger("jaxserve")
@@ -63,7 +64,7 @@ def run_front_end(engine_config: EngineConfig, server_config: ServerConfig, core
 
     from jaxserve.server.app import build_app
 
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    configure_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the first front end's; this one ends with it
     die_with_parent()
     clients = [EngineCoreClient.join(engine_config, core, server_config.max_waiting_requests,

@@ -1,0 +1,100 @@
+"""What a new user meets first (issue 50): no line from another library that reads as a fault on any command of an
+install without torch, and config-file mistakes answered in one line that says what to fix."""
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR
+
+from benchmarks.disconnect_soak import child_processes, running
+from jaxserve.bench.online import free_port, healthy, stop_process
+from jaxserve.config import EngineConfig
+from jaxserve.config.engine import DEFAULT_MODEL_CONFIG
+
+NO_TORCH = os.path.join(os.path.dirname(__file__), "fixtures", "no_torch")  # its sitecustomize hides torch
+# Lines of other libraries that tell a user something is broken when nothing is
+NOISE = ("PyTorch was not found", "libtpu", "Unable to initialize backend", "Traceback", "indexing errors")
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([NO_TORCH, os.getcwd()]), "JAX_PLATFORMS": "",
+            "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
+
+
+def _quiet(stderr: str) -> None:
+    assert not [line for line in stderr.splitlines() if any(noise in line for noise in NOISE)], stderr
+
+
+def test_torch_is_hidden_by_the_fixture():
+    probe = subprocess.run([sys.executable, "-c", "import importlib.util; print(importlib.util.find_spec('torch'))"],
+                           capture_output=True, text=True, env=_env(), check=True)
+    assert probe.stdout.strip() == "None"
+
+
+@pytest.mark.parametrize("command", [
+    ["-c", "import jaxserve, jaxserve.tokenizer, transformers"],
+    ["-m", "jaxserve", "--help"],
+    ["-m", "jaxserve", "generate", "--prompt", "def add(a, b):", "--max-tokens", "4",
+     "--compilation-cache-dir", TEST_CACHE_DIR],
+])
+def test_commands_say_nothing_of_other_libraries_without_torch(command):
+    result = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    _quiet(result.stderr)
+
+
+def test_serve_starts_without_a_word_from_other_libraries(tmp_path):
+    log = tmp_path / "serve.log"
+    port = free_port()
+    with open(log, "w") as log_file:
+        server = subprocess.Popen([sys.executable, "-m", "jaxserve", "serve", "--port", str(port), "--skip-precompile",
+                                   "--compilation-cache-dir", TEST_CACHE_DIR], stdout=log_file,
+                                  stderr=subprocess.STDOUT, env=_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not healthy(url):
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        too_long = {"model": "tiny-stdlib-llama", "prompt": "x " * 600, "max_tokens": 2}  # refused: 400
+        assert httpx.post(f"{url}/v1/completions", json=too_long).status_code == 400
+        children = child_processes(server.pid)
+    finally:
+        stop_process(server, grace_s=60)
+    assert not any(running(pid) for pid in children)
+    text = log.read_text()
+    assert "serving 'tiny-stdlib-llama'" in text
+    _quiet(text)
+
+
+def _cli_error(*args: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "jaxserve", "generate", *args, "--prompt", "x"],
+                            capture_output=True, text=True, env=_env(), timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # one line, no traceback
+    return lines[0]
+
+
+def test_config_file_mistakes_get_one_line_that_says_what_to_fix(tmp_path):
+    assert _cli_error("--config", "nope.yaml") == (
+        "jaxserve: error: no config file nope.yaml; the shipped configs, named without a path: gpt-oss-20b-1xh200, "
+        "llama-3.1-70b-8xh200, llama-3.1-8b-1xh200, llama-3.1-8b-1xh200-draft, qwen2.5-7b-1xh100, tiny-cpu")
+    malformed = tmp_path / "bad.yaml"
+    malformed.write_text("max_model_len: [1, 2\n")
+    assert _cli_error("--config", str(malformed)) == (
+        f"jaxserve: error: the config file {malformed} is not valid YAML at line 2, column 1: expected ',' or ']', "
+        "but got '<stream end>'")
+    misspelled = tmp_path / "typo.yaml"
+    misspelled.write_text("max_num_seq: 4\n")
+    assert "did you mean max_num_seqs?" in _cli_error("--config", str(misspelled))
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu", "tiny-cpu.yaml", "configs/tiny-cpu.yaml"])
+def test_shipped_configs_are_reached_by_name_from_anywhere(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the clone's root: no configs/ here
+    assert EngineConfig.from_yaml(name) == EngineConfig.from_yaml(DEFAULT_MODEL_CONFIG)
