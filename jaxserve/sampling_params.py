@@ -41,6 +41,8 @@ def check_float(name: str, value: object, low: float, high: float, low_open: boo
     """ValueError unless `value` is a finite number in [low, high] (or (low, high] when `low_open`)."""
     ok = _is_real(value) and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
     if not ok:
+        if high >= FLOAT32_MAX:  # no real upper bound: say only the lower one
+            raise ValueError(f"{name} must be a finite number {'>' if low_open else '>='} {low}, got {value!r}.")
         bracket = "(" if low_open else "["
         raise ValueError(f"{name} must be a finite number in {bracket}{low}, {high}], got {value!r}.")
 

@@ -1,5 +1,6 @@
 """What a new user meets first (issue 50): no line from another library that reads as a fault on any command of an
-install without torch, and config-file mistakes answered in one line that says what to fix."""
+install without torch, config-file mistakes answered in one line that says what to fix, and plain messages for a
+sampling bound and a missing weights folder."""
 
 import os
 import subprocess
@@ -14,6 +15,8 @@ from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.bench.online import free_port, healthy, stop_process
 from jaxserve.config import EngineConfig
 from jaxserve.config.engine import DEFAULT_MODEL_CONFIG
+from jaxserve.model.loader import SafetensorsFolder
+from jaxserve.sampling_params import SamplingParams
 
 NO_TORCH = os.path.join(os.path.dirname(__file__), "fixtures", "no_torch")  # its sitecustomize hides torch
 # Lines of other libraries that tell a user something is broken when nothing is
@@ -67,7 +70,7 @@ def test_serve_starts_without_a_word_from_other_libraries(tmp_path):
         stop_process(server, grace_s=60)
     assert not any(running(pid) for pid in children)
     text = log.read_text()
-    assert "serving 'tiny-stdlib-llama'" in text
+    assert "serving 'tiny-stdlib-llama'" in text and "weights: 5.0 MiB (not quantized)" in text
     _quiet(text)
 
 
@@ -98,3 +101,15 @@ def test_config_file_mistakes_get_one_line_that_says_what_to_fix(tmp_path):
 def test_shipped_configs_are_reached_by_name_from_anywhere(name, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the clone's root: no configs/ here
     assert EngineConfig.from_yaml(name) == EngineConfig.from_yaml(DEFAULT_MODEL_CONFIG)
+
+
+def test_plain_messages_for_bounds_and_missing_folders(tmp_path):
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number >= 0.0, got -1.$"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match=r"^top_p must be a finite number in \(0.0, 1.0\], got 2.$"):
+        SamplingParams(top_p=2)
+    missing = str(tmp_path / "next-checkpoint")  # update_weights' folder, mistyped
+    with pytest.raises(ValueError, match="does not exist"):
+        SafetensorsFolder(missing)
+    with pytest.raises(ValueError, match=r"^no \*.safetensors weights in model folder"):
+        SafetensorsFolder(str(tmp_path))

@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 def unavailable_reason() -> str | None:
     """Why CTranslate2 cannot run here; None when it can (checked without importing it into this process)."""
     if importlib.util.find_spec("ctranslate2") is None:
-        return "ctranslate2 is not installed; pip install jaxserve[bench]"
+        return "ctranslate2 is not installed; pip install 'jaxserve[bench]'"
     return None
 
 

@@ -3,7 +3,7 @@
 Systems (--systems; all six by default):
   jaxserve         continuous batching with a paged KV cache: the engine as it serves
   jaxserve-sync    the same with async_scheduling off: each step's samples reach the host before the next
-                   step is planned (the engine before issue 13)
+                   step is planned (the engine without asynchronous scheduling)
   jaxserve-static  the same engine options and KV budget (same --num-pages) with batching="static" and no
                    prefix caching: a batch is admitted only when the previous one has finished, and each
                    sequence reserves max_model_len of pages up front (a pre-paging server)

@@ -105,7 +105,8 @@ def load_weights(config: EngineConfig, model_path: str, spec: ModelSpec, mesh: M
         params = load_params(model_path, spec, mesh, dtype, kv_heads)  # an fp8 checkpoint's layers come quantized
     if mode != "none" and (spec.checkpoint_quantization == "none" or dummy):
         params = quantize_params(params, mode, quantizable_paths(spec))
-    logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20, mode)
+    logger.info("weights: %.1f MiB (%s)", weight_bytes(params) / 2**20,
+                "not quantized" if mode == "none" else f"quantized: {mode}")
     scales = None
     if cache.kv_cache_dtype == "fp8" and not dummy and not cache.calculate_kv_scales:
         scales = load_kv_scales(model_path, spec, kv_heads)

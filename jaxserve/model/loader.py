@@ -62,6 +62,8 @@ class SafetensorsFolder:
         else:
             files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
+            if not os.path.isdir(path):
+                raise ValueError(f"model folder {path!r} does not exist")
             raise ValueError(f"no *.safetensors weights in model folder {path!r}")
         self._location: dict[str, str] = {}
         self._raw: dict[str, tuple[str, int, tuple[int, ...], np.dtype]] = {}  # float8 tensors: file, offset, shape
