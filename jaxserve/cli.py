@@ -110,7 +110,7 @@ def serve(args: argparse.Namespace) -> int:
         served_model_aliases=tuple((args.served_model_name or [])[1:]),
         api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
         max_waiting_requests=args.max_waiting_requests, max_n=args.max_n, max_prompts=args.max_prompts,
-        max_body_bytes=args.max_body_bytes,
+        max_body_bytes=args.max_body_bytes, reject_unknown_fields=args.reject_unknown_fields,
         metrics_prefix=args.metrics_prefix, stream_interval=args.stream_interval,
         enable_force_include_usage=args.enable_force_include_usage,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
@@ -261,6 +261,9 @@ def _add_server_flags(srv: argparse.ArgumentParser) -> None:
                      help="requests accepted but not started before the server answers 503 with Retry-After")
     srv.add_argument("--max-n", type=int, default=16, help="largest n (samples per prompt) a request may ask for")
     srv.add_argument("--max-prompts", type=int, default=64, help="most prompts in one completions request")
+    srv.add_argument("--reject-unknown-fields", action="store_true",
+                     help="answer 400 for a request field the server does not know, naming it (OpenAI's way); by "
+                          "default it is ignored and named in the log (vLLM's)")
     srv.add_argument("--max-body-bytes", type=int, default=4 * 2**20, help="largest request body, in bytes")
     srv.add_argument("--metrics-prefix", default="jaxserve",
                      help="prefix of the Prometheus metric names (vllm for drop-in dashboards)")

@@ -559,3 +559,30 @@ def test_force_include_usage_and_prompt_tokens_details(fake_server):
     assert chat[-2]["usage"]["completion_tokens"] == 2
     usage = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).json()["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+# ---- request fields the server does not know ------------------------------------------------------------------------
+
+
+def test_an_unknown_field_is_named_in_the_log_with_the_nearest_known_one(fake_server, caplog):
+    url, _ = fake_server
+    body = {"prompt": "hi", "temprature": 0.2, "metadata": {"team": "a"}, "user": "u1"}
+    with caplog.at_level(logging.WARNING, logger="jaxserve"):
+        assert _post(url, "/v1/completions", body).status_code == 200
+    assert "request fields ignored (this server does not know them): temprature (did you mean temperature?)" \
+        in caplog.text
+    assert "metadata" not in caplog.text and "user" not in caplog.text  # OpenAI's, accepted on purpose
+
+
+def test_reject_unknown_fields_answers_400_naming_the_field():
+    config = ServerConfig(reject_unknown_fields=True)
+    with running_server(build_app(FakeEngine(), config)) as url:
+        response = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokns": 3})
+        ok = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "user": "u1",
+                                                 "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "max_tokns"
+    assert error["message"] == "unknown request fields: max_tokns (did you mean max_tokens?)"
+    assert ok.status_code == 200

@@ -26,6 +26,7 @@ class ServerConfig:
     max_n: int = 16  # largest `n` (samples per prompt) a request may ask for
     max_prompts: int = 64  # largest number of prompts in one completions request
     max_body_bytes: int = 4 * 2**20
+    reject_unknown_fields: bool = False  # answer 400 for a request field the server does not know (OpenAI's way)
     metrics_prefix: str = "jaxserve"
     stream_interval: int = 1  # tokens per streamed chunk (vLLM's --stream-interval)
     enable_force_include_usage: bool = False  # a usage chunk ends every stream, asked for or not (vLLM's flag)

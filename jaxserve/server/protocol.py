@@ -17,6 +17,7 @@ gives at most one constraint.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
@@ -55,6 +56,9 @@ _BEAM = "beam search is on /v1/completions only"
 
 # Fields of OpenAI's and vLLM's APIs that would change the result and that this server does not
 # implement: name -> (the test for values that change nothing, why the field is refused).
+# OpenAI's request fields that change nothing here (accounting, storage, routing hints): accepted without a word.
+IGNORED_FIELDS = frozenset({"best_of", "metadata", "store", "service_tier", "prediction", "modalities", "audio",
+                            "web_search_options", "verbosity", "prompt_cache_key", "safety_identifier"})
 UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_decoding_backend": (_unset, _GUIDED + "; the backend is the server's"),
     "functions": (_empty, "the legacy functions field is not supported; use tools"),
@@ -225,6 +229,19 @@ class _SamplingFields(BaseModel):
         except (TypeError, ValueError) as error:  # TypeError: a key StructuredOutputsParams does not have
             about_pattern = str(error).startswith("whitespace_pattern") and self.guided_whitespace_pattern is not None
             raise APIError(400, f"{name}: {error}", "guided_whitespace_pattern" if about_pattern else name) from error
+
+    def unknown_fields(self) -> list[str]:
+        """The request's fields this server does not know (none of the route's, OpenAI's that it ignores on purpose,
+        or the unsupported ones a 400 names), each with the nearest known name when one is close: 'temprature (did
+        you mean temperature?)'."""
+        known = set(type(self).model_fields) | set(UNSUPPORTED_FIELDS) | set(self.route_unsupported) | IGNORED_FIELDS
+        unknown = []
+        for name in self.model_extra or {}:
+            if name in known:
+                continue
+            near = difflib.get_close_matches(name, sorted(type(self).model_fields), n=1)
+            unknown.append(f"{name} (did you mean {near[0]}?)" if near else name)
+        return unknown
 
     def _check_unsupported(self) -> None:
         extra = self.model_extra or {}

@@ -8,6 +8,7 @@ A request the engine fails alone (a ValueError or RuntimeError from its stream, 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from fastapi import Request
@@ -21,6 +22,8 @@ from jaxserve.server.models import ServedModels
 from jaxserve.server.protocol import CompletionRequest, _SamplingFields
 from jaxserve.server.request_streams import RequestFailedError, last_outputs, request_failure
 from jaxserve.server.sse import TokenText, token_id_text, usage_of
+
+logger = logging.getLogger("jaxserve")
 
 
 class OpenAIServing:
@@ -40,6 +43,11 @@ class OpenAIServing:
         model's generation defaults in the fields the request leaves unset."""
         self.models.check_model(body.model)
         body.check()
+        unknown = body.unknown_fields()
+        if unknown:  # vLLM's behaviour: said in the log; OpenAI's (--reject-unknown-fields): a 400
+            if self.config.reject_unknown_fields:
+                raise APIError(400, f"unknown request fields: {', '.join(unknown)}", unknown[0].split(" ")[0])
+            logger.warning("request fields ignored (this server does not know them): %s", ", ".join(unknown))
         if not 1 <= body.n <= self.config.max_n:
             raise APIError(400, f"n must be in [1, {self.config.max_n}], got {body.n}", "n")
         best_of = body.best_of if isinstance(body, CompletionRequest) else None  # below n: SamplingParams says so
