@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -44,6 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.attention import fp8
 from jaxserve.config import EAGLE_METHODS, VALID_ATTENTION_BACKENDS, EngineConfig
+from jaxserve.config.engine import resolve_config_path, shipped_configs
 from jaxserve.kv.cache_manager import pages_for_tokens
 from jaxserve.kv.sizing import DEVICE_MEMORY_BYTES, GIB, MemoryPlan, plan_kv_pages
 from jaxserve.model.registry import load_model_spec, spec_from_hf_config
@@ -582,10 +584,23 @@ def device_for(platform: str, config_path: str, named: list[str]) -> str:
     return in_file_name[0] if in_file_name else DEFAULT_DEVICES[platform]
 
 
+def shipped_config_list() -> str:
+    """One line per shipped config: its name (what --config takes) and the first sentence of its file's leading
+    comment."""
+    lines = []
+    for name in shipped_configs():
+        with open(resolve_config_path(name)) as f:
+            comment = " ".join(line.removeprefix("#").strip() for line in itertools.takewhile(
+                lambda line: line.startswith("#"), f))
+        lines.append(f"{name:28} {comment.split('. ')[0].rstrip('.')}.")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `jaxserve check-config`."""
-    parser.add_argument("configs", nargs="+", metavar="CONFIG",
-                        help="YAML engine config(s), e.g. jaxserve/configs/*.yaml")
+    parser.add_argument("configs", nargs="*", metavar="CONFIG",
+                        help="YAML engine config(s): files, or shipped configs by name (e.g. llama-3.1-8b-1xh200)")
+    parser.add_argument("--list", action="store_true", help="list the shipped configs, each with what it is for")
     parser.add_argument("--platforms", nargs="+", choices=list(PLATFORMS), default=list(PLATFORMS),
                         help="targets to lower for (default: %(default)s)")
     parser.add_argument("--device", action="append", default=[], choices=list(DEVICE_MEMORY_BYTES),
@@ -602,7 +617,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check every config; print the report; 0 when every bucket lowered and every config fits, else 1."""
+    """Check every config; print the report; 0 when every bucket lowered and every config fits, else 1 (--list: print
+    the shipped configs)."""
+    if args.list:
+        print(shipped_config_list())
+        return 0
+    if not args.configs:
+        raise ValueError("check-config needs a CONFIG (a file, or a shipped config's name: see --list)")
     configs = [EngineConfig.from_yaml(path) for path in args.configs]
     use_host_devices(max(config.parallel_config.tensor_parallel_size for config in configs))
     checks = []

@@ -14,7 +14,7 @@ from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR
 from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.bench.online import free_port, healthy, stop_process
 from jaxserve.config import EngineConfig
-from jaxserve.config.engine import DEFAULT_MODEL_CONFIG
+from jaxserve.config.engine import DEFAULT_MODEL_CONFIG, shipped_configs
 from jaxserve.model.loader import SafetensorsFolder
 from jaxserve.sampling_params import SamplingParams
 
@@ -85,7 +85,8 @@ def _cli_error(*args: str) -> str:
 
 def test_config_file_mistakes_get_one_line_that_says_what_to_fix(tmp_path):
     assert _cli_error("--config", "nope.yaml") == (
-        "jaxserve: error: no config file nope.yaml; the shipped configs, named without a path: gpt-oss-20b-1xh200, "
+        "jaxserve: error: no config file nope.yaml; the shipped configs, named without a path (`jaxserve check-config "
+        "--list` says what each is for): gpt-oss-20b-1xh200, "
         "llama-3.1-70b-8xh200, llama-3.1-8b-1xh200, llama-3.1-8b-1xh200-draft, qwen2.5-7b-1xh100, tiny-cpu")
     malformed = tmp_path / "bad.yaml"
     malformed.write_text("max_model_len: [1, 2\n")
@@ -95,6 +96,14 @@ def test_config_file_mistakes_get_one_line_that_says_what_to_fix(tmp_path):
     misspelled = tmp_path / "typo.yaml"
     misspelled.write_text("max_num_seq: 4\n")
     assert "did you mean max_num_seqs?" in _cli_error("--config", str(misspelled))
+
+
+def test_a_command_lists_the_shipped_configs():
+    result = subprocess.run([sys.executable, "-m", "jaxserve", "check-config", "--list"], capture_output=True,
+                            text=True, env=_env(), timeout=120, check=True)
+    names = [line.split()[0] for line in result.stdout.splitlines()]
+    assert names == shipped_configs() and "tiny-cpu" in names
+    assert "The bundled tiny model" in result.stdout  # each with its file's first comment
 
 
 @pytest.mark.parametrize("name", ["tiny-cpu", "tiny-cpu.yaml", "configs/tiny-cpu.yaml"])

@@ -50,8 +50,8 @@ def resolve_config_path(path: str) -> str:
     shipped = os.path.join(CONFIGS_DIR, os.path.basename(path).removesuffix(".yaml") + ".yaml")
     if os.path.isfile(shipped):
         return shipped
-    raise ValueError(f"no config file {path}; the shipped configs, named without a path: "
-                     f"{', '.join(shipped_configs())}")
+    raise ValueError(f"no config file {path}; the shipped configs, named without a path (`jaxserve check-config "
+                     f"--list` says what each is for): {', '.join(shipped_configs())}")
 # the parts whose fields are options, by attribute; speculative_config is one option whose value is a mapping
 PARTS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
          "parallel_config": ParallelConfig, "lora_config": LoraConfig,
