@@ -23,6 +23,7 @@ import time
 import httpx
 
 from benchmarks.serving_capacity import fake_server
+from jaxserve.engine.core_process import process_alive
 
 OUTPUT_LEN = 64
 
@@ -88,11 +89,7 @@ def running(pid: int, timeout_s: float = 5.0) -> bool:
     """Whether process `pid` is still there (not a zombie) after up to `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return False
-        except FileNotFoundError:
+        if not process_alive(pid):
             return False
         time.sleep(0.05)
     return True

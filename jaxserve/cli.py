@@ -253,7 +253,7 @@ def _add_server_flags(srv: argparse.ArgumentParser) -> None:
                           "them, responses giving the first (vLLM's flag)")
     srv.add_argument("--engine-in-process", action="store_true",
                      help="run the engine on a thread of the server's process instead of in an engine-core process "
-                          "of its own (data parallelism and multi-host launches always run it in process)")
+                          "of its own (multi-host launches always run it in process)")
     srv.add_argument("--api-server-count", type=int, default=1,
                      help="front-end processes serving HTTP on the port (tokenizing, detokenizing, streaming) over the "
                           "same engine-core processes: more for many streams on a host with the cores to spare")
