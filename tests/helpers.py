@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -24,6 +25,19 @@ TEST_CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
 # default (docs/benchmarks.md, "The test suite"). conftest.py sets it for the suite's processes; tests that start
 # Python processes of their own pass it on.
 FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def markdown_blocks(path: str, language: str) -> list[tuple[str | None, str]]:
+    """(the heading above it, its text) for each fenced block of `language` in a Markdown file, in order."""
+    fence = f"```{language}\n"
+    blocks, heading = [], None
+    text = open(path, encoding="utf-8").read()
+    for part in re.split(rf"(^#+ [^\n]*$|^{fence}.*?^```$)", text, flags=re.M | re.S):
+        if part.startswith("#"):
+            heading = part.lstrip("#").strip()
+        elif part.startswith(fence):
+            blocks.append((heading, part.removeprefix(fence).removesuffix("```")))
+    return blocks
 
 
 def checkpoint(name: str) -> str:

@@ -98,8 +98,8 @@ def test_score_divides_by_the_whole_length_without_the_finishing_eos():
 
 def test_output_ranks_finished_and_live_beams_by_length_penalised_score():
     class Tokenizer:
-        def decode(self, tokens):
-            return " ".join(map(str, tokens))
+        def decode(self, tokens, skip_special_tokens=False):
+            return " ".join(str(t) for t in tokens if not (skip_special_tokens and t == EOS))
 
     def search(length_penalty):
         s = BeamSearch([10, 11], BeamSearchParams(2, 4, length_penalty=length_penalty), (EOS,), max_model_len=64)
@@ -109,7 +109,7 @@ def test_output_ranks_finished_and_live_beams_by_length_penalised_score():
 
     by_cum = search(0.0).sequences  # finished [10, 11, EOS] at -1.0 against live at -1.5 and -1.7
     assert [(s.tokens, s.finish_reason) for s in by_cum] == [([10, 11, EOS], "stop"), ([10, 11, 5, 7], "length")]
-    assert by_cum[0].text == f"10 11 {EOS}"
+    assert by_cum[0].text == "10 11"  # the EOS is a special token: not in the text
     long_favoured = search(3.0).sequences  # -1.5 / 4**3 and -1.7 / 4**3 beat -1.0 / 2**3 (EOS not counted)
     assert [s.tokens for s in long_favoured] == [[10, 11, 5, 7], [10, 11, 6, 9]]
 
@@ -154,7 +154,8 @@ def test_prompt_forms_text_and_bad_prompts(llm):
     assert [s.tokens for s in by_text.sequences] == [s.tokens for s in by_ids.sequences] == \
         [s.tokens for s in by_dict.sequences]
     best = by_text.sequences[0]
-    assert best.text == llm.get_tokenizer().decode(best.tokens)
+    assert best.text == llm.get_tokenizer().decode(best.tokens, skip_special_tokens=True)
+    assert best.tokens[0] == llm.get_tokenizer().bos_token_id and best.text.startswith(text)  # no "<s>" in front
     assert best.cum_logprob == pytest.approx(sum(entries[t].logprob for t, entries in
                                                  zip(best.tokens[len(tokens):], best.logprobs)))
     for bad in ([""], [[10**6]], [[]], [{"prompt": text}, "x" * 0]):

@@ -1,15 +1,20 @@
 """What a new user meets first (issue 50): no line from another library that reads as a fault on any command of an
-install without torch, config-file mistakes answered in one line that says what to fix, and plain messages for a
-sampling bound and a missing weights folder."""
+install without torch (the server answering the README's curl and `openai` examples meanwhile), config-file mistakes
+answered in one line that says what to fix, and plain messages for a sampling bound and a missing weights folder."""
 
+import contextlib
+import io
+import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR
+from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR, markdown_blocks
 
 from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.bench.online import free_port, healthy, stop_process
@@ -18,6 +23,8 @@ from jaxserve.config.engine import DEFAULT_MODEL_CONFIG, shipped_configs
 from jaxserve.model.loader import SafetensorsFolder
 from jaxserve.sampling_params import SamplingParams
 
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README_URL = "http://127.0.0.1:8000"  # where the README's examples find the server
 NO_TORCH = os.path.join(os.path.dirname(__file__), "fixtures", "no_torch")  # its sitecustomize hides torch
 # Lines of other libraries that tell a user something is broken when nothing is
 NOISE = ("PyTorch was not found", "libtpu", "Unable to initialize backend", "Traceback", "indexing errors")
@@ -50,7 +57,7 @@ def test_commands_say_nothing_of_other_libraries_without_torch(command):
     _quiet(result.stderr)
 
 
-def test_serve_starts_without_a_word_from_other_libraries(tmp_path):
+def test_serve_answers_the_readme_examples_without_a_word_from_other_libraries(tmp_path):
     log = tmp_path / "serve.log"
     port = free_port()
     with open(log, "w") as log_file:
@@ -63,6 +70,7 @@ def test_serve_starts_without_a_word_from_other_libraries(tmp_path):
         while not healthy(url):
             assert server.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
+        _run_readme_server_examples(url)
         too_long = {"model": "tiny-stdlib-llama", "prompt": "x " * 600, "max_tokens": 2}  # refused: 400
         assert httpx.post(f"{url}/v1/completions", json=too_long).status_code == 400
         children = child_processes(server.pid)
@@ -72,6 +80,23 @@ def test_serve_starts_without_a_word_from_other_libraries(tmp_path):
     text = log.read_text()
     assert "serving 'tiny-stdlib-llama'" in text and "weights: 5.0 MiB (not quantized)" in text
     _quiet(text)
+
+
+def _run_readme_server_examples(url: str) -> None:
+    """The README's curl command and its `openai` client example, as written but for the server's port."""
+    (curl,) = [code for _, code in markdown_blocks(README, "bash") if code.startswith("curl ")]
+    args = shlex.split(curl.replace(README_URL, url).replace("\\\n", " "))
+    if shutil.which("curl"):
+        answer = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True).stdout
+    else:  # the same request without curl: its URL, header and body
+        answer = httpx.post(args[1], content=args[args.index("-d") + 1],
+                            headers=dict([args[args.index("-H") + 1].split(": ")]), timeout=120).text
+    assert json.loads(answer)["choices"][0]["text"]
+    (client,) = [code for _, code in markdown_blocks(README, "python") if "OpenAI(" in code]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(client.replace(README_URL, url), {})
+    assert printed.getvalue()  # the streamed text
 
 
 def _cli_error(*args: str) -> str:

@@ -89,10 +89,17 @@ def test_bad_chat_requests_are_400(openai_server, body, param, words):
         assert response.json()["error"]["param"].startswith(param)
 
 
-def test_malformed_json_is_400(openai_server):
+def test_a_body_that_is_not_a_json_object_is_400_saying_what_to_send(openai_server):
     url, _ = openai_server
-    _assert_openai_error(_post(url, "/v1/completions", content=b'{"prompt": "hi", '), 400, None, "JSON")
-    _assert_openai_error(_post(url, "/v1/completions", content=b"[1, 2]"), 400)
+    _assert_openai_error(_post(url, "/v1/completions", content=b'{"prompt": "hi", '), 400, None,
+                         "the request body is not valid JSON: Expecting property name enclosed in double quotes at "
+                         "character 17")
+    _assert_openai_error(_post(url, "/v1/completions", content=b"[1, 2]"), 400, None,
+                         "the request body must be a JSON object ({...}), got an array")
+    _assert_openai_error(_post(url, "/v1/completions", content=b""), 400, None, "the request body is empty")
+    form = httpx.post(url + "/v1/completions", data={"model": "tiny-stdlib-llama", "prompt": "hi"}, headers=AUTH)
+    _assert_openai_error(form, 400, None, "must be a JSON object sent with Content-Type: application/json, not "
+                         "application/x-www-form-urlencoded")
 
 
 def test_unknown_model_is_404(openai_server):

@@ -76,7 +76,7 @@ class BeamSearchSequence:
     tokens: list[int]
     logprobs: list[dict[int, Logprob]]
     cum_logprob: float = 0.0
-    text: str | None = None  # the decoded tokens (prompt included, as vLLM), set on the returned beams
+    text: str | None = None  # the decoded tokens (prompt included, as vLLM; no special tokens), set on returned beams
     finish_reason: str | None = None  # 'stop' (ended on an EOS token) or 'length'; None while live
     stop_reason: int | None = None  # the EOS token id that ended it
 
@@ -167,12 +167,13 @@ class BeamSearch:
 
     def output(self, tokenizer) -> BeamSearchOutput:
         """The best `beam_width` beams, finished and live together, by `beam_search_score`; each with its
-        text (all its tokens decoded, as vLLM does) and a finish reason ('length' for a live beam)."""
+        text (all its tokens decoded, prompt included as in vLLM, but without special tokens such as BOS) and a finish
+        reason ('length' for a live beam)."""
         beams = self.finished + [dataclasses.replace(beam, finish_reason="length") for beam in self.live]
         beams.sort(key=lambda beam: beam_search_score(beam, self.params.length_penalty), reverse=True)
         best = beams[:self.params.beam_width]
         for beam in best:
-            beam.text = tokenizer.decode(beam.tokens)
+            beam.text = tokenizer.decode(beam.tokens, skip_special_tokens=True)
         return BeamSearchOutput(sequences=best, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids)
 
 

@@ -81,10 +81,29 @@ async def _validation_error(request: Request, error: RequestValidationError) -> 
     first = error.errors()[0]
     location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_tag(part)]
     param = ".".join(location) or None
-    if first.get("type") == "json_invalid":
-        return _respond(request, 400, f"the request body is not valid JSON: {first.get('msg')}", None)
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    return _respond(request, 400, message, param)
+    if first.get("type") == "json_invalid" or not param:
+        return _respond(request, 400, _body_problem(request, first), None)
+    return _respond(request, 400, f"{param}: {first.get('msg')}", param)
+
+
+JSON_TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+                   type(None): "null"}
+
+
+def _body_problem(request: Request, first: dict) -> str:
+    """What is wrong with the body as a whole (pydantic's first error about it), in words that say what to send."""
+    if first.get("type") == "json_invalid":  # FastAPI puts the character's position after "body" in the location
+        position = first.get("loc", ("body",))[1:]
+        where = f" at character {position[0]}" if position else ""
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}{where}"
+    content_type = request.headers.get("content-type", "").split(";")[0].strip()
+    if content_type and content_type != "application/json":
+        return (f"the request body must be a JSON object sent with Content-Type: application/json, not "
+                f"{content_type} (curl's -d sends a form unless given -H 'Content-Type: application/json')")
+    if first.get("type") == "missing":
+        return "the request body is empty: send a JSON object"
+    kind = JSON_TYPE_NAMES.get(type(first.get("input")), "not an object")
+    return f"the request body must be a JSON object ({{...}}), got {kind}"
 
 
 def _is_union_tag(part) -> bool:
