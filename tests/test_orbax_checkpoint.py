@@ -2,13 +2,15 @@
 
 A converted folder must give the Hugging Face folder's greedy tokens (float, and int8 against int8 made at
 load time), load under tensor parallelism 2 reading each shard once, and refuse what it cannot be: another quantization or dtype
-than it holds, a tensor parallelism its stored KV heads do not fit, a destination that is not empty.
+than it holds, a tensor parallelism its stored KV heads do not fit, a config.json edited after converting, a
+destination that is not empty.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -65,6 +67,24 @@ def test_a_converted_folder_refuses_what_it_does_not_hold(converted, tmp_path):
         LLM(single_kv_head, tensor_parallel_size=2, **ARGS)
     with pytest.raises(ValueError, match="is not empty"):
         convert(checkpoint("llama"), converted["float"])
+
+
+@pytest.mark.parametrize("kind", ["float", "int8"])
+def test_a_config_edited_after_converting_is_refused_like_a_hugging_face_folders(converted, kind, tmp_path):
+    edited = {}
+    for name, source in [("converted", converted[kind]), ("hugging face", checkpoint("llama"))]:
+        folder = edited[name] = str(tmp_path / name.replace(" ", "-"))
+        shutil.copytree(source, folder)
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        config["intermediate_size"] += 64
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f)
+    with pytest.raises(ValueError, match="does not fit the served model"):
+        LLM(edited["hugging face"], **ARGS)
+    with pytest.raises(ValueError, match=r"stores the weight 'model.layers.{i}.mlp.gate_proj.weight' in shape "
+                                         r"\(2, 64, 128\) but its config.json gives the model \(2, 64, 192\)"):
+        LLM(edited["converted"], **ARGS)
 
 
 READS_SCRIPT = """

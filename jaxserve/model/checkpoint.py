@@ -28,8 +28,15 @@ from jaxserve.attention import fp8
 from jaxserve.config import EngineConfig
 from jaxserve.model.kv_calibration import calibrate_kv_scales, calibration_prompts
 from jaxserve.model.loader import dummy_params, load_kv_scales, load_params, resolve_dtype
-from jaxserve.model.quantize import quantize_params, quantized_partition_specs, weight_bytes
-from jaxserve.model.registry import load_model_spec, model_for, param_partition_specs, quantizable_paths
+from jaxserve.model.quantize import INT4_PER_BYTE, quantize_params, quantized_partition_specs, weight_bytes
+from jaxserve.model.registry import (
+    Weight,
+    load_model_spec,
+    map_weights_with,
+    model_for,
+    param_partition_specs,
+    quantizable_paths,
+)
 from jaxserve.model_spec import ModelSpec
 from jaxserve.sharding import cache_kv_heads, make_mesh, put_global
 
@@ -138,6 +145,28 @@ def with_kv_scales(params: dict, config: EngineConfig, model_path: str, scales: 
     return {**params, "layers": {**layers, **{leaf: put_global(scales[leaf], sharding) for leaf in scales}}}
 
 
+def check_stored_shapes(stored: dict, spec: ModelSpec, num_cache_kv_heads: int, num_devices: int, path: str) -> None:
+    """ValueError naming the first weight the model (as the folder's config.json describes it) declares that the
+    converted arrays `stored` (orbax's metadata tree) lack or hold in another shape: a config.json edited after
+    converting is refused as a Hugging Face folder's would be, not served with the arrays' shapes."""
+    declared = model_for(spec.architecture).weights(spec, num_cache_kv_heads, num_devices)
+
+    def check(_: str, weight: Weight, leaf) -> None:
+        array = leaf.get("weight") if isinstance(leaf, dict) else leaf  # a quantized leaf: {weight, scale, ...}
+        if array is None or not hasattr(array, "shape"):
+            raise ValueError(f"{path!r} lacks the weight {weight.hf_name!r} that its config.json gives the model: "
+                             "convert the model again")
+        shape = tuple(array.shape)
+        if isinstance(leaf, dict) and jnp.dtype(array.dtype) == jnp.uint8:  # int4: two input rows to a byte
+            shape = (*shape[:-2], shape[-2] * INT4_PER_BYTE, shape[-1])
+        if shape != tuple(weight.shape):
+            raise ValueError(f"{path!r} stores the weight {weight.hf_name!r} in shape {shape} but its config.json "
+                             f"gives the model {tuple(weight.shape)}: was config.json edited after converting? Restore "
+                             "it, or convert the model again")
+
+    map_weights_with(check, declared, stored)
+
+
 def check_params_options(config: EngineConfig, spec: ModelSpec) -> None:
     """ValueError for a weight quantization the architecture declares no weights for, or an fp8 KV cache its
     layers do not read (the KV scales live in params["layers"], one stack of every layer, which a model with two
@@ -193,6 +222,7 @@ def load_checkpoint(path: str, spec: ModelSpec, mesh: Mesh, num_cache_kv_heads: 
     checkpointer = ocp.StandardCheckpointer()
     params_path = os.path.abspath(os.path.join(path, PARAMS_DIR))
     stored = checkpointer.metadata(params_path).item_metadata.tree
+    check_stored_shapes(stored, spec, num_cache_kv_heads, mesh.devices.size, path)
     try:
         abstract = jax.tree_util.tree_map(
             lambda pspec, leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, pspec)),
