@@ -67,7 +67,8 @@ class SamplingParams:
     returned. `logit_bias` adds to the logits of token ids, `allowed_token_ids`
     keeps only those ids, and
     `bad_words` bans each word's last token wherever the output already ends with
-    the rest of it. `truncate_prompt_tokens=k` keeps the prompt's last k tokens.
+    the rest of it. `truncate_prompt_tokens=k` keeps the prompt's last k tokens, or with
+    `truncation_side="right"` its first k (vLLM's).
     """
 
     MAX_LOGPROBS: ClassVar[int] = 20
@@ -97,6 +98,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"  # which end truncate_prompt_tokens cuts: "left" keeps the last tokens
     # The output must match a JSON schema, regex, choice, grammar or structural tag (jaxserve/structured/); a
     # mapping of StructuredOutputsParams' fields is taken too.
     structured_outputs: StructuredOutputsParams | None = None
@@ -188,6 +190,8 @@ class SamplingParams:
             raise ValueError(
                 f"truncate_prompt_tokens must be an int >= 1 or None, got {self.truncate_prompt_tokens!r}."
             )
+        if self.truncation_side not in ("left", "right"):
+            raise ValueError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}.")
 
     def _verify_output_args(self) -> None:
         """Check the logprobs requests."""

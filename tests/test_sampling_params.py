@@ -35,6 +35,7 @@ VLLM_DEFAULTS = {
     "logit_bias": None,
     "allowed_token_ids": None,
     "truncate_prompt_tokens": None,
+    "truncation_side": "left",  # vLLM keeps it with its tokenization settings; "left" is its generation default
     "structured_outputs": None,
     "thinking_token_budget": None,
 }

@@ -302,6 +302,23 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(openai_server):
     assert fit["usage"]["prompt_tokens"] == engine.max_model_len - 1
 
 
+def test_truncation_side_right_keeps_the_first_tokens(openai_server):
+    """vLLM's truncation_side: "right" keeps the prompt's first truncate_prompt_tokens tokens, "left" (the default)
+    its last, on both routes; any other side is a 400 naming the field."""
+    url, _ = openai_server
+    long_prompt = "x = 1\n" * 60
+    ids = _tokens(url, long_prompt)
+    body = {"prompt": long_prompt, "truncate_prompt_tokens": 5, "max_tokens": 1, "return_token_ids": True}
+    for side, kept in (("right", ids[:5]), ("left", ids[-5:])):
+        choice = _post(url, "/v1/completions", {**body, "truncation_side": side}).json()["choices"][0]
+        assert choice["prompt_token_ids"] == kept
+    chat = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 1, "return_token_ids": True,
+            "truncate_prompt_tokens": 4, "truncation_side": "right"}
+    chat_ids = httpx.post(f"{url}/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+    assert _post(url, "/v1/chat/completions", chat).json()["prompt_token_ids"] == chat_ids[:4]
+    _assert_error(_post(url, "/v1/completions", {**body, "truncation_side": "middle"}), "truncation_side")
+
+
 def test_cache_salt_must_be_a_non_empty_string(openai_server):
     url, _ = openai_server
     for salt in ("", 5):
@@ -385,7 +402,7 @@ REFUSED = [
     ("guided_decoding_backend", "xgrammar"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("logits_processors", ["my.Processor"]),
     ("suffix", "end"), ("prompt_embeds", "AAAA"),
-    ("logprob_token_ids", [1, 2]), ("truncation_side", "right"),
+    ("logprob_token_ids", [1, 2]),
 ]
 # best_of and beam search exist on /v1/completions only (tests/test_best_of.py, tests/test_beam_search.py).
 CHAT_REFUSED = [("best_of", 3), ("use_beam_search", True), ("length_penalty", 0.5)]

@@ -151,7 +151,7 @@ class RequestMaker:
             raise ValueError(f"the model is a sequence classifier ({classifier.counted}, no LM head): it "
                              f"cannot generate text; classify with LLM.classify or POST /classify")
         tokenizer = tokenizer or self.tokenizer
-        text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens, tokenizer)
+        text, token_ids = self._prompt_tokens(prompt, params.truncate_prompt_tokens, tokenizer, params.truncation_side)
         if len(token_ids) >= self.facts.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {self.facts.max_model_len}: it must be "
@@ -235,12 +235,13 @@ class RequestMaker:
         )
         return text, [request]
 
-    def _prompt_tokens(self, prompt: Prompt, truncate_prompt_tokens: int | None, tokenizer
+    def _prompt_tokens(self, prompt: Prompt, truncate_prompt_tokens: int | None, tokenizer, side: str = "left"
                        ) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt, only its last `truncate_prompt_tokens` ids when that is set."""
+        """(text, token ids) of a prompt, only `truncate_prompt_tokens` ids when that is set: its last (`side`
+        "left") or its first ("right")."""
         text, token_ids = self.tokenize_prompt(prompt, tokenizer)
         if truncate_prompt_tokens is not None:
-            token_ids = token_ids[-truncate_prompt_tokens:]
+            token_ids = token_ids[-truncate_prompt_tokens:] if side == "left" else token_ids[:truncate_prompt_tokens]
         return text, token_ids
 
     def _placement(self, priority: int, cache_salt: str | None, lora_name: str | None):

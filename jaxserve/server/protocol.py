@@ -69,7 +69,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logits_processors": (_empty, "custom logits processors are not supported"),
     "vllm_xargs": (_empty, "custom extensions are not supported"),
     "logprob_token_ids": (_unset, "logprobs of chosen token ids are not implemented"),
-    "truncation_side": (_one_of("left"), "truncate_prompt_tokens always keeps the last tokens"),
     "watermarking": (_false, "watermarking is not implemented"),
     "repetition_detection": (_unset, "repetition detection is not implemented"),
     "kv_transfer_params": (_unset, "disaggregated serving is not implemented"),
@@ -154,6 +153,8 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    # which end truncate_prompt_tokens cuts (vLLM's): "left" keeps the last tokens, "right" the first
+    truncation_side: Literal["left", "right"] | None = None
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -282,7 +283,7 @@ class _SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids, bad_words=self.bad_words, ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens, logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
             thinking_token_budget=self.thinking_token_budget,
-            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
