@@ -374,6 +374,8 @@ def test_stream_options_without_stream_is_400(openai_server):
                   "Stream options can only be defined when `stream=True`.")
     chat = {"messages": [{"role": "user", "content": "hi"}], **options}
     _assert_error(_post(url, "/v1/chat/completions", chat), "stream_options", "stream=True")
+    empty = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "stream_options": {}})
+    assert empty.status_code == 200, empty.text  # vLLM refuses only options that say something
 
 
 @pytest.mark.parametrize("path,body", [
@@ -393,7 +395,14 @@ def test_continuous_usage_stats_put_the_counts_in_every_chunk(openai_server, pat
         assert counts == sorted(counts) and counts[-1] == 5
     assert final["completion_tokens"] == 5 * body.get("n", 1)
     without = _events(url, path, {**body, "max_tokens": 2, "stream_options": {"include_usage": True}})
-    assert all("usage" not in e for e in without[:-2]) and without[-2]["usage"]["completion_tokens"] == 2 * body.get("n", 1)
+    assert without[-2]["usage"]["completion_tokens"] == 2 * body.get("n", 1)
+    # as in vLLM: a completions chunk says "usage": null, a chat chunk leaves usage out
+    null_usage = path == "/v1/completions"
+    assert all(("usage" in e and e["usage"] is None) == null_usage for e in without[:-2])
+    assert all("usage" not in e or e["usage"] is None for e in without[:-2])
+    plain = _events(url, path, {**body, "max_tokens": 2, "stream_options": {"include_usage": False,
+                                                                            "continuous_usage_stats": True}})
+    assert plain[-1] == "[DONE]" and all(e["choices"] and not e.get("usage") for e in plain[:-1])
 
 
 # ---- fields this server refuses ----------------------------------------------------------------------
@@ -566,14 +575,23 @@ def test_the_applied_generation_defaults_are_logged_at_start_up(caplog):
     assert len(lines) == 2 and "'top_k': 5" in lines[0] and lines[1].endswith("none")
 
 
-def test_force_include_usage_and_prompt_tokens_details(fake_server):
+@pytest.mark.parametrize("options", [None, {"include_usage": False}, {"include_usage": True}])
+def test_force_include_usage_and_prompt_tokens_details(fake_server, options):
+    """--enable-force-include-usage, as vLLM's: the final usage chunk and the counts so far in every chunk, whatever
+    stream_options say."""
     url, _ = fake_server
-    events = _events(url, "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+    extra = {} if options is None else {"stream_options": options}
+    events = _events(url, "/v1/completions", {"prompt": "hi", "max_tokens": 3, **extra})
     assert events[-1] == "[DONE]" and events[-2]["choices"] == []
     assert events[-2]["usage"] == {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4,
                                    "prompt_tokens_details": {"cached_tokens": 0}}
-    chat = _events(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    counts = [e["usage"]["completion_tokens"] for e in events[:-2]]
+    assert counts and counts == sorted(counts) and counts[-1] == 3
+    chat = _events(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                 **extra})
     assert chat[-2]["usage"]["completion_tokens"] == 2
+    counts = [e["usage"]["completion_tokens"] for e in chat[:-2]]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 2  # the role's chunk first
     usage = _post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).json()["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
 

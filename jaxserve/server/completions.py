@@ -130,7 +130,7 @@ class CompletionServing(OpenAIServing):
         fails the request."""
         head = {"id": request_id, "object": "text_completion", "created": created,
                 "model": self.models.model_name(body)}
-        encoder = ChunkEncoder(head)
+        encoder = ChunkEncoder(head, nulls=("usage",))
         states = [[ChoiceStream(params) for _ in range(params.n)] for _ in streams]
         finals: list[RequestOutput | None] = [None] * len(streams)
         include_usage, continuous = self.stream_usage(body)

@@ -178,7 +178,7 @@ class _SamplingFields(BaseModel):
         """APIError (400, naming the field) for unsupported fields and for values that SamplingParams
         cannot judge."""
         self._check_unsupported()
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
         if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs > 0:
             raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")

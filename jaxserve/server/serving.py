@@ -118,10 +118,13 @@ class OpenAIServing:
         return usage_of(outputs, self.config.enable_prompt_tokens_details)
 
     def stream_usage(self, body: _SamplingFields) -> tuple[bool, bool]:
-        """(a usage chunk ends the stream, every chunk carries the counts so far), as vLLM decides them."""
+        """(a usage chunk ends the stream, every chunk carries the counts so far), as vLLM decides them: both under
+        --enable-force-include-usage, else as `stream_options` asks (the counts so far only with include_usage)."""
+        if self.config.enable_force_include_usage:
+            return True, True
         options = body.stream_options
-        include = self.config.enable_force_include_usage or (options is not None and options.include_usage)
-        return include, include and options is not None and options.continuous_usage_stats
+        include = options is not None and options.include_usage
+        return include, include and options.continuous_usage_stats
 
     def logprob_text(self, body: _SamplingFields) -> Callable[[int], str]:
         """How logprobs name a token: its text, or "token_id:N" under return_tokens_as_token_ids (the request's,

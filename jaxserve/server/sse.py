@@ -31,16 +31,19 @@ def named_sse(data: dict) -> bytes:
 
 class ChunkEncoder:
     """The SSE events of one streamed response: the fields every chunk repeats (id, object, created,
-    model) are encoded once, and each chunk adds only its choice."""
+    model) are encoded once, and each chunk adds only its choice. `nulls` names the fields every chunk
+    carries, null when not given (vLLM's completions chunks have `"usage": null`; its chat chunks leave it out)."""
 
-    def __init__(self, head: dict):
+    def __init__(self, head: dict, nulls: tuple[str, ...] = ()):
         self.head = head
+        self.nulls = nulls
         self._prefix = "data: " + json.dumps(head, separators=(",", ":"))[:-1] + ',"choices":['
 
     def choice(self, choice: dict, **fields) -> bytes:
-        """An event carrying one choice, and `fields` (usage, ...) after it, those that are not None."""
+        """An event carrying one choice, and `fields` (usage, ...) after it, those that are not None or in
+        `nulls`."""
         tail = "".join(f',"{name}":{json.dumps(value, separators=(",", ":"))}'
-                       for name, value in fields.items() if value is not None)
+                       for name, value in fields.items() if value is not None or name in self.nulls)
         return (self._prefix + json.dumps(choice, separators=(",", ":")) + "]" + tail + "}\n\n").encode()
 
 
