@@ -1,5 +1,6 @@
 """vLLM's further routes on the shared test server (default flags): /tokenize's options, /detokenize's
-checks, SageMaker's /invocations and /ping, /load, and /tokenizer_info being off unless enabled.
+checks, vLLM's batched chat, SageMaker's /invocations and /ping, /load, and /tokenizer_info being off unless
+enabled.
 
 The flag-enabled side (/load counting, /tokenizer_info's content) runs against `jaxserve serve` in
 tests/test_vllm_client.py.
@@ -119,6 +120,36 @@ def test_detokenize_non_integer_ids_are_400(openai_server):
     for tokens in ([1.5], ["a"], 5, None):
         _assert_openai_error(httpx.post(f"{url}/detokenize", json={"tokens": tokens}), 400)
     assert httpx.post(f"{url}/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+# ---- /v1/chat/completions/batch (vLLM's) ---------------------------------------------------------
+
+
+def test_batch_chat_answers_each_conversation_as_its_own_chat(openai_server):
+    url, _ = openai_server
+    conversations = [MESSAGES[:1], [{"role": "user", "content": "import"}]]
+    body = {"model": MODEL, "max_tokens": 5, "temperature": 0}
+    answer = httpx.post(f"{url}/v1/chat/completions/batch", headers=AUTH, json={**body, "messages": conversations})
+    assert answer.status_code == 200, answer.text
+    batch = answer.json()
+    assert batch["object"] == "chat.completion" and [c["index"] for c in batch["choices"]] == [0, 1]
+    singles = [httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json={**body, "messages": m}).json()
+               for m in conversations]
+    assert [c["message"] for c in batch["choices"]] == [s["choices"][0]["message"] for s in singles]
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert batch["usage"][key] == sum(s["usage"][key] for s in singles)
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"stream": True}, "stream"), ({"n": 2}, "n"), ({"use_beam_search": True}, "use_beam_search"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [MESSAGES[:1], []]}, "messages.1"), ({"messages": []}, "messages"),
+    ({"messages": [MESSAGES[:1]] * 5}, "messages"),  # the test server's --max-prompts is 4
+], ids=["stream", "n", "beam-search", "tools", "empty-conversation", "no-conversation", "too-many"])
+def test_batch_chat_refusals_name_the_field(openai_server, extra, param):
+    url, _ = openai_server
+    body = {"messages": [MESSAGES[:1]], "max_tokens": 2, **extra}
+    _assert_openai_error(httpx.post(f"{url}/v1/chat/completions/batch", headers=AUTH, json=body), 400, param)
 
 
 # ---- /invocations (SageMaker), /ping, /load, /tokenizer_info --------------------------------------

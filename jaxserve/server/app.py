@@ -153,11 +153,12 @@ def build_app(engine: LLMEngine | EngineCoreClient | DataParallelEngine, config:
 
 
 def _add_api_routes(app: FastAPI, handlers: Handlers, config: ServerConfig) -> None:
-    """The API's routes behind the API key: OpenAI's under /v1 (completions, chat, responses, embeddings, models),
-    Anthropic's messages, and vLLM's pooling routes (also outside /v1, as vLLM serves them)."""
+    """The API's routes behind the API key: OpenAI's under /v1 (completions, chat and vLLM's batched chat, responses,
+    embeddings, models), Anthropic's messages, and vLLM's pooling routes (also outside /v1, as vLLM serves them)."""
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_guard(config.api_key))])
     v1.add_api_route("/completions", handlers.completions.completions, methods=["POST"], response_model=None)
     v1.add_api_route("/chat/completions", handlers.chat.chat, methods=["POST"], response_model=None)
+    v1.add_api_route("/chat/completions/batch", handlers.chat.batch, methods=["POST"], response_model=None)
     responses, messages, embeddings = handlers.responses, handlers.messages, handlers.embeddings
     v1.add_api_route("/responses", responses.create, methods=["POST"], response_model=None)
     v1.add_api_route("/responses/{response_id}", responses.get, methods=["GET"])
@@ -309,8 +310,9 @@ class LoadTracking:
     """ASGI middleware: counts each request to a generation route from its arrival until its response,
     streamed or not, has ended, however it ends."""
 
-    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/v1/score", "/score",
-             "/v1/rerank", "/rerank", "/v2/rerank", "/classify", "/pooling", "/invocations")
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/chat/completions/batch", "/v1/responses",
+             "/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank", "/classify", "/pooling",
+             "/invocations")
 
     def __init__(self, app, load: ServerLoad):
         self.app = app

@@ -18,7 +18,7 @@ from jaxserve.engine.reasoning import ReasoningStream
 from jaxserve.outputs import CompletionOutput, RequestOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.errors import APIError, error_body
-from jaxserve.server.protocol import ChatCompletionRequest
+from jaxserve.server.protocol import BatchChatCompletionRequest, ChatCompletionRequest
 from jaxserve.server.request_streams import (
     EngineStreamingResponse,
     RequestFailedError,
@@ -56,31 +56,62 @@ class ChatServing(OpenAIServing):
         if outputs is None:
             return Response(status_code=499)
         output = outputs[0]
-        choices = []
-        for c in output.outputs:
-            message, finish_reason = self.chat_message(c, output, body, tools)
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": self._chat_logprobs(body, params, c.token_ids, c.logprobs),
-                            "finish_reason": finish_reason, "stop_reason": c.stop_reason,
-                            "token_ids": c.token_ids if body.return_token_ids else None})
+        choices = [self._chat_choice(c.index, c, output, body, params, tools) for c in output.outputs]
         return {"id": request_id, "object": "chat.completion", "created": created,
                 "model": self.models.model_name(body), "choices": choices, "usage": self.response_usage(outputs),
                 "prompt_logprobs": prompt_logprobs_field(self.token_text, output.prompt_logprobs),
                 "prompt_token_ids": output.prompt_token_ids if body.return_token_ids else None}
+
+    async def batch(self, body: BatchChatCompletionRequest, raw: Request) -> Response | dict:
+        """POST /v1/chat/completions/batch (vLLM's): every conversation checked and queued, or none; the choices
+        are the conversations' replies, indexed in their order, the usage their sum."""
+        body.check()
+        requests = body.conversations()
+        if len(requests) > self.config.max_prompts:
+            raise APIError(400, f"messages must hold 1 to {self.config.max_prompts} conversations, got "
+                                f"{len(requests)}", "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        first = requests[0]  # the conversations share every other field, so their checks and parameters
+        params, tools = self._chat_params(first)
+        prompts = [self.chat_prompt(request) for request in requests]
+        await self.compile_constraint(first, params)
+        created = int(time.time())
+        outputs = await self.final_outputs(self.submit(request_id, prompts, first, params), first, raw)
+        if outputs is None:
+            return Response(status_code=499)
+        choices = [self._chat_choice(index, output.outputs[0], output, request, params, tools)
+                   for index, (request, output) in enumerate(zip(requests, outputs))]
+        return {"id": request_id, "object": "chat.completion", "created": created,
+                "model": self.models.model_name(body), "choices": choices, "usage": self.response_usage(outputs),
+                "prompt_logprobs": None, "prompt_token_ids": None}
 
     async def start_chat(self, request_id: str, body: ChatCompletionRequest
                          ) -> tuple[SamplingParams, ToolCallExtractor | None, list[RequestStream]]:
         """Check a chat request, render its prompt, compile its constraint and queue it: (its sampling parameters,
         how its replies are split into content and tool calls, its one stream). APIError (400 naming the field) for
         anything the request gets wrong, 503 for an engine that is full or down."""
+        params, tools = self._chat_params(body)
+        prompt = self.chat_prompt(body)
+        await self.compile_constraint(body, params)
+        return params, tools, self.submit(request_id, [prompt], body, params)
+
+    def _chat_params(self, body: ChatCompletionRequest) -> tuple[SamplingParams, ToolCallExtractor | None]:
+        """(the sampling parameters, how replies are split into content and tool calls) of a checked chat request."""
         params = self.sampling_params(body)
         tools = self._tool_calls(body)
         formats = (tools, self.model.reasoning)  # a format whose markers are special tokens keeps them
         if any(part is not None and part.keeps_special_tokens for part in formats):
             params = dataclasses.replace(params, skip_special_tokens=False)
-        prompt = self.chat_prompt(body)
-        await self.compile_constraint(body, params)
-        return params, tools, self.submit(request_id, [prompt], body, params)
+        return params, tools
+
+    def _chat_choice(self, index: int, c: CompletionOutput, output: RequestOutput, body: ChatCompletionRequest,
+                     params: SamplingParams, tools: ToolCallExtractor | None) -> dict:
+        """One choice of a whole chat response: reply `c` as a message, its logprobs and finish."""
+        message, finish_reason = self.chat_message(c, output, body, tools)
+        return {"index": index, "message": message,
+                "logprobs": self._chat_logprobs(body, params, c.token_ids, c.logprobs),
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                "token_ids": c.token_ids if body.return_token_ids else None}
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         """The token ids of a chat request's conversation (and tools) under the chat template, each message as the

@@ -20,7 +20,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -491,6 +491,25 @@ class ChatCompletionRequest(_SamplingFields):
         if not self.echo or last["role"] != self.reply_role():
             return ""
         return last.get("content") or ""
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """POST /v1/chat/completions/batch (vLLM's): `messages` is a list of conversations, each answered as a chat
+    request of the other fields would be, one choice per conversation; not streamed, without tools, n of 1."""
+
+    messages: list[Annotated[list[ChatMessage], Field(min_length=1)]] = Field(min_length=1)
+
+    def check(self) -> None:
+        super().check()
+        for name, refused in (("stream", self.stream), ("tools", bool(self.tools)), ("n", self.n != 1)):
+            if refused:
+                raise APIError(400, f"batch chat completions do not support {name} (as in vLLM); got "
+                                    f"{getattr(self, name)!r:.80}", name)
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One chat request per conversation, with the batch's other fields."""
+        fields = self.model_dump(exclude={"messages"}, exclude_unset=True)
+        return [ChatCompletionRequest(**fields, messages=messages) for messages in self.messages]
 
 
 class TokenizeRequest(BaseModel):
