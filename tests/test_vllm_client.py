@@ -195,6 +195,8 @@ def test_vllm_routes(server, client):
     assert text.endswith(PROMPT)
     info = httpx.get(f"{server}/tokenizer_info", headers=AUTH).json()
     assert info["tokenizer_class"] and info["eos_token"] == "</s>" and "messages" in info["chat_template"]
+    # vLLM's shape: each added token by its id, as its text alone (vLLM keeps AddedToken.content only)
+    assert info["added_tokens_decoder"] == {"0": "<s>", "1": "</s>", "2": "<pad>"}
     answer = httpx.post(f"{server}/invocations", headers=AUTH, json={"prompt": PROMPT, "max_tokens": 2}).json()
     assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 2
 

@@ -68,7 +68,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt_embeds": (_unset, "prompts must be text or token ids"),
     "logits_processors": (_empty, "custom logits processors are not supported"),
     "vllm_xargs": (_empty, "custom extensions are not supported"),
-    "logprob_token_ids": (_unset, "logprobs of chosen token ids are not implemented"),
+    "logprob_token_ids": (_unset, "logprobs of given token ids are not implemented: each position returns the "
+                                  "chosen token's and the top 20"),
     "watermarking": (_false, "watermarking is not implemented"),
     "repetition_detection": (_unset, "repetition detection is not implemented"),
     "kv_transfer_params": (_unset, "disaggregated serving is not implemented"),
