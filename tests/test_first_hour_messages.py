@@ -48,13 +48,22 @@ def test_torch_is_hidden_by_the_fixture():
 @pytest.mark.parametrize("command", [
     ["-c", "import jaxserve, jaxserve.tokenizer, transformers"],
     ["-m", "jaxserve", "--help"],
-    ["-m", "jaxserve", "generate", "--prompt", "def add(a, b):", "--max-tokens", "4",
-     "--compilation-cache-dir", TEST_CACHE_DIR],
+    ["-m", "jaxserve", "generate", "--prompt", "def fibonacci(n):", "--compilation-cache-dir", TEST_CACHE_DIR],
 ])
 def test_commands_say_nothing_of_other_libraries_without_torch(command):
     result = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     _quiet(result.stderr)
+    if "generate" in command:  # the README's quick start: it shows what this prints
+        assert result.stdout.rstrip("\n") == _readme_sample_output()
+
+
+def _readme_sample_output() -> str:
+    """The README's sample of what `jaxserve generate --prompt "def fibonacci(n):"` prints."""
+    text = open(README, encoding="utf-8").read()
+    assert 'jaxserve generate --prompt "def fibonacci(n):"' in text
+    after = text.split("64 greedy tokens after it", 1)[1]
+    return after.split("```\n", 1)[1].split("\n```", 1)[0]
 
 
 def test_serve_answers_the_readme_examples_without_a_word_from_other_libraries(tmp_path):
