@@ -126,6 +126,7 @@ def small_engine_args(**overrides) -> dict:
         max_num_seqs=32,
         max_num_batched_tokens=64,
         min_token_bucket=64,  # one token rung: every step pads to 64 (tests that pick buckets set their own)
+        background_compile=False,  # every bucket compiled before the engine is ready, unless a test says otherwise
         compilation_cache_dir=TEST_CACHE_DIR,
         show_progress=False,
         enable_structured_outputs=False,  # the tests that constrain outputs turn it on (fewer sampler executables)

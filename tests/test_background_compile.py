@@ -2,6 +2,9 @@
 background thread while steps run in the largest ones; the same tokens as an engine that compiled everything first,
 and nothing compiled on a step's path."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -64,3 +67,25 @@ def test_steps_run_in_the_largest_buckets_until_theirs_compile(held_background):
 def test_multi_step_decoding_compiles_everything_first():
     llm = LLM(checkpoint("llama"), **small_engine_args(background_compile=True, num_scheduler_steps=4))
     assert llm.engine.core.runner.background_compiles_left() == 0
+
+
+EXIT_WHILE_COMPILING = """
+import time
+from jaxserve import LLM
+llm = LLM(compilation_cache_dir=None, show_progress=False)  # the offline default: background compiles
+runner = llm.engine.core.runner
+assert runner.background_compiles_left() > 0
+while runner.num_background_compiles < 1:
+    time.sleep(0.01)
+time.sleep(0.3)  # the script ends inside the next bucket's compile
+"""
+
+
+def test_the_offline_default_and_a_process_that_exits_while_its_buckets_compile(tmp_path):
+    """LLM() compiles in the background by default, and a script that ends while those compiles run exits cleanly
+    (XLA's default flags: a compile long enough to be inside; before the runner stopped its thread at exit, such a
+    process aborted in 3 runs of 3)."""
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", EXIT_WHILE_COMPILING], capture_output=True, text=True, env=env,
+                            cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

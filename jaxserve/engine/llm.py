@@ -20,6 +20,9 @@ from jaxserve.sampling_params import SamplingParams
 from jaxserve.tokenizer import encode_text_pair, load_chat_template, render_chat
 
 PromptInput = str | list[int] | dict
+# The offline engine's defaults for options neither a keyword nor the model's config file sets: ready once its largest
+# buckets compile (any step fits them), the others compiling on a background thread while it generates.
+OFFLINE_DEFAULTS = {"background_compile": True}
 
 
 class LLM:
@@ -29,6 +32,9 @@ class LLM:
         model: a Hugging Face model folder or a `jaxserve convert` checkpoint; None runs the bundled tiny model with
             the settings of `configs/tiny-cpu.yaml`.
         show_progress: progress bars while the step buckets compile.
+        The engine is ready once its largest step buckets compile; the others compile on a background thread while
+        it generates, each step padded into the largest until its own are ready (`background_compile=False`
+        compiles them all first, `skip_precompile=True` each at its first use).
         **engine_args: engine options (EngineConfig), named as vLLM's engine arguments: `max_num_seqs`,
             `max_model_len`, `page_size`, `tensor_parallel_size`, `dtype`, `seed`, ... (docs/configuration.md).
 
@@ -38,7 +44,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, show_progress: bool = True, **engine_args):
-        config = EngineConfig.for_model(model, **engine_args)
+        config = EngineConfig.for_model(model, None, OFFLINE_DEFAULTS, **engine_args)
         config.parallel_config.check_one_replica("the offline LLM")
         self.engine = LLMEngine(config, show_progress=show_progress)
         self._ids = itertools.count()

@@ -7,12 +7,14 @@ updated in place.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -147,6 +149,16 @@ def _ready_time(arrays) -> float:
     return time.perf_counter()
 
 
+_COMPILING_RUNNERS: weakref.WeakSet[Runner] = weakref.WeakSet()  # runners whose background thread was started
+
+
+@atexit.register
+def _stop_background_compiles() -> None:
+    """At the process's exit, end every runner's background compiles first (after their current compile)."""
+    for runner in list(_COMPILING_RUNNERS):
+        runner.stop_background_compiles()
+
+
 class Runner:
     """Holds the device state of one engine and the compiled step executables."""
 
@@ -227,6 +239,7 @@ class Runner:
         # prompt (T,)); while any is left, a step whose buckets are not all ready runs in the largest ones
         self._compiling: set[tuple] = set()
         self._background: threading.Thread | None = None
+        self._stop_background = threading.Event()  # set at the process's exit: the thread stops between compiles
         self.num_background_compiles = 0  # compiled on the background thread (not on a step's path)
         self.num_repadded_steps = 0  # steps run in the largest buckets while theirs compiled
         CompileCounter.install()
@@ -389,6 +402,7 @@ class Runner:
             self._compiling = {(kind, key) for kind, _, _, keys in rest for key in keys}
             self._background = threading.Thread(target=self._compile_in_background, args=(rest,),
                                                 name="jaxserve-background-compile", daemon=True)
+            _COMPILING_RUNNERS.add(self)
             self._background.start()
             return
         self.compile_buckets([(self._forward_exec, self.forward_call, forward),
@@ -412,6 +426,8 @@ class Runner:
         ready for steps once compiled."""
         for kind, table, call, keys in groups:
             for key in keys:  # (a forward against an abstract pool: the steps donate the real one meanwhile)
+                if self._stop_background.is_set():
+                    return
                 function, args = call(*key, self.num_pages) if kind == "forward" else call(*key)
                 self.num_background_compiles += self._compile_into(table, key, function, args)
                 self._compiling.discard((kind, key))
@@ -421,6 +437,13 @@ class Runner:
         if self._background is not None:
             self._background.join(timeout)
         return not self._compiling
+
+    def stop_background_compiles(self) -> None:
+        """Stop the background thread after the compile it is in (a process must not exit while XLA compiles on
+        another thread: the runtime aborts)."""
+        self._stop_background.set()
+        if self._background is not None:
+            self._background.join()
 
     def background_compiles_left(self) -> int:
         """Buckets the background thread has still to compile."""
