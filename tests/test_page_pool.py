@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens
-from jaxserve.kv.page_pool import NULL_PAGE, PagePool
+from jaxserve.kv.page_pool import NULL_PAGE, PAGE_STATES, PagePool
 
 # ---- PagePool ------------------------------------------------------------------------------
 
@@ -30,6 +30,18 @@ def test_fresh_pool_counts_and_usage():
     assert pool.num_free == 8
     assert pool.usage() == 0.0
     assert all(pool.ref_count(page) == 0 for page in range(9))
+
+
+def test_page_states_map_free_cached_held_and_shared_pages_in_runs():
+    pool = PagePool(9)
+    assert pool.page_states() == [[0, 8]]
+    first, second, third = pool.allocate(3)  # pages 1, 2, 3
+    pool.register(first, b"a", (1, 2), ("root", None))
+    pool.take(second)  # shared by two holders
+    pool.release([first])  # cached, nobody holds it
+    free, cached, in_use, shared = (PAGE_STATES.index(name) for name in ("free", "cached", "in_use", "shared"))
+    assert pool.page_states() == [[cached, 1], [shared, 1], [in_use, 1], [free, 5]]
+    assert sum(run for _, run in pool.page_states()) == pool.num_usable
 
 
 def test_allocate_gives_distinct_non_null_pages_with_ref_count_one():

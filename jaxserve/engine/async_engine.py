@@ -333,6 +333,10 @@ class AsyncLLMEngine(AsyncEngineBase):
         """Forget every cached page (on the engine thread, between steps); returns how many were forgotten."""
         return await self._between_steps(self.engine.reset_prefix_cache)
 
+    async def kv_page_states(self) -> list[list[int]]:
+        """The KV pool's map, run-length encoded (on the engine thread, between steps; EngineCore.kv_page_states)."""
+        return await self._between_steps(self.engine.kv_page_states)
+
     async def update_weights(self, source: str | Mapping[str, object]) -> int:
         """Serve new weights (on the engine thread, between steps; LLMEngine.update_weights); the weights
         version."""

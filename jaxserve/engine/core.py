@@ -286,6 +286,11 @@ class EngineCore:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
         return failed
 
+    def kv_page_states(self) -> list[list[int]]:
+        """The KV pool's map: each page's state (kv.PAGE_STATES: free, cached, in use, shared), run-length
+        encoded (PagePool.page_states)."""
+        return self.kv.pool.page_states()
+
     def kv_occupancy(self) -> tuple[int, int]:
         """(KV pages held by requests, reserved ones included; token slots of those pages holding computed
         KV, a shared page counted once). Walks every held page: for benchmarks, not for every step."""

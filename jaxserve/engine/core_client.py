@@ -293,6 +293,10 @@ class EngineCoreClient(AsyncEngineBase):
         """Forget every cached page (between two steps); returns how many were forgotten."""
         return await self._call("reset_prefix_cache")
 
+    async def kv_page_states(self) -> list[list[int]]:
+        """The KV pool's map, run-length encoded (between two steps; EngineCore.kv_page_states)."""
+        return await self._call("kv_page_states")
+
     async def update_weights(self, source: str) -> int:
         """Serve new weights from a folder (between two steps; LLMEngine.update_weights); the weights version."""
         if not isinstance(source, str):

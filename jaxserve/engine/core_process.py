@@ -58,6 +58,7 @@ PR_SET_PDEATHSIG = 1  # prctl's option: the signal this process gets when its pa
 # The engine methods a front end may call between steps, and how each call's message arguments become theirs.
 CORE_CALLS: dict[str, Callable[..., tuple]] = {
     "reset_prefix_cache": lambda: (),
+    "kv_page_states": lambda: (),
     "update_weights": lambda path: (str(path),),
     "sleep": lambda level: (int(level),),
     "wake_up": lambda: (),

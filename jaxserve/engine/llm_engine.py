@@ -169,6 +169,10 @@ class LLMEngine:
         """Forget every cached KV page (pages in use stay in use); returns how many were forgotten."""
         return self.core.reset_prefix_cache()
 
+    def kv_page_states(self) -> list[list[int]]:
+        """The KV pool's map, run-length encoded (EngineCore.kv_page_states)."""
+        return self.core.kv_page_states()
+
     def update_weights(self, source: str | Mapping[str, object]) -> int:
         """Serve new weights of the same model from now on (EngineCore.update_weights); returns the weights
         version (updates so far)."""

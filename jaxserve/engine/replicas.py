@@ -200,6 +200,11 @@ class DataParallelEngine:
         """True while a replica sleeps."""
         return any(replica.is_sleeping() for replica in self.replicas)
 
+    async def kv_page_states(self) -> list[list[int]]:
+        """The first replica's KV pool map, run-length encoded (EngineCore.kv_page_states): a monitor's sample of
+        the replicas, which share one configuration."""
+        return await self.replicas[0].kv_page_states()
+
     async def reset_prefix_cache(self) -> int:
         """Forget every replica's cached pages; returns how many were forgotten in all."""
         forgotten = await asyncio.gather(*(replica.reset_prefix_cache() for replica in self.replicas))

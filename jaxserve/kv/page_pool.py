@@ -16,6 +16,9 @@ import dataclasses
 import itertools
 
 NULL_PAGE = 0  # padded token slots write here; never handed to a request
+# A usable page's state (`PagePool.page_states`): nobody holds it and it caches nothing; nobody holds it but it keeps
+# prefix-cache content; one request holds it; several hold it (shared: a prefix-cache hit, a fork).
+PAGE_STATES = ("free", "cached", "in_use", "shared")
 
 # What a cached page's content follows: the (page, registration serial) of its parent page's
 # registration, or ("root", cache salt) for a first page. A registration serial is never reused, so
@@ -143,6 +146,19 @@ class PagePool:
     def is_cached_and_free(self, page: int) -> bool:
         """True for a registered page nobody holds (taking it removes it from the free queue)."""
         return self._ref_counts[page] == 0 and page in self._content
+
+    def page_states(self) -> list[list[int]]:
+        """Every usable page's state (an index into PAGE_STATES), page 1 first, run-length encoded:
+        [[state, number of pages], ...]. Walks the whole pool: for a monitor's occasional look, not every step."""
+        runs: list[list[int]] = []
+        for page in range(1, self.num_pages):
+            holders = self._ref_counts[page]
+            state = (1 if page in self._content else 0) if holders == 0 else min(holders, 2) + 1
+            if runs and runs[-1][0] == state:
+                runs[-1][1] += 1
+            else:
+                runs.append([state, 1])
+        return runs
 
     def reset_cache(self) -> int:
         """Forget every registration (held pages stay held); returns how many pages were forgotten."""
