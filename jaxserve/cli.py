@@ -123,6 +123,7 @@ def serve(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
         max_stored_responses=args.max_stored_responses, enable_weight_updates=args.enable_weight_updates,
+        enable_dashboard=not args.disable_dashboard,
     )
     sleeps = engine_config.model_config.enable_sleep_mode
     if args.api_server_count > 1 and (server_config.allow_runtime_lora_updating or sleeps):
@@ -298,6 +299,8 @@ def _add_server_flags(srv: argparse.ArgumentParser) -> None:
                           "from a folder, without a restart")
     srv.add_argument("--enable-server-load-tracking", action="store_true",
                      help="count requests in flight on the generation routes, for GET /load")
+    srv.add_argument("--disable-dashboard", action="store_true",
+                     help="do not serve the live page GET /dashboard (and its data, /dashboard/data)")
     srv.add_argument("--enable-force-include-usage", action="store_true",
                      help="end every stream with a usage chunk, whether the request asks for it or not")
     srv.add_argument("--return-tokens-as-token-ids", action="store_true",

@@ -131,6 +131,15 @@ def test_calls_between_steps_keep_their_results_and_errors(servers):
     assert client.is_running
 
 
+def test_the_live_pages_pool_map_comes_from_the_core_through_a_call(servers):
+    core_url, _, thread_url = servers
+    for url in (core_url, thread_url):
+        kv = httpx.get(f"{url}/dashboard/data", timeout=30).json()["kv"]
+        assert sum(run for _, run in kv["runs"]) == kv["pages_total"]
+        free = sum(run for state, run in kv["runs"] if kv["states"][state] in ("free", "cached"))
+        assert free == kv["pages_free"], "idle: no page is held"
+
+
 def test_back_pressure_counts_the_requests_the_core_has_not_started(servers):
     core_url, client, _ = servers
     with pytest.raises(EngineOverloadedError, match="retry later"):

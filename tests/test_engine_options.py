@@ -47,7 +47,7 @@ TODAY_SERVE_ONLY_FLAGS = (
     "--allowed-headers", "--allow-credentials", "--allow-runtime-lora-updating", "--max-stored-responses",
     "--enable-weight-updates", "--enable-server-load-tracking", "--enable-force-include-usage",
     "--return-tokens-as-token-ids", "--enable-prompt-tokens-details", "--ssl-keyfile", "--ssl-certfile",
-    "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path", "--log-level",
+    "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path", "--log-level", "--disable-dashboard",
 )
 TODAY_GENERATE_ONLY_FLAGS = (
     "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--sample-seed",

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import zipfile
 
 from helpers import TEST_CACHE_DIR, small_engine_args
 
@@ -83,6 +84,7 @@ def test_the_wheel_installed_in_a_fresh_venv_runs_generate(tmp_path):
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
           "-w", str(dist), str(source)], cwd=str(tmp_path))
     (wheel,) = dist.glob("jaxserve-*.whl")
+    assert "jaxserve/server/static/dashboard.html" in zipfile.ZipFile(wheel).namelist(), "the live page ships"
     python = _fresh_venv(str(tmp_path))
     _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index", "-q", str(wheel)],
          cwd=str(tmp_path))

@@ -23,6 +23,7 @@ from jaxserve.engine.served_model import ServedModel
 from jaxserve.server.chat import ChatServing
 from jaxserve.server.completions import CompletionServing
 from jaxserve.server.config import ServerConfig
+from jaxserve.server.dashboard import add_dashboard_routes
 from jaxserve.server.embeddings import EmbeddingsServing
 from jaxserve.server.errors import EXCEPTION_HANDLERS, APIError, error_response
 from jaxserve.server.messages_api import MessagesServing
@@ -149,6 +150,9 @@ def build_app(engine: LLMEngine | EngineCoreClient | DataParallelEngine, config:
         return handlers.tokenization.detokenize(body)
 
     _add_vllm_routes(app, async_engine, handlers, config, load)
+    if config.enable_dashboard:
+        add_dashboard_routes(app, async_engine, metrics, replica_stats, config.served_model_name,
+                             [Depends(_api_key_guard(config.api_key))])
     return app
 
 

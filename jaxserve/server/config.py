@@ -52,6 +52,8 @@ class ServerConfig:
     max_stored_responses: int = 0
     # POST /update_weights_from_disk (SGLang's route): new weights of the served model from a folder
     enable_weight_updates: bool = False
+    # GET /dashboard, the live page, and /dashboard/data, its snapshot (behind the API key)
+    enable_dashboard: bool = True
 
     def __post_init__(self):
         for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s",

@@ -11,6 +11,7 @@ carries a `model_name` label.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from collections.abc import Callable
@@ -59,6 +60,26 @@ def cache_config_info(kv_cache: KVCacheFacts) -> dict[str, str]:
         "swap_space": str(kv_cache.swap_space),
         "num_cpu_blocks": str(kv_cache.num_host_pages),
     }
+
+
+class RecentSamples:
+    """The values observed in the last `window_s` seconds (the newest `max_samples` at most): a live view's
+    percentiles, where a Prometheus histogram gives the whole run's, in buckets."""
+
+    def __init__(self, window_s: float = 60.0, max_samples: int = 20000):
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=max_samples)  # (time, value)
+
+    def add(self, value: float, now: float) -> None:
+        """Note `value`, observed at monotonic time `now` (any thread)."""
+        self._samples.append((now, value))
+
+    def percentiles(self, quantiles: tuple[int, ...] = (50, 90, 99), now: float | None = None) -> dict:
+        """{"count": samples in the window, "p50": ..., ...} (nearest rank; None without samples)."""
+        since = (time.monotonic() if now is None else now) - self.window_s
+        values = sorted(value for at, value in self._samples.copy() if at >= since)
+        ranks = {f"p{q}": values[min(len(values) - 1, len(values) * q // 100)] if values else None for q in quantiles}
+        return {"count": len(values), **ranks}
 
 
 class _EngineCollector:
@@ -179,6 +200,7 @@ class ServerMetrics:
             INTER_TOKEN_BUCKETS_S,
         )
         self._last_output: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time) of its last output
+        self.recent_first_token, self.recent_inter_token = RecentSamples(), RecentSamples()  # the live page's
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS_S)
         self.inference_time = histogram(
             "request_inference_time_seconds", "First scheduled to finished.", REQUEST_PHASE_BUCKETS_S
@@ -228,6 +250,7 @@ class ServerMetrics:
                 for _ in range(num_tokens - seen[0]):
                     self.per_output_token.observe(gap)
                     self.inter_token.observe(gap)
+                    self.recent_inter_token.add(gap, now)
             if output.finished:
                 self._observe_finished(output)
             elif num_tokens:
@@ -266,6 +289,8 @@ class ServerMetrics:
         for histogram, start, end in phases:
             if start is not None and end is not None:
                 histogram.observe(end - start)
+        if t.arrival_time is not None and t.first_token_time is not None:
+            self.recent_first_token.add(t.first_token_time - t.arrival_time, time.monotonic())
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric: with several front-end processes (prometheus-client's
