@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jaxserve.kv import PAGE_STATES
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
+from jaxserve.server.metrics import RecentSamples
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 SHARED_PREFIX = "def parse_arguments(argv):\n    parser = argparse.ArgumentParser(description='the tool')\n"
@@ -83,6 +84,14 @@ def test_the_snapshot_counts_agree_with_the_engine_and_the_pool_map(openai_serve
     assert data["timing"]["steps"] == stats["timing"]["steps"] and "wait_ms" in data["timing"]
     assert data["spec_decode"] == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                                    "enabled": False}
+
+
+def test_recent_samples_give_the_percentiles_of_their_window():
+    recent = RecentSamples(window_s=10)
+    for second in range(100):
+        recent.add(float(second), now=second)
+    assert recent.percentiles(now=100.0) == {"count": 10, "p50": 95.0, "p90": 99.0, "p99": 99.0}
+    assert recent.percentiles(now=200.0) == {"count": 0, "p50": None, "p90": None, "p99": None}
 
 
 def test_the_flag_turns_the_page_off(openai_server):
