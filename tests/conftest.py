@@ -14,9 +14,12 @@ API_KEY = "test-key"
 # The files that take longest on a 2-core machine (pytest --durations=0), longest first: xdist hands whole files
 # to its two workers in collection order, so these go first and the short ones fill in after them, and the
 # workers finish together instead of one running a long file alone at the end.
-SLOW_FILES = ("test_check_config.py", "test_engine_vs_hf.py", "test_gpu_check_script.py", "test_multihost.py",
+SLOW_FILES = ("test_gpu_check_script.py", "test_check_config.py", "test_engine_core_process.py", "test_engine_vs_hf.py",
+              "test_multihost.py", "test_bench_effects.py", "test_interrupt.py", "test_first_hour_messages.py",
+              "test_background_compile.py", "test_doc_examples.py", "test_serving_capacity_benchmark.py",
+              "test_data_parallel.py",
               "test_tpu_attention.py", "test_fp8_kv_cache.py", "test_scheduler.py", "test_spec_draft_model.py",
-              "test_async_and_multistep.py", "test_bench_effects.py", "test_server_fuzz.py", "test_wheel_install.py",
+              "test_async_and_multistep.py", "test_server_fuzz.py", "test_wheel_install.py",
               "test_ragged_paged_attention_kernel.py", "test_quantization.py", "test_vllm_client.py",
               "test_cli_serve.py", "test_bfloat16_and_cli.py", "test_server_generation_fields.py",
               "test_xla_attention.py")

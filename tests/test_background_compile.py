@@ -72,7 +72,8 @@ def test_multi_step_decoding_compiles_everything_first():
 EXIT_WHILE_COMPILING = """
 import time
 from jaxserve import LLM
-llm = LLM(compilation_cache_dir=None, show_progress=False)  # the offline default: background compiles
+llm = LLM(compilation_cache_dir=None, show_progress=False, max_num_seqs=8, max_num_batched_tokens=64,
+          max_model_len=256)  # the offline default: background compiles (of a short ladder)
 runner = llm.engine.core.runner
 assert runner.background_compiles_left() > 0
 while runner.num_background_compiles < 1:

@@ -139,14 +139,14 @@ def test_the_page_in_a_browser_shows_live_numbers_equal_to_the_metrics(openai_se
     threads = [threading.Thread(target=load, args=(worker,)) for worker in range(6)]
     try:
         browser.get(f"{url}/dashboard?key={API_KEY}")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # generous: a loaded CI machine; a working page takes about a second
         while not _shown(browser, "generation-tokens").isdigit():
             assert time.monotonic() < deadline, f"the page shows no numbers: {_shown(browser, 'status')}"
             time.sleep(0.1)
         first = int(_shown(browser, "generation-tokens"))
         for thread in threads:
             thread.start()
-        seen_running, deadline = False, time.monotonic() + 12
+        seen_running, deadline = False, time.monotonic() + 30
         while not (seen_running and int(_shown(browser, "generation-tokens")) > first
                    and float(_shown(browser, "gen-rate")) > 0 and int(_shown(browser, "map-in_use")) > 0):
             assert time.monotonic() < deadline, "the page's numbers did not move under load"
@@ -164,7 +164,7 @@ def test_the_page_in_a_browser_shows_live_numbers_equal_to_the_metrics(openai_se
         expected = {"generation-tokens": "jaxserve:generation_tokens_total",
                     "prefix-queries": "jaxserve:prefix_cache_queries_total",
                     "prefix-hits": "jaxserve:prefix_cache_hits_total"}
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15
         while True:
             shown = {element: _shown(browser, element) for element in expected}
             metrics = {element: str(int(_metric(url, name))) for element, name in expected.items()}

@@ -1,9 +1,12 @@
 """deploy/monitoring/: the Grafana dashboard is well-formed, and every metric and label its queries name is on a
 running server's /metrics for both metric prefixes (jaxserve and vllm), so the dashboard cannot drift from what
-the server exports; the Prometheus config scrapes that /metrics, and the compose file mounts files that exist."""
+the server exports; Prometheus runs every query against a server; the Prometheus config scrapes that /metrics, and
+the compose file mounts files that exist."""
 
 import json
 import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -13,6 +16,8 @@ import yaml
 from conftest import API_KEY
 from helpers import running_server, small_engine_args
 from prometheus_client.parser import text_string_to_metric_families
+
+from jaxserve.bench.online import free_port
 
 MONITORING = Path(__file__).parent.parent / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "jaxserve-dashboard.json"
@@ -196,3 +201,55 @@ def test_compose_mounts_the_configs_that_exist():
     assert datasource["type"] == "prometheus"
     assert "--web.listen-address=127.0.0.1:9090" in services["prometheus"]["command"]
     assert datasource["url"] == "http://localhost:9090"
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="no Prometheus: apt-get install prometheus (.ci/run does)")
+def test_every_query_runs_in_prometheus_scraping_a_server(openai_server, tmp_path):
+    """Prometheus itself (Debian's) scrapes the session's server every 0.5 s and evaluates each of the dashboard's
+    queries as Grafana sends it (the variables put in): no query is refused, and each reads series."""
+    url, _ = openai_server
+    config = {"scrape_configs": [{"job_name": "jaxserve", "scrape_interval": "500ms", "scrape_timeout": "400ms",
+                                  "static_configs": [{"targets": [url.removeprefix("http://")]}]}]}
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    api = f"http://127.0.0.1:{free_port()}/api/v1/query"
+    with open(tmp_path / "prometheus.log", "w") as log:
+        prometheus = subprocess.Popen([PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
+                                       f"--storage.tsdb.path={tmp_path / 'data'}",
+                                       f"--web.listen-address={api.split('/')[2]}"], stdout=log, stderr=log)
+
+    def query(expr: str) -> dict:
+        return httpx.get(api, params={"query": expr}, timeout=10).json()
+
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # a few scrapes with requests finishing between them, so every rate() has two samples
+            body = {"model": "tiny-stdlib-llama", "prompt": "import os\n", "max_tokens": 8}
+            httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                       timeout=60)
+            try:
+                scrapes = query('count_over_time(up{job="jaxserve"}[1m])')["data"]["result"]
+            except httpx.TransportError:  # not listening yet
+                scrapes = []
+            if scrapes and float(scrapes[0]["value"][1]) >= 4:
+                break
+            assert prometheus.poll() is None and time.monotonic() < deadline, (tmp_path / "prometheus.log").read_text()
+            time.sleep(0.3)
+        refused, empty = [], []
+        for where, expr in _queries(_dashboard()):
+            if where.startswith("variable"):
+                continue  # label_values() is Grafana's, not PromQL: its metric is checked above
+            promql = (expr.replace("${prefix}", "jaxserve").replace("$model_name", ".*")
+                      .replace("$__rate_interval", "1m"))
+            answer = query(promql)
+            if answer["status"] != "success":
+                refused.append(f"{where}: {promql}: {answer.get('error')}")
+            elif not answer["data"]["result"] and "spec_decode" not in promql:  # no speculation on this server
+                empty.append(f"{where}: {promql}")
+        assert not refused, "\n".join(refused)
+        assert not empty, "queries that read no series:\n" + "\n".join(empty)
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=30)
