@@ -24,6 +24,10 @@ VALUE_IDS = ["i32max", "i32max+1", "i64max", "i64max+1", "i32min-1", "-1", "0", 
 
 COMPLETION = {"model": "tiny-stdlib-llama", "prompt": "def f(x):", "max_tokens": 2}
 CHAT = {"model": "tiny-stdlib-llama", "messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 2}
+# A length field set to a huge number is accepted and generates to the end of the model's context (128 tokens):
+# such a case sends a prompt that leaves a few positions, so it decodes a few steps instead of a hundred.
+LENGTH_FIELDS = ("max_tokens", "max_completion_tokens")
+NEAR_THE_LIMIT = {"prompt": "def f(x):" * 23, "messages": [{"role": "user", "content": "def f(x):" * 22}]}
 SHARED_FIELDS = ["n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
                  "frequency_penalty", "repetition_penalty", "seed", "prompt_logprobs", "min_tokens", "priority",
                  "truncate_prompt_tokens", "stop_token_ids[]", "logit_bias{}", "logit_bias[key]",
@@ -42,6 +46,8 @@ def _with_value(base: dict, field: str, value) -> dict:
     """`base` with `field` set to `value`: `f[]` puts it in a list, `f[[]]` in a list of lists, `f{}` as the
     value of token 5 in a map, `f[key]` as a map key (JSON keys are strings)."""
     body = dict(base)
+    if field in LENGTH_FIELDS:
+        body.update({key: NEAR_THE_LIMIT[key] for key in body if key in NEAR_THE_LIMIT})
     if field.endswith("[[]]"):
         body[field[:-4]] = [[value]]
     elif field.endswith("[]"):
@@ -90,6 +96,9 @@ def test_extreme_numbers_are_a_200_or_a_400_and_the_server_stays_healthy(http, p
         _assert_openai_error(response)
     elif path.startswith("/v1/"):
         assert response.json()["choices"], response.text
+        if field in LENGTH_FIELDS:  # a huge length generates to the end of the context, after a prompt that fits
+            usage = response.json()["usage"]
+            assert usage["total_tokens"] == 128 and usage["completion_tokens"] >= 2, usage
     assert http.get("/health").status_code == 200, f"unhealthy after {body}"
 
 
