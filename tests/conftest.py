@@ -63,6 +63,17 @@ def _forget_fastapi_endpoints():
             value.cache_clear()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def children_without_torch():
+    """The Python processes the tests start (servers, engine-core processes, commands) import jaxserve as an install
+    without the bench extra does, torch hidden (helpers.NO_TORCH): about 3 s less each. This process has started
+    already and keeps torch; a test whose child needs it sets the child's PYTHONPATH itself."""
+    from helpers import pythonpath_without_torch
+
+    os.environ["PYTHONPATH"] = pythonpath_without_torch(*filter(None, [os.environ.get("PYTHONPATH")]))
+    yield
+
+
 @pytest.fixture(scope="session")
 def openai_server():
     """A real uvicorn server on the bundled model (small buckets), shared by the server tests.

@@ -25,6 +25,15 @@ TEST_CACHE_DIR = os.path.join(tempfile.gettempdir(), "jaxserve-test-xla-cache")
 # default (docs/benchmarks.md, "The test suite"). conftest.py sets it for the suite's processes; tests that start
 # Python processes of their own pass it on.
 FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# A folder whose sitecustomize hides torch from a Python whose PYTHONPATH holds it, as on an install without
+# jaxserve's bench extra. The processes the tests start run this way (conftest.py): transformers imports torch when
+# it finds it, even to load a tokenizer, which cost each process about 3 s on a 2-core machine.
+NO_TORCH = os.path.join(os.path.dirname(__file__), "fixtures", "no_torch")
+
+
+def pythonpath_without_torch(*folders: str) -> str:
+    """A PYTHONPATH of `folders` behind NO_TORCH, for a process a test starts that does not use torch."""
+    return os.pathsep.join([NO_TORCH, *folders])
 
 
 def markdown_blocks(path: str, language: str) -> list[tuple[str | None, str]]:

@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from helpers import TEST_CACHE_DIR
+from helpers import NO_TORCH, TEST_CACHE_DIR
 from jaxserve.bench import models, offline
 from jaxserve.bench.workloads import BenchRequest, Workload, workload_from_args
 from jaxserve.engine.llm_engine import default_model_path
@@ -42,8 +42,14 @@ def out_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def result(out_dir):
-    """Every system (peers that cannot run here are skipped by the command itself)."""
-    return offline.run(parse([*ARGV, "--json", str(out_dir / "result.json"), "--plot-dir", str(out_dir / "plots")]))
+    """Every system (peers that cannot run here are skipped by the command itself). CTranslate2 runs in a child
+    process whose converter loads the model with transformers and torch: the child sees torch, which the suite hides
+    from the processes it starts (conftest.py)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join(path for path in os.environ["PYTHONPATH"].split(os.pathsep)
+                                                    if path != NO_TORCH))
+        return offline.run(parse([*ARGV, "--json", str(out_dir / "result.json"),
+                                  "--plot-dir", str(out_dir / "plots")]))
 
 
 @pytest.fixture(scope="module")

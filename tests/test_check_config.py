@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import FAST_COMPILE_XLA_FLAG
+from helpers import FAST_COMPILE_XLA_FLAG, pythonpath_without_torch
 
 from jaxserve import check_config
 from jaxserve.batch.builder import BucketLadders
@@ -33,7 +33,7 @@ def shipped(tmp_path_factory):
     bucket of each kind; in a fresh process, which sets its own device count and XLA flags."""
     path = tmp_path_factory.mktemp("check") / "checks.json"
     # this process's 4 simulated devices are not the command's business; the fast compile flag is
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
+    env = {**os.environ, "PYTHONPATH": pythonpath_without_torch(ROOT), "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
     command = [sys.executable, "-m", "jaxserve", "check-config", *SHIPPED, "--buckets", "largest",
                "--json", str(path)]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR, markdown_blocks
+from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR, markdown_blocks, pythonpath_without_torch
 
 from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.bench.online import free_port, healthy, stop_process
@@ -25,13 +25,12 @@ from jaxserve.sampling_params import SamplingParams
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 README_URL = "http://127.0.0.1:8000"  # where the README's examples find the server
-NO_TORCH = os.path.join(os.path.dirname(__file__), "fixtures", "no_torch")  # its sitecustomize hides torch
 # Lines of other libraries that tell a user something is broken when nothing is
 NOISE = ("PyTorch was not found", "libtpu", "Unable to initialize backend", "Traceback", "indexing errors")
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([NO_TORCH, os.getcwd()]), "JAX_PLATFORMS": "",
+    return {**os.environ, "PYTHONPATH": pythonpath_without_torch(os.getcwd()), "JAX_PLATFORMS": "",
             "XLA_FLAGS": FAST_COMPILE_XLA_FLAG}
 
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from helpers import checkpoint, expected, small_engine_args
+from helpers import checkpoint, expected, pythonpath_without_torch, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
 from jaxserve.model.checkpoint import MARKER, convert, read_metadata
@@ -122,7 +122,7 @@ def test_each_shard_is_read_once_under_tensor_parallelism(converted):
     files = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(os.path.join(folder, "params"))
                 for name in names)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": ROOT}
+           "PYTHONPATH": pythonpath_without_torch(ROOT)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     done = subprocess.run([sys.executable, "-c", READS_SCRIPT, folder], env=env, capture_output=True, text=True,
                           timeout=300)
