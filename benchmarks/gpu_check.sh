@@ -24,7 +24,9 @@
 #                 weights with an fp8 KV cache (issue 16)
 #   10 flags      the fp8 step's bf16 decode step again under XLA flag variants, each in its own process:
 #                 dynamic-slice fusion on and off (does each layer's slice of the stacked weights cost a copy?) and
-#                 command buffers (CUDA graphs) off; time against step 9's bf16 (issue 46)
+#                 command buffers (CUDA graphs) off; time against step 9's bf16 (issue 46). The tiny plan runs the
+#                 first only (the CPU ignores the flags: the others would run the same code) and lists the others
+#                 as not run
 #   11 profile    where an 8B-shape engine step's time goes, by op, from a jax.profiler trace: a decode step of 128
 #                 rows at ctx 1500 and a mixed one (the same rows plus a 512-token prompt chunk), forward, KV write
 #                 and sampler; device time per category, the host gap, the top kernels (issue 46)

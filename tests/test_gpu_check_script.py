@@ -11,7 +11,7 @@ import sys
 import pytest
 from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR
 
-from benchmarks.gpu import profile, summary
+from benchmarks.gpu import flags, profile, summary
 from benchmarks.gpu.checks import check_names
 from benchmarks.gpu.config import FULL, STEP_NAMES, TINY
 
@@ -54,6 +54,9 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     assert re.search(r"fp8 step fp8 weights \+ fp8 KV +[\d.]+ ms .* bf16's time", out)
     assert re.search(r"flags default \(step 9's bf16\) +[\d.]+ ms", out)
     assert re.search(r"flags dynamic-slice fusion on +[\d.]+ ms .* the default's time", out)
+    left_out = [name for name, _ in flags.VARIANTS[1:] if name not in TINY.flag_variants]  # the tiny plan runs one
+    assert left_out and all(re.search(rf"flags {re.escape(name)} +not run \(left out of the plan", out)
+                            for name in left_out)
     assert re.search(r"profile: trace .* device events from the host events of XLA ops", out)
     for kind in ("decode", "mixed"):  # a table per kind of step, with the sampler's own row and the host gap
         assert re.search(rf"profile {kind}: 2 steps, wall \d+ us a step\n(.*\n)*?  sampler +[\d.]+ +[\d.]+%", out)
@@ -75,6 +78,9 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     assert (tmp_path / "out" / "gpu_check.md").read_text() == (tmp_path / "out" / dated[1]).read_text()
     assert report["tiny"] and report["device"] == "cpu" and report["decision"] == f"DECISION: {decisions[-1]}"
     assert all(report["results"][name]["ok"] for name in STEP_NAMES)
+    flag_rows = {row["variant"]: row for row in report["results"]["flags"]["rows"]}  # each variant: measured or why not
+    assert all("ms" in flag_rows[name] for name in TINY.flag_variants)
+    assert all(flag_rows[name]["not_run"] and "ms" not in flag_rows[name] for name in left_out)
     assert [step["name"] for step in report["steps"]] == list(STEP_NAMES)
     headline = report["headline"]  # the end-to-end figures, the profile's breakdown and the ratio to Hugging Face
     assert headline["e2e"]["output_tokens_per_s"] > 0 and headline["e2e"]["steps"] > 0
@@ -87,7 +93,8 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     if not report["results"]["hf_peer"].get("skipped"):
         assert headline["jaxserve_over_hf"] > 0
     markdown = (tmp_path / "out" / "gpu_check.md").read_text()
-    for text in ("the bf16 step under XLA flags (step 10): default", "engine step profile (step 11), decode",
+    for text in ("the bf16 step under XLA flags (step 10): default",
+                 f"; not run (left out of the plan): {', '.join(left_out)}", "engine step profile (step 11), decode",
                  "| host gap |", "Hugging Face peer (step 12)",
                  "| output tok/s | requests |", "jaxserve end to end / Hugging Face's best"):
         assert text in markdown
@@ -168,6 +175,8 @@ def test_the_plans_name_real_checks_and_cover_the_issue():
     assert (hf["model_shape"], hf["input_len"], hf["output_len"], hf["device"]) == (
         FULL.e2e["model_shape"], FULL.e2e["input_len"], FULL.e2e["output_len"], "cuda")
     assert TINY.hf_peer["device"] == "cpu" and STEP_NAMES[-4:] == ("flags", "profile", "hf_peer", "e2e")
+    # every flag variant on a GPU; the tiny plan names real ones (not the default, the baseline it always has)
+    assert FULL.flag_variants is None and set(TINY.flag_variants) <= {name for name, _ in flags.VARIANTS[1:]}
 
 
 def hand_made_trace() -> dict:

@@ -79,6 +79,7 @@ class Plan:
     kv_write_tokens: tuple[int, ...]
     kv_write_pool_pages: int  # pages of the one-layer pool the writes land in
     fp8: dict  # step 9: model_shape, batch (rows), context, warmup, repeats of the whole-model decode step
+    flag_variants: tuple[str, ...] | None  # step 10: the XLA flag variants run (flags.VARIANTS' names); None = all
     # step 11: model_shape; a decode step of `batch` rows at `context`, and a mixed one adding a `chunk`-token
     # prompt; `warmup` untimed steps of each, then `repeats` profiled ones
     profile: dict
@@ -138,6 +139,7 @@ FULL = Plan(
     kv_write_tokens=(64, 2048),
     kv_write_pool_pages=4096,
     fp8=dict(model_shape="llama-3.1-8b", batch=64, context=2048, warmup=2, repeats=5),
+    flag_variants=None,
     profile=dict(model_shape="llama-3.1-8b", batch=128, context=1500, chunk=512, warmup=2, repeats=3),
     hf_peer=dict(
         model_shape="llama-3.1-8b", device="cuda", input_len=1000, output_len=1000, continuous_requests=64,
@@ -175,12 +177,16 @@ TINY = Plan(
     kv_write_tokens=(8,),
     kv_write_pool_pages=16,
     fp8=dict(model_shape="llama-small", batch=2, context=32, warmup=2, repeats=2),
+    # One variant: each runs the same child (a process starting jax and building the model, ~3.5 s here) under
+    # other XLA_FLAGS, which the CPU ignores; the others are reported as not run.
+    flag_variants=("dynamic-slice fusion on",),
     profile=dict(model_shape="llama-small", batch=4, context=40, chunk=16, warmup=1, repeats=2),
     hf_peer=dict(
         model_shape="llama-small", device="cpu", input_len=16, output_len=8, continuous_requests=4,
         # transformers sizes its cache from the device's memory unless told (slow on a CPU), and has no graphs here
         continuous_config=dict(page_size=16, num_blocks=64, max_batch_tokens=64, max_requests_per_batch=4),
-        continuous_warmup=False, generate_batches=(4, 2), calibration_tokens=2, growth=1.3,
+        # one static batch size: a second would run the same code again (its runs and a gc, ~0.3 s here)
+        continuous_warmup=False, generate_batches=(4,), calibration_tokens=2, growth=1.3,
     ),
     e2e=dict(
         model_shape="bundled", num_requests=4, input_len=8, output_len=4, max_model_len=16, page_size=16,

@@ -149,10 +149,13 @@ def report(plan: Plan, statuses: list[dict], results: dict, decided: str) -> str
     fp8_rows = [f"{row['mode']} {row['ms']:.2f} ms ({row['over_bf16']:.2f}x)" for row in
                 (results.get("fp8") or {}).get("rows", []) if row.get("over_bf16") is not None]
     lines += [f"8B decode step (step 9): {', '.join(fp8_rows) or 'not measured'}", ""]
+    flags = (results.get("flags") or {}).get("rows", [])
     flag_rows = [f"{row['variant']} {row['ms']:.2f} ms" + (f" ({row['over_default']:.2f}x)" if row.get("over_default")
                                                            else "")
-                 for row in (results.get("flags") or {}).get("rows", []) if "ms" in row]
-    lines += [f"the bf16 step under XLA flags (step 10): {', '.join(flag_rows) or 'not measured'}", ""]
+                 for row in flags if "ms" in row]
+    not_run = [row["variant"] for row in flags if "not_run" in row]  # variants the plan leaves out (the tiny one's)
+    lines += [f"the bf16 step under XLA flags (step 10): {', '.join(flag_rows) or 'not measured'}"
+              + (f"; not run (left out of the plan): {', '.join(not_run)}" if not_run else ""), ""]
     lines += profile_lines(results.get("profile") or {})
     lines += hf_lines(results.get("hf_peer") or {}) + [""]
     lines += e2e_lines(e2e) + [""]
