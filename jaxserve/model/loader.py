@@ -779,12 +779,20 @@ def dummy_params(spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_hea
         declared, is_leaf=lambda node: isinstance(node, Weight)))))
 
     def make(name: str, weight: Weight) -> jax.Array:
-        sharding, shape = NamedSharding(mesh, weight.spec), weight.shape
-        if weight.ones:
-            return jax.jit(lambda: jnp.ones(shape, dtype), out_shardings=sharding)()
-        return jax.jit(lambda key: 0.02 * jax.random.normal(key, shape, dtype), out_shardings=sharding)(next(keys))
+        maker = _random_weight_maker(tuple(weight.shape), jnp.dtype(dtype), NamedSharding(mesh, weight.spec),
+                                     weight.ones)
+        return maker(None if weight.ones else next(keys))  # (a norm's ones take no key)
 
     return map_weights(make, declared)
+
+
+@functools.lru_cache(maxsize=None)
+def _random_weight_maker(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding, ones: bool):
+    """The jitted maker of one dummy weight (a key, None for ones -> the array of `shape`): one per (shape, dtype, sharding), so
+    weights alike (gate and up, a model built twice) trace and compile once."""
+    if ones:
+        return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
+    return jax.jit(lambda key: 0.02 * jax.random.normal(key, shape, dtype), out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=None)
