@@ -97,3 +97,15 @@ def random_pool(key: jax.Array, num_layers: int, num_pages: int, page_shape: tup
     keys = jax.random.split(key, num_layers * num_chunks)  # (L * C,)
     pool = jax.lax.map(lambda k: jax.random.normal(k, (chunk, *page_shape), dtype), keys)  # (L * C, chunk, S, Hkv, D)
     return pool.reshape(num_layers, num_chunks * chunk, *page_shape)
+
+
+def zero_kv_pool(shapes, dtype, mesh) -> tuple[jax.Array, ...]:
+    """The KV pool's arrays (each (L, P, S, Hkv, D) of `shapes`), zeros made on the devices in the engine's KV
+    sharding: a forward returns its caches in that sharding, so caches made otherwise (plain jnp.zeros) would make
+    its second call trace and compile again (and a device_put of a pool this size could need it twice in memory)."""
+    from jax.sharding import NamedSharding
+
+    from jaxserve.sharding import KV_CACHE_SPEC
+
+    sharding = NamedSharding(mesh, KV_CACHE_SPEC)
+    return tuple(jax.jit(lambda shape=shape: jnp.zeros(shape, dtype), out_shardings=sharding)() for shape in shapes)

@@ -53,7 +53,6 @@ def run(step: Step) -> dict:
 def measure(step: Step, quantization: str, kv_cache_dtype: str) -> dict:
     """Mean and best ms of the plan's decode step in one mode, with the bytes it reads."""
     import jax
-    import jax.numpy as jnp
 
     from jaxserve.attention import make_attention
     from jaxserve.bench.models import SHAPES, hf_config
@@ -63,6 +62,7 @@ def measure(step: Step, quantization: str, kv_cache_dtype: str) -> dict:
     from jaxserve.model.quantize import weight_bytes
     from jaxserve.model.registry import model_for
     from jaxserve.sharding import make_mesh
+    from benchmarks.gpu.common import zero_kv_pool
     from jaxserve.model.registry import spec_from_hf_config
 
     plan, options = step.plan, step.plan.fp8
@@ -76,7 +76,7 @@ def measure(step: Step, quantization: str, kv_cache_dtype: str) -> dict:
     backend = make_attention(spec, "xla" if plan.tiny else "auto", mesh, page_size, cache_dtype=cache_dtype)
     width = -(-context // page_size)
     shapes = backend.cache_shapes(spec.num_layers, 1 + rows * width, page_size, spec.num_kv_heads, spec.head_dim)
-    caches = tuple(jnp.zeros(shape, cache_dtype) for shape in shapes)  # each (L, P, S, Hkv, D)
+    caches = zero_kv_pool(shapes, cache_dtype, mesh)  # each (L, P, S, Hkv, D)
     page_table = 1 + np.arange(rows * width, dtype=np.int32).reshape(rows, width)  # (B, W)
     batch = decode_batch({"page_table": page_table, "seq_lens": np.full(rows, context, np.int32)}, page_size)
     forward = model_for(spec.architecture).make_forward(spec, backend.attention, backend.write_kv, mesh)

@@ -346,7 +346,6 @@ def sampling_batch(num_rows: int, seed: int):
 def build(step: Step) -> dict:
     """The model on the device, its jitted forward and sampler, the pool and the inputs of each kind of step."""
     import jax
-    import jax.numpy as jnp
 
     from jaxserve.attention import make_attention
     from jaxserve.bench.models import SHAPES, hf_config
@@ -354,6 +353,7 @@ def build(step: Step) -> dict:
     from jaxserve.model.checkpoint import load_weights
     from jaxserve.model.registry import model_for
     from jaxserve.sharding import make_mesh
+    from benchmarks.gpu.common import zero_kv_pool
     from jaxserve.model.registry import spec_from_hf_config
     from jaxserve.sampling.sampler import sample
 
@@ -368,7 +368,7 @@ def build(step: Step) -> dict:
     decode, _ = step_batch(decode_rows, page_size, spec.vocab_size, step.seed)
     mixed, num_pages = step_batch(decode_rows + [(0, chunk)], page_size, spec.vocab_size, step.seed + 1)
     shapes = backend.cache_shapes(spec.num_layers, num_pages, page_size, spec.num_kv_heads, spec.head_dim)
-    caches = tuple(jnp.zeros(shape, dtype) for shape in shapes)  # each (L, P, S, Hkv, D)
+    caches = zero_kv_pool(shapes, dtype, mesh)  # each (L, P, S, Hkv, D)
     model_forward = model_for(spec.architecture).make_forward(spec, backend.attention, backend.write_kv, mesh)
 
     def profile_forward(params, caches, batch):
