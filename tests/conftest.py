@@ -11,18 +11,24 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 import pytest  # noqa: E402
 
 API_KEY = "test-key"
-# The files that take longest on a 2-core machine (pytest --durations=0), longest first: xdist hands whole files
-# to its two workers in collection order, so these go first and the short ones fill in after them, and the
-# workers finish together instead of one running a long file alone at the end.
-SLOW_FILES = ("test_gpu_check_script.py", "test_check_config.py", "test_engine_core_process.py", "test_engine_vs_hf.py",
-              "test_multihost.py", "test_bench_effects.py", "test_interrupt.py", "test_first_hour_messages.py",
-              "test_background_compile.py", "test_doc_examples.py", "test_serving_capacity_benchmark.py",
-              "test_data_parallel.py",
-              "test_tpu_attention.py", "test_fp8_kv_cache.py", "test_scheduler.py", "test_spec_draft_model.py",
-              "test_async_and_multistep.py", "test_server_fuzz.py", "test_wheel_install.py",
-              "test_ragged_paged_attention_kernel.py", "test_quantization.py", "test_vllm_client.py",
-              "test_cli_serve.py", "test_bfloat16_and_cli.py", "test_server_generation_fields.py",
-              "test_xla_attention.py")
+# The files that take 12 s or more on a 2-core machine (pytest --durations=0, the mean of two warm runs on
+# 2026-12-06), longest first: xdist hands whole files to its two workers in collection order, so these go first and
+# the short ones fill in after them, and the workers finish together instead of one running a long file alone at the
+# end.
+SLOW_FILES = ("test_engine_vs_hf.py", "test_check_config.py", "test_gpu_check_script.py",
+              "test_structured_output.py", "test_spec_eagle.py", "test_bench_effects.py",
+              "test_engine_core_process.py", "test_first_hour_messages.py", "test_ragged_paged_attention_kernel.py",
+              "test_scheduler.py", "test_int4_checkpoint.py", "test_async_and_multistep.py", "test_tpu_attention.py",
+              "test_deepseek.py", "test_background_compile.py", "test_quantization.py", "test_multihost.py",
+              "test_tensor_parallel.py", "test_fp8_kv_cache.py", "test_reasoning.py", "test_swap_preemption.py",
+              "test_spec_draft_model.py", "test_doc_examples.py", "test_interrupt.py", "test_server_fuzz.py",
+              "test_gptq_checkpoint.py", "test_vllm_client.py", "test_server_generation_fields.py",
+              "test_beam_search.py", "test_data_parallel.py", "test_lora.py", "test_paged_decode_attention.py",
+              "test_weight_update.py", "test_xla_attention.py", "test_serving_capacity_benchmark.py",
+              "test_fp8_block_checkpoint.py", "test_embeddings.py", "test_spec_decode.py",
+              "test_prefix_cache_engine.py", "test_monitoring_dashboard.py", "test_sleep_mode.py",
+              "test_model_loading.py", "test_bench_offline.py", "test_wheel_install.py", "test_mxfp4_checkpoint.py",
+              "test_responses_api.py", "test_harmony.py")
 
 
 def pytest_collection_modifyitems(items):
