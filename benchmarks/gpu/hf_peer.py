@@ -15,8 +15,9 @@ output_len steps, each `growth` times the short runs' as the context doubles) an
 does not fit in the time left (its estimate kept, marked as such). A run still going at the deadline is stopped
 (generate: a stopping criterion; continuous: a hard stop) and reported as cut, its tokens/s not counted.
 
-torch is imported only here, in the step's own process (the engine never imports it). Without torch the step is
-skipped (ok); in the tiny plan it runs llama-small on the CPU, whose numbers only show that the code runs.
+torch is used only here, in the step's own process (the engine never uses it, though transformers imports it to
+load a tokenizer wherever it is installed). Without torch the step is skipped (ok); in the tiny plan it runs
+llama-small on the CPU, whose numbers only show that the code runs.
 """
 
 from __future__ import annotations
