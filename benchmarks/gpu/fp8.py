@@ -17,6 +17,7 @@ import traceback
 
 import numpy as np
 
+from benchmarks.gpu.common import zero_kv_pool
 from benchmarks.gpu.fallback import decode_batch
 from benchmarks.gpu.step import Step, error_text
 
@@ -62,7 +63,6 @@ def measure(step: Step, quantization: str, kv_cache_dtype: str) -> dict:
     from jaxserve.model.quantize import weight_bytes
     from jaxserve.model.registry import model_for
     from jaxserve.sharding import make_mesh
-    from benchmarks.gpu.common import zero_kv_pool
     from jaxserve.model.registry import spec_from_hf_config
 
     plan, options = step.plan, step.plan.fp8

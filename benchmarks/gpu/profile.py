@@ -347,13 +347,13 @@ def build(step: Step) -> dict:
     """The model on the device, its jitted forward and sampler, the pool and the inputs of each kind of step."""
     import jax
 
+    from benchmarks.gpu.common import zero_kv_pool
     from jaxserve.attention import make_attention
     from jaxserve.bench.models import SHAPES, hf_config
     from jaxserve.config import EngineConfig
     from jaxserve.model.checkpoint import load_weights
     from jaxserve.model.registry import model_for
     from jaxserve.sharding import make_mesh
-    from benchmarks.gpu.common import zero_kv_pool
     from jaxserve.model.registry import spec_from_hf_config
     from jaxserve.sampling.sampler import sample
 

@@ -788,8 +788,8 @@ def dummy_params(spec: ModelSpec, mesh: Mesh, dtype: jnp.dtype, num_cache_kv_hea
 
 @functools.lru_cache(maxsize=None)
 def _random_weight_maker(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding, ones: bool):
-    """The jitted maker of one dummy weight (a key, None for ones -> the array of `shape`): one per (shape, dtype, sharding), so
-    weights alike (gate and up, a model built twice) trace and compile once."""
+    """The jitted maker of one dummy weight (a key, None for ones -> the array of `shape`): one per (shape, dtype,
+    sharding), so weights alike (gate and up, a model built twice) trace and compile once."""
     if ones:
         return jax.jit(lambda key: jnp.ones(shape, dtype), out_shardings=sharding)
     return jax.jit(lambda key: 0.02 * jax.random.normal(key, shape, dtype), out_shardings=sharding)
