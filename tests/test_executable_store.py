@@ -161,6 +161,7 @@ def cache_dir(tmp_path_factory):
 def test_a_second_engine_loads_every_bucket_and_generates_the_same(cache_dir):
     prompts = ["def fibonacci(n):", "hello there"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    executables.clear_shared_executables()  # none kept from an earlier file: the first engine compiles its own
     first = LLM(**small_engine_args(compilation_cache_dir=cache_dir))
     stored = executables._store[0]
     assert stored.folder == os.path.join(cache_dir, executable_store.FOLDER_NAME) and stored.num_saved > 0
