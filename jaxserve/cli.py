@@ -14,15 +14,16 @@ import signal
 import sys
 import time
 
-from jaxserve import check_config
-from jaxserve.bench.cli import add_bench_commands
+from jaxserve.bench.cli import BENCH_HELP
 from jaxserve.config import VALID_DTYPES, VALID_KV_CACHE_DTYPES, VALID_QUANTIZATIONS, EngineConfig
 from jaxserve.config.flags import add_engine_flags, given_engine_options
-from jaxserve.engine.llm_engine import DEFAULT_MODEL_NAME, LLMEngine
 from jaxserve.logs import configure_logging
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.config import VALID_TOOL_CALL_PARSERS
-from jaxserve.tokenizer import load_chat_template
+
+# This module imports only what parsing the command line needs (no jax): `jaxserve --help` and a command whose
+# options are wrong answer in a fraction of a second. The engine, the server and the commands' own modules are
+# imported when a command runs.
 
 # Each command's defaults for options neither a flag nor the config file sets: generate meets a few of its step
 # buckets, so it compiles each at its first use; the server is ready after its largest buckets compile.
@@ -47,6 +48,8 @@ def generate(args: argparse.Namespace) -> int:
     file says otherwise: one request meets a few of them, and compiling them all first delayed its first token."""
     config = _engine_config(args, **GENERATE_DEFAULTS)
     config.parallel_config.check_one_replica("`jaxserve generate`")
+    from jaxserve.engine.llm_engine import LLMEngine
+
     engine = LLMEngine(config, show_progress=True)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -104,6 +107,9 @@ def serve(args: argparse.Namespace) -> int:
                          f"pip install 'jaxserve[serve]'") from error
     listen = uvicorn_options(args)  # before the engine loads: a bad TLS file fails at once
     engine_config = _engine_config(args, **SERVE_DEFAULTS)
+    from jaxserve.engine.llm_engine import DEFAULT_MODEL_NAME, LLMEngine
+    from jaxserve.tokenizer import load_chat_template
+
     server_config = ServerConfig(
         host=args.host, port=args.port,
         served_model_name=(args.served_model_name or [engine_config.model_config.model or DEFAULT_MODEL_NAME])[0],
@@ -175,6 +181,8 @@ def serve(args: argparse.Namespace) -> int:
 def _serving_engine(engine_config: EngineConfig, server_config, in_process: bool):
     """The engine `serve` runs: engine-core processes' clients (the default; one per data-parallel replica), or an
     LLMEngine in this process (--engine-in-process, and multi-host launches)."""
+    from jaxserve.engine.llm_engine import LLMEngine
+
     if not in_process and engine_config.parallel_config.num_processes > 1:
         logging.getLogger("jaxserve").info("a multi-host launch runs the engine in this process")
         in_process = True
@@ -334,8 +342,34 @@ class _DefaultsShown(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `jaxserve` argument parser."""
+CHECK_CONFIG_HELP = ("lower a config's every step for GPU and TPU on the CPU, and estimate device memory and "
+                     "start-up compile time")
+
+
+def _add_check_config(commands) -> None:
+    """Add `check-config` with its flags (importing jaxserve/check_config.py: jax)."""
+    from jaxserve import check_config
+
+    check = commands.add_parser("check-config", help=CHECK_CONFIG_HELP, description=check_config.__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    check_config.add_arguments(check)
+    check.set_defaults(handler=check_config.run)
+
+
+def _add_bench(commands) -> None:
+    """Add `bench` and its commands with their flags (importing their modules: jax, the engine)."""
+    from jaxserve.bench.cli import add_bench_commands
+
+    add_bench_commands(commands)
+
+
+# The commands whose flags come from modules that take seconds to import: (help, what adds them with their flags)
+SLOW_COMMANDS = {"bench": (BENCH_HELP, _add_bench), "check-config": (CHECK_CONFIG_HELP, _add_check_config)}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `jaxserve` argument parser. Given the `command` this run parses, the other SLOW_COMMANDS are listed
+    without their flags (their modules are not imported); None: every command with its flags."""
     parser = argparse.ArgumentParser(prog="jaxserve", description="A JAX LLM serving engine.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="stream a completion for one prompt", formatter_class=_DefaultsShown)
@@ -351,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(srv, "serve", SERVE_DEFAULTS)
     _add_server_flags(srv)
     srv.set_defaults(handler=serve)
-    add_bench_commands(commands)
+    _add_slow_command(commands, "bench", command)
     conv = commands.add_parser("convert", help="write a Hugging Face folder as an orbax checkpoint of the engine's "
                                "params (stacked, cast, optionally quantized), with its config and tokenizer")
     conv.add_argument("source", help="a Hugging Face model folder")
@@ -365,20 +399,27 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="store the KV heads replicated as this tensor parallelism needs (default 1)")
     conv.set_defaults(handler=convert)
-    check = commands.add_parser("check-config", help="lower a config's every step for GPU and TPU on the CPU, and "
-                                "estimate device memory and start-up compile time",
-                                description=check_config.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    check_config.add_arguments(check)
-    check.set_defaults(handler=check_config.run)
+    _add_slow_command(commands, "check-config", command)
     return parser
+
+
+def _add_slow_command(commands, name: str, command: str | None) -> None:
+    """Add the slow command `name` with its flags when this run parses it (or every command), else only its name
+    and help (for `jaxserve --help`)."""
+    help_text, add_with_flags = SLOW_COMMANDS[name]
+    if command is None or command == name:
+        add_with_flags(commands)
+    else:
+        commands.add_parser(name, help=help_text)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `jaxserve` console script; bad options exit with a message, not a traceback."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((arg for arg in argv if not arg.startswith("-")), "")  # the top level has no options but --help
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
     except ValueError as error:
         parser.exit(2, f"jaxserve: error: {error}\n")
-

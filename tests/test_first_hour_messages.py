@@ -2,6 +2,7 @@
 install without torch (the server answering the README's curl and `openai` examples meanwhile), config-file mistakes
 answered in one line that says what to fix, and plain messages for a sampling bound and a missing weights folder."""
 
+import argparse
 import contextlib
 import io
 import json
@@ -129,6 +130,39 @@ def test_config_file_mistakes_get_one_line_that_says_what_to_fix(tmp_path):
     misspelled = tmp_path / "typo.yaml"
     misspelled.write_text("max_num_seq: 4\n")
     assert "did you mean max_num_seqs?" in _cli_error("--config", str(misspelled))
+
+
+PARSE_ONLY = """
+import sys
+from jaxserve.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as done:
+    print(done.code, sorted({name.split(".")[0] for name in sys.modules} & {"jax", "transformers", "torch"}))
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"],
+                                  ["generate", "--prompt", "x", "--config", "nope.yaml"],
+                                  ["serve", "--max-num-seqs", "many"]])
+def test_the_command_line_answers_help_and_wrong_options_without_importing_jax(argv):
+    """`jaxserve --help` and a wrong option answer at once: parsing imports none of jax, transformers, torch."""
+    result = subprocess.run([sys.executable, "-c", PARSE_ONLY, *argv], capture_output=True, text=True, env=_env(),
+                            timeout=120)
+    code, imported = result.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert (code, imported) == ("0" if "--help" in argv else "2", "[]"), result.stdout + result.stderr
+
+
+def test_the_slow_commands_are_listed_and_parse_with_their_flags():
+    """bench and check-config, whose modules import jax, are in `jaxserve --help`, and their flags are there when
+    the command line names them."""
+    from jaxserve.cli import build_parser
+
+    (commands,) = [a for a in build_parser("")._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {"generate", "serve", "bench", "convert", "check-config"} <= set(commands.choices)
+    assert build_parser("check-config").parse_args(["check-config", "tiny-cpu", "--buckets", "largest"]).buckets \
+        == "largest"
+    assert build_parser("bench").parse_args(["bench", "effects", "--repeats", "1"]).repeats == 1
 
 
 def test_a_command_lists_the_shipped_configs():

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from jaxserve.bench import effects, offline, online
+BENCH_HELP = "benchmark jaxserve against its peers, offline or online"
 
 
 def add_bench_commands(commands) -> None:
-    """Add `bench` and its two commands to the `jaxserve` subcommands."""
-    bench = commands.add_parser("bench", help="benchmark jaxserve against its peers, offline or online")
+    """Add `bench` and its three commands to the `jaxserve` subcommands (importing their modules: jax, the
+    engine)."""
+    from jaxserve.bench import effects, offline, online
+
+    bench = commands.add_parser("bench", help=BENCH_HELP)
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     for name, module, help_text in (
         ("throughput", offline, "offline: one workload through several systems in turn, side by side"),
