@@ -219,7 +219,8 @@ def _attention_temp_bytes(spec, platform, num_tokens, num_rows, width, page_size
         lora_slots=ints(num_tokens), num_seqs=ints())
     q = jax.ShapeDtypeStruct((num_tokens, spec.num_heads, spec.head_dim), jnp.bfloat16)  # (T, Hq, D)
     cache = jax.ShapeDtypeStruct((1, num_pages, page_size, spec.num_kv_heads, spec.head_dim), cache_dtype)
-    compiled = jax.jit(lambda q, k, v, b: backend.attention(q, (k, v), 0, b, how)).lower(q, cache, cache, batch).compile()
+    attend = jax.jit(lambda q, k, v, b: backend.attention(q, (k, v), 0, b, how))
+    compiled = attend.lower(q, cache, cache, batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
