@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 
-from jaxserve.bench.cli import BENCH_HELP
+from jaxserve.bench.cli import BENCH_HELP, add_bench_commands
 from jaxserve.config import VALID_DTYPES, VALID_KV_CACHE_DTYPES, VALID_QUANTIZATIONS, EngineConfig
 from jaxserve.config.flags import add_engine_flags, given_engine_options
 from jaxserve.logs import configure_logging
@@ -356,15 +356,8 @@ def _add_check_config(commands) -> None:
     check.set_defaults(handler=check_config.run)
 
 
-def _add_bench(commands) -> None:
-    """Add `bench` and its commands with their flags (importing their modules: jax, the engine)."""
-    from jaxserve.bench.cli import add_bench_commands
-
-    add_bench_commands(commands)
-
-
 # The commands whose flags come from modules that take seconds to import: (help, what adds them with their flags)
-SLOW_COMMANDS = {"bench": (BENCH_HELP, _add_bench), "check-config": (CHECK_CONFIG_HELP, _add_check_config)}
+SLOW_COMMANDS = {"bench": (BENCH_HELP, add_bench_commands), "check-config": (CHECK_CONFIG_HELP, _add_check_config)}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
