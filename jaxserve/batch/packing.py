@@ -18,12 +18,23 @@ Layout = tuple[tuple[str, tuple[int, ...], str], ...]  # (field, shape, dtype na
 
 def pack(obj) -> tuple[np.ndarray, Layout]:
     """Concatenate every field of a dataclass of arrays as int32 words; returns (buffer, layout)."""
-    words, layout = [], []
-    for field in dataclasses.fields(obj):
-        value = np.asarray(getattr(obj, field.name))
-        layout.append((field.name, value.shape, value.dtype.name))
-        words.append(_to_words(value))
-    return np.concatenate(words), tuple(layout)
+    values = _field_arrays(obj)
+    return np.concatenate([_to_words(value) for value in values]), _layout(obj, values)
+
+
+def packed_layout(obj) -> tuple[int, Layout]:
+    """(the number of words, the layout) of `pack(obj)`'s buffer, without copying the arrays: what an abstract
+    buffer needs (the largest sampler bucket of an 8B config packs ~100 MB)."""
+    values = _field_arrays(obj)
+    return sum(value.size for value in values), _layout(obj, values)
+
+
+def _field_arrays(obj) -> list[np.ndarray]:
+    return [np.asarray(getattr(obj, field.name)) for field in dataclasses.fields(obj)]
+
+
+def _layout(obj, values: list[np.ndarray]) -> Layout:
+    return tuple((field.name, value.shape, value.dtype.name) for field, value in zip(dataclasses.fields(obj), values))
 
 
 def unpack(buffer: jax.Array, layout: Layout, cls):

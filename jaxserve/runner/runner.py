@@ -34,7 +34,7 @@ from jaxserve.batch.builder import (
     padded_sampling_arrays,
 )
 from jaxserve.batch.descriptor import BatchDescriptor, DecodeSteps, PoolingBatch, PromptLogprobBatch
-from jaxserve.batch.packing import pack
+from jaxserve.batch.packing import Layout, pack, packed_layout
 from jaxserve.batch.repad import repad_batch, repad_prompt, repad_sampling
 from jaxserve.model.eagle import TargetFeatures
 from jaxserve.model.loader import SafetensorsFolder, TensorMapping
@@ -496,56 +496,52 @@ class Runner:
         example = BatchDescriptor(
             **padded_batch_arrays(num_tokens, self.ladders.rows_for(num_tokens), width, self.page_size)
         )
-        buffer, layout = pack(example)
+        (buffer,), (layout,) = self.abstract_packed(example)
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
-        return self.steps.forward, (self.params, self.caches(num_pages), last_tokens, self._abstract(buffer), layout)
+        return self.steps.forward, (self.params, self.caches(num_pages), last_tokens, buffer, layout)
 
     def decode_steps_call(self, num_tokens: int, width: int, num_pages: int | None = None) -> tuple[Callable, tuple]:
         """The multi-step decode bucket (T, W): T tokens, one per row, sampled with no per-row token lists."""
         num_rows = self.ladders.rows_for(num_tokens)
-        parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
-                 pack(SamplingBatch(**padded_sampling_arrays(num_rows, 0))),
-                 pack(DecodeSteps(**padded_decode_step_arrays(num_rows))))
+        buffers, layouts = self.abstract_packed(
+            BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)),
+            SamplingBatch(**padded_sampling_arrays(num_rows, 0)), DecodeSteps(**padded_decode_step_arrays(num_rows)))
         last_tokens = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=self._replicated)
-        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return self.steps.decode_steps, (self.params, self.caches(num_pages), last_tokens, buffers,
-                                    tuple(layout for _, layout in parts))
+        return self.steps.decode_steps, (self.params, self.caches(num_pages), last_tokens, buffers, layouts)
 
     def verify_rows_call(self, num_tokens: int) -> tuple[Callable, tuple]:
         """The bucket (T,) that takes the hidden states of each row's 1 + k verified positions out of a forward's
         T: the rows of that token rung."""
-        buffer, layout = pack(Proposals(**padded_proposal_arrays(self.ladders.rows_for(num_tokens),
-                                                                 1 + self.num_speculative_tokens)))
-        return self.steps.verify_rows, (self._hidden_struct(num_tokens), self._abstract(buffer), layout)
+        (buffer,), (layout,) = self.abstract_packed(
+            Proposals(**padded_proposal_arrays(self.ladders.rows_for(num_tokens), 1 + self.num_speculative_tokens)))
+        return self.steps.verify_rows, (self._hidden_struct(num_tokens), buffer, layout)
 
     def verify_call(self, num_rows: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
         """The speculative verification bucket (R, P, M): R rows of 1 + k verified positions each (their hidden
         states in), P aux tokens and M bitmask words per row."""
         width = 1 + self.num_speculative_tokens
-        parts = (pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width, mask_width))),
-                 pack(Proposals(**padded_proposal_arrays(num_rows, width))))
-        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return self.steps.verify, (self.params, self._hidden_struct(num_rows * width), buffers,
-                              tuple(layout for _, layout in parts))
+        buffers, layouts = self.abstract_packed(
+            SamplingBatch(**padded_sampling_arrays(num_rows, aux_width, mask_width)),
+            Proposals(**padded_proposal_arrays(num_rows, width)))
+        return self.steps.verify, (self.params, self._hidden_struct(num_rows * width), buffers, layouts)
 
     def sampler_call(self, num_rows: int, aux_width: int, mask_width: int = 0) -> tuple[Callable, tuple]:
         """The sampler bucket (R, P, M)."""
-        buffer, layout = pack(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width, mask_width)))
+        (buffer,), (layout,) = self.abstract_packed(SamplingBatch(**padded_sampling_arrays(num_rows, aux_width,
+                                                                                            mask_width)))
         logits = jax.ShapeDtypeStruct((num_rows, self.spec.vocab_size), jnp.float32, sharding=self._replicated)
-        return self.steps.sample, (logits, self._abstract(buffer), layout)
+        return self.steps.sample, (logits, buffer, layout)
 
     def prompt_logprobs_call(self, num_tokens: int) -> tuple[Callable, tuple]:
         """The prompt-logprob bucket (T,)."""
-        buffer, layout = pack(PromptLogprobBatch(**padded_prompt_logprob_arrays(num_tokens)))
-        return self.steps.prompt_logprobs, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer),
-                                            layout)
+        (buffer,), (layout,) = self.abstract_packed(PromptLogprobBatch(**padded_prompt_logprob_arrays(num_tokens)))
+        return self.steps.prompt_logprobs, (self.params, self._hidden_struct(num_tokens), buffer, layout)
 
     def pooling_call(self, num_tokens: int, num_segments: int) -> tuple[Callable, tuple]:
         """The pooling bucket (T, S): the step's T tokens' states summed into S segments (its rows, or S = T: the
         tokens one by one)."""
-        buffer, layout = pack(PoolingBatch(**padded_pooling_arrays(num_tokens, num_segments)))
-        return self.steps.pool, (self.params, self._hidden_struct(num_tokens), self._abstract(buffer), layout,
-                            num_segments)
+        (buffer,), (layout,) = self.abstract_packed(PoolingBatch(**padded_pooling_arrays(num_tokens, num_segments)))
+        return self.steps.pool, (self.params, self._hidden_struct(num_tokens), buffer, layout, num_segments)
 
     def _hidden_struct(self, num_tokens: int) -> jax.ShapeDtypeStruct:
         """Final hidden states of `num_tokens` tokens (N, H) as an abstract array: a forward's T, or the R * S
@@ -553,8 +549,12 @@ class Runner:
         return jax.ShapeDtypeStruct((num_tokens, self.spec.hidden_size), self.params["embed"].dtype,
                                     sharding=self._replicated)
 
-    def _abstract(self, buffer: np.ndarray) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(buffer.shape, buffer.dtype, sharding=self._replicated)
+    def abstract_packed(self, *parts) -> tuple[tuple[jax.ShapeDtypeStruct, ...], tuple[Layout, ...]]:
+        """Each dataclass of host arrays in `parts` as the abstract int32 buffer `pack` makes of it (W,), replicated,
+        and its layout; nothing is copied."""
+        sizes, layouts = zip(*(packed_layout(part) for part in parts))
+        buffers = tuple(jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self._replicated) for size in sizes)
+        return buffers, layouts
 
     # ---- one step ----------------------------------------------------------------------------
 

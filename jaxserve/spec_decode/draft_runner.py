@@ -102,10 +102,10 @@ class DraftRunner(Runner):
         """The proposal bucket (T, W): a catch-up batch of T tokens and the rows' numbers of further steps, against
         the allocated pool or an abstract one of `num_pages`."""
         num_rows = self.ladders.rows_for(num_tokens)
-        parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
-                 pack(DecodeSteps(**padded_decode_step_arrays(num_rows))))
-        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
-        return self._propose, (self.params, self.caches(num_pages), buffers, tuple(layout for _, layout in parts))
+        buffers, layouts = self.abstract_packed(
+            BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)),
+            DecodeSteps(**padded_decode_step_arrays(num_rows)))
+        return self._propose, (self.params, self.caches(num_pages), buffers, layouts)
 
     def peak_activation_bytes(self, num_pages: int) -> int:
         """Per-device bytes the largest proposal bucket needs beyond its inputs (XLA's memory analysis, compiled

@@ -82,13 +82,11 @@ class EagleRunner(DraftRunner):
         """The proposal bucket (T, W): a catch-up batch of T tokens with their features' slots and the rows'
         numbers of further steps, against the allocated pools or abstract ones of `num_pages`."""
         num_rows = self.ladders.rows_for(num_tokens)
-        parts = (pack(BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size))),
-                 pack(DecodeSteps(**padded_decode_step_arrays(num_rows))),
-                 pack(FeatureSlots(np.zeros((num_tokens,), np.int32))))
-        buffers = tuple(self._abstract(buffer) for buffer, _ in parts)
+        buffers, layouts = self.abstract_packed(
+            BatchDescriptor(**padded_batch_arrays(num_tokens, num_rows, width, self.page_size)),
+            DecodeSteps(**padded_decode_step_arrays(num_rows)), FeatureSlots(np.zeros((num_tokens,), np.int32)))
         features = self.target.caches(num_pages)[-1]  # (1, P, S, 1, F)
-        return self._propose, (self.params, self._target_head(), self.caches(num_pages), features, buffers,
-                               tuple(layout for _, layout in parts))
+        return self._propose, (self.params, self._target_head(), self.caches(num_pages), features, buffers, layouts)
 
     def _target_head(self) -> jax.Array | None:
         """The target's LM head leaf an EAGLE-1 head borrows (None for EAGLE-3)."""
