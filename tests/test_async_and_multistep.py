@@ -44,7 +44,7 @@ SECOND_ARCH_FEATURES = ["async+multistep8"]
 # Small ladders (token buckets 16 and 32, 8 rows) to keep compilation short; 31 usable pages of 16
 # tokens, which the long workload (8 running requests of ~100 tokens, 6-8 pages each) overflows, so it
 # is preempted.
-ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32, skip_precompile=False)
 TIMING_MS_KEYS = ("schedule_ms", "build_ms", "dispatch_ms", "wait_ms", "update_ms", "output_ms")
 
 _request_ids = itertools.count()

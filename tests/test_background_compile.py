@@ -48,7 +48,7 @@ def outputs(llm: LLM) -> list:
 
 def test_steps_run_in_the_largest_buckets_until_theirs_compile(held_background):
     reference = outputs(LLM(checkpoint("llama"), **small_engine_args()))
-    llm = LLM(checkpoint("llama"), **small_engine_args(background_compile=True))
+    llm = LLM(checkpoint("llama"), **small_engine_args(background_compile=True, skip_precompile=False))
     core = llm.engine.core
     assert core.runner.background_compiles_left() > 0  # ready before the rest compiled
     assert outputs(llm) == reference
@@ -65,7 +65,8 @@ def test_steps_run_in_the_largest_buckets_until_theirs_compile(held_background):
 
 
 def test_multi_step_decoding_compiles_everything_first():
-    llm = LLM(checkpoint("llama"), **small_engine_args(background_compile=True, num_scheduler_steps=4))
+    llm = LLM(checkpoint("llama"), **small_engine_args(background_compile=True, num_scheduler_steps=4,
+                                                       skip_precompile=False))
     assert llm.engine.core.runner.background_compiles_left() == 0
 
 

@@ -26,7 +26,7 @@ def hf_case(request):
     """An LLM on a fixture checkpoint and its recorded HF beam searches."""
     with open(os.path.join(checkpoint(request.param), "expected_beam_search.json")) as f:
         cases = json.load(f)["cases"]
-    return LLM(checkpoint(request.param), **small_engine_args()), cases, request.param
+    return LLM(checkpoint(request.param), **small_engine_args(skip_precompile=False)), cases, request.param
 
 
 def _groups(cases: list[dict]) -> dict[tuple, list[dict]]:

@@ -47,7 +47,7 @@ def _sigmoid(logits) -> np.ndarray:
 @pytest.fixture(scope="module")
 def llama() -> LLM:
     """The 3-label Llama classifier, every bucket compiled at start-up."""
-    return LLM(checkpoint("llama-classifier"), **small_engine_args(**CHUNKED))
+    return LLM(checkpoint("llama-classifier"), **small_engine_args(**CHUNKED, skip_precompile=False))
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def _pooling_engine(name: str, pooling_type: str, normalize: bool = False, **ove
 @pytest.fixture(scope="module")
 def llama_last() -> LLM:
     """Every bucket compiled at start-up (the pooling buckets among them)."""
-    return _pooling_engine("llama", "LAST")
+    return _pooling_engine("llama", "LAST", skip_precompile=False)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])

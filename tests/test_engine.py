@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(checkpoint("llama"), **small_engine_args(num_pages=48))
+    return LLM(checkpoint("llama"), **small_engine_args(num_pages=48, skip_precompile=False))
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,8 @@ def _reference(name: str) -> list[dict]:
 def engine_and_reference(request):
     # 32-token steps chunk every prompt over 32 tokens; 9 usable pages of 16 tokens cannot hold all
     # twelve prompts at once, so some are preempted and recomputed.
-    llm = LLM(checkpoint(request.param), **small_engine_args(max_num_batched_tokens=32, num_pages=10))
+    llm = LLM(checkpoint(request.param), **small_engine_args(max_num_batched_tokens=32, num_pages=10,
+                                                             skip_precompile=False))
     return llm, _reference(request.param)
 
 

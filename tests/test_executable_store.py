@@ -162,7 +162,7 @@ def test_a_second_engine_loads_every_bucket_and_generates_the_same(cache_dir):
     prompts = ["def fibonacci(n):", "hello there"]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     executables.clear_shared_executables()  # none kept from an earlier file: the first engine compiles its own
-    first = LLM(**small_engine_args(compilation_cache_dir=cache_dir))
+    first = LLM(**small_engine_args(compilation_cache_dir=cache_dir, skip_precompile=False))
     stored = executables._store[0]
     assert stored.folder == os.path.join(cache_dir, executable_store.FOLDER_NAME) and stored.num_saved > 0
     expected = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
@@ -170,7 +170,7 @@ def test_a_second_engine_loads_every_bucket_and_generates_the_same(cache_dir):
     del first
     executables.clear_shared_executables()  # as in a new process: nothing in memory
     compiles = executables.CompileCounter.count()
-    second = LLM(**small_engine_args(compilation_cache_dir=cache_dir))
+    second = LLM(**small_engine_args(compilation_cache_dir=cache_dir, skip_precompile=False))
     assert executables._store[0].num_loaded == num_buckets
     assert [o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)] == expected
     runner = second.engine.core.runner

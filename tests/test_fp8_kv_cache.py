@@ -148,7 +148,7 @@ def test_tpu_kernel_refuses_an_odd_kv_head_count_in_fp8():
 @pytest.fixture(scope="module")
 def engines():
     args = small_engine_args(max_num_seqs=8, max_num_batched_tokens=32, num_pages=None, cpu_kv_cache_gib=2**-10,
-                             dtype="bfloat16")
+                             dtype="bfloat16", skip_precompile=False)
     return {(kv, tp): LLM(checkpoint("llama"), kv_cache_dtype=kv, tensor_parallel_size=tp, **args)
             for kv, tp in (("auto", 1), ("fp8", 1), ("fp8", 2))}
 

@@ -27,7 +27,8 @@ from jaxserve import LLM, SamplingParams
 
 PAGE_SIZE = 8
 # 20 usable pages of 8 tokens: a request of up to 64 tokens takes 8, so a few in flight preempt.
-ENGINE_ARGS = dict(page_size=PAGE_SIZE, num_pages=21, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32)
+ENGINE_ARGS = dict(page_size=PAGE_SIZE, num_pages=21, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+                   skip_precompile=False)
 VOCAB = 512  # every fixture checkpoint's vocabulary
 _ids = itertools.count()
 

@@ -122,7 +122,7 @@ def test_linear_weights_take_half_the_bytes_of_bfloat16():
 
 @pytest.fixture(scope="module")
 def engines():
-    args = small_engine_args(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
+    args = small_engine_args(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32, skip_precompile=False)
     return {(mode, tp): LLM(checkpoint("llama"), quantization=mode, tensor_parallel_size=tp, **args)
             for mode, tp in (("none", 1), ("int8", 1), ("fp8", 1), ("int8", 2))}
 

@@ -26,7 +26,7 @@ from helpers import (
 from jaxserve import LLM, SamplingParams
 from jaxserve.structured.params import StructuredOutputsParams
 
-ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32, skip_precompile=False)
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 

@@ -32,7 +32,7 @@ from jaxserve.engine.llm_engine import ASSETS_DIR, DEFAULT_MODEL_NAME
 from jaxserve.kv.page_pool import NULL_PAGE
 from jaxserve.spec_decode.draft import DraftModelProposer
 
-ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32, skip_precompile=False)
 SELF_DRAFT = {"method": "draft_model", "model": checkpoint("llama"), "num_speculative_tokens": 3}
 OTHER_DRAFT = {"model": checkpoint("qwen3"), "num_speculative_tokens": 2}  # method inferred from `model`
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -34,7 +34,8 @@ from jaxserve.model.registry import load_model_spec
 from jaxserve.spec_decode.eagle import read_draft_tokens
 
 HEADS = {"eagle": ("llama", "llama-eagle"), "eagle3": ("gemma2", "gemma2-eagle3")}  # method: (target, head)
-ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=24)  # 23 usable pages of 16 tokens
+# 23 usable pages of 16 tokens; every bucket compiled first (the output checks assert that nothing compiles later)
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=24, skip_precompile=False)
 HIDDEN = 64  # both targets'
 
 
@@ -173,7 +174,7 @@ def test_swap_preemption_keeps_the_features_with_the_pages():
     method = "eagle3"
     target = HEADS[method][0]
     llm = LLM(checkpoint(target), speculative_config=speculative_config(method), preemption_mode="swap",
-              swap_space=0.01, **small_engine_args(**ENGINE_ARGS, skip_precompile=True))
+              swap_space=0.01, **small_engine_args(**{**ENGINE_ARGS, "skip_precompile": True}))
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in reference(method)["prompts"] * 2], greedy,
                            use_tqdm=False)

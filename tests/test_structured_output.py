@@ -55,7 +55,7 @@ PROMPT = "def f(x):"
 
 
 ENGINE = small_engine_args(max_model_len=512, num_pages=128, max_num_seqs=16, enable_structured_outputs=True,
-                           min_token_bucket=16)
+                           min_token_bucket=16, skip_precompile=False)
 KEY = "structured-key"
 
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from helpers import checkpoint, small_engine_args
 from jaxserve import LLM, SamplingParams
 
-ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32)
+ENGINE_ARGS = dict(max_num_seqs=8, max_num_batched_tokens=32, num_pages=32, skip_precompile=False)
 PAGE_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # the llama fixture: 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 x fp32
 HOST_PAGES = {"swap": 13, "auto": 200}  # swap: 12 usable pages, fewer than a preempting run wants
 MODES = ("recompute", "swap", "auto")

@@ -38,7 +38,7 @@ def _softmax(logits) -> np.ndarray:
 def classifier() -> LLM:
     """The 3-label Llama classifier, every bucket compiled at start-up (the token-wise pooling buckets among them),
     the prefix cache on."""
-    return LLM(checkpoint("llama-classifier"), **small_engine_args(**CHUNKED))
+    return LLM(checkpoint("llama-classifier"), **small_engine_args(**CHUNKED, skip_precompile=False))
 
 
 def test_token_classify_gives_every_tokens_classes_as_transformers(classifier):

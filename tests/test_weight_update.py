@@ -43,7 +43,7 @@ def fresh(weights) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(checkpoint("llama"), **small_engine_args())
+    return LLM(checkpoint("llama"), **small_engine_args(skip_precompile=False))
 
 
 def test_an_updated_engine_gives_a_fresh_engines_tokens_compiling_nothing(llm, weights, fresh):
