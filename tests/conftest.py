@@ -37,21 +37,21 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
-# The step executables a worker keeps from one test file to the next (the most recently used), for the next files'
-# engines of equal shapes (a sampler bucket is shared by every engine of one vocabulary and ladder), unless the
-# worker then holds more than MAX_KEPT_MAPPINGS memory mappings: each executable of XLA's CPU backend holds ~200
-# mappings of its machine code, and a process may hold 65530 (Linux's default vm.max_map_count). Ten engine files
-# in a row in one process: 81.6 s keeping none, 72.2 s keeping 160 (at most 28,600 mappings after a file).
-KEPT_EXECUTABLES = 160
+# A worker keeps the shared step executables (the 160 most recently used on the CPU: runner/executables.py) from one
+# test file to the next, for the next files' engines of equal shapes (a sampler bucket is shared by every engine of
+# one vocabulary and ladder), unless it then holds more than MAX_KEPT_MAPPINGS memory mappings: each executable of
+# XLA's CPU backend holds ~200 mappings of its machine code, and a process may hold 65530 (Linux's default
+# vm.max_map_count). Ten engine files in a row in one process: 81.6 s keeping none, 72.2 s keeping 160 (at most
+# 28,600 mappings after a file).
 MAX_KEPT_MAPPINGS = 40_000
 
 
 @pytest.fixture(scope="module", autouse=True)
 def release_executables_after_each_file():
-    """Free the compiled executables a test file leaves behind once its engines are gone, but the KEPT_EXECUTABLES
-    most recently used: each holds memory mappings of its machine code, and a worker that kept every file's (the
-    shared table, JAX's jit caches) passed the kernel's default limit of 65530 mappings per process
-    (vm.max_map_count) and crashed in XLA. Later files load the others from the persistent compilation cache."""
+    """Free the compiled executables a test file leaves behind once its engines are gone, but the shared ones: each
+    holds memory mappings of its machine code, and a worker that kept every file's (JAX's jit caches) passed the
+    kernel's default limit of 65530 mappings per process (vm.max_map_count) and crashed in XLA. Later files load
+    the others from the persistent compilation cache."""
     yield
     import gc
 
@@ -59,7 +59,6 @@ def release_executables_after_each_file():
 
     from jaxserve.runner.executables import trim_shared_executables
 
-    trim_shared_executables(KEPT_EXECUTABLES)
     jax.clear_caches()
     _forget_fastapi_endpoints()
     gc.unfreeze()  # LLMEngine's start-up gc.freeze() hides frozen cycles (engines among them) from gc.collect

@@ -182,3 +182,16 @@ def test_a_second_engine_loads_every_bucket_and_generates_the_same(cache_dir):
 def test_an_engine_without_a_cache_folder_stores_nothing(cache_dir):
     LLM(**small_engine_args(compilation_cache_dir=None))
     assert executables._store[0] is None
+
+
+def test_the_cpu_keeps_fewer_shared_executables_than_its_mapping_limit_allows():
+    """Past SHARED_CPU_EXECUTABLES (on this CPU backend) the least recently used shared executables are dropped: 512
+    of XLA's CPU executables would hold ~100,000 memory mappings, over Linux's default limit of 65530."""
+    assert executables.shared_capacity() == executables.SHARED_CPU_EXECUTABLES < executables.SHARED_EXECUTABLES
+    executables.clear_shared_executables()
+    compiled, _ = _compiled()
+    keys = [("capacity test", index) for index in range(executables.SHARED_CPU_EXECUTABLES + 3)]
+    for key in keys:
+        executables.share_executable(key, compiled, storable=False)
+    assert list(executables._shared_executables) == keys[3:]
+    executables.clear_shared_executables()

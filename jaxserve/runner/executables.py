@@ -58,8 +58,12 @@ class CompileCounter:
 # Executables of this process by what they were traced from (`Runner.trace_key`, the step function, the shapes,
 # dtypes and shardings of its arguments): an engine built like an earlier one (a benchmark comparing scheduler
 # options, the tests) takes its executables instead of tracing and compiling them again. An entry holds an
-# executable only (no params, no pages); past SHARED_EXECUTABLES the least recently used go.
+# executable only (no params, no pages); past SHARED_EXECUTABLES the least recently used go. On the CPU fewer
+# (SHARED_CPU_EXECUTABLES): each executable of XLA's CPU backend maps its machine code in ~200 pieces and a process
+# may hold 65530 mappings (Linux's default vm.max_map_count), so 512 kept executables (~100,000) would crash XLA in a
+# process that builds many engines one after another, such as a benchmark sweep on the CPU.
 SHARED_EXECUTABLES = 512
+SHARED_CPU_EXECUTABLES = 160
 _shared_executables: collections.OrderedDict[tuple, jax.stages.Compiled] = collections.OrderedDict()
 _shared_lock = threading.Lock()
 _store: list[ExecutableStore | None] = [None]  # on disk, for later processes (use_executable_store)
@@ -108,11 +112,18 @@ def share_executable(key: tuple, executable: jax.stages.Compiled, storable: bool
 
 
 def _remember(key: tuple, executable: jax.stages.Compiled) -> None:
-    """Keep `executable` under `key` in memory (the SHARED_EXECUTABLES most recently used)."""
+    """Keep `executable` under `key` in memory (the shared_capacity() most recently used)."""
+    capacity = shared_capacity()
     with _shared_lock:
         _shared_executables[key] = executable
-        while len(_shared_executables) > SHARED_EXECUTABLES:
+        while len(_shared_executables) > capacity:
             _shared_executables.popitem(last=False)
+
+
+def shared_capacity() -> int:
+    """How many executables the process keeps for later engines: SHARED_CPU_EXECUTABLES on XLA's CPU backend,
+    SHARED_EXECUTABLES on an accelerator."""
+    return SHARED_CPU_EXECUTABLES if jax.default_backend() == "cpu" else SHARED_EXECUTABLES
 
 
 def trim_shared_executables(keep: int) -> None:
