@@ -57,14 +57,14 @@ def release_executables_after_each_file():
 
     import jax
 
-    from jaxserve.runner.executables import trim_shared_executables
+    from jaxserve.runner.executables import clear_shared_executables
 
     jax.clear_caches()
     _forget_fastapi_endpoints()
     gc.unfreeze()  # LLMEngine's start-up gc.freeze() hides frozen cycles (engines among them) from gc.collect
     gc.collect()
     if _memory_mappings() > MAX_KEPT_MAPPINGS:
-        trim_shared_executables(0)
+        clear_shared_executables()
         gc.collect()
 
 

@@ -126,19 +126,11 @@ def shared_capacity() -> int:
     return SHARED_CPU_EXECUTABLES if jax.default_backend() == "cpu" else SHARED_EXECUTABLES
 
 
-def trim_shared_executables(keep: int) -> None:
-    """Forget all but the `keep` most recently used shared executables, so those no engine holds are freed. A process
-    that builds many engines one after another, such as a test run, keeps the executables its next engines are most
-    likely to share, without keeping every one: each executable of XLA's CPU backend holds ~200 memory mappings of
-    its machine code, and a process may hold 65530 (Linux's default vm.max_map_count)."""
-    with _shared_lock:
-        while len(_shared_executables) > keep:
-            _shared_executables.popitem(last=False)
-
-
 def clear_shared_executables() -> None:
-    """Forget every shared executable (trim_shared_executables to none)."""
-    trim_shared_executables(0)
+    """Forget every shared executable, so those no engine holds are freed (a test worker near the limit of memory
+    mappings, a benchmark that compares compiling with loading)."""
+    with _shared_lock:
+        _shared_executables.clear()
 
 
 def abstract_arguments(args: tuple) -> tuple:
