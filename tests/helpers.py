@@ -148,6 +148,20 @@ def small_engine_args(**overrides) -> dict:
     return args
 
 
+def check_greedy_tokens_are_hfs(name: str, **engine_options) -> None:
+    """An engine of the fixture checkpoint `name` built with `engine_options` gives Hugging Face's greedy tokens (the
+    first 8 of its 20) to the fixture's prompts of 8 to 16 tokens, and every page comes back."""
+    from jaxserve import LLM, SamplingParams
+
+    want = expected(name)
+    prompts = [{"prompt_token_ids": ids} for ids in want["prompts"][3:7]]  # 8 to 16 tokens
+    llm = LLM(checkpoint(name), **small_engine_args(**engine_options))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens == [output[:8] for output in want["outputs"][3:7]]
+    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+
+
 def renamed_model(parent, markers: dict[int, str], special: bool, source: str | None = None) -> str:
     """A copy of the model folder `source` (default: the bundled model) under `parent` whose tokenizer calls each
     token id of `markers` by its marker, an added token (special or not)."""

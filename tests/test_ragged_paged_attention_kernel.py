@@ -18,11 +18,10 @@ import functools
 import jax
 import numpy as np
 import pytest
-from helpers import attention_with_sinks, checkpoint, expected, small_engine_args
+from helpers import attention_with_sinks, check_greedy_tokens_are_hfs, checkpoint
 
 import jax.numpy as jnp
 
-from jaxserve import LLM, SamplingParams
 from jaxserve.attention import resolve_backend
 from jaxserve.attention.pallas_gpu import decode_and_prompt_rows
 from pallas_kernels.paged_decode_attention import kernel as decode_kernel
@@ -138,14 +137,8 @@ def test_engine_with_pallas_interpret_matches_hf(name, tp):
     """The kernels' greedy tokens are Hugging Face's, which the xla path gives too (tests/test_engine_vs_hf.py).
     gemma2: sliding (16 keys) and full layers in one scan, soft-capped scores, prompts past the window; gpt-oss:
     attention sinks (the kernels' log-sum-exp) split with their heads over two devices."""
-    want = expected(name)
-    prompts = [{"prompt_token_ids": ids} for ids in want["prompts"][3:7]]  # 8 to 16 tokens
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    llm = LLM(checkpoint(name), **small_engine_args(
-        attention_backend="pallas-interpret", tensor_parallel_size=tp, max_num_batched_tokens=32, max_num_seqs=8))
-    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-    assert tokens == [output[:8] for output in want["outputs"][3:7]]
-    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+    check_greedy_tokens_are_hfs(name, attention_backend="pallas-interpret", tensor_parallel_size=tp,
+                                max_num_batched_tokens=32, max_num_seqs=8)
 
 
 def test_backend_choice_on_the_cpu():

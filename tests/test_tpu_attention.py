@@ -15,12 +15,11 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers import checkpoint, expected, small_engine_args
+from helpers import check_greedy_tokens_are_hfs, checkpoint
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
 
 import jax.numpy as jnp
 
-from jaxserve import LLM, SamplingParams
 from jaxserve.attention import make_attention, resolve_backend, tpu
 from jaxserve.attention.base import LayerAttention
 from jaxserve.batch.descriptor import BatchDescriptor
@@ -130,15 +129,8 @@ def test_attention_and_write_match_the_reference(monkeypatch, num_kv_heads, grou
 def test_engine_matches_hf(name, tp):
     """The TPU kernel's greedy tokens are Hugging Face's, which the xla path gives too (tests/test_engine_vs_hf.py).
     gemma2: sliding (16 keys) and full layers in one scan, soft-capped scores, prompts past the window."""
-    want = expected(name)
-    prompts = [{"prompt_token_ids": ids} for ids in want["prompts"][3:7]]  # 8 to 16 tokens
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    llm = LLM(checkpoint(name), **small_engine_args(
-        attention_backend="pallas-tpu-interpret", tensor_parallel_size=tp, max_model_len=32, page_size=8,
-        max_num_batched_tokens=16, max_num_seqs=4))
-    tokens = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
-    assert tokens == [output[:8] for output in want["outputs"][3:7]]
-    assert llm.stats()["kv_pages_free"] == llm.stats()["kv_pages_total"]
+    check_greedy_tokens_are_hfs(name, attention_backend="pallas-tpu-interpret", tensor_parallel_size=tp,
+                                max_model_len=32, page_size=8, max_num_batched_tokens=16, max_num_seqs=4)
 
 
 def test_backend_choice_for_tpu(caplog):
