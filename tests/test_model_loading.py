@@ -185,6 +185,33 @@ def test_the_loader_reads_each_devices_shard_of_one_layer_at_a_time(monkeypatch)
     np.testing.assert_array_equal(np.asarray(params["lm_head"]), folder.get("lm_head.weight").T)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2-moe"])  # (qwen2-moe: a layer's experts stacked too)
+def test_small_stacked_leaves_load_whole_compiling_nothing_and_equal_the_layer_by_layer_load(monkeypatch, name):
+    """A stacked leaf of at most HOST_STACKED_BYTES a device (each of these tiny models') is read on the host and put
+    on the devices in one piece: no program compiled (the layer-by-layer way compiles the stack's zeros and its
+    update for each shape), and the same params as layer by layer."""
+    import jax
+
+    from jaxserve.model import loader
+    from jaxserve.runner.executables import CompileCounter
+    from jaxserve.sharding import cache_kv_heads, make_mesh
+
+    spec = load_model_spec(checkpoint(name))
+    mesh = make_mesh(2)
+    CompileCounter.install()
+    jax.clear_caches()  # (what an earlier load compiled would be in jit's caches)
+    compiled = CompileCounter.count()
+    whole = jax.block_until_ready(loader.load_params(checkpoint(name), spec, mesh, jnp.float32,
+                                                     cache_kv_heads(spec, 2)))
+    assert CompileCounter.count() == compiled
+    monkeypatch.setattr(loader, "HOST_STACKED_BYTES", 0)
+    by_layer = loader.load_params(checkpoint(name), spec, mesh, jnp.float32, cache_kv_heads(spec, 2))
+    assert jax.tree.structure(whole) == jax.tree.structure(by_layer)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(by_layer)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_loading_peak_rss_stays_under_the_largest_tensor_plus_a_fixed_margin(tmp_path):
     """The loader's host memory, measured: loading a 440 MiB checkpoint whose stacked leaves are 16 times its
     largest tensor (8 MiB) grows RSS by no more than the params (host memory on the CPU) plus the largest tensor

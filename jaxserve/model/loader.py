@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import glob
 import json
+import math
 import os
 import struct
 from collections.abc import Callable, Mapping
@@ -38,6 +39,12 @@ def resolve_dtype(dtype: str, spec: ModelSpec) -> jnp.dtype:
     name = spec.torch_dtype.replace("torch.", "") if dtype == "auto" else dtype
     return jnp.dtype({"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}.get(name, jnp.float32))
 
+
+# A new stacked leaf whose shard on a device is at most this is read into host memory whole and put on the devices
+# in one piece; larger ones are put layer by layer into a stack on the devices, so the host holds one layer's shard
+# at a time. The pieces are what a model's norms, biases and scales and the weights of a small model take: the
+# layer-by-layer way compiles two programs per shape (the stack's zeros and the update), ~0.1 s each on a CPU.
+HOST_STACKED_BYTES = 16 * 2**20
 
 # safetensors dtypes its numpy reader cannot make (numpy has no float8), read by mapping the file instead.
 RAW_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
@@ -493,7 +500,8 @@ def load_params(source: str | TensorSource, spec: ModelSpec, mesh: Mesh, dtype: 
                 into: dict | None = None, declared: dict | None = None) -> dict:
     """Read every weight the model declares (model/registry.py) straight into its final sharding: each device's
     shard of each layer is read from the safetensors slice it needs and written into its place in the stacked
-    leaf on the device, so the host holds about one layer's shard at a time, never a whole stacked leaf.
+    leaf on the device, so the host holds about one layer's shard at a time, never a whole stacked leaf (but the
+    small ones, of at most HOST_STACKED_BYTES a device: read whole, to compile no program for them).
 
     With `into` (params of the same model being served), each stacked leaf it holds is written over in place (it
     is donated: the devices hold the weights once plus one layer); the leaves it lacks are made anew. `declared`:
@@ -598,13 +606,13 @@ class _Layout:
         return part[..., source - first] if self.kv_repeat > 1 else part
 
 
-def _load_one(folder: TensorSource, name: str, layout: _Layout, sharding, dtype,
+def _load_one(folder: TensorSource, name: str | list[str], layout: _Layout, sharding, dtype,
               shape: tuple[int, ...] | None = None) -> jax.Array:
-    """One unstacked leaf (of `shape` when the caller already knows it), each device's shard read from its
-    slice of the checkpoint tensor."""
+    """One unstacked leaf or one layer (of `shape` when the caller already knows it; a list of names: the layer's
+    experts, stacked), each device's shard read from its slice of the checkpoint tensors."""
     shape = shape or layout.shape(folder.shape(name))
-    return jax.make_array_from_callback(
-        shape, sharding, lambda index: layout.read(folder, name, index, shape).astype(dtype, copy=False))
+    return jax.make_array_from_callback(shape, sharding,
+                                        lambda index: _read_layer(folder, name, layout, dtype, shape, index))
 
 
 def _load_quantized(folder: TensorSource, names: list[str], layout: _Layout, sharding, spec: ModelSpec,
@@ -734,38 +742,45 @@ def _check_groups_split_evenly(name: str, groups: int, block: tuple[int, int], m
                          f"choose a tensor_parallel_size that divides {groups}")
 
 
-def _load_experts(folder: TensorSource, names: list[str], layout: _Layout, sharding, dtype,
-                  shape: tuple[int, ...]) -> jax.Array:
-    """One layer's (E, ...) stack of expert tensors, each device reading only its experts' slices."""
-    def read(index: tuple[slice, ...]) -> np.ndarray:
+def _read_layer(folder: TensorSource, name: str | list[str], layout: _Layout, dtype, shape: tuple[int, ...],
+                index: tuple[slice, ...]) -> np.ndarray:
+    """One layer's tensor of `shape` at `index` (a slice per axis), in `dtype`: the checkpoint tensor's slice, or for
+    a list of names (a layer's experts, stacked along the first axis) the slice of each expert it covers."""
+    if isinstance(name, list):
         experts = range(*index[0].indices(shape[0]))
-        return np.stack([layout.read(folder, names[e], index[1:], shape[1:]).astype(dtype, copy=False)
+        return np.stack([layout.read(folder, name[e], index[1:], shape[1:]).astype(dtype, copy=False)
                          for e in experts])
-
-    return jax.make_array_from_callback(shape, sharding, read)
+    return layout.read(folder, name, index, shape).astype(dtype, copy=False)
 
 
 def _load_stacked(folder: TensorSource, names: list, layout: _Layout, sharding, dtype,
                   into: jax.Array | None = None) -> jax.Array:
-    """A stacked (num_layers, ...) leaf, from one tensor per layer or one list of expert tensors per layer:
-    allocated on the devices (or `into`, when given and of this shape, dtype and sharding), then filled one layer
-    at a time (the update donates the stack, so the devices hold it once plus one layer)."""
+    """A stacked (num_layers, ...) leaf, from one tensor per layer or one list of expert tensors per layer: allocated
+    on the devices (or `into`, when given and of this shape, dtype and sharding), then filled one layer at a time (the
+    update donates the stack, so the devices hold it once plus one layer). A new leaf whose device shard is at most
+    HOST_STACKED_BYTES is built on the host in one piece instead, compiling no program."""
     def layer_shape_of(name) -> tuple[int, ...]:
         return (len(name), *layout.shape(folder.shape(name[0]))) if isinstance(name, list) else \
             layout.shape(folder.shape(name))
 
     layer_shape = layer_shape_of(names[0])
-    layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
+    for name in names:
+        if layer_shape_of(name) != layer_shape:
+            raise ValueError(f"weight {name!r} has shape {layer_shape_of(name)}, unlike layer 0's {layer_shape}")
     shape = (len(names), *layer_shape)
     reusable = into is not None and not into.is_deleted() and (into.shape, into.dtype, into.sharding) == (
         shape, jnp.dtype(dtype), sharding)
+    if not reusable and math.prod(sharding.shard_shape(shape)) * jnp.dtype(dtype).itemsize <= HOST_STACKED_BYTES:
+        def read(index: tuple[slice, ...]) -> np.ndarray:  # (layers in index[0], *the layer's shard)
+            return np.stack([_read_layer(folder, names[i], layout, dtype, layer_shape, index[1:])
+                             for i in range(*index[0].indices(len(names)))])
+
+        return jax.make_array_from_callback(shape, sharding, read)
+    layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
     stacked = into if reusable else jnp.zeros(shape, dtype, device=sharding)
     put = _layer_update(sharding)
     for i, name in enumerate(names):
-        if layer_shape_of(name) != layer_shape:
-            raise ValueError(f"weight {name!r} has shape {layer_shape_of(name)}, unlike layer 0's {layer_shape}")
-        load = _load_experts if isinstance(name, list) else _load_one
-        stacked = put(stacked, load(folder, name, layout, layer_sharding, dtype, layer_shape), i)
+        stacked = put(stacked, _load_one(folder, name, layout, layer_sharding, dtype, layer_shape), i)
     return stacked
 
 
