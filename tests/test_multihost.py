@@ -20,7 +20,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.distributed import runtime
 from helpers import checkpoint, expected, perturbed_checkpoint, pythonpath_without_torch
 
-WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
+TESTS = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(TESTS, "multihost_worker.py")
 START_TIMEOUT_S = 400  # both processes compile the buckets they use (a follower never reads the leader's cache)
 
 
@@ -35,7 +36,9 @@ class Launch:
 
     def __init__(self, log_dir, new_weights: str):
         coordinator, self.http_port = f"127.0.0.1:{_free_port()}", _free_port()
-        env = {**os.environ, "PYTHONPATH": pythonpath_without_torch(os.path.dirname(__file__)), "JAXSERVE_TEST_NEW_WEIGHTS": new_weights}
+        # the tests' folder (helpers, the worker's imports) and this checkout's root (its jaxserve, not an install's)
+        env = {**os.environ, "PYTHONPATH": pythonpath_without_torch(TESTS, os.path.dirname(TESTS)),
+               "JAXSERVE_TEST_NEW_WEIGHTS": new_weights}
         self.logs = [open(log_dir / f"process{i}.log", "w+") for i in range(2)]
         self.processes = [subprocess.Popen([sys.executable, WORKER, coordinator, str(i), str(self.http_port)],
                                            env=env, stdout=subprocess.PIPE if i == 0 else self.logs[i],
