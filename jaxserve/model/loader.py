@@ -606,13 +606,14 @@ class _Layout:
         return part[..., source - first] if self.kv_repeat > 1 else part
 
 
-def _load_one(folder: TensorSource, name: str | list[str], layout: _Layout, sharding, dtype,
+def _load_one(folder: TensorSource, name: str | list, layout: _Layout, sharding, dtype,
               shape: tuple[int, ...] | None = None) -> jax.Array:
-    """One unstacked leaf or one layer (of `shape` when the caller already knows it; a list of names: the layer's
-    experts, stacked), each device's shard read from its slice of the checkpoint tensors."""
+    """One array of `shape` (needed for a list; else the checkpoint tensor's): an unstacked leaf, a layer, or a list
+    stacked as `_read_slice` reads it (a layer's experts, a small stacked leaf's layers), each device's shard read
+    from its slices of the checkpoint tensors."""
     shape = shape or layout.shape(folder.shape(name))
     return jax.make_array_from_callback(shape, sharding,
-                                        lambda index: _read_layer(folder, name, layout, dtype, shape, index))
+                                        lambda index: _read_slice(folder, name, layout, dtype, shape, index))
 
 
 def _load_quantized(folder: TensorSource, names: list[str], layout: _Layout, sharding, spec: ModelSpec,
@@ -742,14 +743,14 @@ def _check_groups_split_evenly(name: str, groups: int, block: tuple[int, int], m
                          f"choose a tensor_parallel_size that divides {groups}")
 
 
-def _read_layer(folder: TensorSource, name: str | list[str], layout: _Layout, dtype, shape: tuple[int, ...],
+def _read_slice(folder: TensorSource, name: str | list, layout: _Layout, dtype, shape: tuple[int, ...],
                 index: tuple[slice, ...]) -> np.ndarray:
-    """One layer's tensor of `shape` at `index` (a slice per axis), in `dtype`: the checkpoint tensor's slice, or for
-    a list of names (a layer's experts, stacked along the first axis) the slice of each expert it covers."""
+    """The tensor of `shape` at `index` (a slice per axis), in `dtype`: a checkpoint tensor's slice, or for a list
+    (a stacked leaf's layers, a layer's experts) the slices of the items `index[0]` covers, each read the same way,
+    stacked along the first axis."""
     if isinstance(name, list):
-        experts = range(*index[0].indices(shape[0]))
-        return np.stack([layout.read(folder, name[e], index[1:], shape[1:]).astype(dtype, copy=False)
-                         for e in experts])
+        return np.stack([_read_slice(folder, name[i], layout, dtype, shape[1:], index[1:])
+                         for i in range(*index[0].indices(shape[0]))])
     return layout.read(folder, name, index, shape).astype(dtype, copy=False)
 
 
@@ -771,11 +772,7 @@ def _load_stacked(folder: TensorSource, names: list, layout: _Layout, sharding, 
     reusable = into is not None and not into.is_deleted() and (into.shape, into.dtype, into.sharding) == (
         shape, jnp.dtype(dtype), sharding)
     if not reusable and math.prod(sharding.shard_shape(shape)) * jnp.dtype(dtype).itemsize <= HOST_STACKED_BYTES:
-        def read(index: tuple[slice, ...]) -> np.ndarray:  # (layers in index[0], *the layer's shard)
-            return np.stack([_read_layer(folder, names[i], layout, dtype, layer_shape, index[1:])
-                             for i in range(*index[0].indices(len(names)))])
-
-        return jax.make_array_from_callback(shape, sharding, read)
+        return _load_one(folder, names, layout, sharding, dtype, shape)
     layer_sharding = NamedSharding(sharding.mesh, P(*sharding.spec[1:]))
     stacked = into if reusable else jnp.zeros(shape, dtype, device=sharding)
     put = _layer_update(sharding)
