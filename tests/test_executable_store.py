@@ -29,8 +29,8 @@ def _compiled(shape=(3, 4), factor=2.0):
     offset = float(np.random.default_rng().integers(1, 2**20))  # exact in float32
     function = jax.jit(functools.partial(_scaled, factor=factor, offset=offset))
     args = (jax.ShapeDtypeStruct(shape, np.float32),)
-    compiled, storable = executables.compile_here(function.lower(*args))
-    assert storable
+    compiled, storable, cached = executables.compile_here(function.lower(*args))
+    assert storable and cached is None
     return compiled, ("test", "_scaled", factor, offset, executables.abstract_arguments(args))
 
 
@@ -126,23 +126,39 @@ def test_a_store_keeps_its_most_recent_entries(tmp_path, monkeypatch):
     assert [later.load(key) is not None for key in keys] == [False, True, True]
 
 
-def test_an_executable_from_the_persistent_cache_is_not_stored(tmp_path):
-    """XLA's CPU backend serializes such an executable without its kernels: stored, it would fail when it runs."""
-    script = textwrap.dedent(f"""
-        import jax, numpy as np
+def test_an_executable_from_the_persistent_cache_is_stored_by_the_bytes_it_was_loaded_from(tmp_path):
+    """A program JAX's persistent cache already holds (after an upgrade of jaxserve, whose source is in the store's
+    keys) is stored too, by the bytes JAX's cache held: XLA's CPU backend serializes a loaded executable again
+    without its machine code (`Function ... not found` when that copy runs), so a later process runs the entry."""
+    compile_twice = textwrap.dedent(f"""
+        import os, jax, numpy as np
         from jaxserve.runner.executables import enable_compilation_cache
         from jaxserve.runner import executables
         enable_compilation_cache({str(tmp_path)!r})
+        store = executables._store[0]
         key = ("test", "tanh", (8, 5))
         for attempt in range(2):
             jax.clear_caches()
             lowered = jax.jit(lambda x: jax.numpy.tanh(x[1:5, :3]) + x[:4, 2:5]).lower(np.zeros((8, 5), np.float32))
-            compiled, storable = executables.compile_here(lowered)
-            executables.share_executable(key, compiled, storable)
-            print(storable, executables._store[0].num_saved)
+            compiled, storable, cached = executables.compile_here(lowered)
+            executables.share_executable(key, compiled, storable, cached)
+            print(storable, cached is not None, store.num_saved)
+            if attempt == 0:
+                os.remove(store._path(key))  # (the second compile finds the program only in JAX's cache)
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.stdout.split() == ["True", "1", "False", "1"], done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-c", compile_twice], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["True", "False", "1", "True", "True", "2"], done.stderr[-2000:]
+    load_and_run = textwrap.dedent(f"""
+        import numpy as np
+        from jaxserve.runner.executables import enable_compilation_cache
+        from jaxserve.runner import executables
+        enable_compilation_cache({str(tmp_path)!r})
+        compiled = executables.shared_executable(("test", "tanh", (8, 5)))
+        x = np.arange(40, dtype=np.float32).reshape(8, 5)
+        print(executables._store[0].num_loaded, np.allclose(compiled(x), np.tanh(x[1:5, :3]) + x[:4, 2:5]))
+    """)
+    done = subprocess.run([sys.executable, "-c", load_and_run], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["1", "True"], done.stderr[-2000:]
 
 
 def test_an_executable_that_calls_back_into_python_is_not_stored():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import logging
 import os
 import pickle
@@ -139,13 +140,14 @@ class ExecutableStore:
         self.num_loaded += 1
         return executable
 
-    def save(self, key: tuple, executable: jax.stages.Compiled) -> None:
-        """Write `executable` under `key` (nothing when the key or the executable cannot be stored)."""
+    def save(self, key: tuple, executable: jax.stages.Compiled, cached: bytes | None = None) -> None:
+        """Write `executable` under `key` (nothing when the key or the executable cannot be stored); `cached`: its
+        XLA executable as JAX's persistent cache held it, for one loaded from there."""
         path = self._path(key)
         if path is None:
             return
         try:
-            blob, in_tree, out_tree = serialize_executable.serialize(executable)
+            blob, in_tree, out_tree = _serialize(executable, cached)
             device_ids = [d.id for d in executable.runtime_executable().local_devices()]  # in execution order
             record = zlib.compress(pickle.dumps((blob, in_tree, out_tree, device_ids)), 1)  # 4x smaller, ~4 ms
         except (ValueError, NotImplementedError) as error:  # what serialize refuses (constants, mutable refs)
@@ -169,6 +171,27 @@ class ExecutableStore:
         if not self._warned:
             logger.warning(message)
             self._warned = True
+
+
+def _serialize(executable: jax.stages.Compiled, cached: bytes | None) -> tuple[bytes, object, object]:
+    """(blob, in_tree, out_tree) of `executable` as `serialize_executable.serialize` makes them, with its XLA
+    executable as the bytes `cached` where given (one loaded from JAX's persistent cache, which XLA's CPU backend
+    would serialize again without its machine code)."""
+    if cached is None:
+        return serialize_executable.serialize(executable)
+
+    pickler = serialize_executable._JaxPjrtPickler  # (jax internals: the pickler `serialize` uses)
+    executable_types = (serialize_executable.xc.LoadedExecutable, serialize_executable._jax.Executable)
+
+    class CachedBytesPickler(pickler):
+        def persistent_id(self, obj):
+            return ("exec", cached) if isinstance(obj, executable_types) else super().persistent_id(obj)
+
+    serialize_executable.serialize(executable)  # jax's own checks: what it cannot serialize raises here
+    args_info, in_tree = jax.tree_util.tree_flatten(executable.args_info)
+    with io.BytesIO() as file:
+        CachedBytesPickler(file).dump((executable._executable._unloaded_executable, args_info, executable._no_kwargs))
+        return file.getvalue(), in_tree, executable.out_tree
 
 
 def open_store(cache_dir: str | None) -> ExecutableStore | None:

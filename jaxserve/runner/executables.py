@@ -55,6 +55,54 @@ class CompileCounter:
         return cls._count
 
 
+class CacheReads:
+    """The serialized executable each thread last loaded from JAX's persistent compilation cache, while it records.
+
+    XLA's CPU backend serializes a loaded executable again without its machine code, so the executable store keeps
+    the bytes JAX's cache held instead: a program JAX's cache already had (after an upgrade, an edit elsewhere) is
+    then stored too, and a later start skips its tracing and lowering. This reads through JAX internals
+    (`jax._src.compilation_cache`); where they are not as expected nothing is recorded, and such executables are
+    not stored."""
+
+    _lock = threading.Lock()
+    _installed = False
+    _thread = threading.local()  # recording: this thread records; read: the bytes it loaded last (None: none)
+
+    @classmethod
+    def install(cls) -> None:
+        """Wrap JAX's persistent-cache read once per process."""
+        with cls._lock:
+            if cls._installed:
+                return
+            cls._installed = True
+            try:
+                from jax._src import compilation_cache as cache
+                read, get_cache = cache.get_executable_and_time, cache._get_cache
+                decompress, extract = cache.decompress_executable, cache.extract_executable_and_time
+            except (ImportError, AttributeError):
+                return
+
+            def recording_read(cache_key, compile_options, backend, executable_devices):
+                executable, compile_time = read(cache_key, compile_options, backend, executable_devices)
+                if executable is not None and getattr(cls._thread, "recording", False):
+                    entry = get_cache(backend).get(cache_key)
+                    cls._thread.read = extract(decompress(entry))[0] if entry is not None else None
+                return executable, compile_time
+
+            cache.get_executable_and_time = recording_read
+
+    @classmethod
+    def compile(cls, lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bytes | None]:
+        """`lowered.compile()`, and the serialized executable JAX's persistent cache gave it (None: none)."""
+        cls.install()
+        cls._thread.recording, cls._thread.read = True, None
+        try:
+            executable = lowered.compile()
+            return executable, cls._thread.read
+        finally:
+            cls._thread.recording, cls._thread.read = False, None
+
+
 # Executables of this process by what they were traced from (`Runner.trace_key`, the step function, the shapes,
 # dtypes and shardings of its arguments): an engine built like an earlier one (a benchmark comparing scheduler
 # options, the tests) takes its executables instead of tracing and compiling them again. An entry holds an
@@ -91,24 +139,26 @@ def shared_executable(key: tuple) -> jax.stages.Compiled | None:
     return executable
 
 
-def compile_here(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
-    """Compile `lowered`; also whether the executable can be stored: XLA compiled it in this call (one loaded from
-    JAX's persistent cache serializes without its kernels on XLA's CPU backend), and it calls back into no Python
-    (a host callback, such as a Pallas kernel in interpret mode, cannot be serialized: XLA crashes trying)."""
+def compile_here(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool, bytes | None]:
+    """Compile `lowered`; also whether the executable can be stored, and the bytes to store it by when it came from
+    JAX's persistent cache (None: serialize the executable). Storable: XLA compiled it in this call, or JAX's cache
+    gave it and its bytes were recorded (CacheReads); and it calls back into no Python (a host callback, such as a
+    Pallas kernel in interpret mode, cannot be serialized: XLA crashes trying)."""
     CompileCounter.install()
     hits = CompileCounter.thread_cache_hits()
-    executable = lowered.compile()
+    executable, cached = CacheReads.compile(lowered)
     compile_args = getattr(getattr(lowered, "_lowering", None), "compile_args", {})
-    storable = CompileCounter.thread_cache_hits() == hits and compile_args.get("host_callbacks", True) == []
-    return executable, storable
+    loads = CompileCounter.thread_cache_hits() - hits
+    storable = (loads == 0 or (loads == 1 and cached is not None)) and compile_args.get("host_callbacks", True) == []
+    return executable, storable, cached
 
 
-def share_executable(key: tuple, executable: jax.stages.Compiled, storable: bool) -> None:
+def share_executable(key: tuple, executable: jax.stages.Compiled, storable: bool, cached: bytes | None = None) -> None:
     """Keep `executable` under `key` for later engines of this process, and in the executable store when it is
-    `storable` (compile_here)."""
+    `storable` (by the bytes JAX's cache held, `cached`, where given: compile_here)."""
     _remember(key, executable)
     if _store[0] is not None and storable:
-        _store[0].save(key, executable)
+        _store[0].save(key, executable, cached)
 
 
 def _remember(key: tuple, executable: jax.stages.Compiled) -> None:
@@ -151,8 +201,8 @@ def compile_all(lowered: list[tuple[tuple[dict, tuple, tuple], jax.stages.Lowere
         futures = {pool.submit(compile_here, low): target for target, low in lowered}
         for future in concurrent.futures.as_completed(futures):
             table, key, shared_key = futures[future]
-            table[key], storable = future.result()
-            share_executable(shared_key, table[key], storable)
+            table[key], storable, cached = future.result()
+            share_executable(shared_key, table[key], storable, cached)
             bar.update()
     except BaseException:  # a failed compile or a KeyboardInterrupt: drop the compiles queued, wait for none
         pool.shutdown(wait=False, cancel_futures=True)

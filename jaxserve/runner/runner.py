@@ -660,7 +660,7 @@ class Runner:
         executable = shared_executable(shared_key)
         compiled = executable is None
         if compiled:
-            executable, storable = compile_here(function.lower(*args))
-            share_executable(shared_key, executable, storable)
+            executable, storable, cached = compile_here(function.lower(*args))
+            share_executable(shared_key, executable, storable, cached)
         table[key] = executable
         return compiled
