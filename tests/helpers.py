@@ -135,6 +135,7 @@ def small_engine_args(**overrides) -> dict:
         max_num_seqs=32,
         max_num_batched_tokens=64,
         min_token_bucket=64,  # one token rung: every step pads to 64 (tests that pick buckets set their own)
+        min_page_bucket=4096,  # one page-table width, max_model_len's pages: a forward program per token rung
         # each bucket compiled at its first use: an engine compiles only the shapes its test reaches; a test that
         # checks nothing compiles after warm-up passes skip_precompile=False (and background_compile=True to build
         # ready early)

@@ -30,6 +30,15 @@ def test_ladders_and_buckets():
     assert LADDERS.rows_for(64) == 8 and LADDERS.rows_for(8) == 8
 
 
+@pytest.mark.parametrize("min_page_bucket, widths", [(1, (1, 4, 16, 64, 128)), (4, (4, 16, 64, 128)),
+                                                     (100, (100, 128)), (128, (128,)), (4096, (128,))])
+def test_page_widths_start_at_min_page_bucket_and_end_at_max_model_lens_pages(min_page_bucket, widths):
+    """A larger min_page_bucket leaves fewer widths to compile; past max_model_len's pages, one (the widest)."""
+    ladders = BucketLadders.build(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=2048, page_size=16,
+                                  min_token_bucket=8, max_aux_extra=4, min_page_bucket=min_page_bucket)
+    assert ladders.page_widths == widths
+
+
 def test_prefill_chunk_and_decode_are_flattened_and_padded():
     prefill = _request("a", range(10, 22))  # 12 prompt tokens, first chunk of 5
     decode = _request("b", range(30, 39), outputs=[40])  # 9 prompt + 1 output, one token behind

@@ -22,6 +22,7 @@ TODAY_OPTIONS = (
     "swap_space", "max_preemptions", "speculative_config", "quantization", "kv_cache_dtype", "calculate_kv_scales",
     "distributed_coordinator", "num_processes", "process_id", "distributed_timeout_s", "data_parallel_size",
     "enable_lora", "max_loras", "max_lora_rank", "lora_modules", "runner", "pooler_config", "enable_sleep_mode",
+    "min_page_bucket",
 )
 # the engine flags `jaxserve generate` and `jaxserve serve` both took
 TODAY_ENGINE_FLAGS = (
@@ -39,6 +40,7 @@ TODAY_ENGINE_FLAGS = (
     "--speculative-config", "--enable-sleep-mode", "--no-enable-sleep-mode", "--runner", "--pooler-config",
     "--distributed-coordinator", "--num-processes", "--process-id", "--distributed-timeout-s",
     "--data-parallel-size", "--max-preemptions",
+    "--min-page-bucket",
 )
 TODAY_SERVE_ONLY_FLAGS = (
     "--host", "--port", "--api-key", "--served-model-name", "--max-waiting-requests", "--max-n", "--max-prompts",
@@ -65,6 +67,7 @@ SAMPLES = {
     "max_num_seqs": (8, {}),
     "max_num_batched_tokens": (256, {}),
     "min_token_bucket": (16, {}),
+    "min_page_bucket": (4, {}),
     "enable_chunked_prefill": (False, {}),
     "enable_prefix_caching": (False, {}),
     "scheduling_policy": ("priority", {}),

@@ -29,8 +29,11 @@ class CompilationConfig:
         False, "compile the largest buckets first and serve, the others on a background thread, each step padded "
         "into the largest until its own are ready", commands=SERVE_ONLY)
     min_token_bucket: int = option(8, "smallest padded token count of a step")
+    min_page_bucket: int = option(
+        1, "smallest padded page-table width of a step, in pages (widths are x4 rungs from it up to max_model_len's "
+        "pages, at most those; larger: fewer programs to compile, more pages gathered per row)")
 
     def __post_init__(self):
         check_choice("attention_backend", self.attention_backend, VALID_ATTENTION_BACKENDS)
         check_bools(self, "skip_precompile", "background_compile")
-        check_positive_ints(self, "min_token_bucket")
+        check_positive_ints(self, "min_token_bucket", "min_page_bucket")

@@ -45,6 +45,7 @@ def bucket_ladders(config: EngineConfig, spec: ModelSpec, max_model_len: int) ->
         max_model_len=max_model_len,
         page_size=config.cache_config.page_size,
         min_token_bucket=config.compilation_config.min_token_bucket,
+        min_page_bucket=config.compilation_config.min_page_bucket,
         max_aux_extra=MAX_AUX_EXTRA + len(spec.eos_token_ids),
     )
 
