@@ -15,6 +15,7 @@ from tests.helpers import TEST_CACHE_DIR, checkpoint
 TINY = [
     "--model-shape", "bundled", "--repeats", "1", "--compilation-cache-dir", TEST_CACHE_DIR,
     "--max-model-len", "384", "--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--min-token-bucket", "16",
+    "--min-page-bucket", "24",  # one page-table width (384 / 16 pages): fewer programs to compile
     "--num-pages", "96",
     "--decode-requests", "4", "--decode-prompt-len", "16", "--decode-output-len", "24",
     "--long-requests", "2", "--long-prompt-len", "160", "--long-output-len", "4",

@@ -134,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-batched-tokens", type=int, default=256,
                         help="tokens per step; with chunked prefill, the chunk budget (default %(default)s)")
     engine.add_argument("--min-token-bucket", type=int, default=8, help="smallest token bucket (default %(default)s)")
+    engine.add_argument("--min-page-bucket", type=int, default=1,
+                        help="smallest page-table width bucket, in pages (default %(default)s)")
     engine.add_argument("--num-pages", type=int, help="KV pages per engine (default: the engine's own sizing)")
     engine.add_argument("--compilation-cache-dir", default=DEFAULT_CACHE_DIR, help="(default %(default)s)")
     chunked = parser.add_argument_group("chunked-prefill")

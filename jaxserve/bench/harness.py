@@ -26,7 +26,8 @@ class Engines:
     def __init__(self, args: argparse.Namespace, folder: str, log: Callable[[str], None]):
         self.base = dict(model=folder, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=PAGE_SIZE,
-                         min_token_bucket=args.min_token_bucket, num_pages=args.num_pages,
+                         min_token_bucket=args.min_token_bucket, min_page_bucket=args.min_page_bucket,
+                         num_pages=args.num_pages,
                          compilation_cache_dir=args.compilation_cache_dir, load_format=args.load_format,
                          enable_structured_outputs=False)  # no experiment constrains outputs
         self.log = log

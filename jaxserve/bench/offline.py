@@ -116,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and KV dtype of every system (default: the model's)")
     engine.add_argument("--min-token-bucket", type=int, default=8,
                         help="smallest token bucket (default: %(default)s)")
+    engine.add_argument("--min-page-bucket", type=int, default=1,
+                        help="smallest page-table width bucket, in pages (default: %(default)s)")
     engine.add_argument("--compilation-cache-dir", default=None,
                         help="XLA compilation cache (default: <cache-dir>/xla-cache)")
     timing = parser.add_argument_group("timing")
@@ -273,7 +275,8 @@ def engine_config(args: argparse.Namespace, folder: str, system: str = "jaxserve
     return EngineConfig(
         model=folder, dtype=args.dtype, max_model_len=args.max_model_len, page_size=args.page_size,
         num_pages=args.num_pages, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        min_token_bucket=args.min_token_bucket, seed=args.seed, compilation_cache_dir=args.compilation_cache_dir,
+        min_token_bucket=args.min_token_bucket, min_page_bucket=args.min_page_bucket, seed=args.seed,
+        compilation_cache_dir=args.compilation_cache_dir,
         load_format=args.load_format, enable_structured_outputs=False, **extra)  # no benchmark request constrains
 
 
@@ -607,7 +610,8 @@ def assemble(args: argparse.Namespace, folder: str, dtype: str, workload: Worklo
                      "output_tokens": workload.num_output_tokens},
         "engine": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                    "page_size": args.page_size, "max_model_len": args.max_model_len, "num_pages": args.num_pages,
-                   "min_token_bucket": args.min_token_bucket, "dtype": args.dtype},
+                   "min_token_bucket": args.min_token_bucket, "min_page_bucket": args.min_page_bucket,
+                   "dtype": args.dtype},
         "timing": {"warmup_requests": args.warmup_requests, "warmup_tokens": args.warmup_tokens,
                    "repeats": args.repeats},
         "rows": rows,
