@@ -85,8 +85,11 @@ class CacheReads:
             def recording_read(cache_key, compile_options, backend, executable_devices):
                 executable, compile_time = read(cache_key, compile_options, backend, executable_devices)
                 if executable is not None and getattr(cls._thread, "recording", False):
-                    entry = get_cache(backend).get(cache_key)
-                    cls._thread.read = extract(decompress(entry))[0] if entry is not None else None
+                    try:  # (never fails jax's read: at worst the executable is not stored)
+                        entry = get_cache(backend).get(cache_key)
+                        cls._thread.read = extract(decompress(entry))[0] if entry is not None else None
+                    except Exception:
+                        cls._thread.read = None
                 return executable, compile_time
 
             cache.get_executable_and_time = recording_read
