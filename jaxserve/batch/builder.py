@@ -58,12 +58,12 @@ class BucketLadders:
     def build(cls, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, page_size: int,
               min_token_bucket: int, max_aux_extra: int, min_page_bucket: int = 1) -> "BucketLadders":
         """Powers of two up to each limit. Rows are tied to tokens: R = min(T, max_num_seqs)."""
+        max_pages = pages_for_tokens(max_model_len, page_size)
         return cls(
             tokens=geometric_ladder(min(min_token_bucket, max_num_batched_tokens), max_num_batched_tokens),
             # x4 rungs: inside a bucket each attention tile already narrows to W/4 or W/2 pages, so
             # x2 rungs would add executables (start-up time) for little saved work.
-            page_widths=geometric_ladder(min(min_page_bucket, pages_for_tokens(max_model_len, page_size)),
-                                         pages_for_tokens(max_model_len, page_size), ratio=4),
+            page_widths=geometric_ladder(min(min_page_bucket, max_pages), max_pages, ratio=4),
             # Penalty histories are rare and cheap to pad, so their ladder is coarser (x4).
             aux_widths=(0,) + geometric_ladder(min(64, max_model_len), max_model_len + max_aux_extra, ratio=4),
             max_num_seqs=max_num_seqs,
