@@ -64,6 +64,33 @@ def test_steps_run_in_the_largest_buckets_until_theirs_compile(held_background):
     assert after["kv_pages_free"] == after["kv_pages_total"]
 
 
+def test_a_failed_bucket_is_tried_again_and_one_that_keeps_failing_is_left_to_the_largest(held_background, caplog):
+    """A failure does not end the background thread: the bucket is compiled once more; failing again, it is logged
+    and its steps keep running in the largest buckets, with the same tokens, while the others compile."""
+    reference = outputs(LLM(checkpoint("llama"), **small_engine_args()))
+    llm = LLM(checkpoint("llama"), **small_engine_args(background_compile=True, skip_precompile=False))
+    runner = llm.engine.core.runner
+    pending = sorted(key for kind, key in runner._compiling if kind == "sampler")
+    assert len(pending) >= 2
+    flaky, broken = pending[0], pending[-1]
+    compile_into, failures = runner._compile_into, []
+
+    def failing(table, key, function, args):
+        if key == broken or (key == flaky and not failures):
+            failures.append(key)
+            raise KeyError(f"a failure of {key}")
+        return compile_into(table, key, function, args)
+
+    runner._compile_into = failing
+    held_background.set()
+    assert not runner.wait_for_background_compiles(timeout=300)  # the thread ended, one bucket left out
+    assert failures == [flaky, broken, broken] and runner._compiling == {("sampler", broken)}
+    assert f"the sampler bucket {flaky} failed (KeyError" in caplog.text and "trying again" in caplog.text
+    assert f"the sampler bucket {broken} failed" in caplog.text and "keep running in the largest" in caplog.text
+    assert outputs(llm) == reference
+    assert llm.stats()["lazy_bucket_compilations"] == 0
+
+
 def test_multi_step_decoding_compiles_everything_first():
     llm = LLM(checkpoint("llama"), **small_engine_args(background_compile=True, num_scheduler_steps=4,
                                                        skip_precompile=False))

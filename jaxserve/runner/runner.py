@@ -423,14 +423,23 @@ class Runner:
 
     def _compile_in_background(self, groups: list[tuple[str, dict, Callable, list]]) -> None:
         """Trace and compile every bucket of `groups` one by one (the serving threads keep the other cores), each
-        ready for steps once compiled."""
+        ready for steps once compiled. A bucket that fails twice is logged and left out: its steps keep running in
+        the largest buckets, and the thread goes on with the others."""
         for kind, table, call, keys in groups:
             for key in keys:  # (a forward against an abstract pool: the steps donate the real one meanwhile)
-                if self._stop_background.is_set():
-                    return
-                function, args = call(*key, self.num_pages) if kind == "forward" else call(*key)
-                self.num_background_compiles += self._compile_into(table, key, function, args)
-                self._compiling.discard((kind, key))
+                for attempt in (1, 2):  # (a failure can be transient: a jax lowering raised a KeyError once in ~20)
+                    if self._stop_background.is_set():
+                        return
+                    try:
+                        function, args = call(*key, self.num_pages) if kind == "forward" else call(*key)
+                        self.num_background_compiles += self._compile_into(table, key, function, args)
+                    except Exception as error:
+                        logger.warning("background_compile: the %s bucket %s failed (%s: %s)%s", kind, key,
+                                       type(error).__name__, error, "; trying again" if attempt == 1 else
+                                       "; its steps keep running in the largest buckets")
+                        continue
+                    self._compiling.discard((kind, key))
+                    break
 
     def wait_for_background_compiles(self, timeout: float | None = None) -> bool:
         """Wait until the background compiles are done (at once without background_compile); True when they are."""
