@@ -427,7 +427,7 @@ class Runner:
         the largest buckets, and the thread goes on with the others."""
         for kind, table, call, keys in groups:
             for key in keys:  # (a forward against an abstract pool: the steps donate the real one meanwhile)
-                for attempt in (1, 2):  # (a failure can be transient: a jax lowering raised a KeyError once in ~20)
+                for attempt in (1, 2):  # (a failure can be transient: a jax lowering raised a KeyError 3 times in ~50)
                     if self._stop_background.is_set():
                         return
                     try:
