@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 
+import httpx
 import numpy as np
 
 CHECKPOINTS = os.path.join(os.path.dirname(__file__), "fixtures", "checkpoints")
@@ -29,6 +30,11 @@ FAST_COMPILE_XLA_FLAG = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion
 # jaxserve's bench extra. The processes the tests start run this way (conftest.py): transformers imports torch when
 # it finds it, even to load a tokenizer, which cost each process about 3 s on a 2-core machine.
 NO_TORCH = os.path.join(os.path.dirname(__file__), "fixtures", "no_torch")
+# The tests' HTTP client, used as httpx.get/post/stream are: a new connection for each request (no keep-alive, so a
+# test that kills a server or spreads requests over front ends sees what separate clients would), without the 40 ms
+# each of those calls spends building a client and its TLS context, which the tests' plain-HTTP servers never use
+# (34 s of a warm suite's CPU time). Used from many threads at once, as httpx's clients may be.
+http_client = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
 
 
 def pythonpath_without_torch(*folders: str) -> str:

@@ -4,12 +4,11 @@ many requests in flight, chunked prefill and a pool small enough to preempt."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
 import toy_model
-from helpers import checkpoint, running_server, small_engine_args
+from helpers import checkpoint, http_client, running_server, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.model.registry import registered_architectures
 
@@ -51,7 +50,7 @@ def test_the_server_serves_the_toy_model(toy):
     config = ServerConfig()
     with running_server(build_app(llm.engine, config)) as url:
         for prompt, tokens in zip(prompts, want):
-            response = httpx.post(f"{url}/v1/completions", json={
+            response = http_client.post(f"{url}/v1/completions", json={
                 "model": config.served_model_name, "prompt": prompt, "max_tokens": NUM_TOKENS, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}, timeout=60)
             assert response.status_code == 200, response.text

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
-from helpers import engine_stats, running_server
+from helpers import engine_stats, http_client, running_server
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
@@ -201,29 +201,29 @@ def test_http_back_pressure_is_503_with_retry_after():
     app = build_app(fake, ServerConfig(max_waiting_requests=2, retry_after_s=3))
     with running_server(app) as url, ThreadPoolExecutor(2) as pool:
         body = {"prompt": "hi", "max_tokens": 3}
-        waiting = [pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=30) for _ in range(2)]
+        waiting = [pool.submit(http_client.post, f"{url}/v1/completions", json=body, timeout=30) for _ in range(2)]
         _poll_until(lambda: app.state.async_engine.stats()["num_requests_unstarted"] == 2)
-        response = httpx.post(f"{url}/v1/completions", json=body)
+        response = http_client.post(f"{url}/v1/completions", json=body)
         assert response.status_code == 503 and response.headers["Retry-After"] == "3"
         assert "retry later" in response.json()["error"]["message"]
         fake.gate.set()
         assert [f.result().status_code for f in waiting] == [200, 200]
-        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+        assert http_client.post(f"{url}/v1/completions", json=body).status_code == 200
 
 
 def test_http_engine_failure_turns_health_503_and_fails_requests():
     fake = FakeEngine()
     fake.gate.clear()
     with running_server(build_app(fake, ServerConfig())) as url, ThreadPoolExecutor(1) as pool:
-        assert httpx.get(f"{url}/health").status_code == 200
-        pending = pool.submit(httpx.post, f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30)
+        assert http_client.get(f"{url}/health").status_code == 200
+        pending = pool.submit(http_client.post, f"{url}/v1/completions", json={"prompt": "hi"}, timeout=30)
         _poll_until(lambda: fake.running)
         fake.fail = True
         fake.gate.set()
         response = pending.result()
         assert response.status_code == 503 and "device lost" in response.json()["error"]["message"]
-        assert httpx.get(f"{url}/health").status_code == 503
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 503
+        assert http_client.get(f"{url}/health").status_code == 503
+        assert http_client.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 503
 
 
 def test_http_client_leaving_a_non_streamed_request_aborts_it():
@@ -231,7 +231,7 @@ def test_http_client_leaving_a_non_streamed_request_aborts_it():
     fake.gate.clear()
     with running_server(build_app(fake, ServerConfig())) as url:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 50}, timeout=0.5)
+            http_client.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 50}, timeout=0.5)
         time.sleep(0.2)  # the server notices the disconnect and queues the abort
         fake.gate.set()  # the step in progress ends; then the abort applies
         _poll_until(lambda: fake.aborted)

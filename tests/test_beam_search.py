@@ -10,7 +10,7 @@ import os
 import httpx
 import pytest
 from conftest import API_KEY
-from helpers import checkpoint, expected, small_engine_args
+from helpers import checkpoint, expected, http_client, small_engine_args
 
 from jaxserve import LLM, BeamSearchParams
 from jaxserve.engine.beam_search import BeamSearch, BeamSearchSequence, beam_search_score, beam_step
@@ -175,8 +175,8 @@ PROMPTS = ["def fibonacci(n):\n    return", "import os\n"]
 def _complete(url: str, body: dict) -> httpx.Response:
     """POST /v1/completions with use_beam_search (unless `body` says otherwise); Python's JSON, so
     non-finite floats go through as Infinity / NaN."""
-    return httpx.post(f"{url}/v1/completions", content=json.dumps({"use_beam_search": True, **body}),
-                      headers={**AUTH, "Content-Type": "application/json"}, timeout=120)
+    return http_client.post(f"{url}/v1/completions", content=json.dumps({"use_beam_search": True, **body}),
+                            headers={**AUTH, "Content-Type": "application/json"}, timeout=120)
 
 
 def _assert_error(response: httpx.Response, param: str, words: str = "") -> None:

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 from conftest import API_KEY
-from helpers import checkpoint, expected, small_engine_args
+from helpers import checkpoint, expected, http_client, small_engine_args
 
 from jaxserve import LLM, SamplingParams
 
@@ -148,7 +148,7 @@ def test_engine_params_compute_logprobs_only_to_rank():
 
 
 def _post(url: str, body: dict) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+    return http_client.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120)
 
 
 def test_http_best_of_returns_the_n_best_choices(openai_server):
@@ -182,8 +182,8 @@ def test_http_best_of_returns_the_n_best_choices(openai_server):
 
 def _events(url: str, body: dict) -> list:
     events = []
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
-                      timeout=120) as response:
+    with http_client.stream("POST", url + "/v1/completions", json={**body, "stream": True}, headers=AUTH,
+                            timeout=120) as response:
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
@@ -228,7 +228,7 @@ def test_http_bad_best_of_is_a_400_naming_it(openai_server, fields, words):
 def test_http_chat_still_refuses_best_of_other_than_n(openai_server):
     url, _ = openai_server
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    response = httpx.post(url + "/v1/chat/completions", json={**chat, "best_of": 2}, headers=AUTH, timeout=60)
+    response = http_client.post(url + "/v1/chat/completions", json={**chat, "best_of": 2}, headers=AUTH, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"
-    same = httpx.post(url + "/v1/chat/completions", json={**chat, "n": 2, "best_of": 2}, headers=AUTH, timeout=60)
+    same = http_client.post(url + "/v1/chat/completions", json={**chat, "n": 2, "best_of": 2}, headers=AUTH, timeout=60)
     assert same.status_code == 200, same.text

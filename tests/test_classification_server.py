@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import API_KEY
-from helpers import checkpoint, running_server, small_engine_args
+from helpers import checkpoint, http_client, running_server, small_engine_args
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
@@ -51,7 +51,7 @@ def cross_encoder():
 
 
 def _post(url: str, path: str, **body) -> httpx.Response:
-    return httpx.post(f"{url}{path}", headers=AUTH, json=body, timeout=60)
+    return http_client.post(f"{url}{path}", headers=AUTH, json=body, timeout=60)
 
 
 def _error(response: httpx.Response, param: str) -> str:
@@ -100,8 +100,8 @@ def test_a_conversation_is_classified_as_the_chat_template_renders_it(classifier
     conversation = [{"role": "user", "content": "Is this code fine?"},
                     {"role": "assistant", "content": "def f(): pass"}]
     for add_generation_prompt in (False, True):
-        ids = httpx.post(f"{url}/tokenize", json={"messages": conversation,
-                                                  "add_generation_prompt": add_generation_prompt}).json()["tokens"]
+        body = {"messages": conversation, "add_generation_prompt": add_generation_prompt}
+        ids = http_client.post(f"{url}/tokenize", json=body).json()["tokens"]
         chat = _post(url, "/classify", messages=conversation, add_generation_prompt=add_generation_prompt).json()
         plain = _post(url, "/classify", input=ids).json()
         assert chat["usage"]["prompt_tokens"] == len(ids)
@@ -136,8 +136,8 @@ def test_what_a_classifier_cannot_do_is_a_400_that_says_so(classifier):
     _error(_post(url, "/classify", input=[]), "input")
     _error(_post(url, "/classify", input=["a"] * 5), "input")  # max_prompts 4
     _error(_post(url, "/classify", input=[engine.core.spec.vocab_size]), "input")
-    assert httpx.post(f"{url}/classify", json={"input": "x"}).status_code == 401
-    assert httpx.post(f"{url}/pooling", json={"input": "x"}).status_code == 401
+    assert http_client.post(f"{url}/classify", json={"input": "x"}).status_code == 401
+    assert http_client.post(f"{url}/pooling", json={"input": "x"}).status_code == 401
     _all_pages_back(engine)
 
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 import yaml
-from helpers import TEST_CACHE_DIR, small_engine_args
+from helpers import TEST_CACHE_DIR, http_client, small_engine_args
 
 from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.cli import main, uvicorn_options
@@ -117,7 +117,7 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
         assert "max_num_seqs 32" in text and "API key required" in text
         assert httpx.get(f"{url}/v1/models", verify=TRUSTED).status_code == 401
         with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
-            httpx.get(f"{url}/health")  # a client that does not trust the certificate
+            http_client.get(f"{url}/health")  # a client that does not trust the certificate
         models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer env-key"}, verify=TRUSTED).json()
         assert [card["id"] for card in models["data"]] == ["tiny-stdlib-llama", "tiny"]  # the first, then aliases
         assert models["data"][0]["max_model_len"] == 128

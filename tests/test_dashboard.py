@@ -11,9 +11,9 @@ import shutil
 import threading
 import time
 
-import httpx
 import pytest
 from conftest import API_KEY
+from helpers import http_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.kv import PAGE_STATES
@@ -26,7 +26,7 @@ SHARED_PREFIX = "def parse_arguments(argv):\n    parser = argparse.ArgumentParse
 
 
 def _data(url: str) -> dict:
-    response = httpx.get(f"{url}/dashboard/data", headers=HEADERS, timeout=30)
+    response = http_client.get(f"{url}/dashboard/data", headers=HEADERS, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -40,13 +40,13 @@ def _page_counts(kv: dict) -> dict[str, int]:
 
 
 def _metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
+    text = http_client.get(f"{url}/metrics").text
     return next(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
 def _complete(url: str, prompt: str, max_tokens: int, stream: bool = False) -> None:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=HEADERS, timeout=60) as response:
+    with http_client.stream("POST", f"{url}/v1/completions", json=body, headers=HEADERS, timeout=60) as response:
         assert response.status_code == 200
         for _ in response.iter_lines():
             pass
@@ -54,9 +54,9 @@ def _complete(url: str, prompt: str, max_tokens: int, stream: bool = False) -> N
 
 def test_the_data_needs_the_api_key_and_the_page_does_not(openai_server):
     url, _ = openai_server
-    assert httpx.get(f"{url}/dashboard/data").status_code == 401
-    assert httpx.get(f"{url}/dashboard/data", headers={"Authorization": "Bearer nope"}).status_code == 401
-    page = httpx.get(f"{url}/dashboard")
+    assert http_client.get(f"{url}/dashboard/data").status_code == 401
+    assert http_client.get(f"{url}/dashboard/data", headers={"Authorization": "Bearer nope"}).status_code == 401
+    page = http_client.get(f"{url}/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/dashboard/data" in page.text and "<canvas" in page.text
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page.text), "the page fetches nothing from elsewhere"

@@ -4,10 +4,9 @@ prefix kept on one replica, and the engine metrics per replica; and the same rep
 
 import concurrent.futures
 
-import httpx
 import jax
 import pytest
-from helpers import running_server, small_engine_args
+from helpers import http_client, running_server, small_engine_args
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve import LLM, SamplingParams
@@ -35,14 +34,14 @@ def server():
 
 def _complete(url: str, prompt: str, **fields) -> dict:
     body = {"model": "tiny", "prompt": prompt, "return_token_ids": True, **GREEDY, **fields}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    response = http_client.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]
 
 
 def _engine_metrics(url: str) -> dict[tuple[str, str], float]:
     """(metric sample name, replica) -> value, for the samples that carry a replica label."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = http_client.get(f"{url}/metrics", timeout=30).text
     return {(sample.name, sample.labels["replica"]): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples
             if "replica" in sample.labels}
@@ -64,7 +63,7 @@ def test_replicas_give_one_replicas_tokens_and_share_the_load(server):
     # one request of 16 prompts: all are routed before any finishes, so the uniform load splits evenly (separate
     # concurrent requests would split by how fast each replica drains, as least-outstanding routing should)
     body = {"model": "tiny", "prompt": PROMPTS, "return_token_ids": True, **GREEDY}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    response = http_client.post(f"{url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     choices = sorted(response.json()["choices"], key=lambda choice: choice["index"])
     assert [choice["token_ids"] for choice in choices] == [o.outputs[0].token_ids for o in one]
@@ -86,7 +85,7 @@ def test_replicas_in_engine_core_processes_give_the_same_tokens_and_share_the_lo
     clients = EngineCoreClient.launch_replicas(EngineConfig.for_model(None, data_parallel_size=2, **options), 2)
     with running_server(build_app(DataParallelEngine(clients), ServerConfig(served_model_name="tiny"))) as core_url:
         body = {"model": "tiny", "prompt": PROMPTS, "return_token_ids": True, **GREEDY}
-        answers = [httpx.post(f"{each}/v1/completions", json=body, timeout=120) for each in (url, core_url)]
+        answers = [http_client.post(f"{each}/v1/completions", json=body, timeout=120) for each in (url, core_url)]
         assert [a.status_code for a in answers] == [200, 200], answers[1].text
         in_process, in_cores = (sorted(a.json()["choices"], key=lambda c: c["index"]) for a in answers)
         assert [c["token_ids"] for c in in_cores] == [c["token_ids"] for c in in_process]
@@ -118,7 +117,7 @@ def test_requests_sharing_a_prefix_go_where_it_is_cached(server):
             - before[("jaxserve:prefix_cache_hits_total", replica)] for replica in ("0", "1")}
     # the first request computes the prefix on one replica; the other three find it there
     assert min(hits.values()) == 0 and max(hits.values()) > 0, hits
-    response = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+    response = http_client.post(f"{url}/reset_prefix_cache", timeout=30)
     assert response.status_code == 200
 
 

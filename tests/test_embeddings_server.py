@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from conftest import API_KEY
-from helpers import running_server, small_engine_args
+from helpers import http_client, running_server, small_engine_args
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
@@ -37,7 +37,7 @@ def client(server):
 
 
 def _embed(url: str, **body) -> httpx.Response:
-    return httpx.post(f"{url}/v1/embeddings", headers=AUTH, json={"model": MODEL, **body}, timeout=60)
+    return http_client.post(f"{url}/v1/embeddings", headers=AUTH, json={"model": MODEL, **body}, timeout=60)
 
 
 def _error(response: httpx.Response, param: str) -> str:
@@ -93,7 +93,7 @@ def test_bad_requests_are_400s_naming_the_field(server):
     _error(_embed(url, input="x", priority=1), "priority")
     assert _embed(url, input="x", encoding_format="int8").status_code == 400
     assert _embed(url, model="other", input="x").status_code == 404
-    assert httpx.post(f"{url}/v1/embeddings", json={"input": "x"}).status_code == 401
+    assert http_client.post(f"{url}/v1/embeddings", json={"input": "x"}).status_code == 401
     stats = engine.stats()
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
 
@@ -103,7 +103,7 @@ def test_the_pooling_server_still_completes_and_counts_embeddings_in_its_metrics
     completion = client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=4, temperature=0)
     assert completion.choices[0].finish_reason == "length" and completion.usage.completion_tokens == 4
     client.embeddings.create(model=MODEL, input=TEXTS[:2])
-    metrics = httpx.get(f"{url}/metrics").text
+    metrics = http_client.get(f"{url}/metrics").text
     (line,) = [line for line in metrics.splitlines()
                if line.startswith("jaxserve:request_success_total{") and 'finished_reason="stop"' in line]
     assert float(line.split()[-1]) >= 2
@@ -113,45 +113,45 @@ def test_score_and_rerank_are_the_embeddings_cosine_similarities(server):
     url, _ = server
     vectors = [np.asarray(item["embedding"]) for item in _embed(url, input=TEXTS).json()["data"]]  # unit vectors
     similarity = [float(vectors[0] @ vector) for vector in vectors[1:]]
-    scored = httpx.post(f"{url}/v1/score", headers=AUTH, json={"model": MODEL, "text_1": TEXTS[0],
-                                                               "text_2": TEXTS[1:]}).json()
+    scored = http_client.post(f"{url}/v1/score", headers=AUTH, json={"model": MODEL, "text_1": TEXTS[0],
+                                                                     "text_2": TEXTS[1:]}).json()
     assert [item["index"] for item in scored["data"]] == [0, 1] and scored["data"][0]["object"] == "score"
     np.testing.assert_allclose([item["score"] for item in scored["data"]], similarity, atol=1e-5)
-    pairwise = httpx.post(f"{url}/score", headers=AUTH, json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()
+    pairwise = http_client.post(f"{url}/score", headers=AUTH, json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()
     np.testing.assert_allclose(pairwise["data"][0]["score"], similarity[0], atol=1e-5)
-    assert _error(httpx.post(f"{url}/v1/score", headers=AUTH, json={"text_1": TEXTS[:2], "text_2": TEXTS}),
+    assert _error(http_client.post(f"{url}/v1/score", headers=AUTH, json={"text_1": TEXTS[:2], "text_2": TEXTS}),
                   "text_1")
     body = {"model": MODEL, "query": TEXTS[0], "documents": TEXTS[1:], "top_n": 1}
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        ranked = httpx.post(f"{url}{path}", headers=AUTH, json=body).json()
+        ranked = http_client.post(f"{url}{path}", headers=AUTH, json=body).json()
         best = int(np.argmax(similarity))
         assert [r["index"] for r in ranked["results"]] == [best], path
         assert ranked["results"][0]["document"] == {"text": TEXTS[1 + best]}
         np.testing.assert_allclose(ranked["results"][0]["relevance_score"], similarity[best], atol=1e-5)
-    every = httpx.post(f"{url}/v1/rerank", headers=AUTH, json={**body, "top_n": 0}).json()["results"]
+    every = http_client.post(f"{url}/v1/rerank", headers=AUTH, json={**body, "top_n": 0}).json()["results"]
     assert sorted(r["relevance_score"] for r in every) == [r["relevance_score"] for r in every][::-1]
-    _error(httpx.post(f"{url}/v1/rerank", headers=AUTH, json={**body, "documents": []}), "documents")
-    assert httpx.post(f"{url}/rerank", json=body).status_code == 401
+    _error(http_client.post(f"{url}/v1/rerank", headers=AUTH, json={**body, "documents": []}), "documents")
+    assert http_client.post(f"{url}/rerank", json=body).status_code == 401
 
 
 def test_pooling_gives_an_embedding_models_embeddings_and_classify_is_refused(server):
     url, _ = server
     embedded = _embed(url, input=TEXTS[:2]).json()["data"]
-    pooled = httpx.post(f"{url}/pooling", headers=AUTH, json={"model": MODEL, "input": TEXTS[:2]}).json()
+    pooled = http_client.post(f"{url}/pooling", headers=AUTH, json={"model": MODEL, "input": TEXTS[:2]}).json()
     assert [item["object"] for item in pooled["data"]] == ["pooling", "pooling"]
     for item, embedding in zip(pooled["data"], embedded):
         # the two requests may run in steps of other shapes (other requests beside them): float rounding differs
         np.testing.assert_allclose(item["data"], embedding["embedding"], rtol=1e-5, atol=1e-6)
-    refused = httpx.post(f"{url}/classify", headers=AUTH, json={"input": TEXTS[0]})
+    refused = http_client.post(f"{url}/classify", headers=AUTH, json={"input": TEXTS[0]})
     assert "classification needs a sequence classifier" in _error(refused, "model")
-    activation = httpx.post(f"{url}/pooling", headers=AUTH, json={"input": TEXTS[0], "use_activation": True})
+    activation = http_client.post(f"{url}/pooling", headers=AUTH, json={"input": TEXTS[0], "use_activation": True})
     _error(activation, "use_activation")
 
 
 def test_a_generate_server_says_how_to_serve_embeddings(openai_server):
     url, _ = openai_server
     assert "--runner pooling" in _error(_embed(url, input="import os"), "model")
-    score = httpx.post(f"{url}/v1/score", headers=AUTH, json={"text_1": "a", "text_2": "b"})
+    score = http_client.post(f"{url}/v1/score", headers=AUTH, json={"text_1": "a", "text_2": "b"})
     assert "--runner pooling" in _error(score, "model")
-    classify = httpx.post(f"{url}/classify", headers=AUTH, json={"input": "a"})
+    classify = http_client.post(f"{url}/classify", headers=AUTH, json={"input": "a"})
     assert "classification needs a sequence classifier" in _error(classify, "model")

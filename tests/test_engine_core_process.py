@@ -33,7 +33,7 @@ from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
-from tests.helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR, running_server, small_engine_args
+from tests.helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR, http_client, running_server, small_engine_args
 
 MODEL = "tiny-stdlib-llama"
 
@@ -68,7 +68,7 @@ REQUESTS = [
 
 
 def _choices(url: str, route: str, body: dict) -> list:
-    response = httpx.post(f"{url}{route}", json={"model": MODEL, **body}, timeout=60)
+    response = http_client.post(f"{url}{route}", json={"model": MODEL, **body}, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()["choices"]
 
@@ -81,8 +81,8 @@ def test_outputs_equal_the_engine_in_the_servers_process(servers, route, body):
 
 def _streamed_text(url: str, body: dict) -> str:
     text = ""
-    with httpx.stream("POST", f"{url}/v1/completions", json={"model": MODEL, "stream": True, **body},
-                      timeout=60) as response:
+    with http_client.stream("POST", f"{url}/v1/completions", json={"model": MODEL, "stream": True, **body},
+                            timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 text += json.loads(line[6:])["choices"][0]["text"]
@@ -110,7 +110,7 @@ def _settled(client: EngineCoreClient, timeout_s: float = 10.0) -> dict:
 def test_a_client_that_leaves_aborts_its_request_in_the_core_and_its_pages_come_back(servers):
     core_url, client, _ = servers
     body = {"model": MODEL, "prompt": "def soak(x):", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{core_url}/v1/completions", json=body, timeout=60) as response:
+    with http_client.stream("POST", f"{core_url}/v1/completions", json=body, timeout=60) as response:
         chunks = response.iter_lines()
         while not next(chunks).startswith("data: {"):
             pass
@@ -121,7 +121,7 @@ def test_a_client_that_leaves_aborts_its_request_in_the_core_and_its_pages_come_
 
 def test_calls_between_steps_keep_their_results_and_errors(servers):
     core_url, client, _ = servers
-    assert httpx.post(f"{core_url}/reset_prefix_cache").status_code == 200
+    assert http_client.post(f"{core_url}/reset_prefix_cache").status_code == 200
 
     async def remove_unknown_adapter():
         await client.remove_lora("nope")
@@ -134,7 +134,7 @@ def test_calls_between_steps_keep_their_results_and_errors(servers):
 def test_the_live_pages_pool_map_comes_from_the_core_through_a_call(servers):
     core_url, _, thread_url = servers
     for url in (core_url, thread_url):
-        kv = httpx.get(f"{url}/dashboard/data", timeout=30).json()["kv"]
+        kv = http_client.get(f"{url}/dashboard/data", timeout=30).json()["kv"]
         assert sum(run for _, run in kv["runs"]) == kv["pages_total"]
         free = sum(run for state, run in kv["runs"] if kv["states"][state] in ("free", "cached"))
         assert free == kv["pages_free"], "idle: no page is held"
@@ -146,7 +146,7 @@ def test_back_pressure_counts_the_requests_the_core_has_not_started(servers):
         client.check_capacity(client.max_waiting_requests + 1)
     limit, client.max_waiting_requests = client.max_waiting_requests, 0  # every request now waits too many
     try:
-        response = httpx.post(f"{core_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        response = http_client.post(f"{core_url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
     finally:
         client.max_waiting_requests = limit
     assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
@@ -229,7 +229,7 @@ def _serve(tmp_path, name: str, *flags: str) -> tuple[subprocess.Popen, str, str
     while True:
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()
         try:
-            if httpx.get(f"{url}/health").status_code == 200:
+            if http_client.get(f"{url}/health").status_code == 200:
                 return process, url, log
         except httpx.TransportError:
             time.sleep(0.2)
@@ -257,13 +257,13 @@ def _kill_the_core_mid_stream(server: subprocess.Popen, url: str, log) -> None:
     within a second, and the server exits with status 1 saying why."""
     core = _core_pid(server)
     body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+    with http_client.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
         lines = response.iter_lines()
         while not next(lines).startswith("data: {"):
             pass
         os.kill(core, signal.SIGKILL)
         killed = time.monotonic()
-        while httpx.get(f"{url}/health").status_code != 503:
+        while http_client.get(f"{url}/health").status_code != 503:
             assert time.monotonic() - killed < 1.0, "/health still answers 200 a second after the core died"
             time.sleep(0.02)
         events = [line for line in lines if line.startswith("data: ")]
@@ -274,14 +274,14 @@ def _kill_the_core_mid_stream(server: subprocess.Popen, url: str, log) -> None:
 
 def _metric(url: str, name: str) -> float:
     """The sum of a metric's samples on /metrics."""
-    text = httpx.get(f"{url}/metrics").text
+    text = http_client.get(f"{url}/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"jaxserve:{name}"))
 
 
 def _stream_until_done_or_broken(url: str, body: dict) -> bool:
     """Stream a completion to its end; False when its connection broke first."""
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        with http_client.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             return any(line == "data: [DONE]" for line in response.iter_lines())
     except httpx.TransportError:
         return False
@@ -295,7 +295,7 @@ def test_front_ends_share_the_port_and_the_cores_one_that_dies_is_replaced_and_a
         assert len(first) == 1, log.read_text()
         _wait_for_line(log, f"Started server process [{first[0]}]", server)  # the second front end serves too
         body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 4, "temperature": 0}
-        answers = [httpx.post(f"{url}/v1/completions", json=body, timeout=60) for _ in range(8)]
+        answers = [http_client.post(f"{url}/v1/completions", json=body, timeout=60) for _ in range(8)]
         assert [a.status_code for a in answers] == [200] * 8
         assert len({a.json()["choices"][0]["text"] for a in answers}) == 1
         # every scrape, whichever front end answers it, counts the requests of both
@@ -316,8 +316,9 @@ def test_front_ends_share_the_port_and_the_cores_one_that_dies_is_replaced_and_a
         while "starting another" not in log.read_text():
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        assert httpx.get(f"{url}/health").status_code == 200
-        assert all(httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200 for _ in range(4))
+        assert http_client.get(f"{url}/health").status_code == 200
+        assert all(http_client.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+                   for _ in range(4))
         children = child_processes(server.pid)
         _kill_the_core_mid_stream(server, url, log)
     finally:

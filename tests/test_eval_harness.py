@@ -12,9 +12,9 @@ log-softmax of every prompt position (tests/fixtures/default_model_prompt_logpro
 import json
 import os
 
-import httpx
 import pytest
 from conftest import API_KEY
+from helpers import http_client
 
 MODEL = "tiny-stdlib-llama"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -32,7 +32,7 @@ def _score(url: str, prompts: list, max_tokens: int) -> list[dict]:
     """The choices of one harness-shaped scoring request, in prompt order."""
     body = {"model": MODEL, "prompt": prompts, "temperature": 0, "max_tokens": max_tokens, "logprobs": 1,
             "seed": 1234, "echo": True}
-    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    response = http_client.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
     return sorted(response.json()["choices"], key=lambda choice: choice["index"])
 
@@ -86,7 +86,7 @@ def test_a_greedy_continuation_is_greedy_and_a_forced_one_is_not(openai_server, 
     url, _ = openai_server
     case = cases[2]
     ids = case["prompt_token_ids"]
-    greedy = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60, json={
+    greedy = http_client.post(f"{url}/v1/completions", headers=AUTH, timeout=60, json={
         "prompt": ids, "max_tokens": 4, "temperature": 0, "return_token_ids": True}).json()["choices"][0]["token_ids"]
     choice = _score(url, [ids + greedy], 0)[0]
     assert _continuation(choice, len(ids), None)[1]  # the model's own greedy tokens are greedy

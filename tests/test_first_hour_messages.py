@@ -13,9 +13,8 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
-from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR, markdown_blocks, pythonpath_without_torch
+from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR, http_client, markdown_blocks, pythonpath_without_torch
 
 from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.bench.online import free_port, healthy, stop_process
@@ -81,7 +80,7 @@ def test_serve_answers_the_readme_examples_without_a_word_from_other_libraries(t
             time.sleep(0.2)
         _run_readme_server_examples(url)
         too_long = {"model": "tiny-stdlib-llama", "prompt": "x " * 600, "max_tokens": 2}  # refused: 400
-        assert httpx.post(f"{url}/v1/completions", json=too_long).status_code == 400
+        assert http_client.post(f"{url}/v1/completions", json=too_long).status_code == 400
         children = child_processes(server.pid)
     finally:
         stop_process(server, grace_s=60)
@@ -98,8 +97,8 @@ def _run_readme_server_examples(url: str) -> None:
     if shutil.which("curl"):
         answer = subprocess.run(args, capture_output=True, text=True, timeout=120, check=True).stdout
     else:  # the same request without curl: its URL, header and body
-        answer = httpx.post(args[1], content=args[args.index("-d") + 1],
-                            headers=dict([args[args.index("-H") + 1].split(": ")]), timeout=120).text
+        answer = http_client.post(args[1], content=args[args.index("-d") + 1],
+                                  headers=dict([args[args.index("-H") + 1].split(": ")]), timeout=120).text
     assert json.loads(answer)["choices"][0]["text"]
     (client,) = [code for _, code in markdown_blocks(README, "python") if "OpenAI(" in code]
     printed = io.StringIO()

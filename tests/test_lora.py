@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import checkpoint, running_server, small_engine_args
+from helpers import checkpoint, http_client, running_server, small_engine_args
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
@@ -200,16 +200,16 @@ def test_the_server_lists_the_adapters_and_runs_the_one_a_request_names(server):
         assert answer.choices[0].token_ids == EXPECTED[name]["outputs"][index], model
     chat = client.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.model == "beta" and chat.usage.completion_tokens == 4
-    metrics = httpx.get(f"{server}/metrics").text  # vLLM's info gauge (nothing runs now)
+    metrics = http_client.get(f"{server}/metrics").text  # vLLM's info gauge (nothing runs now)
     assert ('jaxserve:lora_requests_info{max_lora="2",model_name="tiny-stdlib-llama",replica="0",'
             'running_lora_adapters="",waiting_lora_adapters=""}') in metrics
 
 
 def test_the_server_refuses_unknown_models_and_beam_search_with_an_adapter(server):
-    answer = httpx.post(f"{server}/v1/completions", json={"model": "gamma", "prompt": "x", "max_tokens": 1})
+    answer = http_client.post(f"{server}/v1/completions", json={"model": "gamma", "prompt": "x", "max_tokens": 1})
     assert answer.status_code == 404 and "'alpha'" in answer.json()["error"]["message"]
-    answer = httpx.post(f"{server}/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 2,
-                                                          "use_beam_search": True, "n": 2})
+    answer = http_client.post(f"{server}/v1/completions", json={"model": "alpha", "prompt": "x", "max_tokens": 2,
+                                                                "use_beam_search": True, "n": 2})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
 
 
@@ -217,17 +217,17 @@ def test_adapters_load_and_unload_at_run_time(server):
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (on with --allow-runtime-lora-updating)."""
 
     def post(route: str, body: dict) -> httpx.Response:
-        return httpx.post(f"{server}/v1/{route}", json=body)
+        return http_client.post(f"{server}/v1/{route}", json=body)
 
     def complete(model: str) -> httpx.Response:
-        return httpx.post(f"{server}/v1/completions", json={
+        return http_client.post(f"{server}/v1/completions", json={
             "model": model, "prompt": EXPECTED["prompts"][0], "max_tokens": GREEDY.max_tokens, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True})
 
     unloaded = post("unload_lora_adapter", {"lora_name": "beta"})
     assert unloaded.status_code == 200 and unloaded.text == "Success: LoRA adapter 'beta' removed successfully."
     assert complete("beta").status_code == 404
-    assert "beta" not in {card["id"] for card in httpx.get(f"{server}/v1/models").json()["data"]}
+    assert "beta" not in {card["id"] for card in http_client.get(f"{server}/v1/models").json()["data"]}
     assert post("unload_lora_adapter", {"lora_name": "beta"}).status_code == 404
     refused = post("load_lora_adapter", {"lora_name": "broken", "lora_path": FIXTURES})  # not a PEFT folder
     assert refused.status_code == 400 and "no adapter_config.json" in refused.json()["error"]["message"]
@@ -247,7 +247,8 @@ def test_data_parallel_replicas_serve_the_same_adapters_in_the_same_slots():
                                              "lora_modules": {"alpha": ALPHA.lora_path}})
     app = build_app(LLMEngine(config, show_progress=False), ServerConfig(allow_runtime_lora_updating=True))
     with running_server(app) as url:
-        loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "beta", "lora_path": BETA.lora_path})
+        loaded = http_client.post(f"{url}/v1/load_lora_adapter",
+                                  json={"lora_name": "beta", "lora_path": BETA.lora_path})
         assert loaded.status_code == 200, loaded.text
         replicas = app.state.async_engine.replicas
         assert [{name: lora.slot for name, lora in r.engine.core.lora_slots.loaded.items()} for r in replicas] == \
@@ -255,7 +256,7 @@ def test_data_parallel_replicas_serve_the_same_adapters_in_the_same_slots():
 
         def complete(case):
             index, model = case
-            return httpx.post(f"{url}/v1/completions", timeout=120, json={
+            return http_client.post(f"{url}/v1/completions", timeout=120, json={
                 "model": model, "prompt": EXPECTED["prompts"][index], "max_tokens": GREEDY.max_tokens,
                 "temperature": 0, "ignore_eos": True, "return_token_ids": True}).json()
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 
 import anthropic
-import httpx
 import jsonschema
 import openai
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from conftest import API_KEY
-from helpers import chat_reply_deltas, running_server, small_engine_args, whole_chat_reply
+from helpers import chat_reply_deltas, http_client, running_server, small_engine_args, whole_chat_reply
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
@@ -261,8 +260,8 @@ def test_an_output_schema_constrains_the_text(client, stream):
     ({"messages": [{"role": "user", "content": "x"}], "speed": "fast"}, 400, "invalid_request_error", "speed"),
 ])
 def test_bad_requests_get_an_anthropic_error(server, body, status, kind, says):
-    response = httpx.post(f"{server[0]}/v1/messages", headers={"x-api-key": API_KEY},
-                          json={"model": MODEL, "max_tokens": 4, **body})
+    response = http_client.post(f"{server[0]}/v1/messages", headers={"x-api-key": API_KEY},
+                                json={"model": MODEL, "max_tokens": 4, **body})
     assert response.status_code == status, response.text
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == kind and says in error["error"]["message"]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 from conftest import API_KEY
-from helpers import running_server, small_engine_args
+from helpers import http_client, running_server, small_engine_args
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.bench.online import free_port
@@ -91,12 +91,12 @@ def exposition(request) -> tuple[str, dict[str, set[str]]]:
     url = request.getfixturevalue("openai_server")[0] if prefix == "jaxserve" else request.getfixturevalue(
         "vllm_server")
     body = {"prompt": "def add(a, b):", "max_tokens": 4}
-    response = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                          timeout=120)
+    response = http_client.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                                timeout=120)
     assert response.status_code == 200, response.text
     deadline = time.monotonic() + 30
     while True:  # until the finished request is counted (request_success_total has a sample from then on)
-        response = httpx.get(f"{url}/metrics")
+        response = http_client.get(f"{url}/metrics")
         assert response.status_code == 200, "/metrics must answer without the API key (prometheus.yml says so)"
         samples: dict[str, set[str]] = {}
         for family in text_string_to_metric_families(response.text):
@@ -221,14 +221,14 @@ def test_every_query_runs_in_prometheus_scraping_a_server(openai_server, tmp_pat
                                        f"--web.listen-address={api.split('/')[2]}"], stdout=log, stderr=log)
 
     def query(expr: str) -> dict:
-        return httpx.get(api, params={"query": expr}, timeout=10).json()
+        return http_client.get(api, params={"query": expr}, timeout=10).json()
 
     try:
         deadline = time.monotonic() + 60
         while True:  # a few scrapes with requests finishing between them, so every rate() has two samples
             body = {"model": "tiny-stdlib-llama", "prompt": "import os\n", "max_tokens": 8}
-            httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                       timeout=60)
+            http_client.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                             timeout=60)
             try:
                 scrapes = query('count_over_time(up{job="jaxserve"}[1m])')["data"]["result"]
             except httpx.TransportError:  # not listening yet

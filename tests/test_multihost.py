@@ -18,7 +18,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.cli import _engine_config, build_parser
 from jaxserve.config import EngineConfig
 from jaxserve.distributed import runtime
-from helpers import checkpoint, expected, perturbed_checkpoint, pythonpath_without_torch
+from helpers import checkpoint, expected, http_client, perturbed_checkpoint, pythonpath_without_torch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(TESTS, "multihost_worker.py")
@@ -137,7 +137,7 @@ def _wait_healthy(url: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if http_client.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -149,7 +149,7 @@ def test_server_on_the_leader_gives_the_same_tokens(launch):
     _wait_healthy(launch.url)
     want = expected("llama")
     body = {"model": "llama", "prompt": want["prompts"], "return_token_ids": True, **GREEDY}
-    response = httpx.post(f"{launch.url}/v1/completions", json=body, timeout=120)
+    response = http_client.post(f"{launch.url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     choices = sorted(response.json()["choices"], key=lambda choice: choice["index"])
     assert [choice["token_ids"] for choice in choices] == want["outputs"]
@@ -165,7 +165,7 @@ def test_a_lost_follower_makes_the_leader_unhealthy_and_exit(launch):
 
     def stream() -> None:
         try:
-            with httpx.stream("POST", f"{launch.url}/v1/completions", json=body, timeout=60) as response:
+            with http_client.stream("POST", f"{launch.url}/v1/completions", json=body, timeout=60) as response:
                 for line in response.iter_lines():
                     if line:
                         events.append(line)
@@ -182,7 +182,7 @@ def test_a_lost_follower_makes_the_leader_unhealthy_and_exit(launch):
     status = None
     while time.monotonic() - killed < 10 and status != 503:
         try:
-            status = httpx.get(f"{launch.url}/health", timeout=2).status_code
+            status = http_client.get(f"{launch.url}/health", timeout=2).status_code
         except httpx.HTTPError:
             status = None
         time.sleep(0.05)

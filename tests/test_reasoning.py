@@ -19,14 +19,13 @@ import concurrent.futures
 import json
 import re
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from hypothesis import given, settings, strategies as st
 from transformers import AutoTokenizer
 
-from helpers import renamed_model, running_server, small_engine_args
+from helpers import http_client, renamed_model, running_server, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
@@ -347,7 +346,7 @@ def test_a_chat_under_a_thinking_budget_reasons_that_long_then_answers(client, s
     if not stream:
         body = {"model": "tiny-stdlib-llama", "messages": MESSAGES, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "thinking": {"type": "enabled", "budget_tokens": budget}}
-        blocks = httpx.post(f"{url}/v1/messages", json=body, timeout=60).json()["content"]
+        blocks = http_client.post(f"{url}/v1/messages", json=body, timeout=60).json()["content"]
         assert blocks[0]["type"] == "thinking" and blocks[0]["thinking"] == tokenizer.decode(reply[:budget])
 
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers import chat_reply_deltas, running_server, small_engine_args, whole_chat_reply
+from helpers import chat_reply_deltas, http_client, running_server, small_engine_args, whole_chat_reply
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.server.app import build_app
@@ -301,7 +300,7 @@ def test_kept_responses_can_be_read_and_deleted_and_the_oldest_are_forgotten(ser
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, 400, "text"),
 ])
 def test_bad_requests_get_an_error_that_names_the_field(server, body, status, param):
-    response = httpx.post(f"{server[0]}/v1/responses", json={"model": MODEL, **body})
+    response = http_client.post(f"{server[0]}/v1/responses", json={"model": MODEL, **body})
     assert response.status_code == status, response.text
     assert response.json()["error"]["param"] == param
 

@@ -7,10 +7,10 @@ bundled model; greedy text is checked against Hugging Face's recorded output for
 import json
 import os
 
-import httpx
 import openai
 import pytest
 from conftest import API_KEY
+from helpers import http_client
 
 MODEL = "tiny-stdlib-llama"
 EXPECTED = os.path.join(os.path.dirname(__file__), "fixtures", "default_model_expected.json")
@@ -62,7 +62,7 @@ def test_greedy_completion_equals_hugging_face(client, openai_server):
 def test_token_id_prompts_and_several_prompts(client, openai_server):
     url, _ = openai_server
     single = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=8, temperature=0)
-    ids = httpx.post(f"{url}/tokenize", json={"prompt": "import os\n"}).json()["tokens"]
+    ids = http_client.post(f"{url}/tokenize", json={"prompt": "import os\n"}).json()["tokens"]
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0)
     assert by_ids.choices[0].text == single.choices[0].text
     both = client.completions.create(model=MODEL, prompt=["import os\n", "class A:"], max_tokens=8, temperature=0, n=2)
@@ -133,10 +133,10 @@ def test_models_version_tokenize_detokenize(openai_server, client):
     url, engine = openai_server
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
-    assert httpx.get(f"{url}/version").json()["version"]
-    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "print('hi')"}).json()
+    assert http_client.get(f"{url}/version").json()["version"]
+    tokens = http_client.post(f"{url}/tokenize", json={"prompt": "print('hi')"}).json()
     assert tokens["tokens"] == engine.tokenizer.encode("print('hi')") and tokens["count"] == len(tokens["tokens"])
-    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    text = http_client.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert text == engine.tokenizer.decode(tokens["tokens"]) and text.endswith("print('hi')")
-    chat = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    chat = http_client.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 1

@@ -4,6 +4,7 @@ stays healthy and keeps serving afterwards."""
 import httpx
 import pytest
 from conftest import API_KEY
+from helpers import http_client
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GOOD = {"model": "tiny-stdlib-llama", "prompt": "import os\n", "max_tokens": 4}
@@ -12,8 +13,8 @@ GOOD = {"model": "tiny-stdlib-llama", "prompt": "import os\n", "max_tokens": 4}
 def _post(url: str, path: str, body=None, content: bytes | None = None, headers: dict | None = None) -> httpx.Response:
     headers = AUTH if headers is None else headers
     if content is not None:
-        return httpx.post(url + path, content=content, headers={**headers, "Content-Type": "application/json"})
-    return httpx.post(url + path, json=body, headers=headers)
+        return http_client.post(url + path, content=content, headers={**headers, "Content-Type": "application/json"})
+    return http_client.post(url + path, json=body, headers=headers)
 
 
 def _assert_openai_error(response: httpx.Response, status: int, param: str | None = None, words: str = "") -> None:
@@ -97,7 +98,7 @@ def test_a_body_that_is_not_a_json_object_is_400_saying_what_to_send(openai_serv
     _assert_openai_error(_post(url, "/v1/completions", content=b"[1, 2]"), 400, None,
                          "the request body must be a JSON object ({...}), got an array")
     _assert_openai_error(_post(url, "/v1/completions", content=b""), 400, None, "the request body is empty")
-    form = httpx.post(url + "/v1/completions", data={"model": "tiny-stdlib-llama", "prompt": "hi"}, headers=AUTH)
+    form = http_client.post(url + "/v1/completions", data={"model": "tiny-stdlib-llama", "prompt": "hi"}, headers=AUTH)
     _assert_openai_error(form, 400, None, "must be a JSON object sent with Content-Type: application/json, not "
                          "application/x-www-form-urlencoded")
 
@@ -113,8 +114,8 @@ def test_missing_or_wrong_api_key_is_401_on_every_v1_route(openai_server):
     url, _ = openai_server
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         _assert_openai_error(_post(url, "/v1/completions", GOOD, headers=headers), 401, None, "API key")
-        _assert_openai_error(httpx.get(f"{url}/v1/models", headers=headers), 401)
-    assert httpx.get(f"{url}/health").status_code == 200  # not a /v1 route
+        _assert_openai_error(http_client.get(f"{url}/v1/models", headers=headers), 401)
+    assert http_client.get(f"{url}/health").status_code == 200  # not a /v1 route
 
 
 def test_body_over_the_limit_is_413(openai_server):
@@ -125,15 +126,15 @@ def test_body_over_the_limit_is_413(openai_server):
 
 def test_unknown_route_and_wrong_method(openai_server):
     url, _ = openai_server
-    _assert_openai_error(httpx.get(f"{url}/v1/engines", headers=AUTH), 404)
-    _assert_openai_error(httpx.get(f"{url}/v1/completions", headers=AUTH), 405)
+    _assert_openai_error(http_client.get(f"{url}/v1/engines", headers=AUTH), 404)
+    _assert_openai_error(http_client.get(f"{url}/v1/completions", headers=AUTH), 405)
 
 
 def test_server_stays_healthy_after_bad_input(openai_server):
     url, engine = openai_server
     for body in (b"{", b'{"prompt": 5}', b'{"prompt": "hi", "n": -1}'):
         assert _post(url, "/v1/completions", content=body).status_code == 400
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert http_client.get(f"{url}/health").status_code == 200
     response = _post(url, "/v1/completions", GOOD)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
     assert engine.stats()["kv_pages_free"] == engine.stats()["kv_pages_total"]

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from conftest import API_KEY
-from helpers import running_server
+from helpers import http_client, running_server
 from test_async_engine import FakeEngine
 
 from jaxserve.server.app import build_app
@@ -32,14 +32,14 @@ def client(openai_server):
 
 
 def _post(url: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
-    return httpx.post(url + path, json=body, headers=AUTH if headers is None else headers, timeout=60)
+    return http_client.post(url + path, json=body, headers=AUTH if headers is None else headers, timeout=60)
 
 
 def _events(url: str, path: str, body: dict, headers: dict | None = None) -> list:
     """The SSE events of a streamed request: parsed JSON objects, and the string "[DONE]"."""
     events = []
-    with httpx.stream("POST", url + path, json={**body, "stream": True}, headers=AUTH if headers is None else headers,
-                      timeout=60) as response:
+    with http_client.stream("POST", url + path, json={**body, "stream": True},
+                            headers=AUTH if headers is None else headers, timeout=60) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -79,7 +79,7 @@ def _assert_error(response: httpx.Response, param: str, words: str = "") -> None
 
 
 def _tokens(url: str, text: str) -> list[int]:
-    return httpx.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"]
+    return http_client.post(f"{url}/tokenize", json={"prompt": text}).json()["tokens"]
 
 
 # ---- echo and prompt logprobs ---------------------------------------------------------------------
@@ -314,7 +314,7 @@ def test_truncation_side_right_keeps_the_first_tokens(openai_server):
         assert choice["prompt_token_ids"] == kept
     chat = {"messages": [{"role": "user", "content": long_prompt}], "max_tokens": 1, "return_token_ids": True,
             "truncate_prompt_tokens": 4, "truncation_side": "right"}
-    chat_ids = httpx.post(f"{url}/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
+    chat_ids = http_client.post(f"{url}/tokenize", json={"messages": chat["messages"]}).json()["tokens"]
     assert _post(url, "/v1/chat/completions", chat).json()["prompt_token_ids"] == chat_ids[:4]
     _assert_error(_post(url, "/v1/completions", {**body, "truncation_side": "middle"}), "truncation_side")
 
@@ -360,7 +360,7 @@ def test_return_token_ids_in_chat_streamed_and_not(openai_server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
             "return_token_ids": True}
     response = _post(url, "/v1/chat/completions", body).json()
-    ids = httpx.post(f"{url}/tokenize", json={"messages": body["messages"]}).json()["tokens"]
+    ids = http_client.post(f"{url}/tokenize", json={"messages": body["messages"]}).json()["tokens"]
     assert response["prompt_token_ids"] == ids and len(response["choices"][0]["token_ids"]) == 4
     events = _events(url, "/v1/chat/completions", body)
     assert events[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in e for e in events[1:-1])
@@ -522,7 +522,7 @@ def test_a_request_the_engine_fails_alone_is_400_and_the_server_goes_on(openai_s
     assert "[DONE]" not in events
     assert events[-1]["error"]["code"] == 400 and "the engine failed" in events[-1]["error"]["message"]
     assert _post(url, "/v1/completions", {"prompt": "import os\n", "max_tokens": 3}).status_code == 200
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert http_client.get(f"{url}/health").status_code == 200
 
 
 # ---- generation defaults and usage options on a fake engine --------------------------------------------

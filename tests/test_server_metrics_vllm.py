@@ -3,10 +3,9 @@ size and phase histograms, with vLLM's names, labels and bucket boundaries."""
 
 import time
 
-import httpx
 import pytest
 from conftest import API_KEY
-from helpers import engine_stats
+from helpers import engine_stats, http_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.engine.step_timing import PHASES
@@ -46,7 +45,7 @@ class Scrape:
 
 
 def _scrape(url: str) -> Scrape:
-    return Scrape(httpx.get(f"{url}/metrics").text)
+    return Scrape(http_client.get(f"{url}/metrics").text)
 
 
 def _wait_until_idle(url: str, timeout_s: float = 60) -> Scrape:
@@ -145,7 +144,7 @@ def test_server_metrics_move_by_what_one_request_implies(openai_server):
     max_tokens, n = 12, 2
     body = {"prompt": "def add(a, b):", "max_tokens": max_tokens, "n": n, "ignore_eos": True, "temperature": 0.8,
             "seed": 3}
-    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    response = http_client.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
     usage = response.json()["usage"]
     assert usage["completion_tokens"] == n * max_tokens
@@ -210,11 +209,11 @@ def test_the_engines_host_time_by_phase_and_the_front_ends_cpu(openai_server):
     url, engine = openai_server
     before = _wait_until_idle(url)
     body = {"prompt": "def add(a, b):", "max_tokens": 8, "ignore_eos": True, "stream": True}
-    response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+    response = http_client.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
     after = _wait_until_idle(url)
     host = {sample.labels["phase"]: sample.value for family in text_string_to_metric_families(
-        httpx.get(f"{url}/metrics").text) for sample in family.samples
+        http_client.get(f"{url}/metrics").text) for sample in family.samples
         if sample.name == "jaxserve:engine_host_seconds_total"}
     timing = engine.stats()["timing"]
     assert set(host) == {*PHASES, "propose"}

@@ -6,7 +6,7 @@ import time
 
 import httpx
 from conftest import API_KEY
-from helpers import engine_stats
+from helpers import engine_stats, http_client
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -18,7 +18,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def _metrics(url: str) -> dict[str, float]:
     """Every sample of /metrics, keyed by name (plus `{finished_reason}` where it has one)."""
     samples = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+    for family in text_string_to_metric_families(http_client.get(f"{url}/metrics").text):
         for sample in family.samples:
             reason = sample.labels.get("finished_reason")
             samples[sample.name + (f"{{{reason}}}" if reason else "")] = sample.value
@@ -87,7 +87,7 @@ def test_metrics_parse_and_move_while_a_request_runs(openai_server):
     assert before["jaxserve:kv_cache_usage_perc"] == 0.0 == before["jaxserve:cpu_cache_usage_perc"]
     prompt = "class Parser:"
     body = {"prompt": prompt, "max_tokens": 60, "ignore_eos": True, "temperature": 0}
-    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=AUTH) as response:
+    with http_client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=AUTH) as response:
         lines = response.iter_lines()
         for line in lines:
             if line.startswith("data: "):

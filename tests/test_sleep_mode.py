@@ -9,14 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 
-import httpx
 import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import API_KEY
-from helpers import perturbed, running_server, small_engine_args
+from helpers import http_client, perturbed, running_server, small_engine_args
 from jaxserve import LLM, LoRARequest, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
@@ -140,18 +139,18 @@ def test_the_server_routes(new_weights):
     auth = {"Authorization": f"Bearer {API_KEY}"}
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
     with running_server(build_app(engine, ServerConfig(api_key=API_KEY))) as url:
-        awake = httpx.post(f"{url}/v1/completions", headers=auth, json=body).json()["choices"][0]["text"]
-        assert httpx.post(f"{url}/sleep?level=1").status_code == 401
-        assert httpx.post(f"{url}/sleep?level=1", headers=auth).status_code == 200
-        assert httpx.get(f"{url}/is_sleeping", headers=auth).json() == {"is_sleeping": True}
-        asleep = httpx.post(f"{url}/v1/completions", headers=auth, json=body)
+        awake = http_client.post(f"{url}/v1/completions", headers=auth, json=body).json()["choices"][0]["text"]
+        assert http_client.post(f"{url}/sleep?level=1").status_code == 401
+        assert http_client.post(f"{url}/sleep?level=1", headers=auth).status_code == 200
+        assert http_client.get(f"{url}/is_sleeping", headers=auth).json() == {"is_sleeping": True}
+        asleep = http_client.post(f"{url}/v1/completions", headers=auth, json=body)
         assert asleep.status_code == 503 and "wake" in asleep.json()["error"]["message"]
-        again = httpx.post(f"{url}/sleep", headers=auth)
+        again = http_client.post(f"{url}/sleep", headers=auth)
         assert again.status_code == 400 and "already asleep" in again.json()["error"]["message"]
-        assert httpx.post(f"{url}/wake_up", headers=auth).status_code == 200
-        assert httpx.get(f"{url}/is_sleeping", headers=auth).json() == {"is_sleeping": False}
-        answer = httpx.post(f"{url}/v1/completions", headers=auth, json=body).json()
+        assert http_client.post(f"{url}/wake_up", headers=auth).status_code == 200
+        assert http_client.get(f"{url}/is_sleeping", headers=auth).json() == {"is_sleeping": False}
+        answer = http_client.post(f"{url}/v1/completions", headers=auth, json=body).json()
         assert answer["choices"][0]["text"] == awake
     plain = LLMEngine(EngineConfig.for_model(None, **{**options, "enable_sleep_mode": False}), show_progress=False)
     with running_server(build_app(plain, ServerConfig(api_key=API_KEY))) as url:
-        assert httpx.post(f"{url}/sleep", headers=auth).status_code == 404
+        assert http_client.post(f"{url}/sleep", headers=auth).status_code == 404

@@ -21,7 +21,7 @@ import llguidance
 import openai
 import pytest
 
-from helpers import running_server, small_engine_args
+from helpers import http_client, running_server, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine
@@ -473,9 +473,7 @@ def test_auto_reads_hermes_tool_calls_from_the_text(client, stream):
 
 def test_the_chat_template_renders_the_tools(server):
     url, engine = server
-    import httpx
-
-    answer = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES, "tools": TOOLS}).json()
+    answer = http_client.post(f"{url}/tokenize", json={"messages": MESSAGES, "tools": TOOLS}).json()
     text = engine.tokenizer.decode(answer["tokens"])
     assert '"name": "get_weather"' in text and '"name": "add"' in text
 

@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 import yaml
-from helpers import TEST_CACHE_DIR, small_engine_args
+from helpers import TEST_CACHE_DIR, http_client, small_engine_args
 
 from jaxserve.engine.llm_engine import default_model_path
 
@@ -45,7 +45,7 @@ def _wait_healthy(url: str, process: subprocess.Popen, log) -> None:
         assert process.poll() is None, log.read_text()
         assert time.monotonic() < deadline, log.read_text()
         try:
-            if httpx.get(f"{url}/health").status_code == 200:
+            if http_client.get(f"{url}/health").status_code == 200:
                 return
         except httpx.TransportError:
             time.sleep(0.2)
@@ -88,7 +88,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def prompt_ids(server) -> list[int]:
-    return httpx.post(f"{server}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    return http_client.post(f"{server}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +148,7 @@ def test_allowed_token_ids_keep_sampling_inside_the_set(client, greedy):
 
 
 def test_bad_words_are_never_generated(client, server, greedy):
-    texts = [httpx.post(f"{server}/detokenize", json={"tokens": [t]}).json()["prompt"] for t in greedy]
+    texts = [http_client.post(f"{server}/detokenize", json={"tokens": [t]}).json()["prompt"] for t in greedy]
     index = next(i for i, text in enumerate(texts) if text.strip().isidentifier())
     choice = _completion(client, bad_words=[texts[index].strip()]).choices[0]
     assert choice.token_ids[:index] == greedy[:index]
@@ -185,55 +185,55 @@ def test_chat_with_vllm_extras(client):
 
 
 def test_vllm_routes(server, client):
-    assert httpx.get(f"{server}/health").status_code == 200
-    assert httpx.get(f"{server}/ping").status_code == 200
-    assert isinstance(httpx.get(f"{server}/version").json()["version"], str)
+    assert http_client.get(f"{server}/health").status_code == 200
+    assert http_client.get(f"{server}/ping").status_code == 200
+    assert isinstance(http_client.get(f"{server}/version").json()["version"], str)
     assert [m.id for m in client.models.list().data] == [MODEL]
-    tokens = httpx.post(f"{server}/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    tokens = http_client.post(f"{server}/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
     assert set(tokens) == {"tokens", "token_strs", "count", "max_model_len"}
-    text = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()["prompt"]
+    text = http_client.post(f"{server}/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()["prompt"]
     assert text.endswith(PROMPT)
-    info = httpx.get(f"{server}/tokenizer_info", headers=AUTH).json()
+    info = http_client.get(f"{server}/tokenizer_info", headers=AUTH).json()
     assert info["tokenizer_class"] and info["eos_token"] == "</s>" and "messages" in info["chat_template"]
     # vLLM's shape: each added token by its id, as its text alone (vLLM keeps AddedToken.content only)
     assert info["added_tokens_decoder"] == {"0": "<s>", "1": "</s>", "2": "<pad>"}
-    answer = httpx.post(f"{server}/invocations", headers=AUTH, json={"prompt": PROMPT, "max_tokens": 2}).json()
+    answer = http_client.post(f"{server}/invocations", headers=AUTH, json={"prompt": PROMPT, "max_tokens": 2}).json()
     assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 2
 
 
 def test_chat_template_flag_replaces_the_tokenizers(server, client):
     messages = [{"role": "user", "content": "hi"}]
-    tokens = httpx.post(f"{server}/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
-    text = httpx.post(f"{server}/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+    tokens = http_client.post(f"{server}/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    text = http_client.post(f"{server}/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
     assert text.startswith(TEMPLATE_MARK + "<|user|>\nhi")
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert chat.usage.prompt_tokens == len(tokens)  # the chat route renders with it too
-    info = httpx.get(f"{server}/tokenizer_info", headers=AUTH).json()
+    info = http_client.get(f"{server}/tokenizer_info", headers=AUTH).json()
     assert info["chat_template"].startswith("{{ '" + TEMPLATE_MARK.replace("\n", "\\n"))
 
 
 def test_cors_lets_the_allowed_origin_in_only(server):
     preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization, content-type"}
-    answer = httpx.options(f"{server}/v1/chat/completions", headers=preflight)
+    answer = http_client.options(f"{server}/v1/chat/completions", headers=preflight)
     assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == ORIGIN
     assert "authorization" in answer.headers["access-control-allow-headers"].lower()
-    refused = httpx.options(f"{server}/v1/chat/completions", headers={**preflight, "Origin": "https://elsewhere"})
+    refused = http_client.options(f"{server}/v1/chat/completions", headers={**preflight, "Origin": "https://elsewhere"})
     assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
-    models = httpx.get(f"{server}/v1/models", headers={**AUTH, "Origin": ORIGIN})
+    models = http_client.get(f"{server}/v1/models", headers={**AUTH, "Origin": ORIGIN})
     assert models.status_code == 200 and models.headers["access-control-allow-origin"] == ORIGIN
-    unauthorized = httpx.get(f"{server}/v1/models", headers={"Origin": ORIGIN})
+    unauthorized = http_client.get(f"{server}/v1/models", headers={"Origin": ORIGIN})
     assert unauthorized.status_code == 401 and unauthorized.headers["access-control-allow-origin"] == ORIGIN
 
 
 def test_server_load_counts_requests_in_flight(server):
     """/load while one streamed request runs (polled from here, since the tiny model is quick) and after."""
-    assert httpx.get(f"{server}/load").json() == {"server_load": 0}
+    assert http_client.get(f"{server}/load").json() == {"server_load": 0}
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100, "n": 4, "stream": True, "ignore_eos": True}
     seen = []
 
     def stream() -> None:
-        with httpx.stream("POST", f"{server}/v1/completions", headers=AUTH, json=body, timeout=60) as response:
+        with http_client.stream("POST", f"{server}/v1/completions", headers=AUTH, json=body, timeout=60) as response:
             seen.append(sum(1 for line in response.iter_lines() if line.startswith("data: ")))
 
     worker = threading.Thread(target=stream)
@@ -261,7 +261,7 @@ def test_vllm_error_codes(server, client):
     assert "top_k" in str(error.value)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"guided_regex": "[0-9]+"})
-    assert httpx.get(f"{server}/no/such/route").status_code == 404
+    assert http_client.get(f"{server}/no/such/route").status_code == 404
 
 
 VLLM_METRICS = [
@@ -278,7 +278,7 @@ VLLM_METRICS = [
 
 def test_vllm_metric_names(server, client):
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)  # something to count
-    text = httpx.get(f"{server}/metrics").text
+    text = http_client.get(f"{server}/metrics").text
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
     names = {line.split("{")[0].split(" ")[0] for line in samples}
     missing = [name for name in VLLM_METRICS if name not in names]

@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import shutil
 
-import httpx
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import API_KEY
-from helpers import perturbed, running_server, small_engine_args
+from helpers import http_client, perturbed, running_server, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
@@ -41,14 +40,14 @@ def test_the_server_route_updates_every_data_parallel_replica(bundled_copy):
     app = build_app(engine, ServerConfig(enable_weight_updates=True, api_key=API_KEY))
     with running_server(app) as url:
         auth = {"Authorization": f"Bearer {API_KEY}"}
-        assert httpx.post(f"{url}/update_weights_from_disk", json={"model_path": bundled_copy}).status_code == 401
-        bad = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/nonexistent"}, headers=auth)
+        assert http_client.post(f"{url}/update_weights_from_disk", json={"model_path": bundled_copy}).status_code == 401
+        bad = http_client.post(f"{url}/update_weights_from_disk", json={"model_path": "/nonexistent"}, headers=auth)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "model_path"
-        answer = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": bundled_copy}, headers=auth)
+        answer = http_client.post(f"{url}/update_weights_from_disk", json={"model_path": bundled_copy}, headers=auth)
         assert answer.status_code == 200 and answer.json()["weights_version"] == 1
         assert [replica.engine.core.weights.version for replica in app.state.async_engine.replicas] == [1, 1]
         for _ in range(4):  # (a prompt shorter than a page: the router alternates the replicas)
-            reply = httpx.post(f"{url}/v1/completions", headers=auth, json={
+            reply = http_client.post(f"{url}/v1/completions", headers=auth, json={
                 "prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
                 "return_token_ids": True}).json()
             assert reply["choices"][0]["token_ids"] == expected_tokens
@@ -56,6 +55,6 @@ def test_the_server_route_updates_every_data_parallel_replica(bundled_copy):
 
 def test_the_route_is_off_by_default(openai_server):
     url, _ = openai_server
-    response = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": "/x"},
-                          headers={"Authorization": f"Bearer {API_KEY}"})
+    response = http_client.post(f"{url}/update_weights_from_disk", json={"model_path": "/x"},
+                                headers={"Authorization": f"Bearer {API_KEY}"})
     assert response.status_code == 404
