@@ -424,16 +424,22 @@ class Runner:
     def _compile_in_background(self, groups: list[tuple[str, dict, Callable, list]]) -> None:
         """Trace and compile every bucket of `groups` one by one (the serving threads keep the other cores), each
         ready for steps once compiled. A bucket that fails twice is logged and left out: its steps keep running in
-        the largest buckets, and the thread goes on with the others."""
+        the largest buckets, and the thread goes on with the others. A compile that fails once the process exits
+        (the stop event set meanwhile) ends the thread without a word: jax's lowering raised a KeyError in 15 of 71
+        exits during a compile, and in none of 14 runs that stayed alive."""
         for kind, table, call, keys in groups:
             for key in keys:  # (a forward against an abstract pool: the steps donate the real one meanwhile)
-                for attempt in (1, 2):  # (a failure can be transient: a jax lowering raised a KeyError 3 times in ~50)
+                for attempt in (1, 2):
                     if self._stop_background.is_set():
                         return
                     try:
                         function, args = call(*key, self.num_pages) if kind == "forward" else call(*key)
                         self.num_background_compiles += self._compile_into(table, key, function, args)
                     except Exception as error:
+                        if self._stop_background.is_set():  # the process is exiting: nothing is left to serve
+                            logger.debug("background_compile: the %s bucket %s failed while stopping (%s: %s)", kind,
+                                         key, type(error).__name__, error)
+                            return
                         logger.warning("background_compile: the %s bucket %s failed (%s: %s)%s", kind, key,
                                        type(error).__name__, error, "; trying again" if attempt == 1 else
                                        "; its steps keep running in the largest buckets")
