@@ -3,6 +3,7 @@
     python benchmarks/host_step.py                                  # 64, 256 and 512 decoding rows
     python benchmarks/host_step.py --rows 512 --profile             # where the host time goes (cProfile)
     python benchmarks/host_step.py --rows 64 --steps 50 --json out.json
+    python benchmarks/host_step.py --rows 512 --output-kind cumulative delta final_only
 
 An `LLMEngine` runs its real host path: `EngineCore.step` with the real Scheduler (schedule, update), the real batch
 builders (build_batch, build_sampling_batch, ...), the step timing, and the output processor with the real
@@ -17,7 +18,10 @@ Python standard library, which the tokenizer was trained on), ignore_eos and max
 window is steady-state decode with all R rows decoding (checked: every timed step schedules R one-token decodes and
 returns R outputs). Asynchronous scheduling on (the default), prefix caching on (the default). Two sampling setups:
 `sampled` (temperature 0.8, top_p 0.95, seeded) and `greedy`. The fake's sample for a row is a fixed function of the
-row's seed and position (a token of the same corpus), so the detokenizer sees text, not noise.
+row's seed and position (a token of the same corpus), so the detokenizer sees text, not noise. The requests' output
+kind (SamplingParams.output_kind): `cumulative` (the API's default: each step's outputs hold everything so far),
+`delta` (only the step's new tokens and text: `jaxserve bench`'s driver) or `final_only` (no output before a
+request ends: `LLM.generate`).
 
 Per timed step (after the warm-up steps): the wall time of `LLMEngine.step()` and its phases from the engine's step
 timing (`stats()["timing"]`'s counters, read per step): schedule, swap, build, dispatch, wait, update (EngineCore)
@@ -58,7 +62,7 @@ from jaxserve.engine.step_timing import PHASES  # noqa: E402
 from jaxserve.tokenizer import load_tokenizer  # noqa: E402
 from jaxserve.kv.cache_manager import pages_for_tokens  # noqa: E402
 from jaxserve.runner.runner import PendingStep  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 SAMPLINGS = {"sampled": {"temperature": 0.8, "top_p": 0.95}, "greedy": {"temperature": 0.0}}
 # what is timed per step, in ms; `gc` (Python's cyclic garbage collector) is inside the phases it interrupted
@@ -142,6 +146,7 @@ class Workload:
 
     rows: int  # R: requests, all decoding at once (max_num_seqs)
     sampling: str  # a key of SAMPLINGS
+    output_kind: str  # a RequestOutputKind's name, lower case
     prompt_len: int
     warmup: int  # steps after every request has its first token, before the timed ones
     steps: int  # timed steps
@@ -208,15 +213,15 @@ def run(workload: Workload, folder: str, corpus: np.ndarray, profile: cProfile.P
     engine_thresholds = gc.get_threshold()
     if gc_threshold is not None:
         gc.set_threshold(gc_threshold, *engine_thresholds[1:])
-    params = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True, **SAMPLINGS[workload.sampling])
+    params = SamplingParams(max_tokens=workload.max_tokens, ignore_eos=True, **SAMPLINGS[workload.sampling],
+                            output_kind=RequestOutputKind[workload.output_kind.upper()])
     stride = max(1, (len(corpus) - workload.prompt_len) // workload.rows)
     for index in range(workload.rows):
         prompt = corpus[index * stride : index * stride + workload.prompt_len].tolist()
         seed = None if params.temperature == 0 else index
         engine.add_request(str(index), prompt, dataclasses.replace(params, seed=seed))
-    started = set()
-    while len(started) < workload.rows:  # the prompts
-        started.update(output.request_id for output in engine.step() if output.outputs[0].token_ids)
+    while any(not request.output_token_ids for request in engine.core.scheduler.requests.values()):  # the prompts
+        engine.step()
     for _ in range(workload.warmup):
         engine.step()
     core_engine, seconds = engine.core, engine.core.timing.seconds
@@ -241,14 +246,17 @@ def run(workload: Workload, folder: str, corpus: np.ndarray, profile: cProfile.P
             times["other"].append(1e3 * (total - sum(phases.values())))
             times["gc"].append(1e3 * (gc_clock.seconds - gc_before))
             scheduled = core_engine.counters["scheduled_tokens"] - tokens_before
-            if scheduled != workload.rows or len(outputs) != workload.rows or any(o.finished for o in outputs):
+            running = len(core_engine.scheduler.running)
+            num_outputs = 0 if workload.output_kind == "final_only" else workload.rows
+            if scheduled != workload.rows or running != workload.rows or len(outputs) != num_outputs:
                 raise RuntimeError(f"not a steady decode of {workload.rows} rows: {scheduled} tokens scheduled, "
-                                   f"{len(outputs)} outputs")
-            decoded.append(len(outputs))
+                                   f"{running} running, {len(outputs)} outputs")
+            decoded.append(scheduled)
     finally:
         gc.callbacks.remove(gc_clock)
         gc.set_threshold(*engine_thresholds)
-    return {"rows": workload.rows, "sampling": workload.sampling, "prompt_len": workload.prompt_len,
+    return {"rows": workload.rows, "sampling": workload.sampling, "output_kind": workload.output_kind,
+            "prompt_len": workload.prompt_len,
             "steps": workload.steps, "decoding_rows": decoded,
             "mean_ms": {column: float(np.mean(values)) for column, values in times.items()},
             "best_ms": {column: float(np.min(values)) for column, values in times.items()},
@@ -272,21 +280,26 @@ class GcClock:
 def table(results: list[dict]) -> str:
     """The results as a text table: mean (best) ms per step of each column."""
     shown = [column for column in COLUMNS if column != "swap"]  # (no swapping in this workload)
-    lines = [f"{'rows':>5} {'sampling':>8} " + " ".join(f"{column:>15}" for column in shown)]
+    lines = [f"{'rows':>5} {'sampling':>8} {'outputs':>10} " + " ".join(f"{column:>15}" for column in shown)]
     for result in results:
         cells = [f"{result['mean_ms'][c]:7.3f} ({result['best_ms'][c]:5.3f})" for c in shown]
-        lines.append(f"{result['rows']:>5} {result['sampling']:>8} " + " ".join(f"{cell:>15}" for cell in cells))
+        lines.append(f"{result['rows']:>5} {result['sampling']:>8} {result['output_kind']:>10} "
+                     + " ".join(f"{cell:>15}" for cell in cells))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    """Run the benchmark; prints the table (and the profile) and returns the results, one per (rows, sampling)."""
+    """Run the benchmark; prints the table (and the profile) and returns the results, one per (rows, sampling,
+    output kind)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 256, 512])
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--warmup", type=int, default=5, help="steps after the prompts, before the timed ones")
     parser.add_argument("--prompt-len", type=int, default=1000)
     parser.add_argument("--sampling", nargs="+", choices=sorted(SAMPLINGS), default=list(SAMPLINGS))
+    parser.add_argument("--output-kind", nargs="+", default=["cumulative"],
+                        choices=[kind.name.lower() for kind in RequestOutputKind],
+                        help="what the requests' outputs hold (SamplingParams.output_kind)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the timed steps of each measurement; print the top functions")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
@@ -295,8 +308,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "(700, CPython's default: the collector untuned); default: the engine's "
                              "(engine/host_gc.py)")
     args = parser.parse_args(argv)
-    workloads = [Workload(rows, sampling, args.prompt_len, args.warmup, args.steps)
-                 for rows in args.rows for sampling in args.sampling]
+    workloads = [Workload(rows, sampling, kind, args.prompt_len, args.warmup, args.steps)
+                 for rows in args.rows for sampling in args.sampling for kind in args.output_kind]
     longest = max(workload.max_model_len for workload in workloads)
     tokenizer = load_tokenizer(default_model_path())
     corpus = corpus_token_ids(tokenizer, max(args.rows) * 64 + args.prompt_len)

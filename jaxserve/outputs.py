@@ -38,7 +38,8 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """Everything generated so far for one request."""
+    """What one request has generated: everything so far, or only what is new since its previous output, as its
+    SamplingParams.output_kind says."""
 
     request_id: str
     prompt: str | None
@@ -51,6 +52,20 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None  # why the engine failed this request alone (finish_reason 'error')
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (vLLM's field)
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This DELTA output and the next of the same request (RequestOutputKind.DELTA) as one output, as if they had
+        come together: each sample's text, token ids and logprobs joined, the later state (finish, metrics) kept.
+        Neither output changes."""
+        samples = {completion.index: completion for completion in self.outputs}
+        for new in later.outputs:
+            old = samples.get(new.index)
+            samples[new.index] = new if old is None else dataclasses.replace(
+                new, text=old.text + new.text, token_ids=old.token_ids + new.token_ids,
+                logprobs=None if new.logprobs is None else (old.logprobs or []) + new.logprobs)
+        prompt_logprobs = self.prompt_logprobs if self.prompt_logprobs is not None else later.prompt_logprobs
+        return dataclasses.replace(later, outputs=[samples[index] for index in sorted(samples)],
+                                   prompt_logprobs=prompt_logprobs)
 
 
 @dataclasses.dataclass

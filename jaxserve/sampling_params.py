@@ -7,6 +7,7 @@ counts, float32 values, a 64-bit seed), so no value that passes can fail inside 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import numbers
 from typing import ClassVar
@@ -51,6 +52,16 @@ def check_int(name: str, value: object, low: int, high: int) -> None:
     """ValueError unless `value` is an int in [low, high]."""
     if not _is_int(value) or not low <= value <= high:
         raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}.")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request holds (vLLM's): CUMULATIVE everything generated so far, at every step it
+    moves; DELTA only what is new since its previous output (a sample's new text, token ids and logprobs; the
+    cumulative logprob stays cumulative); FINAL_ONLY one output, once it has finished."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclasses.dataclass
@@ -105,6 +116,8 @@ class SamplingParams:
     # A reasoning model's thinking ends after at most this many tokens (vLLM's): the end of thinking is then forced
     # (structured/constraint.py); None (or vLLM's -1): no bound but max_tokens.
     thinking_token_budget: int | None = None
+    # What the request's outputs hold (RequestOutputKind); `LLM.generate` runs its requests FINAL_ONLY.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -194,7 +207,11 @@ class SamplingParams:
             raise ValueError(f"truncation_side must be 'left' or 'right', got {self.truncation_side!r}.")
 
     def _verify_output_args(self) -> None:
-        """Check the logprobs requests."""
+        """Check the logprobs requests and the output kind."""
+        if not _is_int(self.output_kind) or int(self.output_kind) not in set(RequestOutputKind):
+            kinds = ", ".join(f"{kind.name} ({kind.value})" for kind in RequestOutputKind)
+            raise ValueError(f"output_kind must be a RequestOutputKind: {kinds}; got {self.output_kind!r}.")
+        self.output_kind = RequestOutputKind(int(self.output_kind))
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= self.MAX_LOGPROBS):

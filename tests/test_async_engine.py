@@ -44,7 +44,7 @@ class FakeEngine:
         self.completed: list[str] = []
 
     def make_requests(self, request_id, prompt, params, priority=0, tokenizer=None, cache_salt=None, lora_name=None):
-        return prompt, params.max_tokens
+        return prompt, [SimpleNamespace(sampling_params=params)]  # (text, the samples: engine requests' stand-ins)
 
     def on_peer_lost(self, callback):
         pass  # one process: no peer to lose
@@ -53,9 +53,10 @@ class FakeEngine:
         return {}
 
     def submit(self, request_id, made):
-        if made[1] == 13:
+        max_tokens = made[1][0].sampling_params.max_tokens
+        if max_tokens == 13:
             raise ValueError("unlucky request")
-        self.running[request_id] = [made[1], 0]
+        self.running[request_id] = [max_tokens, 0]
 
     def abort_request(self, request_id):
         self.aborted.append(request_id)

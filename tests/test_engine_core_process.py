@@ -26,11 +26,11 @@ from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.config import EngineConfig
 from jaxserve.engine.async_engine import EngineOverloadedError
 from jaxserve.engine.core_client import EngineCoreClient
-from jaxserve.engine.core_messages import DeltaCursor, SampleDelta, apply_delta
+from jaxserve.engine.core_messages import DeltaCursor, NewRequest, SampleDelta, apply_delta
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.pooling.pooled import PER_TOKEN, PooledPrompt
 from jaxserve.request import Logprob, Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
 from tests.helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR, http_client, running_server, small_engine_args
@@ -199,6 +199,14 @@ def test_deltas_bring_a_front_end_copy_level_with_the_cores_sample(pooling_type)
         assert copy.pooled.token_data() == core.pooled.token_data()
     else:
         assert copy.pooled.embedding() == core.pooled.embedding()
+
+
+def test_a_new_request_keeps_every_sampling_option_through_the_channel():
+    params = SamplingParams(n=2, temperature=0.5, stop=["x"], logit_bias={3: 1.5}, seed=7,
+                            output_kind=RequestOutputKind.DELTA)
+    sent = NewRequest("r", [1, 2, 3], params, None, "generate", 1, "salt", None)
+    received = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=NewRequest)
+    assert received == sent and received.params.output_kind is RequestOutputKind.DELTA
 
 
 def _round_trip(delta: SampleDelta) -> SampleDelta:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 VLLM_DEFAULTS = {
     "n": 1,
@@ -38,6 +38,7 @@ VLLM_DEFAULTS = {
     "truncation_side": "left",  # vLLM keeps it with its tokenization settings; "left" is its generation default
     "structured_outputs": None,
     "thinking_token_budget": None,
+    "output_kind": RequestOutputKind.CUMULATIVE,
 }
 
 
@@ -108,6 +109,10 @@ def test_defaults_match_vllm():
         ("bad_words", [""]),
         ("bad_words", ["ok", 3]),
         ("bad_words", ["w"] * 65),
+        ("output_kind", 3),
+        ("output_kind", "DELTA"),
+        ("output_kind", True),
+        ("output_kind", 1.0),
     ],
 )
 def test_invalid_value_raises_naming_field(field, value):
@@ -147,10 +152,18 @@ def test_min_tokens_above_max_tokens_raises():
         ("truncate_prompt_tokens", 1),
         ("allowed_token_ids", [0]),
         ("bad_words", ["word"]),
+        ("output_kind", RequestOutputKind.FINAL_ONLY),
+        ("output_kind", 1),
+        ("output_kind", np.int64(2)),
     ],
 )
 def test_boundary_values_accepted(field, value):
     assert getattr(SamplingParams(**{field: value}), field) == value
+
+
+def test_output_kind_is_a_request_output_kind_whatever_int_gave_it():
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+    assert SamplingParams(output_kind=np.int64(2)).output_kind is RequestOutputKind.FINAL_ONLY
 
 
 def test_logit_bias_keys_from_json_become_ints():

@@ -3,6 +3,8 @@
 Both jaxserve systems of `jaxserve bench throughput` (continuous and static batching) run through
 `drive`, so they are timed by the same loop; the per-step records give the KV-memory and timeline
 reports, the per-request traces the latency ones (through stats.RequestTrace, as the online client).
+Requests run with output_kind DELTA: a step's outputs carry only its new tokens, so the driver's own
+work per step does not grow with the outputs' lengths.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable, Sequence
 from jaxserve.bench.stats import RequestTrace
 from jaxserve.bench.workloads import BenchRequest, Workload
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclasses.dataclass
@@ -71,7 +73,8 @@ def drive(engine: LLMEngine, workload: Workload, arrival_times: Sequence[float] 
         now = time.perf_counter()
         while next_arrival < len(order) and arrivals[order[next_arrival]] <= now - start:
             i = order[next_arrival]
-            made = engine.make_requests(f"bench-{i}", list(requests[i].prompt_token_ids), params(requests[i]))
+            request_params = params(requests[i]).clone(output_kind=RequestOutputKind.DELTA)
+            made = engine.make_requests(f"bench-{i}", list(requests[i].prompt_token_ids), request_params)
             engine.submit(f"bench-{i}", made)
             children[i] = made[1]
             traces[i].start = time.perf_counter()
@@ -91,14 +94,14 @@ def _timed_step(engine: LLMEngine, traces: list[RequestTrace], outputs: list[lis
     step_start = time.perf_counter()
     moved = engine.step()
     step_end = time.perf_counter()
-    for output in moved:
+    for output in moved:  # DELTA outputs: each sample's new tokens
         i = index_of[output.request_id]
-        num_tokens = sum(len(sample.token_ids) for sample in output.outputs)
-        if num_tokens > traces[i].output_tokens:
+        num_new = sum(len(sample.token_ids) for sample in output.outputs)
+        if num_new:
             traces[i].chunk_times.append(step_end)
-            traces[i].chunk_tokens.append(num_tokens - traces[i].output_tokens)
-        outputs[i] = list(output.outputs[0].token_ids)
-        traces[i].output_tokens = num_tokens
+            traces[i].chunk_tokens.append(num_new)
+        outputs[i].extend(token for sample in output.outputs if sample.index == 0 for token in sample.token_ids)
+        traces[i].output_tokens += num_new
         if output.finished:
             traces[i].end = step_end
     pages_in_use, token_slots_used = engine.core.kv_occupancy()

@@ -23,7 +23,7 @@ from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import RequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.request import Request
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.structured.params import StructuredOutputsParams
 from jaxserve.tokenizer import load_tokenizer
 
@@ -49,16 +49,19 @@ class EngineOverloadedError(RuntimeError):
 class RequestStream:
     """The outputs of one request, as they arrive; `close()` aborts it unless it finished.
 
-    Lives on the event loop. Each item is the request's cumulative RequestOutput; when several
-    arrive between two reads, the reader gets only the latest.
+    Lives on the event loop. Each item is the request's RequestOutput; when several arrive between two
+    reads, the reader gets only the latest, or with `deltas` (SamplingParams.output_kind DELTA) all of them
+    joined into one.
     """
 
-    def __init__(self, request_id: str, on_close: Callable[["RequestStream"], None]):
+    def __init__(self, request_id: str, on_close: Callable[["RequestStream"], None], deltas: bool = False):
         self.request_id = request_id
         self.started = False  # an output has arrived
         self.finished = False  # the final output has been read
+        self._deltas = deltas
         self._latest: RequestOutput | None = None
-        self._tokens_woken = 0  # tokens in the output the reader was last woken for
+        self._num_tokens = 0  # the request's tokens so far
+        self._tokens_woken = 0  # tokens so far when the reader was last woken
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self._on_close = on_close
@@ -67,8 +70,11 @@ class RequestStream:
     def put(self, output: RequestOutput, stream_interval: int = 1) -> None:
         """Hand a newer output to the reader (event loop only); the reader wakes for the first output,
         the last, and whenever `stream_interval` more tokens have arrived since it last woke."""
-        self._latest = output
         num_tokens = sum(len(c.token_ids) for c in output.outputs) if isinstance(output, RequestOutput) else 0
+        if self._deltas:
+            num_tokens += self._num_tokens
+            output = output if self._latest is None else self._latest.followed_by(output)
+        self._latest, self._num_tokens = output, num_tokens
         if not self.started or output.finished or num_tokens - self._tokens_woken >= stream_interval:
             self.started = True
             self._tokens_woken = num_tokens
@@ -176,7 +182,8 @@ class AsyncEngineBase:
         (on the event loop) when the stream closes: finished, aborted or failed."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        stream = RequestStream(request_id, self._close_stream)
+        deltas = made[1][0].sampling_params.output_kind is RequestOutputKind.DELTA
+        stream = RequestStream(request_id, self._close_stream, deltas)
         if on_close is not None:
             self._on_close[request_id] = on_close
         self._streams[request_id] = stream

@@ -16,7 +16,8 @@ from jaxserve.lora_request import LoRARequest
 from jaxserve.outputs import PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxserve.pooling.params import PoolingParams
 from jaxserve.pooling.score import cosine_scores, score_pairs
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.request import Request
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.tokenizer import encode_text_pair, load_chat_template, render_chat
 
 PromptInput = str | list[int] | dict
@@ -78,7 +79,15 @@ class LLM:
             One RequestOutput per prompt, in input order. A bad prompt raises ValueError before anything runs.
         """
         params = sampling_params or self.get_default_sampling_params()
-        return self._run_all(self.engine.make_requests, prompts, params, SamplingParams, lora_request, use_tqdm)
+        return self._run_all(self._make_final_only, prompts, params, SamplingParams, lora_request, use_tqdm)
+
+    def _make_final_only(self, request_id: str, prompt: Prompt, params: SamplingParams, **options
+                         ) -> tuple[str | None, list[Request]]:
+        """LLMEngine.make_requests with the params' output_kind FINAL_ONLY, as vLLM's LLM runs them: `_run` reads
+        only final outputs, so no step builds one before."""
+        if isinstance(params, SamplingParams):
+            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        return self.engine.make_requests(request_id, prompt, params, **options)
 
     def embed(
         self,

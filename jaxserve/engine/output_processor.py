@@ -4,6 +4,13 @@ A user request with `n` samples is `n` engine requests (its children); this modu
 back into one RequestOutput. With `best_of` > `n` it has `best_of` children, and, as vLLM does,
 shows nothing until all of them have finished, then only the `n` with the highest cumulative
 logprob, indexed 0..n-1 from the highest down.
+
+What an output holds follows the request's `output_kind` (vLLM's RequestOutputKind): CUMULATIVE
+everything so far at every step the request moves (each output owns its lists: an earlier one never
+changes); DELTA only the samples that moved, each with its new token ids, logprobs and text (text
+that could still turn out to begin an excluded stop string is held back until it cannot), the
+prompt's logprobs in the first output alone; FINAL_ONLY one output once every sample has finished,
+and none before, so a step builds no output for a request still running.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from jaxserve.outputs import (
 )
 from jaxserve.pooling.pooled import PooledPrompt
 from jaxserve.request import Logprob, Request, RequestStatus
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
 from jaxserve.tokenizer import IncrementalDetokenizer
 
 
@@ -41,6 +48,43 @@ class _SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # DELTA: what earlier outputs have shown
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    finish_sent: bool = False
+
+    def completion(self, index: int, show_logprobs: bool) -> CompletionOutput:
+        """Everything this sample holds, as output `index`, in lists of its own."""
+        return CompletionOutput(
+            index=index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob if show_logprobs else None,
+            logprobs=list(self.logprobs) if show_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+    def delta(self, show_logprobs: bool) -> CompletionOutput | None:
+        """What this sample holds that no earlier output showed (None: nothing), and mark it shown. While it
+        runs, its text's last characters that could begin an excluded stop string are held back."""
+        finished = self.finish_reason is not None
+        text = self.stop_checker.streamable_delta(self.text, self.num_sent_chars, finished)
+        token_ids = self.token_ids[self.num_sent_tokens :]
+        if not text and not token_ids and (self.finish_sent or not finished):
+            return None
+        completion = CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob if show_logprobs else None,
+            logprobs=self.logprobs[self.num_sent_tokens :] if show_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.num_sent_tokens, self.num_sent_chars = len(self.token_ids), self.num_sent_chars + len(text)
+        self.finish_sent = finished
+        return completion
 
 
 @dataclasses.dataclass
@@ -55,36 +99,36 @@ class _RequestState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None  # the scoring child's list, filled by the engine
     num_returned: int  # n: fewer than the samples when best_of > n
     show_logprobs: bool  # the user asked for logprobs (best_of > n computes them anyway, to rank)
+    output_kind: RequestOutputKind
     error: str | None = None
     num_cached_tokens: int = 0
     pooled: PooledPrompt | None = None  # an embedding request's pool, filled by the engine
 
     def output(self) -> RequestOutput | PoolingRequestOutput | None:
-        """The output so far; None while best_of > n has unfinished samples (nothing is shown before the
-        ranking is known, so no sample that loses is ever shown)."""
+        """The output its `output_kind` shows now; None when there is nothing to show: FINAL_ONLY before every
+        sample has finished, DELTA when no sample moved, and best_of > n while any sample runs (nothing is shown
+        before the ranking is known, so no sample that loses is ever shown)."""
         if self.pooled is not None:
             return self._pooling_output()
         samples = list(self.samples.values())  # in index order: add_request adds them so
-        if self.num_returned < len(samples):
-            if any(s.finish_reason is None for s in samples):
-                return None
-            # Stable: equal cumulative logprobs keep the sample order.
-            samples = sorted(samples, key=lambda s: s.cumulative_logprob, reverse=True)[: self.num_returned]
-        show = self.show_logprobs
-        completions = [
-            CompletionOutput(
-                index=index,
-                text=s.text,
-                token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob if show else None,
-                logprobs=list(s.logprobs) if show else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for index, s in enumerate(samples)
-        ]
         finished = all(s.finish_reason is not None for s in samples)
-        prompt_logprobs = None if self.prompt_logprobs is None else list(self.prompt_logprobs)
+        show, prompt_logprobs = self.show_logprobs, self.prompt_logprobs
+        if self.num_returned < len(samples) or self.output_kind is RequestOutputKind.FINAL_ONLY:
+            if not finished:
+                return None
+            if self.num_returned < len(samples):  # nothing was shown before, whatever the kind
+                # Stable: equal cumulative logprobs keep the sample order.
+                samples = sorted(samples, key=lambda s: s.cumulative_logprob, reverse=True)[: self.num_returned]
+            completions = [s.completion(index, show) for index, s in enumerate(samples)]
+        elif self.output_kind is RequestOutputKind.DELTA:
+            completions = [c for c in (s.delta(show) for s in samples) if c is not None]
+            if not completions:
+                return None
+            self.prompt_logprobs = None  # shown once
+        else:
+            completions = [s.completion(s.index, show) for s in samples]
+        if prompt_logprobs is not None and self.prompt_logprobs is not None:
+            prompt_logprobs = list(prompt_logprobs)  # the engine's list, not yet complete while the prompt runs
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, self.metrics,
                              prompt_logprobs, self.error, self.num_cached_tokens)
 
@@ -128,7 +172,8 @@ class OutputProcessor:
             request_id, prompt, first.prompt_token_ids, samples,
             RequestMetrics(first.arrival_time, max_tokens=first.max_tokens),
             None if scoring is None else scoring.prompt_logprobs,
-            num_returned=params.n, show_logprobs=params.output_logprobs is not None, pooled=first.pooled,
+            num_returned=params.n, show_logprobs=params.output_logprobs is not None, output_kind=params.output_kind,
+            pooled=first.pooled,
         )
         for child in children:
             self._parent_of[child.request_id] = request_id
@@ -178,7 +223,7 @@ class OutputProcessor:
         outputs = []
         for parent_id, state in touched.items():
             output = state.output()
-            if output is None:  # best_of > n: nothing to show until every sample has finished
+            if output is None:  # nothing to show yet (see _RequestState.output)
                 continue
             if output.finished:
                 state.metrics.finished_time = time.monotonic()
