@@ -175,6 +175,20 @@ def test_a_cumulative_stream_hands_its_reader_the_latest_output(tokenizer, token
     assert asyncio.run(read()) is outputs[4]
 
 
+def test_an_output_takes_the_earliest_times_and_the_most_of_its_samples_counts(tokenizer, tokens):
+    params = SamplingParams(n=2, max_tokens=4)
+    children = [Request(f"r-{i}", [1, 2, 3], params, eos_token_ids=(), seed=i, max_tokens=4) for i in range(2)]
+    for child, scheduled, first_token, preemptions, cached in zip(children, (2.0, 1.0), (3.0, 2.5), (1, 3), (16, 0)):
+        child.first_scheduled_time, child.first_token_time = scheduled, first_token
+        child.num_preemptions, child.num_cached_tokens = preemptions, cached
+    processor = OutputProcessor(tokenizer)
+    processor.add_request("r", None, children)
+    children[0].output_token_ids.append(tokens[0])  # only the first sample moved
+    (output,), _ = processor.process(children[:1])
+    assert (output.metrics.first_scheduled_time, output.metrics.first_token_time) == (1.0, 2.5)
+    assert (output.metrics.num_preemptions, output.num_cached_tokens) == (3, 16)
+
+
 # ---- a real engine ---------------------------------------------------------------------------------------------
 
 

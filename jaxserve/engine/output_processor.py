@@ -100,6 +100,7 @@ class _RequestState:
     num_returned: int  # n: fewer than the samples when best_of > n
     show_logprobs: bool  # the user asked for logprobs (best_of > n computes them anyway, to rank)
     output_kind: RequestOutputKind
+    children: list[Request]  # the engine requests of its samples, in sample order
     error: str | None = None
     num_cached_tokens: int = 0
     pooled: PooledPrompt | None = None  # an embedding request's pool, filled by the engine
@@ -108,6 +109,7 @@ class _RequestState:
         """The output its `output_kind` shows now; None when there is nothing to show: FINAL_ONLY before every
         sample has finished, DELTA when no sample moved, and best_of > n while any sample runs (nothing is shown
         before the ranking is known, so no sample that loses is ever shown)."""
+        self._take_children_metrics()
         if self.pooled is not None:
             return self._pooling_output()
         samples = list(self.samples.values())  # in index order: add_request adds them so
@@ -131,6 +133,22 @@ class _RequestState:
             prompt_logprobs = list(prompt_logprobs)  # the engine's list, not yet complete while the prompt runs
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, self.metrics,
                              prompt_logprobs, self.error, self.num_cached_tokens)
+
+    def _take_children_metrics(self) -> None:
+        """The metrics and cached-token count as of now: the earliest time any sample was scheduled and gave a
+        token, the most preemptions and cached prompt tokens of any."""
+        metrics = self.metrics
+        for request in self.children:  # (comparisons, not min and max: this runs for every output)
+            scheduled, first_token = request.first_scheduled_time, request.first_token_time
+            if scheduled is not None and (metrics.first_scheduled_time is None
+                                          or scheduled < metrics.first_scheduled_time):
+                metrics.first_scheduled_time = scheduled
+            if first_token is not None and (metrics.first_token_time is None or first_token < metrics.first_token_time):
+                metrics.first_token_time = first_token
+            if request.num_preemptions > metrics.num_preemptions:
+                metrics.num_preemptions = request.num_preemptions
+            if request.num_cached_tokens > self.num_cached_tokens:
+                self.num_cached_tokens = request.num_cached_tokens
 
     def _pooling_output(self) -> PoolingRequestOutput:
         """A pooling request's output: its embedding (or class probabilities, or a token-wise task's every prompt
@@ -173,7 +191,7 @@ class OutputProcessor:
             RequestMetrics(first.arrival_time, max_tokens=first.max_tokens),
             None if scoring is None else scoring.prompt_logprobs,
             num_returned=params.n, show_logprobs=params.output_logprobs is not None, output_kind=params.output_kind,
-            pooled=first.pooled,
+            children=list(children), pooled=first.pooled,
         )
         for child in children:
             self._parent_of[child.request_id] = request_id
@@ -212,14 +230,12 @@ class OutputProcessor:
             if parent_id is None:
                 continue
             state = self._requests[parent_id]
-            status = self._update_sample_or_fail(state, state.samples[request.request_id], request)
+            sample = state.samples[request.request_id]
+            status = self._update_sample_or_fail(state, sample, request)
             if status is not None:
                 to_finish.append((request.request_id, status))
-            state.metrics.first_scheduled_time = state.metrics.first_scheduled_time or request.first_scheduled_time
-            state.metrics.first_token_time = state.metrics.first_token_time or request.first_token_time
-            state.metrics.num_preemptions = max(state.metrics.num_preemptions, request.num_preemptions)
-            state.num_cached_tokens = max(state.num_cached_tokens, request.num_cached_tokens)
-            touched[parent_id] = state
+            if sample.finish_reason is not None or state.output_kind is not RequestOutputKind.FINAL_ONLY:
+                touched[parent_id] = state  # (a FINAL_ONLY request shows nothing while its samples run)
         outputs = []
         for parent_id, state in touched.items():
             output = state.output()
