@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
@@ -84,9 +85,11 @@ class LLM:
     def _make_final_only(self, request_id: str, prompt: Prompt, params: SamplingParams, **options
                          ) -> tuple[str | None, list[Request]]:
         """LLMEngine.make_requests with the params' output_kind FINAL_ONLY, as vLLM's LLM runs them: `_run` reads
-        only final outputs, so no step builds one before."""
+        only final outputs, so no step builds one before. (A shallow copy: the caller's params stay as they are, and
+        are checked where they always were.)"""
         if isinstance(params, SamplingParams):
-            params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+            params = copy.copy(params)
+            params.output_kind = RequestOutputKind.FINAL_ONLY
         return self.engine.make_requests(request_id, prompt, params, **options)
 
     def embed(
