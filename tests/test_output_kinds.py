@@ -6,12 +6,13 @@ then a reader's stream joining the deltas it missed; then the same on a real eng
 import asyncio
 import copy
 import dataclasses
+import threading
 
 import pytest
 from helpers import checkpoint, expected, small_engine_args
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.engine.async_engine import RequestStream
+from jaxserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from jaxserve.engine.llm_engine import default_model_path
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.request import Logprob, Request, RequestStatus
@@ -225,3 +226,31 @@ def test_an_engine_streams_each_kind_and_llm_generate_runs_final_only(llm):
         assert result.outputs == cumulative[-1].outputs and params.output_kind is kind
     stats = llm.stats()
     assert stats["kv_pages_free"] == stats["kv_pages_total"]
+
+
+def test_an_async_engine_joins_the_deltas_its_reader_missed(llm):
+    """A reader that reads only once the request has ended gets one output holding every delta joined."""
+    prompt = expected("llama")["prompts"][2]
+    params = SamplingParams(temperature=1.0, seed=9, max_tokens=10, ignore_eos=True, logprobs=0)
+    want = _stream(llm, prompt, params)[-1]
+    llm.engine.reset_prefix_cache()
+    ended = threading.Event()
+
+    def on_outputs(outputs):  # the engine thread's every batch of outputs
+        if any(output.finished for output in outputs):
+            ended.set()
+
+    async def read() -> list:
+        engine = AsyncLLMEngine(llm.engine, on_outputs=on_outputs)
+        engine.start()
+        try:
+            made = engine.make_requests("async-delta", prompt, params.clone(output_kind=DELTA))
+            stream = engine.submit("async-delta", made)
+            assert await asyncio.get_running_loop().run_in_executor(None, ended.wait, 60)
+            await asyncio.sleep(0.1)  # the last outputs reach the stream on the event loop
+            return [output async for output in stream]
+        finally:
+            await engine.stop()
+
+    (received,) = asyncio.run(read())
+    assert received.finished and _joined([received]) == {0: _fields(want.outputs[0])}
