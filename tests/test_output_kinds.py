@@ -33,14 +33,20 @@ def tokens(tokenizer):
     return tokenizer.encode(TEXT, add_special_tokens=False)
 
 
+PROMPT_LOGPROBS = [None, {2: Logprob(-1.5, 1)}, {3: Logprob(-0.5, 1)}]  # of the prompt [1, 2, 3]
+
+
 def _run(tokenizer, samples: list[list[int]], kind, abort_after: int | None = None, **options):
     """Drive an OutputProcessor over one user request whose sample i is given `samples[i]`, a token a step (a
     sample whose list ends finishes, length capped), as the engine would; returns the outputs of every step, and
-    with `abort_after` aborts the request after that many steps (its final output last)."""
+    with `abort_after` aborts the request after that many steps (its final output last). With `prompt_logprobs`
+    the first sample has scored its prompt (PROMPT_LOGPROBS)."""
     options.setdefault("n", len(samples))
     params = SamplingParams(max_tokens=max(map(len, samples)), output_kind=kind, **options)
     children = [Request(f"r-{i}", [1, 2, 3], params.engine_params(), eos_token_ids=(), seed=i,
                         max_tokens=len(tokens)) for i, tokens in enumerate(samples)]
+    if params.prompt_logprobs is not None:
+        children[0].prompt_logprobs = list(PROMPT_LOGPROBS)
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", None, children)
     outputs = []
@@ -105,6 +111,14 @@ def test_deltas_add_up_to_the_cumulative_output_and_final_only_is_its_last(token
         assert last.outputs[0].text.startswith(shown)
     if options.get("stop") and not options.get("include_stop_str_in_output"):
         assert any(not last.outputs[0].text.startswith(output.outputs[0].text) for output in cumulative)
+
+
+def test_the_prompts_logprobs_come_in_every_cumulative_output_and_the_first_delta_alone(tokenizer, tokens):
+    cumulative = _run(tokenizer, [tokens[:6]], CUMULATIVE, prompt_logprobs=1)
+    deltas = _run(tokenizer, [tokens[:6]], DELTA, prompt_logprobs=1)
+    (final,) = _run(tokenizer, [tokens[:6]], FINAL_ONLY, prompt_logprobs=1)
+    assert all(output.prompt_logprobs == PROMPT_LOGPROBS for output in cumulative + [final])
+    assert deltas[0].prompt_logprobs == PROMPT_LOGPROBS and all(o.prompt_logprobs is None for o in deltas[1:])
 
 
 def test_cumulative_outputs_never_change_once_handed_out(tokenizer, tokens):

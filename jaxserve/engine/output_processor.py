@@ -126,11 +126,11 @@ class _RequestState:
             completions = [c for c in (s.delta(show) for s in samples) if c is not None]
             if not completions:
                 return None
-            self.prompt_logprobs = None  # shown once
+            self.prompt_logprobs = None  # shown in the first output alone
         else:
             completions = [s.completion(s.index, show) for s in samples]
-        if prompt_logprobs is not None and self.prompt_logprobs is not None:
-            prompt_logprobs = list(prompt_logprobs)  # the engine's list, not yet complete while the prompt runs
+        if prompt_logprobs is not None:
+            prompt_logprobs = list(prompt_logprobs)  # the output's own: the engine's list grows while the prompt runs
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions, finished, self.metrics,
                              prompt_logprobs, self.error, self.num_cached_tokens)
 
