@@ -171,7 +171,7 @@ class IncrementalDetokenizer:
         )
         self._last_was_added = False
         self._token_ids: list[int] = []
-        self._text = ""
+        self._deltas: list[str] = []  # the output text, joined when `text` is read (`+=` would copy it every token)
         self._finished = False
 
     def _added_tokens_to_join(self, skip_special_tokens: bool, spaces_between: bool) -> dict:
@@ -186,7 +186,9 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """All output text emitted so far (the deltas joined)."""
-        return self._text
+        if len(self._deltas) > 1:
+            self._deltas = ["".join(self._deltas)]
+        return self._deltas[0] if self._deltas else ""
 
     @property
     def token_ids(self) -> list[int]:
@@ -203,7 +205,8 @@ class IncrementalDetokenizer:
             delta = self._add_token(new_token_ids[0])
         else:
             delta = "".join(self._add_token(token_id) for token_id in new_token_ids)
-        self._text += delta
+        if delta:
+            self._deltas.append(delta)
         return delta
 
     def finish(self) -> str:
@@ -219,7 +222,8 @@ class IncrementalDetokenizer:
         decode = self._decode
         delta = decode(self._window + self._pending)[len(decode(self._window)) :]
         self._window, self._pending = self._window + self._pending, []
-        self._text += delta
+        if delta:
+            self._deltas.append(delta)
         return delta
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -42,7 +42,7 @@ class _SampleState:
     detokenizer: IncrementalDetokenizer | None
     stop_checker: StopStringChecker
     num_tokens_seen: int = 0
-    text: str = ""
+    text_end: int | None = None  # where a stop string cut the text (None: nowhere)
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -52,6 +52,11 @@ class _SampleState:
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
     finish_sent: bool = False
+
+    @property
+    def text(self) -> str:
+        """The sample's text: its detokenizer's, up to where a stop string cut it."""
+        return "" if self.detokenizer is None else self.detokenizer.text[: self.text_end]
 
     def completion(self, index: int, show_logprobs: bool) -> CompletionOutput:
         """Everything this sample holds, as output `index`, in lists of its own."""
@@ -295,12 +300,11 @@ class OutputProcessor:
             delta = sample.detokenizer.add_tokens([token_id])
             if finished and index == len(new_ids) - 1:
                 delta += sample.detokenizer.finish()
-            if not delta:
-                continue  # no new text: nothing to add, no stop string can end in it
-            sample.text += delta
+            if not delta or not sample.stop_checker.stop:
+                continue  # no stop string can end here (and the text is not joined for nothing)
             match = sample.stop_checker.check(sample.text, len(delta))
             if match is not None:
-                sample.text = sample.text[: match.truncate_to]
+                sample.text_end = match.truncate_to
                 sample.finish_reason, sample.stop_reason = "stop", match.stop
                 return not finished
         if finished:
