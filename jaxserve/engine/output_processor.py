@@ -60,36 +60,31 @@ class _SampleState:
 
     def completion(self, index: int, show_logprobs: bool) -> CompletionOutput:
         """Everything this sample holds, as output `index`, in lists of its own."""
-        return CompletionOutput(
-            index=index,
-            text=self.text,
-            token_ids=list(self.token_ids),
-            cumulative_logprob=self.cumulative_logprob if show_logprobs else None,
-            logprobs=list(self.logprobs) if show_logprobs else None,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
+        return self._output(index, self.text, 0, show_logprobs)
 
     def delta(self, show_logprobs: bool) -> CompletionOutput | None:
         """What this sample holds that no earlier output showed (None: nothing), and mark it shown. While it
         runs, its text's last characters that could begin an excluded stop string are held back."""
         finished = self.finish_reason is not None
         text = self.stop_checker.streamable_delta(self.text, self.num_sent_chars, finished)
-        token_ids = self.token_ids[self.num_sent_tokens :]
-        if not text and not token_ids and (self.finish_sent or not finished):
+        if not text and len(self.token_ids) == self.num_sent_tokens and (self.finish_sent or not finished):
             return None
-        completion = CompletionOutput(
-            index=self.index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=self.cumulative_logprob if show_logprobs else None,
-            logprobs=self.logprobs[self.num_sent_tokens :] if show_logprobs else None,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
+        completion = self._output(self.index, text, self.num_sent_tokens, show_logprobs)
         self.num_sent_tokens, self.num_sent_chars = len(self.token_ids), self.num_sent_chars + len(text)
         self.finish_sent = finished
         return completion
+
+    def _output(self, index: int, text: str, first_token: int, show_logprobs: bool) -> CompletionOutput:
+        """Output `index` with `text` and the token ids (and logprobs) from `first_token` on, in lists of its own."""
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=self.token_ids[first_token:],
+            cumulative_logprob=self.cumulative_logprob if show_logprobs else None,
+            logprobs=self.logprobs[first_token:] if show_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
 
 
 @dataclasses.dataclass
