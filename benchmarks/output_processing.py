@@ -1,15 +1,16 @@
 """The output processor alone: its time per engine step at R rows, after L tokens of output, for each output kind.
 
-    python benchmarks/output_processing.py                                   # 512 rows, after 0 and 1500 tokens
-    python benchmarks/output_processing.py --rows 256 --after 0 800 --kinds final_only --json out.json
+    python -m benchmarks.output_processing                                   # 512 rows, after 0 and 1500 tokens
+    python -m benchmarks.output_processing --rows 256 --after 0 800 --kinds final_only --json out.json
 
 `OutputProcessor.process` (engine/output_processor.py: the incremental detokenizer, stop strings, the
 RequestOutputs) on R one-sample requests of the bundled model's tokenizer, each given one token a step as the engine
-would (tokens of Python standard library source, so the detokenizer sees text), temperature 0.8 / top_p 0.95, no
-stop strings, under the engine's garbage-collector threshold (engine/host_gc.py). For each (kind, L): the requests
-are run to L output tokens untimed, then `--steps` steps are timed; the run is repeated `--repeats` times and the best
-run's mean is reported, in ms per step (the processor is pure Python: the best run is the one the machine disturbed
-least). What `benchmarks/host_step.py` shows inside a whole engine step, without the rest of the step's noise.
+would (tokens of Python standard library source, host_step.py's corpus, so the detokenizer sees text), temperature
+0.8 / top_p 0.95, no stop strings, under the engine's garbage-collector threshold (engine/host_gc.py). For each
+(kind, L): the requests are run to L output tokens untimed, then `--steps` steps are timed; the run is repeated
+`--repeats` times and the best run's mean is reported, in ms per step (the processor is pure Python: the best run is
+the one the machine disturbed least). What `benchmarks/host_step.py` shows inside a whole engine step, without the
+rest of the step's noise.
 """
 
 from __future__ import annotations
@@ -17,34 +18,18 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 
-# Run as a script, this folder comes first on sys.path, where kernels.py would stand in for the `kernels` package
-# that transformers looks for: this script imports nothing of its neighbours.
-sys.path[:] = [path for path in sys.path if os.path.abspath(path or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-from jaxserve.engine.host_gc import tune_garbage_collector  # noqa: E402
-from jaxserve.engine.llm_engine import default_model_path  # noqa: E402
-from jaxserve.engine.output_processor import OutputProcessor  # noqa: E402
-from jaxserve.request import Request  # noqa: E402
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
-from jaxserve.tokenizer import load_tokenizer  # noqa: E402
+from benchmarks.host_step import corpus_token_ids
+from jaxserve.engine.host_gc import tune_garbage_collector
+from jaxserve.engine.llm_engine import default_model_path
+from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.request import Request
+from jaxserve.sampling_params import RequestOutputKind, SamplingParams
+from jaxserve.tokenizer import load_tokenizer
 
 PROMPT_LEN = 100
-
-
-def corpus(tokenizer, num_tokens: int) -> list[int]:
-    """At least `num_tokens` token ids of Python standard library source."""
-    ids: list[int] = []
-    for name in sorted(os.listdir(os.path.dirname(os.__file__))):
-        if name.endswith(".py"):
-            with open(os.path.join(os.path.dirname(os.__file__), name), encoding="utf-8", errors="replace") as f:
-                ids += tokenizer.encode(f.read(), add_special_tokens=False, verbose=False)
-            if len(ids) >= num_tokens:
-                return ids
-    return ids
 
 
 def time_steps(tokenizer, ids: list[int], rows: int, kind: RequestOutputKind, after: int, steps: int) -> float:
@@ -81,7 +66,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     tune_garbage_collector()
     tokenizer = load_tokenizer(default_model_path())
-    ids = corpus(tokenizer, 20_000)
+    ids = corpus_token_ids(tokenizer, 20_000).tolist()
     results = []
     for kind in args.kinds:
         for after in args.after:
