@@ -118,6 +118,15 @@ def _browser():
 
 
 def _shown(browser, element_id: str) -> str:
+    """The element's text; the page redraws some elements on each refresh, so one found just before a redraw is
+    looked up again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(20):
+        try:
+            return browser.find_element("id", element_id).text
+        except StaleElementReferenceException:
+            time.sleep(0.05)
     return browser.find_element("id", element_id).text
 
 

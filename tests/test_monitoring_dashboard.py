@@ -231,7 +231,7 @@ def test_every_query_runs_in_prometheus_scraping_a_server(openai_server, tmp_pat
                              timeout=60)
             try:
                 scrapes = query('count_over_time(up{job="jaxserve"}[1m])')["data"]["result"]
-            except httpx.TransportError:  # not listening yet
+            except (httpx.TransportError, json.JSONDecodeError):  # not listening, or "Service Unavailable" until ready
                 scrapes = []
             if scrapes and float(scrapes[0]["value"][1]) >= 4:
                 break
