@@ -46,6 +46,7 @@ from jaxserve.engine.core_messages import (
     apply_delta,
 )
 from jaxserve.engine.core_process import front_end_identity, process_alive, run_engine_core
+from jaxserve.engine.host_gc import freeze_start_up_objects, tune_garbage_collector
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request_maker import Prompt, RequestMaker
 from jaxserve.engine.served_model import ServedModel
@@ -128,6 +129,8 @@ class EngineCoreClient(AsyncEngineBase):
         self._sleeping = False
         self._stopping = False
         self._reader: asyncio.Task | None = None
+        tune_garbage_collector()  # outputs allocate as much per token as the engine's steps (engine/host_gc.py)
+        freeze_start_up_objects()
 
     @classmethod
     def launch(cls, config: EngineConfig, max_waiting_requests: int = 1024, stream_interval: int = 1,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 from collections.abc import Mapping
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core import EngineCore
+from jaxserve.engine.host_gc import freeze_start_up_objects
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.request_maker import ModelFacts, Prompt, RequestMaker, prefix_salt, reasoning_parser
 from jaxserve.lora_request import LoRARequest
@@ -72,11 +72,7 @@ class LLMEngine:
                                      functools.partial(core_placement, self.core))
         self.reasoning = self.requests.reasoning  # how replies split into thinking and answer (None: they do not)
         self.output_processor = OutputProcessor(self.tokenizer)
-        # Start-up leaves hundreds of thousands of long-lived objects (jax, transformers, executables);
-        # freezing them keeps every later full garbage collection from walking them (pauses of
-        # ~0.3 s mid-generation otherwise).
-        gc.collect()
-        gc.freeze()
+        freeze_start_up_objects()  # no later full garbage collection walks them (engine/host_gc.py)
 
     @property
     def generation_defaults(self) -> dict:
