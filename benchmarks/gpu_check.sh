@@ -16,7 +16,8 @@
 #    3 checks     the kernels against their references on NaN-poisoned pools
 #    4 bandwidth  device-to-device copy bandwidth: the best three ways of earlier runs (each printed)
 #    5 decode     decode kernel bandwidth and share of copy, B {8, 64} x ctx {2k, 8k, 32k}, at its default settings
-#                 (the best of the earlier sweeps)
+#                 (the best of the earlier sweeps); then cuDNN's paged attention (jax's) on the same shapes and pages,
+#                 its time over the kernel's best (issue 46)
 #    6 fallback   the engine's `xla` attention backend against the Pallas one on decode, B {8, 64} x ctx 8k
 #    7 prefill    the ragged kernel on 4 x 512-token chunks (0 and 2k cached) in TFLOP/s, against cuDNN causal
 #    8 kv_write   the KV write kernel for T {64, 2048} tokens
@@ -39,7 +40,7 @@
 # after SUMMARY_RESERVE_S for the summary and (while the end-to-end run is still to come) E2E_RESERVE_S for it,
 # whichever is less (the end-to-end run: all that is left). Planned seconds on an H200, guessed from the 2026-12-04
 # run's 411 s in all (its steps' own times were not kept; caps in brackets): env 6 [30], compiles 10 [60], checks
-# 12 [60], bandwidth 5 [30], decode 15 [45], fallback 20 [45], prefill 10 [40], kv_write 5 [25], fp8 25 [60],
+# 12 [60], bandwidth 5 [30], decode 30 [60], fallback 20 [45], prefill 10 [40], kv_write 5 [25], fp8 25 [60],
 # flags 75 [75], profile 40 [75], hf_peer 90 [100], e2e about 150 (start-up 60-80, the timed run 50-90) [the rest], summary 2.
 # GPU_CHECK_STEPS="env decode ..." runs only the steps it names (for a lease with little device time left).
 # Output under $OUT (else /tmp/gpu_check): the whole log (gpu_check.log), gpu_check.json and gpu_check.md, their
@@ -118,7 +119,7 @@ main() {
     run_step 2 compiles 60 "$E2E_RESERVE_S"
     run_step 3 checks 60 "$E2E_RESERVE_S"
     run_step 4 bandwidth 30 "$E2E_RESERVE_S"
-    run_step 5 decode 45 "$E2E_RESERVE_S"
+    run_step 5 decode 60 "$E2E_RESERVE_S"
     run_step 6 fallback 45 "$E2E_RESERVE_S"
     run_step 7 prefill 40 "$E2E_RESERVE_S"
     run_step 8 kv_write 25 "$E2E_RESERVE_S"

@@ -7,11 +7,13 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
+import numpy as np
 import pytest
 from helpers import FAST_COMPILE_XLA_FLAG, TEST_CACHE_DIR
 
-from benchmarks.gpu import flags, profile, summary
+from benchmarks.gpu import cudnn_paged, flags, profile, summary
 from benchmarks.gpu.checks import check_names
 from benchmarks.gpu.config import FULL, STEP_NAMES, TINY
 
@@ -48,6 +50,7 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     assert re.search(r"bandwidth copy uint32 4 MiB x1 +\d+ GB/s", out)
     assert re.search(r"decode B=2 +ctx=64 +splits auto\(1\) warps 8 stages 3 pages/step 1 .* us", out)
     assert re.search(r"decode B=2 +ctx=64 +splits auto\(1\) warps 4 stages 2 pages/step 2 .* us", out)
+    assert re.search(r"decode B=2 +ctx=64 +cudnn paged attention +skipped: no GPU", out)  # measured where cuDNN runs
     assert re.search(r"attention backend xla +B=2 .* us", out)
     assert re.search(r"prefill 2 x 16 tokens after 32 +ragged kernel .* TFLOP/s +err vs dense", out)
     assert re.search(r"kv write T=8 .* GB/s", out)
@@ -93,7 +96,8 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     if not report["results"]["hf_peer"].get("skipped"):
         assert headline["jaxserve_over_hf"] > 0
     markdown = (tmp_path / "out" / "gpu_check.md").read_text()
-    for text in ("the bf16 step under XLA flags (step 10): default",
+    for text in ("| cuDNN paged µs | cuDNN % copy | cuDNN / kernel |", "| no GPU (backend cpu)",
+                 "the bf16 step under XLA flags (step 10): default",
                  f"; not run (left out of the plan): {', '.join(left_out)}", "engine step profile (step 11), decode",
                  "| host gap |", "Hugging Face peer (step 12)",
                  "| output tok/s | requests |", "jaxserve end to end / Hugging Face's best"):
@@ -150,6 +154,62 @@ def test_decision_when_the_kernels_do_not_compile_or_are_wrong_or_were_not_measu
         "DECISION: none")
     assert summary.decision(FULL, {"compiles": COMPILED, "decode": decode_result({(8, 8192): None})}).startswith(
         "DECISION: none")
+
+
+def decode_rows() -> list[dict]:
+    """Saved decode rows of two shapes: the kernel's settings, and cuDNN's paged attention measured (right on one
+    shape, 0.8x the kernel's best time) or skipped."""
+    def row(batch, us, **fields):
+        return {"batch": batch, "context": 8192, "label": fields.pop("label", "x"), "bytes": 1, "us": us,
+                "gb_per_s": 1 / us, "copy_share": 50 / us, "spot_error": 1e-3, **fields}
+
+    return [row(8, 100.0), row(8, 90.0, label="fast"), row(8, 50.0, label="wrong", spot_error=0.5),
+            row(8, 72.0, route="cudnn", label=cudnn_paged.LABEL), row(64, 400.0),
+            {"batch": 64, "context": 8192, "route": "cudnn", "label": cudnn_paged.LABEL, "bytes": 1,
+             "skipped": "no GPU"}]
+
+
+def test_cudnn_rows_are_compared_with_the_kernels_best_and_never_taken_for_it():
+    from benchmarks.gpu import decode
+
+    found = decode.result(decode_rows(), copy=1.0)
+    assert [(row["batch"], row["label"]) for row in found["best"]] == [(8, "fast"), (64, "x")]
+    (cudnn,) = found["cudnn"]
+    assert (cudnn["batch"], cudnn["kernel_us"], cudnn["right"]) == (8, 90.0, True)
+    assert cudnn["over_kernel"] == pytest.approx(0.8)
+    assert not found["ok"] and found["summary"].endswith("1 WRONG; cuDNN measured on 1")  # the kernel's wrong row
+    table = "\n".join(summary.decode_table(FULL, found))
+    assert "| 8 | 8192 | fast | 90.0 |" in table and "| 72.0 | 69 | 0.80 |" in table
+    assert "| 64 | 8192 | x | 400.0 |" in table and "| no GPU | - | - |" in table
+
+
+def test_cudnn_page_tables_fill_the_pool_as_jaxs_wrapper_asks():
+    table = np.arange(1, 9).reshape(2, 4)  # (B, W): two rows of four pages
+    padded = cudnn_paged.padded_page_table(table, 12)
+    assert padded.shape == (2, 1, 6, 1) and padded.dtype == np.int32  # B x blocks per row = the pool's pages
+    assert padded[:, 0, :4, 0].tolist() == table.tolist() and not padded[:, 0, 4:, 0].any()  # then the null page
+    for pool_pages in (13, 6):  # not a multiple of B; fewer pages per row than a row holds
+        with pytest.raises(ValueError, match="cannot be split into 2 rows"):
+            cudnn_paged.padded_page_table(table, pool_pages)
+
+
+def test_cudnn_paged_decode_lowers_for_cuda_one_fused_attention_per_call():
+    """The dispatch as step 5 runs it on a GPU, lowered for cuda here (cuDNN's version check, which needs the GPU,
+    stood in for): shapes jax's wrapper accepts, one cuDNN fused-attention custom call per decode call."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    batch, heads, kv_heads, head_dim, page, pool_pages, calls, sets = 2, 4, 2, 64, 16, 16, 3, 2
+    qs = jax.ShapeDtypeStruct((calls, batch, heads, head_dim), jnp.bfloat16)
+    pool = tuple(jax.ShapeDtypeStruct((pool_pages, page, kv_heads, head_dim), jnp.bfloat16) for _ in range(sets))
+    table = jax.ShapeDtypeStruct((batch, 1, pool_pages // batch, 1), jnp.int32)
+    seq_lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    with mock.patch.object(cudnn, "check_cudnn_version", return_value=91000):
+        traced = cudnn_paged.program(calls, sets).trace(qs, pool, pool, table, seq_lens)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert [out.shape for out in traced.out_info] == [(batch, heads, head_dim)] * calls
+    assert text.count("@__cudnn$fmhaSoftmax") == calls
 
 
 def test_the_plans_name_real_checks_and_cover_the_issue():

@@ -83,9 +83,15 @@ def time_calls(call, qs: jax.Array, operands, num_sets: int, repeats: int) -> di
     run = repeated_calls(call, num_calls, num_sets)
     samples, first_s, outputs = time_dispatches(
         run, lambda d: (qs, operands, jnp.int32(d * num_calls % num_sets)), repeats)
+    return per_call(samples, first_s, outputs[0], num_calls)
+
+
+def per_call(samples: list[float], first_s: float, output, num_calls: int) -> dict:
+    """A call's time from timed dispatches of `num_calls` calls each: us (median), us_min, us_max, first_dispatch_s,
+    calls, and `output` (the first call's)."""
     return {"us": float(np.median(samples)) / num_calls * 1e6, "us_min": min(samples) / num_calls * 1e6,
             "us_max": max(samples) / num_calls * 1e6, "first_dispatch_s": first_s, "calls": num_calls,
-            "output": outputs[0]}
+            "output": output}
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))

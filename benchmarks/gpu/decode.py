@@ -6,7 +6,9 @@ pages drawn at random from the pool so reads are scattered, under several settin
 splits). Bytes moved per call are the K and V pages read, rows x ceil(ctx / page) x page x Hkv x D
 x 2 bytes x 2, plus Q read and O written (page tables and split partials ignored). Each setting's
 first output is compared with a float32 reference on two rows (`spot err`); a setting whose output
-is wrong is never the best.
+is wrong is never the best. Beside the kernel, the same inputs through cuDNN's paged attention
+(benchmarks/gpu/cudnn_paged.py, where cuDNN runs): a row of its own per shape, compared with the
+kernel's best, never counted as the kernel's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.gpu import cudnn_paged
 from benchmarks.gpu.common import BF16_TOLERANCE, random_pool, relative_error, rotation, time_calls
 from benchmarks.gpu.config import Model, Plan, Setting
 from benchmarks.gpu.step import Step, error_text
@@ -116,38 +119,71 @@ def measure_setting(setting: Setting, inputs: dict, num_sets: int, step: Step) -
     return timing
 
 
+def shape_seed(step: Step, batch: int, context: int) -> int:
+    """The seed of one shape's inputs: the kernel and cuDNN read the same pages."""
+    return step.seed + batch * 100003 + context
+
+
 def measure_shape(batch: int, context: int, step: Step, copy: float | None) -> list[dict]:
-    """Every setting on one (batch, context); one row each, printed as measured."""
+    """Every kernel setting on one (batch, context); one row each, printed as measured."""
     plan, page_size = step.plan, step.plan.page_size
     moved = bytes_moved(batch, context, plan.model, page_size)
     num_sets, num_calls = rotation(kv_bytes(batch, context, plan.model, page_size), plan.interpret)
     inputs = decode_inputs(batch, context, plan.model, page_size, num_sets, num_calls,
-                           seed=step.seed + batch * 100003 + context)
+                           seed=shape_seed(step, batch, context))
     auto_splits = choose_num_splits(batch, plan.model.kv_heads, inputs["page_table"].shape[1])
     rows = []
     for setting in settings(plan, auto_splits):
         row = {"batch": batch, "context": context, "setting": dataclasses.asdict(setting),
                "label": setting.label(auto_splits), "bytes": moved, "sets": num_sets}
-        if step.out_of_time():
-            row["skipped"] = "out of time"
-        else:
-            try:
-                row.update(measure_setting(setting, inputs, num_sets, step))
-                row["gb_per_s"] = moved / (row["us"] * 1e-6) / 1e9
-                row["copy_share"] = None if copy is None else row["gb_per_s"] / copy
-            except Exception as exc:  # noqa: BLE001 - e.g. a setting Triton rejects: record it, go on
-                traceback.print_exc(limit=-4)
-                row["error"] = error_text(exc)
+        measure_row(row, lambda: measure_setting(setting, inputs, num_sets, step), copy, step)
         rows.append(row)
         print(describe(row), flush=True)
     return rows
+
+
+def measure_cudnn(batch: int, context: int, step: Step, copy: float | None, unavailable: str | None) -> dict:
+    """cuDNN's paged attention on one (batch, context), the kernel's pages with at most cudnn_paged.MAX_CALLS calls a
+    dispatch: its row (measured, failed, or skipped: out of time or `unavailable`), printed."""
+    plan, page_size = step.plan, step.plan.page_size
+    num_sets, num_calls = rotation(kv_bytes(batch, context, plan.model, page_size), plan.interpret,
+                                   cudnn_paged.MAX_CALLS)
+    row = {"batch": batch, "context": context, "route": "cudnn", "label": cudnn_paged.LABEL,
+           "bytes": bytes_moved(batch, context, plan.model, page_size), "sets": num_sets}
+
+    def measure() -> dict:
+        inputs = decode_inputs(batch, context, plan.model, page_size, num_sets, num_calls,
+                               seed=shape_seed(step, batch, context))
+        timing = cudnn_paged.measure(inputs, num_sets, plan.decode_repeats)
+        timing["spot_error"] = spot_error(timing.pop("output"), inputs)
+        return timing
+
+    measure_row(row, measure, copy, step, unavailable)
+    print(describe(row), flush=True)
+    return row
+
+
+def measure_row(row: dict, measure, copy: float | None, step: Step, unavailable: str | None = None) -> None:
+    """Fill a row from `measure()` (a timing with its spot error) and its bandwidth; or the error it raised, or why it
+    was skipped (out of time, or `unavailable`)."""
+    reason = "out of time" if step.out_of_time() else unavailable
+    if reason:
+        row["skipped"] = reason
+        return
+    try:
+        row.update(measure())
+        row["gb_per_s"] = row["bytes"] / (row["us"] * 1e-6) / 1e9
+        row["copy_share"] = None if copy is None else row["gb_per_s"] / copy
+    except Exception as exc:  # noqa: BLE001 - e.g. a setting Triton rejects: record it, go on
+        traceback.print_exc(limit=-4)
+        row["error"] = error_text(exc)
 
 
 def describe(row: dict) -> str:
     """One log line for a measured (or failed, or skipped) setting."""
     head = f"decode B={row['batch']:<3} ctx={row['context']:<6} {row['label']:<46}"
     if "us" not in row:
-        return f"{head} {row.get('skipped') or 'FAIL ' + row.get('error', '')}"
+        return f"{head} {'skipped: ' + row['skipped'] if 'skipped' in row else 'FAIL ' + row.get('error', '')}"
     share = "" if row["copy_share"] is None else f"{100 * row['copy_share']:5.1f}% of copy"
     wrong = "" if is_right(row) else "  WRONG"
     return (f"{head} {row['us']:9.1f} us {row['gb_per_s']:7.0f} GB/s {share}  spot err {row['spot_error']:.1e}"
@@ -160,9 +196,9 @@ def is_right(row: dict) -> bool:
 
 
 def best_rows(rows: list[dict]) -> list[dict]:
-    """Per (batch, context), the fastest measured setting whose output was right."""
+    """Per (batch, context), the kernel's fastest measured setting whose output was right."""
     best: dict[tuple[int, int], dict] = {}
-    for row in rows:
+    for row in kernel_rows(rows):
         if "us" in row and is_right(row):
             key = (row["batch"], row["context"])
             if key not in best or row["us"] < best[key]["us"]:
@@ -170,34 +206,74 @@ def best_rows(rows: list[dict]) -> list[dict]:
     return [best[key] for key in sorted(best)]
 
 
+def kernel_rows(rows: list[dict]) -> list[dict]:
+    """The rows of the Pallas kernel's settings (not cuDNN's)."""
+    return [row for row in rows if row.get("route") != "cudnn"]
+
+
+def cudnn_against_kernel(rows: list[dict]) -> list[dict]:
+    """Per shape where cuDNN's paged attention was measured: its row's figures and its time over the kernel's best
+    (`over_kernel`: None without a right kernel measurement; below 1, cuDNN is faster)."""
+    best = {(row["batch"], row["context"]): row for row in best_rows(rows)}
+    compared = []
+    for row in rows:
+        if row.get("route") == "cudnn" and "us" in row:
+            kernel = best.get((row["batch"], row["context"]))
+            compared.append({"batch": row["batch"], "context": row["context"], "us": row["us"],
+                             "gb_per_s": row["gb_per_s"], "copy_share": row["copy_share"], "right": is_right(row),
+                             "kernel_us": None if kernel is None else kernel["us"],
+                             "over_kernel": None if kernel is None else row["us"] / kernel["us"]})
+    return compared
+
+
 def result(rows: list[dict], copy: float | None) -> dict:
-    """The step's result from its rows so far: every row, the best per shape, a one-line summary."""
-    best = best_rows(rows)
-    wrong = sum("us" in row and not is_right(row) for row in rows)
-    failed = sum("error" in row for row in rows)
-    summary = (f"{sum('us' in row for row in rows)}/{len(rows)} settings measured on {len(best)} shapes"
-               f"{f', {wrong} WRONG' if wrong else ''}{f', {failed} failed' if failed else ''}")
-    return {"ok": bool(best) and not wrong, "summary": summary, "copy_gb_per_s": copy, "rows": rows, "best": best}
+    """The step's result from its rows so far: every row, the kernel's best per shape, cuDNN's against it, a one-line
+    summary (cuDNN's rows do not decide whether the step is ok)."""
+    best, kernel = best_rows(rows), kernel_rows(rows)
+    wrong = sum("us" in row and not is_right(row) for row in kernel)
+    failed = sum("error" in row for row in kernel)
+    cudnn = cudnn_against_kernel(rows)
+    cudnn_rows = [row for row in rows if row.get("route") == "cudnn"]
+    if cudnn:
+        cudnn_text = f"cuDNN measured on {len(cudnn)}" + "".join(
+            f", {n} {what}" for n, what in ((sum(not c["right"] for c in cudnn), "WRONG"),
+                                            (sum("error" in row for row in cudnn_rows), "failed")) if n)
+    else:
+        skipped = cudnn_rows[0].get("skipped") if cudnn_rows else None
+        cudnn_text = f"cuDNN skipped: {skipped}" if skipped else ("cuDNN failed" if cudnn_rows else "cuDNN not reached")
+    summary = (f"{sum('us' in row for row in kernel)}/{len(kernel)} settings measured on {len(best)} shapes"
+               f"{f', {wrong} WRONG' if wrong else ''}{f', {failed} failed' if failed else ''}; {cudnn_text}")
+    return {"ok": bool(best) and not wrong, "summary": summary, "copy_gb_per_s": copy, "rows": rows, "best": best,
+            "cudnn": cudnn}
 
 
 def run(step: Step) -> dict:
-    """Step 5: every shape and setting (the result so far saved after each shape); per shape, the best setting
-    and its share of copy bandwidth."""
+    """Step 5: every shape and setting, then cuDNN on every shape (the result so far saved after each); per shape, the
+    kernel's best setting and its share of copy bandwidth, and cuDNN's against it."""
     plan = step.plan
     copy = step.copy_gbps()
     print(f"copy bandwidth (step 4): {'not measured: no shares' if copy is None else f'{copy:.0f} GB/s'}")
     rows = []
-    for context in plan.decode_contexts:
-        for batch in plan.decode_batches:
-            try:
-                rows += measure_shape(batch, context, step, copy)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of memory making the inputs
-                traceback.print_exc(limit=-4)
-                rows.append({"batch": batch, "context": context, "label": "inputs", "error": error_text(exc)})
-                print(describe(rows[-1]), flush=True)
-            step.save_partial("decode", result(rows, copy))
+    shapes = [(batch, context) for context in plan.decode_contexts for batch in plan.decode_batches]
+    for batch, context in shapes:
+        try:
+            rows += measure_shape(batch, context, step, copy)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory making the inputs
+            traceback.print_exc(limit=-4)
+            rows.append({"batch": batch, "context": context, "label": "inputs", "error": error_text(exc)})
+            print(describe(rows[-1]), flush=True)
+        step.save_partial("decode", result(rows, copy))
+    unavailable = cudnn_paged.unavailable()  # after the kernel's shapes, which the decision reads
+    for batch, context in shapes:
+        rows.append(measure_cudnn(batch, context, step, copy, unavailable))
+        step.save_partial("decode", result(rows, copy))
     final = result(rows, copy)
     for row in final["best"]:
         share = "" if row["copy_share"] is None else f", {100 * row['copy_share']:.0f}% of copy"
         print(f"best B={row['batch']} ctx={row['context']}: {row['label']}: {row['gb_per_s']:.0f} GB/s{share}")
+    for row in final["cudnn"]:
+        share = "" if row["copy_share"] is None else f", {100 * row['copy_share']:.0f}% of copy"
+        ratio = "" if row["over_kernel"] is None else f", {row['over_kernel']:.2f}x the kernel's best time"
+        print(f"cudnn B={row['batch']} ctx={row['context']}: {row['gb_per_s']:.0f} GB/s{share}{ratio}"
+              f"{'' if row['right'] else ', WRONG'}")
     return final

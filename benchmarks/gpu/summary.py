@@ -87,16 +87,27 @@ def steps_table(statuses: list[dict], results: dict) -> list[str]:
 
 
 def decode_table(plan: Plan, decode: dict) -> list[str]:
-    """Markdown: per decode shape, its best setting and its default setting (auto splits)."""
-    lines = ["| B | ctx | best setting | µs | GB/s | % copy | default µs | default % copy |",
-             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    """Markdown: per decode shape, the kernel's best setting, its default setting (auto splits) and cuDNN's paged
+    attention (its time, share of copy and time over the kernel's best, or why it has none)."""
+    lines = ["| B | ctx | best setting | µs | GB/s | % copy | default µs | default % copy | cuDNN paged µs "
+             "| cuDNN % copy | cuDNN / kernel |",
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     defaults = {(row["batch"], row["context"]): row for row in decode.get("rows", [])
                 if plan.is_default(row) and "us" in row}
+    tried = {(row["batch"], row["context"]): row for row in decode.get("rows", []) if row.get("route") == "cudnn"}
+    measured = {(row["batch"], row["context"]): row for row in decode.get("cudnn", [])}
     share = lambda row: None if row.get("copy_share") is None else 100 * row["copy_share"]  # noqa: E731
     for row in decode.get("best", []):
-        default = defaults.get((row["batch"], row["context"]), {})
+        key = (row["batch"], row["context"])
+        default, cudnn, why = defaults.get(key, {}), measured.get(key), tried.get(key, {})
+        if cudnn is not None:
+            cells = (f"{cudnn['us']:.1f}{'' if cudnn['right'] else ' WRONG'} | {fmt(share(cudnn), '.0f')} | "
+                     f"{fmt(cudnn['over_kernel'], '.2f')}")
+        else:
+            cells = f"{why.get('skipped') or ('FAIL' if 'error' in why else '-')} | - | -"
         lines.append(f"| {row['batch']} | {row['context']} | {row['label']} | {row['us']:.1f} | {row['gb_per_s']:.0f} "
-                     f"| {fmt(share(row), '.0f')} | {fmt(default.get('us'))} | {fmt(share(default), '.0f')} |")
+                     f"| {fmt(share(row), '.0f')} | {fmt(default.get('us'))} | {fmt(share(default), '.0f')} "
+                     f"| {cells} |")
     return lines
 
 
