@@ -1,6 +1,7 @@
 """Test setup: CPU only, four simulated devices for tensor-parallel tests, shared engine helpers."""
 
 import os
+from unittest import mock
 
 from helpers import FAST_COMPILE_XLA_FLAG  # (helpers imports no jax: the flags below still take effect)
 
@@ -46,12 +47,35 @@ def pytest_collection_modifyitems(items):
 MAX_KEPT_MAPPINGS = 40_000
 
 
+@pytest.fixture(scope="session", autouse=True)
+def each_files_garbage_collected_alone():
+    """Python's cyclic collector in a worker: everything alive at the end of a test file is frozen (`gc.freeze`), so
+    the next file's collections walk only what that file makes. An engine's start-up collects everything and freezes
+    it (engine/host_gc.py: once per process in production); a worker builds ~150 engines, each such collection
+    walked every object the worker held (~1 s), and each file's end had to unfreeze them all to free its engines and
+    walk them again: 70-75 s of a worker's 260-300 s of CPU went to the collector (2026-12-07). Here engines do not
+    freeze (the helper's own test is tests/test_host_gc.py); a file's end collects its garbage and freezes the rest."""
+    import gc
+
+    import hypothesis  # noqa: F401 - its plugins' hooks look for referrers, which frozen objects hide: first
+
+    from jaxserve.engine import core_client, llm_engine
+
+    gc.collect()
+    gc.freeze()  # the imports: never garbage
+    with mock.patch.object(llm_engine, "freeze_start_up_objects", lambda: None), \
+            mock.patch.object(core_client, "freeze_start_up_objects", lambda: None):
+        yield
+
+
 @pytest.fixture(scope="module", autouse=True)
-def release_executables_after_each_file():
+def release_executables_after_each_file(each_files_garbage_collected_alone):
     """Free the compiled executables a test file leaves behind once its engines are gone, but the shared ones: each
     holds memory mappings of its machine code, and a worker that kept every file's (JAX's jit caches) passed the
     kernel's default limit of 65530 mappings per process (vm.max_map_count) and crashed in XLA. Later files load
-    the others from the persistent compilation cache."""
+    the others from the persistent compilation cache. The file's garbage is collected; what is left is frozen
+    (see each_files_garbage_collected_alone), unless the worker holds too many mappings: then everything is
+    collected."""
     yield
     import gc
 
@@ -61,11 +85,12 @@ def release_executables_after_each_file():
 
     jax.clear_caches()
     _forget_fastapi_endpoints()
-    gc.unfreeze()  # LLMEngine's start-up gc.freeze() hides frozen cycles (engines among them) from gc.collect
-    gc.collect()
+    gc.collect()  # the file's objects: the older ones are frozen
     if _memory_mappings() > MAX_KEPT_MAPPINGS:
         clear_shared_executables()
+        gc.unfreeze()  # and anything older that only the executables kept
         gc.collect()
+    gc.freeze()
 
 
 def _memory_mappings() -> int:
