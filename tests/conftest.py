@@ -56,10 +56,11 @@ def each_files_garbage_collected_alone():
     walk them again: 70-75 s of a worker's 260-300 s of CPU went to the collector (2026-12-07). Here engines do not
     freeze (the helper's own test is tests/test_host_gc.py); a file's end collects its garbage and freezes the rest."""
     import gc
-
-    import hypothesis  # noqa: F401 - its plugins' hooks look for referrers, which frozen objects hide: first
+    import importlib
 
     from jaxserve.engine import core_client, llm_engine
+
+    importlib.import_module("hypothesis")  # first: its plugins' hooks look for referrers, which frozen objects hide
 
     gc.collect()
     gc.freeze()  # the imports: never garbage

@@ -51,6 +51,7 @@ def test_gpu_check_runs_end_to_end_in_tiny_mode(tmp_path):
     assert re.search(r"decode B=2 +ctx=64 +splits auto\(1\) warps 8 stages 3 pages/step 1 .* us", out)
     assert re.search(r"decode B=2 +ctx=64 +splits auto\(1\) warps 4 stages 2 pages/step 2 .* us", out)
     assert re.search(r"decode B=2 +ctx=64 +cudnn paged attention +skipped: no GPU", out)  # measured where cuDNN runs
+    assert "cuDNN measured on 0/1 shapes, skipped: no GPU" in out
     assert re.search(r"attention backend xla +B=2 .* us", out)
     assert re.search(r"prefill 2 x 16 tokens after 32 +ragged kernel .* TFLOP/s +err vs dense", out)
     assert re.search(r"kv write T=8 .* GB/s", out)
@@ -177,7 +178,8 @@ def test_cudnn_rows_are_compared_with_the_kernels_best_and_never_taken_for_it():
     (cudnn,) = found["cudnn"]
     assert (cudnn["batch"], cudnn["kernel_us"], cudnn["right"]) == (8, 90.0, True)
     assert cudnn["over_kernel"] == pytest.approx(0.8)
-    assert not found["ok"] and found["summary"].endswith("1 WRONG; cuDNN measured on 1")  # the kernel's wrong row
+    assert not found["ok"]  # the kernel's wrong row; cuDNN's rows do not count
+    assert found["summary"].endswith("1 WRONG; cuDNN measured on 1/2 shapes, skipped: no GPU")
     table = "\n".join(summary.decode_table(FULL, found))
     assert "| 8 | 8192 | fast | 90.0 |" in table and "| 72.0 | 69 | 0.80 |" in table
     assert "| 64 | 8192 | x | 400.0 |" in table and "| no GPU | - | - |" in table

@@ -232,15 +232,13 @@ def result(rows: list[dict], copy: float | None) -> dict:
     best, kernel = best_rows(rows), kernel_rows(rows)
     wrong = sum("us" in row and not is_right(row) for row in kernel)
     failed = sum("error" in row for row in kernel)
-    cudnn = cudnn_against_kernel(rows)
-    cudnn_rows = [row for row in rows if row.get("route") == "cudnn"]
-    if cudnn:
-        cudnn_text = f"cuDNN measured on {len(cudnn)}" + "".join(
-            f", {n} {what}" for n, what in ((sum(not c["right"] for c in cudnn), "WRONG"),
-                                            (sum("error" in row for row in cudnn_rows), "failed")) if n)
-    else:
-        skipped = cudnn_rows[0].get("skipped") if cudnn_rows else None
-        cudnn_text = f"cuDNN skipped: {skipped}" if skipped else ("cuDNN failed" if cudnn_rows else "cuDNN not reached")
+    cudnn, tried = cudnn_against_kernel(rows), [row for row in rows if row.get("route") == "cudnn"]
+    cudnn_wrong = sum(not row["right"] for row in cudnn)
+    cudnn_failed = sum("error" in row for row in tried)
+    skipped = {row["skipped"] for row in tried if "skipped" in row}
+    cudnn_text = (f"cuDNN measured on {len(cudnn)}/{len(tried)} shapes{f', {cudnn_wrong} WRONG' if cudnn_wrong else ''}"
+                  f"{f', {cudnn_failed} failed' if cudnn_failed else ''}"
+                  f"{f', skipped: {sorted(skipped)[0]}' if skipped else ''}")
     summary = (f"{sum('us' in row for row in kernel)}/{len(kernel)} settings measured on {len(best)} shapes"
                f"{f', {wrong} WRONG' if wrong else ''}{f', {failed} failed' if failed else ''}; {cudnn_text}")
     return {"ok": bool(best) and not wrong, "summary": summary, "copy_gb_per_s": copy, "rows": rows, "best": best,
