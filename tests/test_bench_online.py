@@ -187,3 +187,17 @@ def test_throughput_bars_and_step_timeline_write_pngs(tmp_path):
                         pages_in_use=i + 1, token_slots_used=12 * (i + 1)) for i in range(5)]
     for path in (throughput_bars(rows, str(tmp_path / "bars.png")), step_timeline(steps, 16, str(tmp_path / "t.png"))):
         assert os.path.getsize(path) > 0
+
+
+def test_the_serve_command_tunes_its_garbage_collector_then_runs(monkeypatch):
+    """`jaxserve bench serve`'s process collects as the engine's does (engine/host_gc.py), before any request."""
+    from jaxserve.bench import online
+    from jaxserve.cli import build_parser
+
+    calls = []
+    monkeypatch.setattr(online, "tune_garbage_collector", lambda: calls.append("tune"))
+    monkeypatch.setattr(online, "freeze_start_up_objects", lambda: calls.append("freeze"))
+    monkeypatch.setattr(online, "run", lambda args: calls.append(("run", args.base_url)) or {})
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:9"])
+    assert args.handler(args) == 0
+    assert calls == ["tune", "freeze", ("run", "http://127.0.0.1:9")]
