@@ -250,7 +250,7 @@ def hand_made_trace() -> dict:
     def event(name, ts, dur, pid=2, tid=10, **args):
         return {"ph": "X", "pid": pid, "tid": tid, "name": name, "ts": ts, "dur": dur, "args": args}
 
-    forward, sampler = {"hlo_module": "jit_profile_forward"}, {"hlo_module": "jit_profile_sampler"}
+    forward = {"hlo_module": "jit_profile_forward"}
     events = [meta("process_name", 1, "/host:CPU"), meta("process_name", 2, "/device:GPU:0"),
               meta("thread_name", 1, "python", 5), meta("thread_name", 2, "Stream #7(Kernel,MemcpyD2D)", 10),
               meta("thread_name", 2, "XLA Ops", 11), meta("thread_name", 2, "XLA Modules", 12),

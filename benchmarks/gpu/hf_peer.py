@@ -189,10 +189,12 @@ def cb_fields(options: dict) -> dict:
 
 def continuous_unavailable(model) -> str | None:
     """Why this transformers has no continuous batching to run, or None."""
+    import transformers
+
     try:
-        from transformers import ContinuousBatchingConfig  # noqa: F401
-    except ImportError as exc:
-        return f"no ContinuousBatchingConfig in transformers ({error_text(exc)})"
+        getattr(transformers, "ContinuousBatchingConfig")  # (transformers imports its names lazily)
+    except (AttributeError, ImportError) as exc:
+        return f"no ContinuousBatchingConfig in transformers {transformers.__version__} ({error_text(exc)})"
     missing = [name for name in ("init_continuous_batching", "generate_batch") if not hasattr(model, name)]
     return f"the model has no {', '.join(missing)}" if missing else None
 
