@@ -55,6 +55,7 @@ sys.path[:] = [path for path in sys.path if os.path.abspath(path or ".") != os.p
 import numpy as np  # noqa: E402
 
 from jaxserve.batch.packing import pack  # noqa: E402
+from jaxserve.bench.results import write_json  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.engine import core_builder  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path  # noqa: E402
@@ -325,8 +326,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(text.getvalue(), flush=True)
     print(f"\nhost ms per step, mean (best) over {args.steps} timed steps:\n{table(results)}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     return results
 
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 
 from benchmarks.host_step import corpus_token_ids
+from jaxserve.bench.results import write_json
 from jaxserve.engine.host_gc import tune_garbage_collector
 from jaxserve.engine.llm_engine import default_model_path
 from jaxserve.engine.output_processor import OutputProcessor
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{kind:>10} rows {args.rows} after {after:>5} tokens: {min(runs):.3f} ms per step (best of "
                   f"{args.repeats}: {', '.join(f'{run:.2f}' for run in runs)})", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     return results
 
 

@@ -30,6 +30,7 @@ from unittest import mock
 
 from benchmarks.host_step import FakeRunner, corpus_token_ids, model_folder
 from jaxserve.bench.online import free_port, healthy, log_tail, stop_process
+from jaxserve.bench.results import write_json
 from jaxserve.config import EngineConfig
 from jaxserve.engine import core_builder
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
@@ -157,8 +158,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = [measure(rows, engine) for rows in args.streams for engine in args.engine]
     print(report(results))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     return results
 
 

@@ -13,7 +13,7 @@ def command_args(args: argparse.Namespace) -> dict:
     return {key: value for key, value in vars(args).items() if not callable(value)}
 
 
-def write_json(path: str, result: dict, log: Callable[[str], None] = print) -> None:
+def write_json(path: str, result: dict | list, log: Callable[[str], None] = print) -> None:
     """Write `result` (JSON-able) to `path`, making its folder, and say so."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
