@@ -211,13 +211,18 @@ def kernel_rows(rows: list[dict]) -> list[dict]:
     return [row for row in rows if row.get("route") != "cudnn"]
 
 
+def cudnn_rows(rows: list[dict]) -> list[dict]:
+    """cuDNN's paged attention's rows, one per shape it was tried on."""
+    return [row for row in rows if row.get("route") == "cudnn"]
+
+
 def cudnn_against_kernel(rows: list[dict]) -> list[dict]:
     """Per shape where cuDNN's paged attention was measured: its row's figures and its time over the kernel's best
     (`over_kernel`: None without a right kernel measurement; below 1, cuDNN is faster)."""
     best = {(row["batch"], row["context"]): row for row in best_rows(rows)}
     compared = []
-    for row in rows:
-        if row.get("route") == "cudnn" and "us" in row:
+    for row in cudnn_rows(rows):
+        if "us" in row:
             kernel = best.get((row["batch"], row["context"]))
             compared.append({"batch": row["batch"], "context": row["context"], "us": row["us"],
                              "gb_per_s": row["gb_per_s"], "copy_share": row["copy_share"], "right": is_right(row),
@@ -232,7 +237,7 @@ def result(rows: list[dict], copy: float | None) -> dict:
     best, kernel = best_rows(rows), kernel_rows(rows)
     wrong = sum("us" in row and not is_right(row) for row in kernel)
     failed = sum("error" in row for row in kernel)
-    cudnn, tried = cudnn_against_kernel(rows), [row for row in rows if row.get("route") == "cudnn"]
+    cudnn, tried = cudnn_against_kernel(rows), cudnn_rows(rows)
     cudnn_wrong = sum(not row["right"] for row in cudnn)
     cudnn_failed = sum("error" in row for row in tried)
     skipped = {row["skipped"] for row in tried if "skipped" in row}

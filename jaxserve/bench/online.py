@@ -378,7 +378,7 @@ def _ms(value: float | None) -> str:
 
 def run_as_command(args: argparse.Namespace) -> dict:
     """`jaxserve bench serve` in a process of its own: Python's collector tuned as the engine's is (engine/host_gc.py),
-    then `run`. Its raw responses are many small objects: at CPython's defaults the client spent 34-45 us of CPU a
+    then `run`. Its raw responses are many small objects: at CPython's defaults the client spent 34-46 us of CPU a
     chunk at 512 streams against 18-25 tuned, CPU that a server on the same host does not get (docs/benchmarks.md)."""
     tune_garbage_collector()
     freeze_start_up_objects()

@@ -10,7 +10,8 @@ cycle at once; only cyclic garbage waits a little longer.
 
 An engine-core process's front end (engine/core_client.py: detokenizing, outputs, SSE) allocates as much per token
 and ran under CPython's defaults: at 512 streams over a runner with no device time, collections took about a third of
-its time, and its CPU per token fell from 38-47 to 21-27 us once it was tuned too (docs/benchmarks.md).
+its time, and its CPU per token fell from 43.8 to 30.1 us (means of four rounds) once it was tuned too
+(docs/benchmarks.md).
 """
 
 from __future__ import annotations
