@@ -11,12 +11,16 @@ streaming completions at once (--max-concurrency N): prompts of 32 tokens, 256 o
 through its raw-socket client, on the same 2-core machine. Reported per N: the streamed output tokens/s (all
 tokens over the run's wall time), TTFT and inter-token latency, the client's own CPU per chunk, and the engine's
 host time per step from the server's step timing (schedule, build, update, output) and the front end's CPU per
-generated token, read when the server stops.
+generated token, read when the server stops. `--replies whole` sends the same N requests not streamed (an httpx
+client), each reply whole at its end.
+
+    python -m benchmarks.serving_capacity --streams 512 --engine process --replies streamed whole
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import functools
 import json
@@ -101,23 +105,61 @@ def fake_server(rows: int, stats_path: str, engine: str):
         stop_process(proc)  # SIGTERM: uvicorn shuts down gracefully, then `serve` writes the stats
 
 
-def measure(rows: int, engine: str) -> dict:
-    """One stream count on one engine layout: the client's figures and the server's step timing."""
+async def whole_replies(url: str, rows: int) -> dict:
+    """`rows` completions at once, each sent whole (not streamed), of the workload `jaxserve bench serve` streams
+    (PROMPT_LEN-token prompts, OUTPUT_LEN tokens each); the figures its report reads: output tokens/s over the
+    run's wall time, end-to-end latency (as both TTFT and ITL: a whole reply's tokens all come at its end)."""
+    import httpx
+
+    from jaxserve.bench.stats import summarize
+
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=rows)) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(i: int) -> tuple[int, float]:
+            body = {"model": model, "prompt": [100 + (i + j) % 1000 for j in range(PROMPT_LEN)],
+                    "max_tokens": OUTPUT_LEN, "ignore_eos": True, "temperature": 0}
+            start = time.perf_counter()
+            try:
+                response = await client.post("/v1/completions", json=body)
+            except httpx.TransportError:  # (a connection reset under 512 at once, now and then): a failed request
+                return -1, time.perf_counter() - start
+            return (response.json()["usage"]["completion_tokens"] if response.status_code == 200 else -1,
+                    time.perf_counter() - start)
+
+        start = time.perf_counter()
+        done = await asyncio.gather(*(one(i) for i in range(rows)))
+        duration = time.perf_counter() - start
+    tokens = sum(n for n, _ in done if n > 0)
+    latency = summarize([1000 * s for n, s in done if n > 0])
+    return {"output_tokens": tokens, "duration_s": duration, "output_tokens_per_s": tokens / duration,
+            "failed": sum(n < 0 for n, _ in done), "latency_ms": {"ttft_ms": latency, "itl_ms": latency},
+            "client": None}
+
+
+def measure(rows: int, engine: str, whole: bool = False) -> dict:
+    """One stream count on one engine layout (`whole`: each reply sent whole, not streamed): the client's figures
+    and the server's step timing."""
     with tempfile.TemporaryDirectory() as folder:
         stats_path, result_path = os.path.join(folder, "stats.json"), os.path.join(folder, "client.json")
         with fake_server(rows, stats_path, engine) as (url, _):
-            subprocess.run([sys.executable, "-m", "jaxserve", "bench", "serve", "--base-url", url, "--request-rate",
-                            "inf", "--max-concurrency", str(rows), "--num-requests", str(rows), "--input-len-dist",
-                            "fixed", "--input-len", str(PROMPT_LEN), "--output-len-dist", "fixed", "--output-len",
-                            str(OUTPUT_LEN), "--no-progress", "--json", result_path],
-                           check=True, stdout=subprocess.DEVNULL)
-        with open(result_path) as f:
-            client = json.load(f)["rates"][0]
+            if whole:
+                asyncio.run(whole_replies(url, rows))  # (a warm-up, as `bench serve` runs its own)
+                client = asyncio.run(whole_replies(url, rows))
+            else:
+                subprocess.run([sys.executable, "-m", "jaxserve", "bench", "serve", "--base-url", url,
+                                "--request-rate", "inf", "--max-concurrency", str(rows), "--num-requests", str(rows),
+                                "--input-len-dist", "fixed", "--input-len", str(PROMPT_LEN), "--output-len-dist",
+                                "fixed", "--output-len", str(OUTPUT_LEN), "--no-progress", "--json", result_path],
+                               check=True, stdout=subprocess.DEVNULL)
+                with open(result_path) as f:
+                    client = json.load(f)["rates"][0]
         with open(stats_path) as f:
             stats = json.load(f)
     timing = stats["timing"]
     latency = client["latency_ms"]
-    return {"engine": engine, "streams": rows, "output_tokens": client["output_tokens"], "duration_s": client["duration_s"],
+    return {"engine": engine, "streams": rows, "replies": "whole" if whole else "streamed",
+            "output_tokens": client["output_tokens"], "duration_s": client["duration_s"],
             "output_tokens_per_s": client["output_tokens_per_s"], "failed": client["failed"],
             "ttft_ms": latency["ttft_ms"], "itl_ms": latency["itl_ms"], "client": client["client"],
             "engine_steps": timing["steps"],
@@ -128,12 +170,13 @@ def measure(rows: int, engine: str) -> dict:
 
 def report(results: list[dict]) -> str:
     """A markdown table of the results."""
-    lines = ["| engine | streams | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | engine steps | host ms per "
-             "step: schedule / build / update / output / send | front end CPU us per token | failed |",
-             "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = ["| engine | requests | replies | output tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | engine steps | "
+             "host ms per step: schedule / build / update / output / send | front end CPU us per token | failed |",
+             "|---|---:|---|---:|---:|---:|---:|---|---:|---:|"]
     for r in results:
         ms = r["engine_ms_per_step"]
-        lines.append(f"| {r['engine']} | {r['streams']} | {r['output_tokens_per_s']:.0f} | {r['ttft_ms']['p50']:.0f} / "
+        lines.append(f"| {r['engine']} | {r['streams']} | {r['replies']} | {r['output_tokens_per_s']:.0f} | "
+                     f"{r['ttft_ms']['p50']:.0f} / "
                      f"{r['ttft_ms']['p99']:.0f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} | "
                      f"{r['engine_steps']} | {ms['schedule']:.2f} / {ms['build']:.2f} / {ms['update']:.2f} / "
                      f"{ms['output']:.2f} / {ms.get('send', 0.0):.2f} | {r['front_end_cpu_us_per_token']:.1f} | {r['failed']} |")
@@ -147,6 +190,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--engine", nargs="+", choices=["thread", "process"], default=["thread", "process"],
                         help="the engine's layouts, each measured at every stream count in turn: on a thread of the "
                              "server's process (as before issue 49), in an engine-core process")
+    parser.add_argument("--replies", nargs="+", choices=["streamed", "whole"], default=["streamed"],
+                        help="each measured at every count in turn: streamed (SSE, through `jaxserve bench serve`), "
+                             "or sent whole (the same requests not streamed; end-to-end latency in the TTFT and "
+                             "ITL columns)")
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     parser.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the server process
     parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
@@ -155,7 +202,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.serve is not None:
         serve(args.serve, args.rows, args.stats, args.engine[0])
         return []
-    results = [measure(rows, engine) for rows in args.streams for engine in args.engine]
+    results = [measure(rows, engine, replies == "whole") for rows in args.streams for engine in args.engine
+               for replies in args.replies]
     print(report(results))
     if args.json:
         write_json(args.json, results)

@@ -158,6 +158,25 @@ def test_the_live_pages_pool_map_comes_from_the_core_through_a_call(servers):
         assert free == kv["pages_free"], "idle: no page is held"
 
 
+def _scraped(url: str, name: str) -> float:
+    """One sample's value from a server's /metrics."""
+    return next(float(line.split()[-1]) for line in http_client.get(f"{url}/metrics", timeout=30).text.splitlines()
+                if line.startswith(name + "{"))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_metrics_count_every_tokens_gap_though_outputs_are_built_when_read(servers, stream):
+    """The front end builds a running request's output only when its reader reads (never before the end, for a reply
+    sent whole); each step's move still reaches the inter-token metrics."""
+    core_url, _, _ = servers
+    name = "jaxserve:inter_token_latency_seconds_count"
+    before = _scraped(core_url, name)
+    body = {"model": MODEL, "prompt": "def gaps(x):", "max_tokens": 9, "ignore_eos": True, "stream": stream}
+    response = http_client.post(f"{core_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    assert _scraped(core_url, name) - before == 8  # 9 tokens, 8 gaps
+
+
 def test_back_pressure_counts_the_requests_the_core_has_not_started(servers):
     core_url, client, _ = servers
     with pytest.raises(EngineOverloadedError, match="retry later"):

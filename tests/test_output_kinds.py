@@ -1,12 +1,14 @@
 """SamplingParams.output_kind (vLLM's RequestOutputKind): CUMULATIVE outputs hold everything so far, DELTA outputs
 only what is new (text that could begin an excluded stop string held back), FINAL_ONLY one output at the end. The
 OutputProcessor is driven here as the engine drives it (tokens appended to the engine requests, then `process`);
-then a reader's stream joining the deltas it missed; then the same on a real engine, and `LLM.generate`."""
+then a reader's stream joining the deltas it missed, and one that builds its output when read (the engine-core
+process's front end); then the same on a real engine, and `LLM.generate`."""
 
 import asyncio
 import copy
 import dataclasses
 import threading
+from unittest import mock
 
 import pytest
 from helpers import checkpoint, expected, small_engine_args
@@ -14,7 +16,7 @@ from helpers import checkpoint, expected, small_engine_args
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from jaxserve.engine.llm_engine import default_model_path
-from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine.output_processor import OutputProcessor, RequestState
 from jaxserve.request import Logprob, Request, RequestStatus
 from jaxserve.sampling_params import RequestOutputKind
 from jaxserve.tokenizer import load_tokenizer
@@ -36,11 +38,9 @@ def tokens(tokenizer):
 PROMPT_LOGPROBS = [None, {2: Logprob(-1.5, 1)}, {3: Logprob(-0.5, 1)}]  # of the prompt [1, 2, 3]
 
 
-def _run(tokenizer, samples: list[list[int]], kind, abort_after: int | None = None, **options):
-    """Drive an OutputProcessor over one user request whose sample i is given `samples[i]`, a token a step (a
-    sample whose list ends finishes, length capped), as the engine would; returns the outputs of every step, and
-    with `abort_after` aborts the request after that many steps (its final output last). With `prompt_logprobs`
-    the first sample has scored its prompt (PROMPT_LOGPROBS)."""
+def _request(tokenizer, samples: list[list[int]], kind, **options) -> tuple[OutputProcessor, list[Request]]:
+    """An OutputProcessor tracking one user request "r" whose sample i will be given `samples[i]`; its children.
+    With `prompt_logprobs` the first sample has scored its prompt (PROMPT_LOGPROBS)."""
     options.setdefault("n", len(samples))
     params = SamplingParams(max_tokens=max(map(len, samples)), output_kind=kind, **options)
     children = [Request(f"r-{i}", [1, 2, 3], params.engine_params(), eos_token_ids=(), seed=i,
@@ -49,23 +49,67 @@ def _run(tokenizer, samples: list[list[int]], kind, abort_after: int | None = No
         children[0].prompt_logprobs = list(PROMPT_LOGPROBS)
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", None, children)
+    return processor, children
+
+
+def _step(children: list[Request], samples: list[list[int]], step: int) -> list[Request]:
+    """Give each running sample its token of `step`, as the engine would (a sample whose list ends finishes, length
+    capped); the samples that moved."""
+    moved = [child for child, tokens in zip(children, samples) if not child.is_finished and step < len(tokens)]
+    for child in moved:
+        token = samples[int(child.request_id[2:])][step]
+        child.output_token_ids.append(token)
+        child.output_logprobs.append({token: Logprob(-0.25 * (step % 3 + 1) - int(child.request_id[2:]))})
+        if len(child.output_token_ids) == child.max_tokens:
+            child.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    return moved
+
+
+def _end_samples(children: list[Request], to_finish: list[tuple[str, RequestStatus]]) -> None:
+    """A stop string: the engine ends the sample."""
+    for child_id, status in to_finish:
+        next(child for child in children if child.request_id == child_id).status = status
+
+
+def _run(tokenizer, samples: list[list[int]], kind, abort_after: int | None = None, **options):
+    """Drive an OutputProcessor over one user request whose sample i is given `samples[i]`, a token a step, as the
+    engine would; returns the outputs of every step, and with `abort_after` aborts the request after that many
+    steps (its final output last)."""
+    processor, children = _request(tokenizer, samples, kind, **options)
     outputs = []
     for step in range(max(map(len, samples))):
         if step == abort_after:
             return outputs + [processor.abort("r")]
-        moved = [child for child, tokens in zip(children, samples) if not child.is_finished and step < len(tokens)]
-        for child in moved:
-            token = samples[int(child.request_id[2:])][step]
-            child.output_token_ids.append(token)
-            child.output_logprobs.append({token: Logprob(-0.25 * (step % 3 + 1) - int(child.request_id[2:]))})
-            if len(child.output_token_ids) == child.max_tokens:
-                child.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        step_outputs, to_finish = processor.process(moved)
-        for child_id, status in to_finish:  # a stop string: the engine ends the sample
-            next(child for child in children if child.request_id == child_id).status = status
+        step_outputs, to_finish = processor.process(_step(children, samples, step))
+        _end_samples(children, to_finish)
         outputs += step_outputs
     assert not processor.has_request("r")
     return outputs
+
+
+async def _read_when_read(tokenizer, samples: list[list[int]], kind, read_after: set[int], whole: bool = False,
+                          **options) -> tuple[list, list[bool], int]:
+    """Drive the same request as the engine-core process's front end does: `advance` a step, hand a running request
+    to its stream (`moved`) and a finished one's final output (`put`); a reader reads after the steps in
+    `read_after` and at the end. Returns (what it read, whether the reader was woken after each step, how many
+    outputs were built)."""
+    processor, children = _request(tokenizer, samples, kind, **options)
+    stream, received, woken = RequestStream("r", lambda stream: None, kind is DELTA, whole), [], []
+    with mock.patch.object(RequestState, "output", autospec=True, side_effect=RequestState.output) as built:
+        for step in range(max(map(len, samples))):
+            states, to_finish = processor.advance(_step(children, samples, step))
+            _end_samples(children, to_finish)
+            for state in states:
+                if state.finished:
+                    stream.put(processor.output_of(state))
+                else:
+                    stream.moved(state)
+            woken.append(stream._ready.is_set())
+            if step in read_after:
+                received.append(await asyncio.wait_for(stream.__anext__(), timeout=5))
+        received.append(await asyncio.wait_for(stream.__anext__(), timeout=5))
+    assert not processor.has_request("r") and stream.finished
+    return received, woken, built.call_count
 
 
 def _joined(deltas) -> dict[int, dict]:
@@ -188,6 +232,42 @@ def test_a_cumulative_stream_hands_its_reader_the_latest_output(tokenizer, token
         return await asyncio.wait_for(stream.__anext__(), timeout=5)
 
     assert asyncio.run(read()) is outputs[4]
+
+
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA], ids=["cumulative", "delta"])
+def test_a_stream_that_builds_its_output_when_read_gives_what_each_step_would_have(tokenizer, tokens, kind):
+    samples, options = [tokens, tokens[5:12]], {"logprobs": 0, "stop": ["fibonacci(n - 1)"]}
+    every_step = _run(tokenizer, samples, kind, **options)
+    received, woken, built = asyncio.run(_read_when_read(tokenizer, samples, kind, {5, 8}, **options))
+    assert len(every_step) > 13 and len(received) == 3 and received[-1].finished
+    assert built == 3  # one output a read, not one a step
+    assert all(woken)  # (stream interval 1: every step wakes the reader)
+    if kind is CUMULATIVE:  # each read gets the latest output as the step's own would have been
+        assert [(o.outputs, o.finished) for o in received] == [(o.outputs, o.finished)
+                                                              for o in (every_step[5], every_step[8], every_step[-1])]
+    else:  # each read gets every delta since the last joined, however the steps split them
+        assert [c.token_ids for c in received[1].outputs] == [tokens[6:9], tokens[11:12]]
+        assert _joined(received) == _joined(every_step)
+
+
+def test_a_whole_reply_wakes_its_reader_for_the_final_output_alone(tokenizer, tokens):
+    received, woken, built = asyncio.run(_read_when_read(tokenizer, [tokens], CUMULATIVE, set(), whole=True))
+    assert woken == [False] * (len(tokens) - 1) + [True]
+    assert built == 1 and received[0].outputs == _run(tokenizer, [tokens], CUMULATIVE)[-1].outputs
+
+
+def test_a_failed_stream_drops_the_output_it_had_not_built(tokenizer, tokens):
+    async def read():
+        processor, children = _request(tokenizer, [tokens], CUMULATIVE)
+        stream = RequestStream("r", lambda stream: None)
+        ((state,), _) = processor.advance(_step(children, [tokens], 0))
+        stream.moved(state)
+        assert stream.started and stream._ready.is_set()
+        stream.fail(ValueError("the core refused it"))
+        with pytest.raises(ValueError, match="refused"):
+            await asyncio.wait_for(stream.__anext__(), timeout=5)
+
+    asyncio.run(read())
 
 
 def test_an_output_takes_the_earliest_times_and_the_most_of_its_samples_counts(tokenizer, tokens):

@@ -96,6 +96,29 @@ def test_request_histograms_from_known_timestamps():
         assert scrape.labels[f"vllm:{name}_count"] == [{"model_name": "m"}]
 
 
+def test_moves_without_outputs_observe_what_outputs_would():
+    """A front end that builds a running request's output only when read (the engine-core process's) reports each
+    step's move as (request id, tokens of its longest sample): the same gaps as outputs at the same times."""
+    times = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.5, first_token_time=11.0, finished_time=13.0)
+    by_outputs, by_moves = _unit_metrics(), _unit_metrics()
+    final = _request("r", times, 3, [[1, 2, 3, 6], [4, 5]], "length")
+    by_outputs.observe_outputs([_request("r", times, 3, [[1], [4]], None)], now=11.0)
+    by_outputs.observe_outputs([_request("r", times, 3, [[1, 2], [4]], None)], now=11.5)
+    by_outputs.observe_outputs([final], now=13.0)
+    by_moves.observe_moves([("r", 1)], now=11.0)
+    by_moves.observe_moves([("r", 2)], now=11.5)
+    by_moves.observe_outputs([final], now=13.0)
+    def measured(metrics: ServerMetrics) -> dict:  # (not the times the metrics were made)
+        return {name: value for name, value in Scrape(metrics.render().decode()).values.items()
+                if not name.endswith("_created")}
+
+    values = measured(by_moves)
+    assert values == measured(by_outputs)
+    # one gap of 0.5 s, then two of 0.75 s: the longest sample went from 2 to 4 tokens in 1.5 s
+    assert values["vllm:inter_token_latency_seconds_count"] == 3
+    assert values["vllm:inter_token_latency_seconds_sum"] == 2.0
+
+
 def test_bucket_boundaries_are_vllms():
     scrape = Scrape(_unit_metrics().render().decode())
     assert scrape.bounds("vllm:iteration_tokens_total") == VLLM_ITERATION_BUCKETS

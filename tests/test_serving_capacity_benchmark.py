@@ -1,6 +1,6 @@
-"""benchmarks/serving_capacity.py at a tiny size: every stream gets all its tokens through the real server over a
-fake runner, the engine in an engine-core process, and the result carries the client's figures and the engine's host
-time per step."""
+"""benchmarks/serving_capacity.py at a tiny size: every stream (and every reply sent whole) gets all its tokens
+through the real server over a fake runner, the engine in an engine-core process, and the result carries the client's
+figures and the engine's host time per step."""
 
 import json
 
@@ -9,11 +9,13 @@ from benchmarks.serving_capacity import OUTPUT_LEN, main, report
 
 def test_the_capacity_benchmark_streams_every_token_and_reports_the_engines_step(tmp_path):
     path = tmp_path / "capacity.json"
-    results = main(["--streams", "4", "--engine", "process", "--json", str(path)])  # (thread: the same but an if)
-    assert json.loads(path.read_text()) == results
-    assert [r["engine"] for r in results] == ["process"]
+    results = main(["--streams", "4", "--engine", "process", "--replies", "streamed", "whole", "--json", str(path)])
+    assert json.loads(path.read_text()) == results  # (thread: the same but an if)
+    assert [(r["engine"], r["replies"]) for r in results] == [("process", "streamed"), ("process", "whole")]
     _check(results[0])
-    assert "| process | 4 |" in report(results)
+    assert results[0]["client"]["chunks"] > 0
+    _check(results[1])  # the same requests, each reply whole
+    assert "| process | 4 | streamed |" in report(results) and "| process | 4 | whole |" in report(results)
 
 
 def _check(result: dict) -> None:
@@ -25,4 +27,3 @@ def _check(result: dict) -> None:
     for phase in phases:  # an engine-core process's messages out are timed too
         assert result["engine_ms_per_step"][phase] > 0, phase
     assert result["front_end_cpu_us_per_token"] > 0
-    assert result["client"]["chunks"] > 0

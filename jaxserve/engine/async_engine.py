@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.output_processor import RequestState
 from jaxserve.engine.request_maker import Prompt
 from jaxserve.engine.served_model import ServedModel
 from jaxserve.lora_request import LoRARequest
@@ -51,15 +52,20 @@ class RequestStream:
 
     Lives on the event loop. Each item is the request's RequestOutput; when several arrive between two
     reads, the reader gets only the latest, or with `deltas` (SamplingParams.output_kind DELTA) all of them
-    joined into one.
+    joined into one. A front end may hand it the request's state instead (`moved`): the output is then built when
+    the reader reads, once however many steps it missed. A `whole` stream (a reply sent whole) wakes its reader
+    only for the final output.
     """
 
-    def __init__(self, request_id: str, on_close: Callable[["RequestStream"], None], deltas: bool = False):
+    def __init__(self, request_id: str, on_close: Callable[["RequestStream"], None], deltas: bool = False,
+                 whole: bool = False):
         self.request_id = request_id
-        self.started = False  # an output has arrived
+        self.started = False  # an output (or the request's move) has arrived
         self.finished = False  # the final output has been read
         self._deltas = deltas
+        self._whole = whole
         self._latest: RequestOutput | None = None
+        self._pending: RequestState | None = None  # a moved request whose output is built when read
         self._num_tokens = 0  # the request's tokens so far
         self._tokens_woken = 0  # tokens so far when the reader was last woken
         self._error: BaseException | None = None
@@ -74,15 +80,32 @@ class RequestStream:
         if self._deltas:
             num_tokens += self._num_tokens
             output = output if self._latest is None else self._latest.followed_by(output)
-        self._latest, self._num_tokens = output, num_tokens
-        if not self.started or output.finished or num_tokens - self._tokens_woken >= stream_interval:
-            self.started = True
+        self._latest, self._pending = output, None  # (a DELTA output holds what a pending state would have shown)
+        self._arrived(num_tokens, output.finished, stream_interval)
+
+    def moved(self, state: RequestState, stream_interval: int = 1) -> None:
+        """The request moved and has not finished (event loop only): its output is built from `state` when the
+        reader reads. Wakes the reader as `put` does."""
+        if self._latest is not None and self._deltas:  # an unread delta: the state's next one joins it now
+            output = state.output()
+            if output is not None:
+                self.put(output, stream_interval)
+            return
+        self._latest, self._pending = None, state  # (a cumulative output built before is older than the state's)
+        self._arrived(state.num_output_tokens, False, stream_interval)
+
+    def _arrived(self, num_tokens: int, finished: bool, stream_interval: int) -> None:
+        self._num_tokens = num_tokens
+        woke = not self.started and not self._whole
+        self.started = True
+        if woke or finished or (not self._whole and num_tokens - self._tokens_woken >= stream_interval):
             self._tokens_woken = num_tokens
             self._ready.set()
 
     def fail(self, error: BaseException) -> None:
-        """End the stream with an error once the outputs already here are read."""
-        self._error = error
+        """End the stream with an error once the outputs already built are read (a moved request's unbuilt output
+        is dropped: the request has ended)."""
+        self._error, self._pending = error, None
         self._ready.set()
 
     def __aiter__(self) -> "RequestStream":
@@ -91,12 +114,16 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        await self._ready.wait()
-        self._ready.clear()
-        output, self._latest = self._latest, None
-        if output is None:
-            self.close()
-            raise self._error
+        output = None
+        while output is None:
+            await self._ready.wait()
+            self._ready.clear()
+            output, self._latest = self._latest, None
+            if output is None and self._pending is not None:
+                output, self._pending = self._pending.output(), None  # None: nothing to show yet
+            if output is None and self._error is not None:
+                self.close()
+                raise self._error
         if self._error is not None:
             self._ready.set()  # the error follows this output
         self.finished = output.finished
@@ -134,13 +161,17 @@ class AsyncEngineBase:
         self._front_end_clock: int | None = None  # the event loop thread's CPU clock, from `start`
         self._front_end_cpu_at_start = 0.0  # its reading then
         self._on_outputs, self._on_step = on_outputs, on_step  # the metrics hooks
+        self._on_moves: Callable[[list[tuple[str, int]]], None] | None = None
         self._stats = stats  # the engine counters as of the last step
 
     def set_hooks(self, on_outputs: Callable[[list[RequestOutput]], None] | None,
-                  on_step: Callable[[dict, dict], None] | None) -> None:
+                  on_step: Callable[[dict, dict], None] | None,
+                  on_moves: Callable[[list[tuple[str, int]]], None] | None = None) -> None:
         """Set the metrics hooks (before `start`): `on_outputs(outputs)` with every batch of outputs, the final
-        output of every request among them, and `on_step(before, after)` with the counters around every step."""
-        self._on_outputs, self._on_step = on_outputs, on_step
+        output of every request among them, `on_step(before, after)` with the counters around every step, and
+        `on_moves(moves)` with (request id, tokens of its longest sample so far) of the requests that moved in a
+        step without an output being built (a front end that builds them when read: EngineCoreClient)."""
+        self._on_outputs, self._on_step, self._on_moves = on_outputs, on_step, on_moves
 
     def _start_clock(self) -> None:
         """Note the event loop (call from it) and start the front end's CPU clock."""
@@ -177,13 +208,14 @@ class AsyncEngineBase:
             )
 
     def submit(self, request_id: str, made: tuple[str | None, list[Request]],
-               on_close: Callable[[], None] | None = None) -> RequestStream:
-        """Queue a request validated by `make_requests`; returns the stream of its outputs. `on_close()` runs
-        (on the event loop) when the stream closes: finished, aborted or failed."""
+               on_close: Callable[[], None] | None = None, whole: bool = False) -> RequestStream:
+        """Queue a request validated by `make_requests`; returns the stream of its outputs (`whole`: a reply sent
+        whole, whose reader wakes only for the final output). `on_close()` runs (on the event loop) when the stream
+        closes: finished, aborted or failed."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         deltas = made[1][0].sampling_params.output_kind is RequestOutputKind.DELTA
-        stream = RequestStream(request_id, self._close_stream, deltas)
+        stream = RequestStream(request_id, self._close_stream, deltas, whole)
         if on_close is not None:
             self._on_close[request_id] = on_close
         self._streams[request_id] = stream
@@ -226,6 +258,14 @@ class AsyncEngineBase:
             except Exception:  # a metrics hook must not take serving down
                 logger.exception("the on_outputs hook failed")
 
+    def _observe_moves(self, states: list[RequestState]) -> None:
+        """Hand the requests that moved without an output to on_moves."""
+        if self._on_moves is not None:
+            try:
+                self._on_moves([(state.request_id, state.longest_output) for state in states])
+            except Exception:  # a metrics hook must not take serving down
+                logger.exception("the on_moves hook failed")
+
     def stats(self) -> dict:
         """The engine counters as of the last step (see EngineCore.stats), plus the waiting requests and the CPU
         seconds the front end (the event loop's thread: HTTP, tokenizing, SSE) has spent since the engine started."""
@@ -234,12 +274,24 @@ class AsyncEngineBase:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
-            if not stream.started:
-                self._num_unstarted -= 1
-            stream.put(output, self.stream_interval)
+            stream = self._arriving(output.request_id)
+            if stream is not None:
+                stream.put(output, self.stream_interval)
+
+    def _deliver_moves(self, states: list[RequestState]) -> None:
+        """Hand running requests that moved to their streams, which build their outputs when read."""
+        for state in states:
+            stream = self._arriving(state.request_id)
+            if stream is not None:
+                stream.moved(state, self.stream_interval)
+
+    def _arriving(self, request_id: str) -> RequestStream | None:
+        """The stream of a request whose output (or move) has come, no longer counted as waiting to start; None
+        once it has closed."""
+        stream = self._streams.get(request_id)
+        if stream is not None and not stream.started:
+            self._num_unstarted -= 1
+        return stream
 
     def _fail_stream(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.get(request_id)

@@ -390,22 +390,30 @@ class EngineCoreClient(AsyncEngineBase):
             await asyncio.sleep(0)
 
     def _step_outputs(self, message: StepOutputs) -> None:
-        """Bring the moved samples' copies up to date, turn them into outputs (text, stop strings), stream them."""
+        """Bring the moved samples' copies up to date and their text (stop strings); stream each finished request's
+        final output, and hand each running request that moved to its stream, which builds its output when read."""
         changed = []
         for delta in message.deltas:
             request = self._samples.get(delta.sample_id)
             if request is not None:
                 apply_delta(request, delta)
                 changed.append(request)
-        outputs, to_finish = self._output_processor.process(changed)
+        moved, to_finish = self._output_processor.advance(changed)
         if to_finish:
             self._send(FinishSamples([sample_id for sample_id, _ in to_finish], [int(s) for _, s in to_finish]))
-        for output in outputs:
-            if output.finished:
-                self._forget(output.request_id)
-        if outputs:
-            self._observe(outputs)
-            self._deliver(outputs)
+        finals, running = [], []
+        for state in moved:
+            if state.finished:
+                finals.append(self._output_processor.output_of(state))
+                self._forget(state.request_id)
+            else:
+                running.append(state)
+        if running:
+            self._observe_moves(running)
+            self._deliver_moves(running)
+        if finals:
+            self._observe(finals)
+            self._deliver(finals)
         self._publish_stats(message.stats)
 
     def _request_failed(self, message: RequestFailed) -> None:

@@ -11,6 +11,11 @@ changes); DELTA only the samples that moved, each with its new token ids, logpro
 that could still turn out to begin an excluded stop string is held back until it cannot), the
 prompt's logprobs in the first output alone; FINAL_ONLY one output once every sample has finished,
 and none before, so a step builds no output for a request still running.
+
+`process` builds each step's outputs at once (LLMEngine). A front end that streams can instead `advance` the
+requests each step and build a running request's output only when its reader asks (`RequestState.output`): a
+reader that falls behind then costs one output, not one a step; a finished request's last output is built at once
+(`output_of`, which forgets it).
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ class _SampleState:
 
 
 @dataclasses.dataclass
-class _RequestState:
+class RequestState:
     """A user request and its children."""
 
     request_id: str
@@ -105,6 +110,32 @@ class _RequestState:
     num_cached_tokens: int = 0
     pooled: PooledPrompt | None = None  # an embedding request's pool, filled by the engine
 
+    # (loops, not all / sum / max over generators: these run for every request a step, in the front end)
+    @property
+    def finished(self) -> bool:
+        """True once every sample has finished."""
+        for sample in self.samples.values():
+            if sample.finish_reason is None:
+                return False
+        return True
+
+    @property
+    def num_output_tokens(self) -> int:
+        """The output tokens of all its samples so far."""
+        total = 0
+        for sample in self.samples.values():
+            total += len(sample.token_ids)
+        return total
+
+    @property
+    def longest_output(self) -> int:
+        """The output tokens of its longest sample so far."""
+        longest = 0
+        for sample in self.samples.values():
+            if len(sample.token_ids) > longest:
+                longest = len(sample.token_ids)
+        return longest
+
     def output(self) -> RequestOutput | PoolingRequestOutput | None:
         """The output its `output_kind` shows now; None when there is nothing to show: FINAL_ONLY before every
         sample has finished, DELTA when no sample moved, and best_of > n while any sample runs (nothing is shown
@@ -113,7 +144,7 @@ class _RequestState:
         if self.pooled is not None:
             return self._pooling_output()
         samples = list(self.samples.values())  # in index order: add_request adds them so
-        finished = all(s.finish_reason is not None for s in samples)
+        finished = self.finished
         show, prompt_logprobs = self.show_logprobs, self.prompt_logprobs
         if self.num_returned < len(samples) or self.output_kind is RequestOutputKind.FINAL_ONLY:
             if not finished:
@@ -174,7 +205,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._requests: dict[str, _RequestState] = {}  # user request id -> state
+        self._requests: dict[str, RequestState] = {}  # user request id -> state
         self._parent_of: dict[str, str] = {}  # child request id -> user request id
 
     def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
@@ -186,7 +217,7 @@ class OutputProcessor:
         }
         scoring = next((child for child in children if child.prompt_logprobs is not None), None)
         params = first.sampling_params
-        self._requests[request_id] = _RequestState(
+        self._requests[request_id] = RequestState(
             request_id, prompt, first.prompt_token_ids, samples,
             RequestMetrics(first.arrival_time, max_tokens=first.max_tokens),
             None if scoring is None else scoring.prompt_logprobs,
@@ -224,30 +255,50 @@ class OutputProcessor:
         only once it has finished; (child id, status) of the samples this ended: a stop string, or an error
         while detokenizing, which the caller must end in the scheduler)."""
         to_finish: list[tuple[str, RequestStatus]] = []
-        touched: dict[str, _RequestState] = {}
+        touched: dict[str, RequestState] = {}
         for request in changed:
-            parent_id = self._parent_of.get(request.request_id)
-            if parent_id is None:
+            state = self._take(request, to_finish)
+            if state is None:
                 continue
-            state = self._requests[parent_id]
-            sample = state.samples[request.request_id]
-            status = self._update_sample_or_fail(state, sample, request)
-            if status is not None:
-                to_finish.append((request.request_id, status))
-            if sample.finish_reason is not None or state.output_kind is not RequestOutputKind.FINAL_ONLY:
-                touched[parent_id] = state  # (a FINAL_ONLY request shows nothing while its samples run)
-        outputs = []
-        for parent_id, state in touched.items():
-            output = state.output()
-            if output is None:  # nothing to show yet (see _RequestState.output)
-                continue
-            if output.finished:
-                state.metrics.finished_time = time.monotonic()
-                self._forget(parent_id)
-            outputs.append(output)
+            if (state.output_kind is not RequestOutputKind.FINAL_ONLY
+                    or state.samples[request.request_id].finish_reason is not None):
+                touched[state.request_id] = state  # (a FINAL_ONLY request shows nothing while its samples run)
+        outputs = [output for output in map(self.output_of, touched.values()) if output is not None]
         return outputs, to_finish
 
-    def _update_sample_or_fail(self, state: _RequestState, sample: _SampleState, request: Request
+    def advance(self, changed: list[Request]) -> tuple[list[RequestState], list[tuple[str, RequestStatus]]]:
+        """Fold engine updates in without building outputs; returns (the user requests that moved, in the order
+        they first moved; (child id, status) of the samples this ended, as `process` gives them)."""
+        to_finish: list[tuple[str, RequestStatus]] = []
+        moved: dict[str, RequestState] = {}
+        for request in changed:
+            state = self._take(request, to_finish)
+            if state is not None:
+                moved[state.request_id] = state
+        return list(moved.values()), to_finish
+
+    def output_of(self, state: RequestState) -> RequestOutput | PoolingRequestOutput | None:
+        """The output `state` shows now (None: nothing yet, see RequestState.output); once it is the final one,
+        the request is forgotten."""
+        output = state.output()
+        if output is not None and output.finished:
+            state.metrics.finished_time = time.monotonic()
+            self._forget(state.request_id)
+        return output
+
+    def _take(self, request: Request, to_finish: list[tuple[str, RequestStatus]]) -> RequestState | None:
+        """Fold one sample's update into its user request (None: not tracked); a status the scheduler must give
+        the sample goes into `to_finish`."""
+        parent_id = self._parent_of.get(request.request_id)
+        if parent_id is None:
+            return None
+        state = self._requests[parent_id]
+        status = self._update_sample_or_fail(state, state.samples[request.request_id], request)
+        if status is not None:
+            to_finish.append((request.request_id, status))
+        return state
+
+    def _update_sample_or_fail(self, state: RequestState, sample: _SampleState, request: Request
                                ) -> RequestStatus | None:
         """Update one sample; an exception fails this sample alone (finish reason 'error'). Returns the
         status the scheduler must give the request, if this ended it."""

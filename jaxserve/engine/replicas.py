@@ -102,10 +102,10 @@ class DataParallelEngine:
         self.max_waiting_requests = replicas[0].max_waiting_requests  # requests accepted, not started, in all
         self.router = ReplicaRouter(len(replicas), self.model.kv_cache.page_size)
 
-    def set_hooks(self, on_outputs, on_step) -> None:
+    def set_hooks(self, on_outputs, on_step, on_moves=None) -> None:
         """Set every replica's metrics hooks (AsyncEngineBase.set_hooks)."""
         for replica in self.replicas:
-            replica.set_hooks(on_outputs, on_step)
+            replica.set_hooks(on_outputs, on_step, on_moves)
 
     @property
     def error(self) -> BaseException | None:
@@ -156,14 +156,14 @@ class DataParallelEngine:
             raise EngineOverloadedError(f"{self._num_unstarted()} requests are already waiting to start "
                                         f"(max_waiting_requests={self.max_waiting_requests}); retry later")
 
-    def submit(self, request_id: str, made: tuple) -> RequestStream:
-        """Queue a validated request on the replica the router picks; its outstanding tokens count there until its
-        stream closes."""
+    def submit(self, request_id: str, made: tuple, whole: bool = False) -> RequestStream:
+        """Queue a validated request on the replica the router picks (`whole`: see AsyncEngineBase.submit); its
+        outstanding tokens count there until its stream closes."""
         requests = made[1]
         cost = request_cost(requests)
         replica = self.router.route(requests[0].prompt_token_ids, cost, requests[0].cache_salt)
         return self.replicas[replica].submit(request_id, made,
-                                             on_close=lambda: self.router.finished(replica, cost))
+                                             on_close=lambda: self.router.finished(replica, cost), whole=whole)
 
     async def compile_grammar(self, constraint) -> None:
         """Compile an output constraint (the replicas share one grammar compiler: same tokenizer)."""

@@ -83,7 +83,8 @@ def build_app(engine: LLMEngine | EngineCoreClient | DataParallelEngine, config:
         async_engine = engine
         replica_stats = engine.replica_stats if isinstance(engine, DataParallelEngine) else lambda: [engine.stats()]
         metrics = _metrics(config, engine.model, replica_stats)
-        engine.set_hooks(on_outputs=metrics.observe_outputs, on_step=metrics.observe_step if observe_steps else None)
+        engine.set_hooks(on_outputs=metrics.observe_outputs, on_step=metrics.observe_step if observe_steps else None,
+                         on_moves=metrics.observe_moves)
     else:
         metrics = _metrics(config, ServedModel.of(engine), lambda: replica_stats())
 

@@ -199,7 +199,7 @@ class ServerMetrics:
             "inter_token_latency_seconds", "Time between consecutive output tokens of a request (vLLM V1's name).",
             INTER_TOKEN_BUCKETS_S,
         )
-        self._last_output: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time) of its last output
+        self._last_output: dict[str, tuple[int, float]] = {}  # request id -> (tokens, time) at its last move
         self.recent_first_token, self.recent_inter_token = RecentSamples(), RecentSamples()  # the live page's
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.", LATENCY_BUCKETS_S)
         self.inference_time = histogram(
@@ -235,26 +235,36 @@ class ServerMetrics:
         self.iteration_tokens.observe(prompt_tokens + after["generation_tokens"] - before["generation_tokens"])
 
     def observe_outputs(self, outputs: list[RequestOutput], now: float | None = None) -> None:
-        """Record one published batch of outputs: the time between tokens of every request that moved
-        (each new token observes the gap since the request's previous output, shared among the tokens
-        that arrived together), and the finished requests."""
+        """Record one published batch of (cumulative) outputs: the time between tokens of every request that moved
+        (each new token observes the gap since the request's previous move, shared among the tokens that arrived
+        together), and the finished requests."""
         now = time.monotonic() if now is None else now
         for output in outputs:
             if isinstance(output, PoolingRequestOutput):  # an embedding: one output, when it has finished
                 self._observe_pooled(output)
                 continue
-            num_tokens = max(len(c.token_ids) for c in output.outputs)
-            seen = self._last_output.pop(output.request_id, None)  # (tokens, time) at its previous output
-            if seen is not None and num_tokens > seen[0]:
-                gap = (now - seen[1]) / (num_tokens - seen[0])
-                for _ in range(num_tokens - seen[0]):
-                    self.per_output_token.observe(gap)
-                    self.inter_token.observe(gap)
-                    self.recent_inter_token.add(gap, now)
+            self._observe_move(output.request_id, max(len(c.token_ids) for c in output.outputs), output.finished, now)
             if output.finished:
                 self._observe_finished(output)
-            elif num_tokens:
-                self._last_output[output.request_id] = (num_tokens, now)
+
+    def observe_moves(self, moves: list[tuple[str, int]], now: float | None = None) -> None:
+        """Record the running requests that moved in one step without an output: (request id, tokens of its
+        longest sample so far), as `observe_outputs` records an output's move."""
+        now = time.monotonic() if now is None else now
+        for request_id, num_tokens in moves:
+            self._observe_move(request_id, num_tokens, False, now)
+
+    def _observe_move(self, request_id: str, num_tokens: int, finished: bool, now: float) -> None:
+        """The gaps between the tokens a request's longest sample gained since its previous move (none at its first)."""
+        seen = self._last_output.pop(request_id, None)  # (tokens, time) at its previous move
+        if seen is not None and num_tokens > seen[0]:
+            gap = (now - seen[1]) / (num_tokens - seen[0])
+            for _ in range(num_tokens - seen[0]):
+                self.per_output_token.observe(gap)
+                self.inter_token.observe(gap)
+                self.recent_inter_token.add(gap, now)
+        if not finished and num_tokens:
+            self._last_output[request_id] = (num_tokens, now)
 
     def _observe_finished(self, output: RequestOutput) -> None:
         """Record a finished request (any finish reason): its samples' finish reasons, sizes and latencies."""

@@ -85,16 +85,17 @@ class OpenAIServing:
         except ValueError as error:  # about the prompt, or a token id of another field
             prompt_field = "prompt" if isinstance(body, CompletionRequest) else "messages"
             raise APIError(400, str(error), body.param_of(str(error)) or prompt_field) from error
-        return self.queue(request_id, made)
+        return self.queue(request_id, made, whole=not body.stream)
 
-    def queue(self, request_id: str, made: list) -> list[RequestStream]:
+    def queue(self, request_id: str, made: list, whole: bool = True) -> list[RequestStream]:
         """Queue requests validated by the engine's make_requests or make_pooling_requests, as `request_id`-0, -1,
-        ...: all, or none and a 503 when the engine is full or down."""
+        ...: all, or none and a 503 when the engine is full or down. `whole`: their replies are sent whole (their
+        readers wake only for the final outputs), not streamed."""
         try:
             self.engine.check_capacity(len(made))
         except (EngineOverloadedError, EngineDeadError) as error:
             raise self.unavailable(error) from error
-        return [self.engine.submit(f"{request_id}-{i}", m) for i, m in enumerate(made)]
+        return [self.engine.submit(f"{request_id}-{i}", m, whole=whole) for i, m in enumerate(made)]
 
     def unavailable(self, error: EngineOverloadedError | EngineDeadError) -> APIError:
         """503 for an engine that is full (retry after a while) or down."""
