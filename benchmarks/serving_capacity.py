@@ -11,8 +11,8 @@ streaming completions at once (--max-concurrency N): prompts of 32 tokens, 256 o
 through its raw-socket client, on the same 2-core machine. Reported per N: the streamed output tokens/s (all
 tokens over the run's wall time), TTFT and inter-token latency, the client's own CPU per chunk, and the engine's
 host time per step from the server's step timing (schedule, build, update, output) and the front end's CPU per
-generated token, read when the server stops. `--replies whole` sends the same N requests not streamed (an httpx
-client), each reply whole at its end.
+generated token, read when the server stops. `--replies whole` sends the same N requests not streamed (the same
+raw-socket client), each reply whole at its end.
 
     python -m benchmarks.serving_capacity --streams 512 --engine process --replies streamed whole
 """
@@ -33,8 +33,10 @@ import time
 from unittest import mock
 
 from benchmarks.host_step import FakeRunner, corpus_token_ids, model_folder
+from jaxserve.bench.http_client import Target, parse_http, post_streaming, request_bytes, request_json
 from jaxserve.bench.online import free_port, healthy, log_tail, stop_process
 from jaxserve.bench.results import write_json
+from jaxserve.bench.stats import summarize
 from jaxserve.config import EngineConfig
 from jaxserve.engine import core_builder
 from jaxserve.engine.llm_engine import LLMEngine, default_model_path
@@ -107,32 +109,26 @@ def fake_server(rows: int, stats_path: str, engine: str):
 
 async def whole_replies(url: str, rows: int) -> dict:
     """`rows` completions at once, each sent whole (not streamed), of the workload `jaxserve bench serve` streams
-    (PROMPT_LEN-token prompts, OUTPUT_LEN tokens each); the figures its report reads: output tokens/s over the
-    run's wall time, end-to-end latency (as both TTFT and ITL: a whole reply's tokens all come at its end)."""
-    import httpx
+    (PROMPT_LEN-token prompts, OUTPUT_LEN tokens each), through its raw-socket client (a connection per request);
+    the figures its report reads: output tokens/s over the run's wall time, end-to-end latency (as both TTFT and
+    ITL: a whole reply's tokens all come at its end)."""
+    target = Target.from_url(url)
+    model = request_json("GET", target.url("/v1/models"), None)[1]["data"][0]["id"]
 
-    from jaxserve.bench.stats import summarize
+    async def one(i: int) -> tuple[int, float]:
+        body = {"model": model, "prompt": [100 + (i + j) % 1000 for j in range(PROMPT_LEN)],
+                "max_tokens": OUTPUT_LEN, "ignore_eos": True, "temperature": 0}
+        response = await post_streaming(target, request_bytes(target, "/v1/completions", json.dumps(body).encode(),
+                                                              None), timeout_s=600)
+        seconds = response.end - response.start
+        if response.error is not None:
+            return -1, seconds
+        status, reply, _ = parse_http(response.reads, response.read_times)
+        return (json.loads(reply)["usage"]["completion_tokens"] if status == 200 else -1), seconds
 
-    # The model's name through a client of its own: the requests' client reusing that kept-alive connection under
-    # this load had it closed unanswered now and then (6 of 13,000 requests; none in 10,240 with two clients).
-    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-        model = (await client.get("/v1/models")).json()["data"][0]["id"]
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=rows)) as client:
-
-        async def one(i: int) -> tuple[int, float]:
-            body = {"model": model, "prompt": [100 + (i + j) % 1000 for j in range(PROMPT_LEN)],
-                    "max_tokens": OUTPUT_LEN, "ignore_eos": True, "temperature": 0}
-            start = time.perf_counter()
-            try:
-                response = await client.post("/v1/completions", json=body)
-            except httpx.TransportError:  # a connection closed unanswered: a failed request
-                return -1, time.perf_counter() - start
-            return (response.json()["usage"]["completion_tokens"] if response.status_code == 200 else -1,
-                    time.perf_counter() - start)
-
-        start = time.perf_counter()
-        done = await asyncio.gather(*(one(i) for i in range(rows)))
-        duration = time.perf_counter() - start
+    start = time.perf_counter()
+    done = await asyncio.gather(*(one(i) for i in range(rows)))
+    duration = time.perf_counter() - start
     tokens = sum(n for n, _ in done if n > 0)
     latency = summarize([1000 * s for n, s in done if n > 0])
     return {"output_tokens": tokens, "duration_s": duration, "output_tokens_per_s": tokens / duration,
