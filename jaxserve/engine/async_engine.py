@@ -96,9 +96,8 @@ class RequestStream:
 
     def _arrived(self, num_tokens: int, finished: bool, stream_interval: int) -> None:
         self._num_tokens = num_tokens
-        woke = not self.started and not self._whole
-        self.started = True
-        if woke or finished or (not self._whole and num_tokens - self._tokens_woken >= stream_interval):
+        first, self.started = not self.started, True
+        if finished or (not self._whole and (first or num_tokens - self._tokens_woken >= stream_interval)):
             self._tokens_woken = num_tokens
             self._ready.set()
 
