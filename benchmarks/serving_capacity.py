@@ -81,7 +81,8 @@ def serve(port: int, rows: int, stats_path: str, engine: str) -> None:
         # uvicorn raises the SIGTERM it shut down on again once it has restored the handler it found: a no-op
         # one here lets the stats below be written
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
-        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5,
+                    timeout_keep_alive=server_config.timeout_keep_alive)
         with open(stats_path, "w") as f:  # the async engine's: the engine's counters and the front end's CPU
             json.dump(app.state.async_engine.stats(), f)
 

@@ -129,7 +129,7 @@ def serve(args: argparse.Namespace) -> int:
         allow_runtime_lora_updating=args.allow_runtime_lora_updating
         or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true"),
         max_stored_responses=args.max_stored_responses, enable_weight_updates=args.enable_weight_updates,
-        enable_dashboard=not args.disable_dashboard,
+        enable_dashboard=not args.disable_dashboard, timeout_keep_alive=args.timeout_keep_alive,
     )
     sleeps = engine_config.model_config.enable_sleep_mode
     if args.api_server_count > 1 and (server_config.allow_runtime_lora_updating or sleeps):
@@ -153,7 +153,7 @@ def serve(args: argparse.Namespace) -> int:
         "required" if server_config.api_key else "off",
     )
     config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, **listen)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=server_config.timeout_keep_alive, **listen)
     server = _server_class(uvicorn)(config)
     sockets = None
     if metrics_folder is not None:
@@ -324,6 +324,9 @@ def _add_server_flags(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--root-path", default="",
                      help="the path prefix a proxy serves this server under (ASGI root_path, vLLM's flag) "
                           "(default: none)")
+    srv.add_argument("--timeout-keep-alive", type=int, default=75,
+                     help="seconds an idle kept-alive connection stays open (uvicorn's flag; its default 5 races "
+                          "clients that keep connections 5 s, as httpx and the openai client do)")
     srv.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="the server's log level")
 

@@ -2,6 +2,7 @@
 
 import argparse
 import glob
+import http.client
 import os
 import signal
 import socket
@@ -18,7 +19,6 @@ from helpers import TEST_CACHE_DIR, http_client, small_engine_args
 from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.cli import main, uvicorn_options
 from jaxserve.config import CONFIGS_DIR, EngineConfig
-
 
 TLS = os.path.join(os.path.dirname(__file__), "fixtures", "tls")
 CERTIFICATE = os.path.join(TLS, "cert.pem")
@@ -57,6 +57,9 @@ def test_bad_flags_exit_with_a_message(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--page-size", "12"])
     assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--timeout-keep-alive", "0"])
+    assert "timeout_keep_alive must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_skip_precompile_is_a_flag_and_a_yaml_key_and_must_be_a_bool(tmp_path):
@@ -98,7 +101,7 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
     command = [sys.executable, "-m", "jaxserve", "serve", "--config", str(config), "--max-num-seqs", "32",
                "--port", str(port), "--compilation-cache-dir", TEST_CACHE_DIR, "--skip-precompile",
                "--ssl-keyfile", os.path.join(TLS, "key.pem"), "--ssl-certfile", CERTIFICATE, "--root-path", "/api",
-               "--served-model-name", "tiny-stdlib-llama", "tiny"]
+               "--served-model-name", "tiny-stdlib-llama", "tiny", "--timeout-keep-alive", "1"]
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     url = f"https://127.0.0.1:{port}"
@@ -124,6 +127,18 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
         tokens = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": "def"}, verify=TRUSTED)
         assert tokens.status_code == 200 and tokens.json()["tokens"], tokens.text
         assert httpx.post(f"{url}/tokenize", json={"model": "nope", "prompt": "def"}, verify=TRUSTED).status_code == 404
+        # a kept-alive connection serves again while idle less than --timeout-keep-alive, and is closed after it
+        kept = http.client.HTTPSConnection("127.0.0.1", port, context=TRUSTED)
+        for idle_s in (0.0, 0.5):
+            time.sleep(idle_s)
+            kept.request("GET", "/health")
+            response = kept.getresponse()
+            assert response.status == 200 and not response.will_close
+            response.read()
+        time.sleep(2.5)
+        kept.sock.settimeout(1.5)  # closed by 4 s idle: before uvicorn's own default (5 s) would close it
+        assert kept.sock.recv(1) == b""
+        kept.close()
         cores = child_processes(process.pid)  # the engine core's (and multiprocessing's resource tracker)
         assert cores
     finally:

@@ -50,6 +50,7 @@ TODAY_SERVE_ONLY_FLAGS = (
     "--enable-weight-updates", "--enable-server-load-tracking", "--enable-force-include-usage",
     "--return-tokens-as-token-ids", "--enable-prompt-tokens-details", "--ssl-keyfile", "--ssl-certfile",
     "--ssl-ca-certs", "--ssl-cert-reqs", "--root-path", "--log-level", "--disable-dashboard",
+    "--timeout-keep-alive",
 )
 TODAY_GENERATE_ONLY_FLAGS = (
     "--prompt", "--max-tokens", "--temperature", "--top-p", "--top-k", "--sample-seed",

@@ -54,10 +54,15 @@ class ServerConfig:
     enable_weight_updates: bool = False
     # GET /dashboard, the live page, and /dashboard/data, its snapshot (behind the API key)
     enable_dashboard: bool = True
+    # Seconds an idle kept-alive connection stays open (uvicorn's timeout_keep_alive, whose default is 5). Longer than
+    # the clients' own idle limits (httpx and the openai client 5, aiohttp 15, a load balancer's often 60), so the
+    # client always drops an idle connection first: at equal limits a request sent on a connection idle for just
+    # under them meets the server's close and fails unanswered (a connection reset).
+    timeout_keep_alive: int = 75
 
     def __post_init__(self):
         for name in ("max_waiting_requests", "max_n", "max_prompts", "max_body_bytes", "retry_after_s",
-                     "stream_interval"):
+                     "stream_interval", "timeout_keep_alive"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_stored_responses < 0:

@@ -71,7 +71,8 @@ def run_front_end(engine_config: EngineConfig, server_config: ServerConfig, core
                                      server_config.stream_interval) for core in cores]
     engine = clients[0] if len(clients) == 1 else DataParallelEngine(clients)
     app = build_app(engine, server_config, observe_steps=False)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5, **listen))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=server_config.timeout_keep_alive, **listen))
     for client in clients:
         client.on_dead = lambda error: setattr(server, "should_exit", True)
     sock = listening_socket(server_config.host, server_config.port)
