@@ -86,8 +86,8 @@ def main() -> None:
     args = parser.parse_args()
     folder = ensure_model(args.model_shape, args.cache_dir)
     llm = LLM(folder, runner="pooling", max_model_len=args.max_len, max_num_seqs=64,
-              enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens, show_progress=False,
-              compilation_cache_dir=os.path.join(args.cache_dir, "xla-cache"))
+              enable_prefix_caching=args.enable_prefix_caching, max_num_batched_tokens=args.max_num_batched_tokens,
+              show_progress=False, compilation_cache_dir=os.path.join(args.cache_dir, "xla-cache"))
     prompts = workload(args.num_prompts, args.max_len, llm.engine.core.spec.vocab_size)
     hf = HFEmbedder(folder, args.hf_batch_size)
     systems = {

@@ -8,9 +8,10 @@ Two processes of two simulated CPU devices each (gloo collectives) run the bundl
 (jaxserve/distributed/). The leader generates --num-requests random-token prompts (16-64 tokens, --output-len
 greedy tokens each) --repeats times after one warm-up run (which measures the messages' sizes), timing every
 `LeaderChannel.send` (pickling the call and writing it to the follower) and counting the engine's steps: per
-step, the channel's time against the step's wall time. Then both processes send a message of the typical size through `multihost_utils.broadcast_one_to_all` (a
-collective) and through JAX's distributed key-value store (set, then the follower's blocking get), --calls times
-each, the other ways the leader could have handed the followers a step. Mean and best over the repeats.
+step, the channel's time against the step's wall time. Then both processes send a message of the typical size through
+`multihost_utils.broadcast_one_to_all` (a collective) and through JAX's distributed key-value store (set, then the
+follower's blocking get), --calls times each, the other ways the leader could have handed the followers a step. Mean and
+best over the repeats.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def main() -> None:
         sock.bind(("127.0.0.1", 0))
         coordinator = f"127.0.0.1:{sock.getsockname()[1]}"
     command = [sys.executable, __file__, "--num-requests", str(args.num_requests), "--output-len",
-               str(args.output_len), "--repeats", str(args.repeats), "--calls", str(args.calls), "--worker", coordinator]
+               str(args.output_len), "--repeats", str(args.repeats), "--calls", str(args.calls),
+               "--worker", coordinator]
     follower = subprocess.Popen([*command, "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     leader = subprocess.run([*command, "0"], capture_output=True, text=True)
     follower.wait(timeout=120)

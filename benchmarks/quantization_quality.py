@@ -78,7 +78,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="*", help="model folders (default: bundled, test llama, test qwen3)")
     args = parser.parse_args()
-    models = args.models or [default_model_path(), os.path.join(CHECKPOINTS, "llama"), os.path.join(CHECKPOINTS, "qwen3")]
+    models = args.models or [default_model_path(), os.path.join(CHECKPOINTS, "llama"),
+                             os.path.join(CHECKPOINTS, "qwen3")]
     print("| model | mode | positions | top-1 agreement | mean KL (nats) | max KL | linear layers vs bf16 "
           "| KV page vs bf16 |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")

@@ -89,13 +89,14 @@ def serve(port: int, rows: int, stats_path: str, engine: str) -> None:
 
 @contextlib.contextmanager
 def fake_server(rows: int, stats_path: str, engine: str):
-    """A `serve` process for `rows` streams (its engine `thread` or `process`); yields (its base URL, the process) once /health answers, and stops it
-    (SIGTERM, then SIGKILL after 30 s) on exit."""
+    """A `serve` process for `rows` streams (its engine `thread` or `process`); yields (its base URL, the process) once
+    /health answers, and stops it (SIGTERM, then SIGKILL after 30 s) on exit."""
     port = free_port()
     log_path = stats_path + ".log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.serving_capacity", "--serve", str(port), "--rows",
-                                 str(rows), "--stats", stats_path, "--engine", engine], stdout=log, stderr=subprocess.STDOUT)
+                                 str(rows), "--stats", stats_path, "--engine", engine],
+                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -179,7 +180,8 @@ def report(results: list[dict]) -> str:
                      f"{r['ttft_ms']['p50']:.0f} / "
                      f"{r['ttft_ms']['p99']:.0f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} | "
                      f"{r['engine_steps']} | {ms['schedule']:.2f} / {ms['build']:.2f} / {ms['update']:.2f} / "
-                     f"{ms['output']:.2f} / {ms.get('send', 0.0):.2f} | {r['front_end_cpu_us_per_token']:.1f} | {r['failed']} |")
+                     f"{ms['output']:.2f} / {ms.get('send', 0.0):.2f} | "
+                     f"{r['front_end_cpu_us_per_token']:.1f} | {r['failed']} |")
     return "\n".join(lines)
 
 

@@ -107,7 +107,8 @@ def step_functions(modules: dict[str, types.ModuleType], spec, kv_heads: int, pl
     model = modules["registry"].model_for(spec.architecture)
     how = LayerAttention(spec.head_dim**-0.5, spec.sliding_window)
     return (model.make_forward(spec, backend.attention, backend.write_kv, mesh),
-            lambda params, hidden: model.token_logits(params, hidden, spec), functools.partial(backend.attention, how=how))
+            lambda params, hidden: model.token_logits(params, hidden, spec),
+            functools.partial(backend.attention, how=how))
 
 
 def gather_only_step(carry, q, k, v, visible, how):

@@ -54,7 +54,8 @@ def cache_kv_heads(spec: ModelSpec, tensor_parallel_size: int) -> int:
     if spec.num_heads % tp:
         raise ValueError(f"num_attention_heads ({spec.num_heads}) must be divisible by tensor_parallel_size ({tp})")
     if spec.intermediate_size % tp:
-        raise ValueError(f"intermediate_size ({spec.intermediate_size}) must be divisible by tensor_parallel_size ({tp})")
+        raise ValueError(f"intermediate_size ({spec.intermediate_size}) must be divisible by "
+                         f"tensor_parallel_size ({tp})")
     if spec.num_kv_heads % tp == 0:
         return spec.num_kv_heads
     if tp % spec.num_kv_heads == 0:

@@ -140,7 +140,8 @@ def test_router_keeps_a_prefix_on_its_replica_unless_that_one_is_too_busy():
     # replica 0 takes the prefix, then keeps it while its extra load (5, then 10) is under the 12 it saves;
     # at 15 outstanding the idle replica wins
     assert [router.route(shared + [100 + i], cost=5) for i in range(4)] == [0, 0, 0, 1]
-    assert router.cached_tokens(0, router.page_hashes(shared)) == router.cached_tokens(1, router.page_hashes(shared)) == 12
+    assert (router.cached_tokens(0, router.page_hashes(shared))
+            == router.cached_tokens(1, router.page_hashes(shared)) == 12)
     assert router.route(list(range(50, 62)), cost=5) == 1  # no prefix anywhere: the least outstanding (5 < 15)
 
 

@@ -119,7 +119,8 @@ def test_every_backend_reads_fp8_pages_as_the_dequantized_values(backend_name):
             write_kv=backend.write_kv,
         ))
 
-    run = {"fp8": step(quantized, (k_scale, v_scale)), "float": step(plain, None)}  # each compiles once: one shape for all steps
+    run = {"fp8": step(quantized, (k_scale, v_scale)),
+           "float": step(plain, None)}  # each compiles once: one shape for all steps
     num_tokens = max(sum(new for _, new in rows) for rows in STEPS) + 3  # at least three padded tokens
     for rows in STEPS:
         batch = _batch(rows, num_tokens)

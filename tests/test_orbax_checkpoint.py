@@ -1,8 +1,8 @@
 """orbax checkpoints of the engine's params (issue 16): `jaxserve convert`, and a converted folder as a model.
 
 A converted folder must give the Hugging Face folder's greedy tokens (float, and int8 against int8 made at
-load time), load under tensor parallelism 2 reading each shard once, and refuse what it cannot be: another quantization or dtype
-than it holds, a tensor parallelism its stored KV heads do not fit, a config.json edited after converting, a
+load time), load under tensor parallelism 2 reading each shard once, and refuse what it cannot be: another quantization
+or dtype than it holds, a tensor parallelism its stored KV heads do not fit, a config.json edited after converting, a
 destination that is not empty.
 """
 
@@ -115,9 +115,9 @@ print(json.dumps({tp: min(counts[1:]) for tp, counts in read.items()}))
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux's per-process I/O accounting")
 def test_each_shard_is_read_once_under_tensor_parallelism(converted):
     """Restoring at TP 2 reads the checkpoint's files once, as TP 1 does: each device reads its own shard of a
-    split array, and a replicated array is read once, not once per device (up to small repeated reads). Measured in a process of its own
-    (two CPU devices, no compilation cache, nothing else reading), after a first load of each that compiles, the
-    least of three loads."""
+    split array, and a replicated array is read once, not once per device (up to small repeated reads). Measured in a
+    process of its own (two CPU devices, no compilation cache, nothing else reading), after a first load of each that
+    compiles, the least of three loads."""
     folder = converted["float"]
     files = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(os.path.join(folder, "params"))
                 for name in names)

@@ -120,7 +120,8 @@ class FakeDevice:
         self.copy(output.page_copies)
         for item in output.scheduled:
             start = item.num_computed_tokens + item.num_present_tokens  # present tokens are not written
-            self.write(item.page_ids, start, item.request.token_ids(start, item.num_computed_tokens + item.num_new_tokens))
+            self.write(item.page_ids, start,
+                       item.request.token_ids(start, item.num_computed_tokens + item.num_new_tokens))
         sampled: list[list[SampledToken]] = []
         for item in output.scheduled:
             if not item.samples:

@@ -79,7 +79,8 @@ def test_a_quantized_matmul_is_the_matmul_with_the_dequantized_weight(mode, dtyp
     got = linear(x, quantized)
     want = jnp.dot(x.astype(jnp.float32), dequantize(quantized, jnp.float32))
     assert got.dtype == dtype
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want),
+                               rtol=2e-2 if dtype == jnp.bfloat16 else 1e-5,
                                atol=2e-2 if dtype == jnp.bfloat16 else 1e-5)
 
 

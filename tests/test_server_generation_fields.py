@@ -559,7 +559,8 @@ def test_generation_defaults_fill_the_fields_a_request_leaves_unset(fake_server)
     assert _post(url, "/v1/chat/completions", chat).status_code == 200
     params = engine.params[-1]
     assert (params.temperature, params.top_k, params.repetition_penalty, params.max_tokens) == (0.25, 5, 1.2, 3)
-    assert _post(url, "/v1/chat/completions", {**chat, "temperature": 0.9, "top_k": 0, "max_tokens": 2}).status_code == 200
+    assert _post(url, "/v1/chat/completions",
+                 {**chat, "temperature": 0.9, "top_k": 0, "max_tokens": 2}).status_code == 200
     params = engine.params[-1]
     assert (params.temperature, params.top_k, params.repetition_penalty, params.max_tokens) == (0.9, 0, 1.2, 2)
     assert _post(url, "/v1/completions", {"prompt": "hi"}).status_code == 200

@@ -73,7 +73,8 @@ def test_dropped_streams_return_their_pages_and_the_rest_complete(openai_server)
     assert all(u is not None and u["completion_tokens"] == max_tokens for u in kept)
     after = _wait_until_idle(url)
     assert after["jaxserve:kv_cache_usage_perc"] == 0.0 and after["jaxserve:num_requests_running"] == 0
-    aborted = after.get("jaxserve:request_success_total{abort}", 0) - before.get("jaxserve:request_success_total{abort}", 0)
+    aborted = (after.get("jaxserve:request_success_total{abort}", 0)
+               - before.get("jaxserve:request_success_total{abort}", 0))
     assert aborted == 16
     finished = after["jaxserve:request_success_total{length}"] - before.get("jaxserve:request_success_total{length}", 0)
     assert finished == 16
@@ -133,7 +134,8 @@ def test_metric_names_follow_vllm_with_the_vllm_prefix():
     assert samples["vllm:kv_cache_usage_perc"].value == 0.25 == samples["vllm:gpu_cache_usage_perc"].value
     assert samples["vllm:num_requests_running"].labels == {"model_name": "m", "replica": "0"}
     assert samples["vllm:num_preemptions_total"].value == 3
-    assert samples["vllm:prefix_cache_queries_total"].value == 40 and samples["vllm:prefix_cache_hits_total"].value == 16
+    assert (samples["vllm:prefix_cache_queries_total"].value == 40
+            and samples["vllm:prefix_cache_hits_total"].value == 16)
     assert samples["vllm:request_success_total"].labels["finished_reason"] == "stop"
     assert samples["vllm:e2e_request_latency_seconds_sum"].value == 3.0
     assert samples["vllm:time_to_first_token_seconds_sum"].value == 1.0

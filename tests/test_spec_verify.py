@@ -151,7 +151,8 @@ def test_penalised_rows_count_the_proposals_before_each_position_as_output(tempe
         kinds = np.zeros((num_rows, aux_width), np.int8)
         values = np.zeros((num_rows, aux_width), np.float32)
         for row in range(num_rows):
-            entries = ([(t, KIND_PROMPT, 0.0) for t in history[row]] + [(t, KIND_OUTPUT, 0.0) for t in tokens_so_far[row]]
+            entries = ([(t, KIND_PROMPT, 0.0) for t in history[row]]
+                       + [(t, KIND_OUTPUT, 0.0) for t in tokens_so_far[row]]
                        + [(row % VOCAB, KIND_BIAS, 1.5)] + [(t, KIND_ALLOWED, 0.0) for t in range(VOCAB - 1)])
             for column, (token, kind, value) in enumerate(entries):
                 ids[row, column], kinds[row, column], values[row, column] = token, kind, value

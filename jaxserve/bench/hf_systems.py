@@ -25,7 +25,8 @@ def unavailable_reason() -> str | None:
         for name in ("AutoModelForCausalLM", "ContinuousBatchingConfig"):
             getattr(transformers, name)
     except Exception as error:  # ImportError, or a broken install raising anything else
-        return f"torch / transformers models unavailable ({type(error).__name__}: {error}); pip install 'jaxserve[bench]'"
+        return (f"torch / transformers models unavailable ({type(error).__name__}: {error}); "
+                "pip install 'jaxserve[bench]'")
     return None
 
 

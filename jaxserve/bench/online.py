@@ -292,8 +292,8 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
 @contextlib.contextmanager
 def launched_server(server_args: str, timeout_s: float) -> Iterator[tuple[str, str, float]]:
     """Start `jaxserve serve` on a free port with `server_args`; yield (base URL, command, start-up seconds:
-    from the launch to the first GET /health 200) once it is healthy, and stop it on exit, whatever happens. ValueError (with its log's tail) when it exits
-    or is not healthy within `timeout_s` seconds."""
+    from the launch to the first GET /health 200) once it is healthy, and stop it on exit, whatever happens. ValueError
+    (with its log's tail) when it exits or is not healthy within `timeout_s` seconds."""
     port = free_port()
     # every bucket compiled before the first request (server_args may say otherwise): a sweep measures steady serving
     argv = [sys.executable, "-m", "jaxserve", "serve", "--host", "127.0.0.1", "--port", str(port),

@@ -3,12 +3,12 @@ pressure.
 
 --swap-requests requests of --swap-prompt-len prompt and --swap-output-len output tokens arrive at once on a KV
 pool sized to hold --swap-pool-contexts of them with half their output, so the running requests outgrow it as
-they decode and some are preempted. The systems are one engine configuration with preemption_mode recompute, swap and auto
-(swap_space --swap-space GiB). Reported per system: output tokens/s (mean, best), preemptions and swaps per
-run, the end-to-end latency of the requests that were preempted (and of every request), the host ms per step
-spent dispatching swap copies, and whether the greedy tokens agree; then the copy bandwidth of the swap
-engine's host pool: --swap-bandwidth-pages pages out to the host and back in, each way timed until the data has
-arrived (mean and best of 5).
+they decode and some are preempted. The systems are one engine configuration with preemption_mode recompute, swap and
+auto (swap_space --swap-space GiB). Reported per system: output tokens/s (mean, best), preemptions and swaps per run,
+the end-to-end latency of the requests that were preempted (and of every request), the host ms per step spent
+dispatching swap copies, and whether the greedy tokens agree; then the copy bandwidth of the swap engine's host pool:
+--swap-bandwidth-pages pages out to the host and back in, each way timed until the data has arrived (mean and best of
+5).
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ def speculation(args: argparse.Namespace, engines: Engines, ids: Sequence[int], 
             side["on_over_off"] = ratios(side, sides[0], system_runs, runs[0])
             side["mean_acceptance_length"] = (new["num_accepted_tokens"] - old["num_accepted_tokens"] + drafts) / max(
                 drafts, 1)
-            side["same_tokens"] = same_tokens(system_runs[0].result.output_token_ids, runs[0][0].result.output_token_ids)
+            side["same_tokens"] = same_tokens(system_runs[0].result.output_token_ids,
+                                              runs[0][0].result.output_token_ids)
         results.append({"batch": batch, "workload": workload.description, "systems": sides})
     return {"draft_model": draft, "batches": results}
 
@@ -110,7 +111,8 @@ def speculation_lines(result: dict) -> list[str]:
     lines = ["### Speculative decoding on a code-editing workload", "",
              f"Draft model: `{result['draft_model']}`.", "",
              "| batch | system | mean tok/s | best tok/s | timed runs (s) | engine steps | propose ms/step "
-             "| ITL p50 / p99 (ms) | TPOT mean (ms) | on / off (mean, best) | acceptance length | greedy tokens equal |",
+             "| ITL p50 / p99 (ms) | TPOT mean (ms) | on / off (mean, best) | acceptance length "
+             "| greedy tokens equal |",
              "|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for entry in result["batches"]:
         for side in entry["systems"]:

@@ -11,8 +11,8 @@ from jaxserve.config.speculative import EAGLE_METHODS, SpeculativeConfig
 from jaxserve.config.structured_outputs import StructuredOutputsConfig
 
 __all__ = [
-    "CONFIGS_DIR", "DEFAULT_CACHE_DIR", "DEFAULT_MODEL_CONFIG", "EAGLE_METHODS", "OPTION_NAMES", "VALID_ATTENTION_BACKENDS",
-    "VALID_DTYPES", "VALID_KV_CACHE_DTYPES", "VALID_PAGE_SIZES", "VALID_QUANTIZATIONS", "CacheConfig",
-    "CompilationConfig", "EngineConfig", "LoraConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
-    "SchedulerSettings", "SpeculativeConfig", "StructuredOutputsConfig",
+    "CONFIGS_DIR", "DEFAULT_CACHE_DIR", "DEFAULT_MODEL_CONFIG", "EAGLE_METHODS", "OPTION_NAMES",
+    "VALID_ATTENTION_BACKENDS", "VALID_DTYPES", "VALID_KV_CACHE_DTYPES", "VALID_PAGE_SIZES", "VALID_QUANTIZATIONS",
+    "CacheConfig", "CompilationConfig", "EngineConfig", "LoraConfig", "ModelConfig", "ParallelConfig",
+    "SchedulerConfig", "SchedulerSettings", "SpeculativeConfig", "StructuredOutputsConfig",
 ]

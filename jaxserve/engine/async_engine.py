@@ -197,7 +197,8 @@ class AsyncEngineBase:
         """EngineDeadError when the engine is down, EngineOverloadedError when `num_requests` more would
         exceed max_waiting_requests."""
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error else "the engine is not running")
+            raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error
+                                  else "the engine is not running")
         if self.is_sleeping():
             raise EngineSleepingError("the engine is asleep (sleep mode): wake it up first (POST /wake_up)")
         if self._num_unstarted + num_requests > self.max_waiting_requests:

@@ -261,7 +261,8 @@ class EngineCore:
         (PoolingBatch or None, counts), DecodeSteps or None, Proposals or None."""
         device_rows = {}  # request id -> its row in the step in flight, whose samples stay on the device
         if self._in_flight:
-            device_rows = {item.request.request_id: row for row, item in enumerate(self._in_flight[-1].output.scheduled)}
+            device_rows = {item.request.request_id: row
+                           for row, item in enumerate(self._in_flight[-1].output.scheduled)}
         batch = build_batch(output, self.config.cache_config.page_size, self.ladders, device_rows, self._page_rows)
         num_rows = batch.page_table.shape[0]
         sampling = build_sampling_batch(output, num_rows, self.ladders, self.spec.vocab_size)

@@ -1,10 +1,10 @@
 """The messages between a front end and an engine-core process (engine/core_process.py, engine/core_client.py):
 msgspec structs in MessagePack over ZeroMQ, one message per step each way at most, never a pickle.
 
-A front end sends `Hello`, then `AddRequests` (what `make_requests` was given, so the core builds the same samples with its own
-LoRA slots and weights version), `Abort`, `FinishSamples` (stop strings, found where the text is), `Call` (a method
-of the engine run between two steps), `Ack` (the StepOutputs it has processed: the core waits for a front end that
-falls MAX_UNACKED_STEPS behind) and `Shutdown`. The core answers `Ready` once, then `StepOutputs` (each moved
+A front end sends `Hello`, then `AddRequests` (what `make_requests` was given, so the core builds the same samples with
+its own LoRA slots and weights version), `Abort`, `FinishSamples` (stop strings, found where the text is), `Call` (a
+method of the engine run between two steps), `Ack` (the StepOutputs it has processed: the core waits for a front end
+that falls MAX_UNACKED_STEPS behind) and `Shutdown`. The core answers `Ready` once, then `StepOutputs` (each moved
 sample's new tokens and state, and the engine counters when a step ran), `RequestFailed` and `CallResult`.
 """
 

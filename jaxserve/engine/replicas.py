@@ -39,7 +39,8 @@ class ReplicaRouter:
         self.page_size = page_size
         self.outstanding = [0] * num_replicas  # tokens each replica has still to compute for its requests
         self.routed_tokens = [0] * num_replicas  # tokens ever routed to each replica (its share of the load)
-        self._seen: list[collections.OrderedDict[bytes, None]] = [collections.OrderedDict() for _ in range(num_replicas)]
+        self._seen: list[collections.OrderedDict[bytes, None]] = [
+            collections.OrderedDict() for _ in range(num_replicas)]
 
     def page_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
         """The hash chain of the prompt's first whole pages (ROUTED_PREFIX_PAGES at most), as the prefix cache
@@ -149,7 +150,8 @@ class DataParallelEngine:
     def check_capacity(self, num_requests: int = 1) -> None:
         """EngineDeadError when a replica is down, EngineOverloadedError past the replicas' waiting requests."""
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error else "the engine is not running")
+            raise EngineDeadError(f"the engine is not running: {self.error!r}" if self.error
+                                  else "the engine is not running")
         if self.is_sleeping():
             raise EngineSleepingError("the engine is asleep (sleep mode): wake it up first (POST /wake_up)")
         if self._num_unstarted() + num_requests > self.max_waiting_requests:

@@ -3,11 +3,11 @@ the policy's weights change between generations; SGLang's update_weights_from_di
 
 The weights come from a Hugging Face folder (safetensors) or from arrays in memory by their Hugging Face names,
 in the served model's shapes. The engine checks every tensor (present, shape: `loader.check_source`) once, before
-anything is written, so a bad source leaves the served weights as they were. They are then read as at start-up (model/loader.py), each device
-reading its shard, into the leaves being served: each stacked leaf is written over in place (donated), so the
-devices need room for one more layer, not a second copy of the model, and the executables, which take the params
-as arguments, run on as compiled. Weights the engine quantized at load (`quantization` int8 / fp8 over a float
-checkpoint) are read in full precision and quantized again (room for the new projections in full precision is
+anything is written, so a bad source leaves the served weights as they were. They are then read as at start-up
+(model/loader.py), each device reading its shard, into the leaves being served: each stacked leaf is written over in
+place (donated), so the devices need room for one more layer, not a second copy of the model, and the executables, which
+take the params as arguments, run on as compiled. Weights the engine quantized at load (`quantization` int8 / fp8 over a
+float checkpoint) are read in full precision and quantized again (room for the new projections in full precision is
 needed then). LoRA slots and the fp8 KV cache's scales stay as they were.
 """
 

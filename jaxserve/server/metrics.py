@@ -170,8 +170,8 @@ class ServerMetrics:
     """The server's Prometheus registry.
 
     `replica_stats()` gives each replica's engine counters (EngineCore.stats), the gauges' and counters' source;
-    the histograms describe the requests of every replica together. `max_model_len` sets the buckets of the token-count histograms; `cache_config` (see
-    `cache_config_info`) labels the constant `cache_config_info` gauge.
+    the histograms describe the requests of every replica together. `max_model_len` sets the buckets of the token-count
+    histograms; `cache_config` (see `cache_config_info`) labels the constant `cache_config_info` gauge.
     """
 
     def __init__(self, prefix: str, model_name: str, replica_stats: Callable[[], list[dict]], max_model_len: int,
@@ -190,7 +190,9 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS_S)
-        self.first_token = histogram("time_to_first_token_seconds", "Arrival to the first token.", FIRST_TOKEN_BUCKETS_S)
+        self.first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to the first token.", FIRST_TOKEN_BUCKETS_S,
+        )
         self.per_output_token = histogram(
             "time_per_output_token_seconds", "Time between consecutive output tokens of a request.",
             PER_TOKEN_BUCKETS_S,

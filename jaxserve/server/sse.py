@@ -104,7 +104,8 @@ def completion_logprobs(token_text: TokenText, token_ids: list[int], logprobs: l
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def prompt_logprobs_field(token_text: TokenText, prompt_logprobs: list[dict[int, Logprob] | None] | None) -> list | None:
+def prompt_logprobs_field(token_text: TokenText,
+                          prompt_logprobs: list[dict[int, Logprob] | None] | None) -> list | None:
     """vLLM's `prompt_logprobs` field: per prompt token null (the first) or
     {token id: {logprob, rank, decoded_token}} for the token itself and the most likely ones."""
     if prompt_logprobs is None:
@@ -125,7 +126,8 @@ def chat_logprobs(token_text: TokenText, token_ids: list[int], logprobs: list[di
 
     content = []
     for token_id, entries in zip(token_ids, logprobs):
-        ranked = sorted((e.rank, tid, e.logprob) for tid, e in entries.items() if e.rank is not None and e.rank <= num_top)
+        ranked = sorted((e.rank, tid, e.logprob) for tid, e in entries.items()
+                        if e.rank is not None and e.rank <= num_top)
         content.append({**entry(token_id, entries[token_id].logprob),
                         "top_logprobs": [entry(tid, lp) for _, tid, lp in ranked]})
     return {"content": content}

@@ -36,7 +36,8 @@ def write_kv(
     whole = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         _write_kernel,
-        out_shape=(jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        out_shape=(jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
         grid=(num_tokens,),
         in_specs=[whole, whole, token, token, whole, whole],
         out_specs=(whole, whole),
