@@ -28,10 +28,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import jax.numpy as jnp  # noqa: E402
 
 from jaxserve.bench.quality import (  # noqa: E402
-    compare_distributions, next_token_logprobs, scoring_runner, source_prompts,
+    compare_distributions,
+    next_token_logprobs,
+    scoring_runner,
+    source_prompts,
 )
 from jaxserve.bench.quantized_checkpoint import (  # noqa: E402
-    write_fp8_block_checkpoint, write_gptq_checkpoint, write_int4_checkpoint,
+    write_fp8_block_checkpoint,
+    write_gptq_checkpoint,
+    write_int4_checkpoint,
 )
 from jaxserve.engine.llm_engine import default_model_path  # noqa: E402
 from jaxserve.model.quantize import leaf_at, weight_bytes  # noqa: E402

@@ -47,11 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.batch.descriptor import BatchDescriptor
+from jaxserve.batch.packing import pack, unpack
 from jaxserve.bench import models, offline
 from jaxserve.bench.driver import drive
 from jaxserve.bench.workloads import workload_from_args
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.batch.packing import pack, unpack
 from jaxserve.tokenizer import load_tokenizer
 
 OPS = ("forward", "attention", "gather", "qkv/o", "mlp", "lm_head", "other", "sampler")
@@ -84,10 +84,9 @@ def load_revision(revision: str) -> dict[str, types.ModuleType]:
 
 def current_modules() -> dict[str, types.ModuleType]:
     """The step modules (MODULES) of the working tree."""
-    from jaxserve.sampling import sampler
-    from jaxserve.attention import xla
-    from jaxserve.attention import fp8
+    from jaxserve.attention import fp8, xla
     from jaxserve.model import layers, llama, registry
+    from jaxserve.sampling import sampler
 
     return {"fp8": fp8, "layers": layers, "registry": registry, "xla": xla, "llama": llama, "sampler": sampler}
 

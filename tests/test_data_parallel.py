@@ -13,8 +13,8 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
 from jaxserve.config import EngineConfig
 from jaxserve.engine.core_client import EngineCoreClient
-from jaxserve.engine.replicas import ROUTED_PREFIX_PAGES, DataParallelEngine, ReplicaRouter
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.replicas import ROUTED_PREFIX_PAGES, DataParallelEngine, ReplicaRouter
 from jaxserve.server.app import build_app
 from jaxserve.server.config import ServerConfig
 

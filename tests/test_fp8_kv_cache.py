@@ -24,20 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import checkpoint, checkpoint_tensors, expected, greedy_outputs_compiling_nothing, small_engine_args
 from safetensors.numpy import save_file
 
-from helpers import checkpoint, checkpoint_tensors, expected, greedy_outputs_compiling_nothing, small_engine_args
 from jaxserve import LLM, SamplingParams
-from jaxserve.attention import make_attention, xla
+from jaxserve.attention import fp8, make_attention, xla
 from jaxserve.attention.base import LayerAttention
 from jaxserve.batch.builder import padded_batch_arrays
 from jaxserve.batch.descriptor import BatchDescriptor
 from jaxserve.config import EngineConfig
-from jaxserve.attention import fp8
 from jaxserve.model.checkpoint import convert, load_weights
-from jaxserve.sharding import cache_kv_heads, make_mesh
-from jaxserve.model_spec import ModelSpec
 from jaxserve.model.registry import load_model_spec
+from jaxserve.model_spec import ModelSpec
+from jaxserve.sharding import cache_kv_heads, make_mesh
 
 PAGE_SIZE, NUM_PAGES, NUM_LAYERS, LAYER = 8, 16, 2, 1
 # Three steps over three rows: (cached tokens, new tokens) per row: prefill, a mixed step, pure decode.

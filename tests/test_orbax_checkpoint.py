@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import checkpoint, expected, pythonpath_without_torch, small_engine_args
+
 from jaxserve import LLM, SamplingParams
 from jaxserve.cli import main
 from jaxserve.model.checkpoint import MARKER, convert, read_metadata

@@ -24,17 +24,16 @@ import dataclasses
 import hashlib
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import jaxserve.kv.cache_manager as cache_manager
 from jaxserve.config import SchedulerSettings
+from jaxserve.engine.scheduler import Scheduler
 from jaxserve.kv.cache_manager import KVCacheManager, pages_for_tokens, root_hash
 from jaxserve.kv.page_pool import NULL_PAGE, PagePool
 from jaxserve.request import Request, RequestStatus
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import Scheduler
 from jaxserve.step import SampledToken, SchedulerOutput
 
 VOCAB = 1000

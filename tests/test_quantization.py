@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import (
     checkpoint,
     checkpoint_tensors,
@@ -31,14 +30,14 @@ from helpers import (
     small_engine_args,
     tiny_llama_config,
 )
+
 from jaxserve import LLM, SamplingParams
 from jaxserve.bench.quality import compare_distributions, next_token_logprobs, scoring_runner, source_prompts
 from jaxserve.engine.llm_engine import default_model_path
 from jaxserve.model.loader import load_params
 from jaxserve.model.quantize import FORMATS, dequantize, linear, quantize_params, quantize_weight, weight_bytes
-from jaxserve.model.registry import quantizable_paths
+from jaxserve.model.registry import load_model_spec, quantizable_paths, spec_from_hf_config
 from jaxserve.sharding import cache_kv_heads, make_mesh
-from jaxserve.model.registry import load_model_spec, spec_from_hf_config
 
 THRESHOLDS = {  # (model, mode) -> (least top-1 agreement, largest mean KL in nats)
     ("llama", "int8"): (0.90, 1e-2), ("llama", "fp8"): (0.75, 1e-1),

@@ -18,9 +18,8 @@ from scipy import stats
 
 from jaxserve.batch.builder import padded_sampling_arrays
 from jaxserve.sampling.sampler import SamplingBatch
+from jaxserve.sampling.verify import Proposals, verify as verify_eagerly
 from jaxserve.spec_decode.ngram import propose_ngram
-from jaxserve.sampling.verify import Proposals
-from jaxserve.sampling.verify import verify as verify_eagerly
 
 verify = jax.jit(lambda *args: verify_eagerly(*args)[0])  # the tokens; one compilation for every test of a shape
 
