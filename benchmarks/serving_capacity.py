@@ -66,7 +66,9 @@ def serve(port: int, rows: int, stats_path: str, engine: str) -> None:
     from jaxserve.engine.core_client import EngineCoreClient
     from jaxserve.server.app import build_app
     from jaxserve.server.config import ServerConfig
+    from jaxserve.server.front_ends import raise_open_files_limit
 
+    raise_open_files_limit()  # as `serve` does
     server_config = ServerConfig(port=port, max_waiting_requests=4 * rows, stream_interval=1)
     with model_folder(MAX_MODEL_LEN) as folder:
         config = EngineConfig(model=folder, max_model_len=MAX_MODEL_LEN, page_size=16,

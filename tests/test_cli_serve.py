@@ -152,6 +152,22 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
     assert not any(running(pid) for pid in cores), log.read_text()
 
 
+def test_serve_raises_its_open_files_limit_to_the_hard_limit_and_warns_when_that_is_low():
+    """Each connection holds a file descriptor: under Linux's usual soft limit (1024) a thousand streams would fail.
+    In a process of its own (a hard limit, once lowered, stays lowered)."""
+    code = ("import logging, resource\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048))\n"
+            "from jaxserve.server.front_ends import raise_open_files_limit\n"
+            "print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["2048", "2048"]  # the hard limit, under OPEN_FILES_WANTED
+    assert "raised the open files limit from 256 to 2048" in result.stderr
+    assert "the open files limit is 2048 (its hard limit 2048)" in result.stderr  # under OPEN_FILES_LOW: a warning
+
+
 def test_tls_flags_go_to_uvicorn_together_or_are_refused(tmp_path):
     def parse(*flags) -> argparse.Namespace:
         return argparse.Namespace(**{"ssl_keyfile": None, "ssl_certfile": None, "ssl_ca_certs": None,

@@ -27,7 +27,7 @@ import yaml
 from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.config import EngineConfig
 from jaxserve.engine import core_client
-from jaxserve.engine.async_engine import EngineOverloadedError
+from jaxserve.engine.async_engine import EngineDeadError, EngineOverloadedError
 from jaxserve.engine.core_client import EngineCoreClient
 from jaxserve.engine.core_messages import DeltaCursor, NewRequest, SampleDelta, apply_delta
 from jaxserve.engine.host_gc import CPYTHON_FIRST_THRESHOLD, ENGINE_FIRST_THRESHOLD
@@ -187,6 +187,34 @@ def test_back_pressure_counts_the_requests_the_core_has_not_started(servers):
     finally:
         client.max_waiting_requests = limit
     assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+
+
+async def _read_all(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+def test_a_message_that_cannot_be_sent_fails_what_runs_and_calls_on_dead():
+    """A send to the core that fails (the process out of file descriptors, say) must not leave a request waiting for
+    a core that never heard of it: it ends with EngineDeadError, the client stops running and `on_dead` runs."""
+    client = EngineCoreClient.launch(_config())
+    dead = []
+    client.on_dead = dead.append
+
+    async def submit_while_sends_fail() -> None:
+        client.start()
+        failed = asyncio.get_running_loop().create_future()
+        failed.set_exception(OSError(24, "Too many open files"))
+        with mock.patch.object(client._socket, "send", return_value=failed):
+            stream = client.submit("r", client.make_requests("r", "def f(x):", SamplingParams(max_tokens=4)))
+            with pytest.raises(EngineDeadError, match=r"could not be sent \(OSError\(24, 'Too many open files'\)\)"):
+                await asyncio.wait_for(_read_all(stream), 60)  # (before: a request waiting forever)
+        assert not client.is_running
+        await client.stop()
+
+    asyncio.run(submit_while_sends_fail())
+    assert len(dead) == 1 and isinstance(dead[0], EngineDeadError)
+    assert not client.process.is_alive()  # stop() still shut the core down
 
 
 def test_a_request_the_core_refuses_fails_alone(servers):

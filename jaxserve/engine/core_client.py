@@ -5,9 +5,9 @@ RequestMaker), keeps each sample's copy as the core's deltas bring it up to date
 strings (OutputProcessor), and streams. The core process only schedules and steps. Messages go out batched: every
 request submitted, aborted or stopped in one turn of the event loop leaves in one message of each kind.
 
-When the core process ends without being asked to, `is_running` turns False at once (/health answers 503), every
-request still streaming ends with EngineDeadError, pending calls fail, and `on_dead(error)` runs (the server
-stops on it).
+When the core process ends without being asked to, or a message to it cannot be sent, `is_running` turns False at
+once (/health answers 503), every request still streaming ends with EngineDeadError, pending calls fail, and
+`on_dead(error)` runs (the server stops on it).
 """
 
 from __future__ import annotations
@@ -362,7 +362,20 @@ class EngineCoreClient(AsyncEngineBase):
         self._new_requests, self._aborts, self._outbox = [], [], []
         if not self._stopping and self._connection.core_alive():
             for message in messages:
-                self._socket.send(ENCODER.encode(message), copy=False)
+                self._socket.send(ENCODER.encode(message), copy=False).add_done_callback(self._sent)
+
+    def _sent(self, sending: asyncio.Future) -> None:
+        """A message's send has ended. One that failed (the process out of file descriptors, say) leaves the core
+        and this front end disagreeing on what runs, with requests that would wait forever: fail everything, as
+        when the core dies, then `on_dead`."""
+        if sending.cancelled() or sending.exception() is None or self.error is not None:
+            return
+        error = EngineDeadError(f"a message to the engine core could not be sent ({sending.exception()!r}); no "
+                                f"request can run: restart the server")
+        logger.error("%s", error)
+        self.fail(error)
+        if self.on_dead is not None:
+            self.on_dead(error)
 
     async def _read(self) -> None:
         """Apply the core's messages as they come: every message waiting at once, then the event loop's other tasks

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -30,6 +31,29 @@ from jaxserve.server.config import ServerConfig
 logger = logging.getLogger("jaxserve")
 STOP_TIMEOUT_S = 10.0  # how long a front end may take to finish its responses when the server stops
 RESTART_CHECK_S = 0.5  # how often the supervisor looks for a front end that died
+OPEN_FILES_WANTED = 65536  # the soft limit on open files `serve` raises itself to, where the hard limit allows
+OPEN_FILES_LOW = 4096  # under this many, `serve` warns: a few thousand connections would reach the limit
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files (and so its children's: they inherit it) to the hard limit, at
+    most OPEN_FILES_WANTED, and return the limit it leaves. Each client connection holds a file descriptor: Linux's
+    usual soft limit, 1024, is reached below a thousand streams, and past it the server can neither accept a client
+    nor send its engine core a message. Logs a raise, and warns when the limit stays under OPEN_FILES_LOW."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            logger.info("raised the open files limit from %d to %d (a descriptor per connection)", soft, target)
+            soft = target
+        except (ValueError, OSError) as error:
+            logger.warning("could not raise the open files limit from %d to %d: %s", soft, target, error)
+    if soft != resource.RLIM_INFINITY and soft < OPEN_FILES_LOW:
+        logger.warning("the open files limit is %d (its hard limit %s): connections past about that many at once "
+                       "fail; raise the hard limit (ulimit -Hn, or the container's nofile)", soft,
+                       "unlimited" if hard == resource.RLIM_INFINITY else hard)
+    return soft
 
 
 def prepare_metrics() -> str:
