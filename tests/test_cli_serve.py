@@ -4,6 +4,7 @@ import argparse
 import glob
 import http.client
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -19,6 +20,7 @@ from helpers import TEST_CACHE_DIR, http_client, small_engine_args
 from benchmarks.disconnect_soak import child_processes, running
 from jaxserve.cli import main, uvicorn_options
 from jaxserve.config import CONFIGS_DIR, EngineConfig
+from jaxserve.server.front_ends import OPEN_FILES_RESERVED, connection_limit
 
 TLS = os.path.join(os.path.dirname(__file__), "fixtures", "tls")
 CERTIFICATE = os.path.join(TLS, "cert.pem")
@@ -103,7 +105,9 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
                "--ssl-keyfile", os.path.join(TLS, "key.pem"), "--ssl-certfile", CERTIFICATE, "--root-path", "/api",
                "--served-model-name", "tiny-stdlib-llama", "tiny", "--timeout-keep-alive", "1"]
     with open(log, "w") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        # 300 open files at most: connections past 300 - OPEN_FILES_RESERVED are answered 503
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300)))
     url = f"https://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -139,6 +143,16 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
         kept.sock.settimeout(1.5)  # closed by 4 s idle: before uvicorn's own default (5 s) would close it
         assert kept.sock.recv(1) == b""
         kept.close()
+        assert "the open files limit is 300 (its hard limit 300)" in log.read_text()
+        held = [TRUSTED.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname="127.0.0.1")
+                for _ in range(connection_limit(300))]
+        assert httpx.get(f"{url}/health", verify=TRUSTED).status_code == 503  # not a process out of descriptors
+        for connection in held:
+            connection.close()
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/health", verify=TRUSTED).status_code != 200:
+            assert time.monotonic() < deadline, "the closed connections still count"
+            time.sleep(0.1)
         cores = child_processes(process.pid)  # the engine core's (and multiprocessing's resource tracker)
         assert cores
     finally:
@@ -166,6 +180,7 @@ def test_serve_raises_its_open_files_limit_to_the_hard_limit_and_warns_when_that
     assert result.stdout.split() == ["2048", "2048"]  # the hard limit, under OPEN_FILES_WANTED
     assert "raised the open files limit from 256 to 2048" in result.stderr
     assert "the open files limit is 2048 (its hard limit 2048)" in result.stderr  # under OPEN_FILES_LOW: a warning
+    assert connection_limit(2048) == 2048 - OPEN_FILES_RESERVED and connection_limit(resource.RLIM_INFINITY) is None
 
 
 def test_tls_flags_go_to_uvicorn_together_or_are_refused(tmp_path):

@@ -33,6 +33,7 @@ STOP_TIMEOUT_S = 10.0  # how long a front end may take to finish its responses w
 RESTART_CHECK_S = 0.5  # how often the supervisor looks for a front end that died
 OPEN_FILES_WANTED = 65536  # the soft limit on open files `serve` raises itself to, where the hard limit allows
 OPEN_FILES_LOW = 4096  # under this many, `serve` warns: a few thousand connections would reach the limit
+OPEN_FILES_RESERVED = 256  # descriptors kept from connections for the process's own (a front end uses about 30)
 
 
 def raise_open_files_limit() -> int:
@@ -54,6 +55,15 @@ def raise_open_files_limit() -> int:
                        "fail; raise the hard limit (ulimit -Hn, or the container's nofile)", soft,
                        "unlimited" if hard == resource.RLIM_INFINITY else hard)
     return soft
+
+
+def connection_limit(open_files_limit: int) -> int | None:
+    """uvicorn's `limit_concurrency` for a process allowed `open_files_limit` descriptors: the connections (and
+    requests) past it are answered 503 at once, which clients retry, instead of the process running out of
+    descriptors (where it could no longer reach its engine core); None (no limit) when open files are unlimited."""
+    if open_files_limit == resource.RLIM_INFINITY:
+        return None
+    return max(open_files_limit - OPEN_FILES_RESERVED, 1)
 
 
 def prepare_metrics() -> str:
