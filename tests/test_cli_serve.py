@@ -179,7 +179,9 @@ def test_serve_raises_its_open_files_limit_to_the_hard_limit_and_warns_when_that
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["2048", "2048"]  # the hard limit, under OPEN_FILES_WANTED
     assert "raised the open files limit from 256 to 2048" in result.stderr
-    assert "the open files limit is 2048 (its hard limit 2048)" in result.stderr  # under OPEN_FILES_LOW: a warning
+    # under OPEN_FILES_LOW: a warning
+    assert "the open files limit is 2048 (its hard limit 2048): connections past 1792 at once are answered 503" in \
+        result.stderr
     assert connection_limit(2048) == 2048 - OPEN_FILES_RESERVED and connection_limit(resource.RLIM_INFINITY) is None
 
 

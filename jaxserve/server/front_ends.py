@@ -51,9 +51,9 @@ def raise_open_files_limit() -> int:
         except (ValueError, OSError) as error:
             logger.warning("could not raise the open files limit from %d to %d: %s", soft, target, error)
     if soft != resource.RLIM_INFINITY and soft < OPEN_FILES_LOW:
-        logger.warning("the open files limit is %d (its hard limit %s): connections past about that many at once "
-                       "fail; raise the hard limit (ulimit -Hn, or the container's nofile)", soft,
-                       "unlimited" if hard == resource.RLIM_INFINITY else hard)
+        logger.warning("the open files limit is %d (its hard limit %s): connections past %d at once are answered "
+                       "503; raise the hard limit (ulimit -Hn, or the container's nofile)", soft,
+                       "unlimited" if hard == resource.RLIM_INFINITY else hard, connection_limit(soft))
     return soft
 
 
