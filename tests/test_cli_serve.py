@@ -5,6 +5,7 @@ import glob
 import http.client
 import os
 import resource
+import shlex
 import signal
 import socket
 import ssl
@@ -105,9 +106,10 @@ def test_serve_starts_from_a_config_and_flags_override_it(tmp_path):
                "--ssl-keyfile", os.path.join(TLS, "key.pem"), "--ssl-certfile", CERTIFICATE, "--root-path", "/api",
                "--served-model-name", "tiny-stdlib-llama", "tiny", "--timeout-keep-alive", "1"]
     with open(log, "w") as log_file:
-        # 300 open files at most: connections past 300 - OPEN_FILES_RESERVED are answered 503
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300)))
+        # 300 open files at most (the shell's ulimit, then exec: no fork hook in this threaded process): connections
+        # past 300 - OPEN_FILES_RESERVED are answered 503
+        process = subprocess.Popen(["bash", "-c", f"ulimit -n 300 && exec {shlex.join(command)}"], stdout=log_file,
+                                   stderr=subprocess.STDOUT, env=env)
     url = f"https://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
