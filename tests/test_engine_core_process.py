@@ -194,25 +194,33 @@ async def _read_all(stream) -> None:
         pass
 
 
-def test_a_message_that_cannot_be_sent_fails_what_runs_and_calls_on_dead():
-    """A send to the core that fails (the process out of file descriptors, say) must not leave a request waiting for
-    a core that never heard of it: it ends with EngineDeadError, the client stops running and `on_dead` runs."""
+@pytest.mark.parametrize("broken", ["send", "read"])
+def test_a_send_or_a_read_that_fails_ends_what_runs_and_calls_on_dead(broken):
+    """A send to the core that fails (the process out of file descriptors, say), or an error while applying the core's
+    messages, must not leave requests waiting for outputs that never come: they end with EngineDeadError, the client
+    stops running and `on_dead` runs once (before: a request waiting forever)."""
     client = EngineCoreClient.launch(_config())
     dead = []
     client.on_dead = dead.append
 
-    async def submit_while_sends_fail() -> None:
+    async def submit_while_broken() -> None:
         client.start()
-        failed = asyncio.get_running_loop().create_future()
-        failed.set_exception(OSError(24, "Too many open files"))
-        with mock.patch.object(client._socket, "send", return_value=failed):
+        if broken == "send":
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(OSError(24, "Too many open files"))
+            breaking = mock.patch.object(client._socket, "send", return_value=failed)
+            reason = r"could not be sent \(OSError\(24, 'Too many open files'\)\)"
+        else:
+            breaking = mock.patch.object(client._output_processor, "advance", side_effect=RuntimeError("a bug"))
+            reason = r"reading the engine core's messages failed \(RuntimeError\('a bug'\)\)"
+        with breaking:
             stream = client.submit("r", client.make_requests("r", "def f(x):", SamplingParams(max_tokens=4)))
-            with pytest.raises(EngineDeadError, match=r"could not be sent \(OSError\(24, 'Too many open files'\)\)"):
-                await asyncio.wait_for(_read_all(stream), 60)  # (before: a request waiting forever)
+            with pytest.raises(EngineDeadError, match=reason):
+                await asyncio.wait_for(_read_all(stream), 60)
         assert not client.is_running
         await client.stop()
 
-    asyncio.run(submit_while_sends_fail())
+    asyncio.run(submit_while_broken())
     assert len(dead) == 1 and isinstance(dead[0], EngineDeadError)
     assert not client.process.is_alive()  # stop() still shut the core down
 

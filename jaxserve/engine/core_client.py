@@ -5,9 +5,9 @@ RequestMaker), keeps each sample's copy as the core's deltas bring it up to date
 strings (OutputProcessor), and streams. The core process only schedules and steps. Messages go out batched: every
 request submitted, aborted or stopped in one turn of the event loop leaves in one message of each kind.
 
-When the core process ends without being asked to, or a message to it cannot be sent, `is_running` turns False at
-once (/health answers 503), every request still streaming ends with EngineDeadError, pending calls fail, and
-`on_dead(error)` runs (the server stops on it).
+When the core process ends without being asked to, a message to it cannot be sent or reading its messages fails,
+`is_running` turns False at once (/health answers 503), every request still streaming ends with EngineDeadError,
+pending calls fail, and `on_dead(error)` runs (the server stops on it).
 """
 
 from __future__ import annotations
@@ -169,6 +169,7 @@ class EngineCoreClient(AsyncEngineBase):
         self._start_clock()
         self._socket = zmq.asyncio.Socket.shadow(self._sync_socket.underlying)
         self._reader = self._loop.create_task(self._read())
+        self._reader.add_done_callback(self._read_ended)
         self._core_watch = self.process.sentinel if self.process is not None else os.pidfd_open(self.core.pid)
         self._loop.add_reader(self._core_watch, self._core_ended)
 
@@ -366,12 +367,23 @@ class EngineCoreClient(AsyncEngineBase):
 
     def _sent(self, sending: asyncio.Future) -> None:
         """A message's send has ended. One that failed (the process out of file descriptors, say) leaves the core
-        and this front end disagreeing on what runs, with requests that would wait forever: fail everything, as
-        when the core dies, then `on_dead`."""
-        if sending.cancelled() or sending.exception() is None or self.error is not None:
+        and this front end disagreeing on what runs, with requests that would wait forever."""
+        if not sending.cancelled() and sending.exception() is not None:
+            self._broken(f"a message to the engine core could not be sent ({sending.exception()!r})")
+
+    def _read_ended(self, reader: asyncio.Task) -> None:
+        """The reader has stopped. Only `stop` cancels it: an error in it (applying a step's outputs, say) would
+        leave every request waiting for outputs no one reads."""
+        if not reader.cancelled() and reader.exception() is not None:
+            logger.error("reading the engine core's messages failed", exc_info=reader.exception())
+            self._broken(f"reading the engine core's messages failed ({reader.exception()!r})")
+
+    def _broken(self, what: str) -> None:
+        """This front end can no longer keep up its side with the core: fail everything, as when the core dies, then
+        `on_dead` (once)."""
+        if self.error is not None:
             return
-        error = EngineDeadError(f"a message to the engine core could not be sent ({sending.exception()!r}); no "
-                                f"request can run: restart the server")
+        error = EngineDeadError(f"{what}; no request can run: restart the server")
         logger.error("%s", error)
         self.fail(error)
         if self.on_dead is not None:
