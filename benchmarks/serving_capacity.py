@@ -66,9 +66,9 @@ def serve(port: int, rows: int, stats_path: str, engine: str) -> None:
     from jaxserve.engine.core_client import EngineCoreClient
     from jaxserve.server.app import build_app
     from jaxserve.server.config import ServerConfig
-    from jaxserve.server.front_ends import connection_limit, raise_open_files_limit
+    from jaxserve.server.front_ends import raise_open_files_limit, uvicorn_config
 
-    limit_concurrency = connection_limit(raise_open_files_limit())  # as `serve` does
+    raise_open_files_limit()  # as `serve` does
     server_config = ServerConfig(port=port, max_waiting_requests=4 * rows, stream_interval=1)
     with model_folder(MAX_MODEL_LEN) as folder:
         config = EngineConfig(model=folder, max_model_len=MAX_MODEL_LEN, page_size=16,
@@ -83,8 +83,7 @@ def serve(port: int, rows: int, stats_path: str, engine: str) -> None:
         # uvicorn raises the SIGTERM it shut down on again once it has restored the handler it found: a no-op
         # one here lets the stats below be written
         signal.signal(signal.SIGTERM, lambda signum, frame: None)
-        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5,
-                    timeout_keep_alive=server_config.timeout_keep_alive, limit_concurrency=limit_concurrency)
+        uvicorn.Server(uvicorn_config(app, server_config, "warning", host="127.0.0.1", port=port)).run()
         with open(stats_path, "w") as f:  # the async engine's: the engine's counters and the front end's CPU
             json.dump(app.state.async_engine.stats(), f)
 

@@ -102,7 +102,7 @@ def serve(args: argparse.Namespace) -> int:
 
         from jaxserve.server.app import build_app
         from jaxserve.server.config import ServerConfig
-        from jaxserve.server.front_ends import connection_limit, raise_open_files_limit
+        from jaxserve.server.front_ends import raise_open_files_limit, uvicorn_config
     except ImportError as error:
         raise ValueError(f"`jaxserve serve` needs the server packages ({error.name} is missing): "
                          f"pip install 'jaxserve[serve]'") from error
@@ -139,8 +139,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--api-server-count > 1 cannot serve runtime LoRA loading or sleep mode yet: use one front "
                          "end (--api-server-count 1) with --allow-runtime-lora-updating or --enable-sleep-mode")
     configure_logging(args.log_level)
-    # before the engine-core processes and the other front ends start: they inherit it
-    listen["limit_concurrency"] = connection_limit(raise_open_files_limit())
+    raise_open_files_limit()  # before the engine-core processes and the other front ends start: they inherit it
     engine = _serving_engine(engine_config, server_config, args.engine_in_process)
     app = build_app(engine, server_config)
     model = app.state.async_engine.model
@@ -155,8 +154,8 @@ def serve(args: argparse.Namespace) -> int:
         f"core process {', '.join(str(client.process.pid) for client in getattr(engine, 'replicas', [engine]))}",
         "required" if server_config.api_key else "off",
     )
-    config = uvicorn.Config(app, host=server_config.host, port=server_config.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, timeout_keep_alive=server_config.timeout_keep_alive, **listen)
+    config = uvicorn_config(app, server_config, args.log_level, host=server_config.host, port=server_config.port,
+                            **listen)
     server = _server_class(uvicorn)(config)
     sockets = None
     if metrics_folder is not None:

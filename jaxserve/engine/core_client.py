@@ -221,11 +221,7 @@ class EngineCoreClient(AsyncEngineBase):
             how = f"exit code {self.process.exitcode}"
         else:
             how = f"process {self.core.pid}"
-        error = EngineDeadError(f"the engine core process died ({how}); no request can run: restart the server")
-        logger.error("%s", error)
-        self.fail(error)
-        if self.on_dead is not None:
-            self.on_dead(error)
+        self._broken(f"the engine core process died ({how})")
 
     def _end_everything(self, error: BaseException) -> None:
         self._fail_streams(error)
@@ -375,16 +371,15 @@ class EngineCoreClient(AsyncEngineBase):
         """The reader has stopped. Only `stop` cancels it: an error in it (applying a step's outputs, say) would
         leave every request waiting for outputs no one reads."""
         if not reader.cancelled() and reader.exception() is not None:
-            logger.error("reading the engine core's messages failed", exc_info=reader.exception())
-            self._broken(f"reading the engine core's messages failed ({reader.exception()!r})")
+            self._broken(f"reading the engine core's messages failed ({reader.exception()!r})", reader.exception())
 
-    def _broken(self, what: str) -> None:
-        """This front end can no longer keep up its side with the core: fail everything, as when the core dies, then
-        `on_dead` (once)."""
+    def _broken(self, what: str, cause: BaseException | None = None) -> None:
+        """The core has died, or this front end can no longer keep up its side with it: log `what` (with `cause`'s
+        traceback), fail everything, then `on_dead` (once)."""
         if self.error is not None:
             return
         error = EngineDeadError(f"{what}; no request can run: restart the server")
-        logger.error("%s", error)
+        logger.error("%s", error, exc_info=cause)
         self.fail(error)
         if self.on_dead is not None:
             self.on_dead(error)

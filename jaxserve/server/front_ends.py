@@ -30,6 +30,7 @@ from jaxserve.server.config import ServerConfig
 
 logger = logging.getLogger("jaxserve")
 STOP_TIMEOUT_S = 10.0  # how long a front end may take to finish its responses when the server stops
+SHUTDOWN_GRACE_S = 5  # uvicorn's timeout_graceful_shutdown: how long a stopping front end lets responses run
 RESTART_CHECK_S = 0.5  # how often the supervisor looks for a front end that died
 OPEN_FILES_WANTED = 65536  # the soft limit on open files `serve` raises itself to, where the hard limit allows
 OPEN_FILES_LOW = 4096  # under this many, `serve` warns: a few thousand connections would reach the limit
@@ -64,6 +65,18 @@ def connection_limit(open_files_limit: int) -> int | None:
     if open_files_limit == resource.RLIM_INFINITY:
         return None
     return max(open_files_limit - OPEN_FILES_RESERVED, 1)
+
+
+def uvicorn_config(app, server_config: ServerConfig, log_level: str, **settings):
+    """uvicorn's Config of a front end serving `app`: `settings` (`serve`'s TLS and root path, and the host and port
+    where it does not serve given sockets) beside what every front end shares: its graceful shutdown, the
+    keep-alive timeout, and the 503s past this process's open-files limit (`connection_limit`)."""
+    import uvicorn
+
+    open_files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                          timeout_keep_alive=server_config.timeout_keep_alive,
+                          limit_concurrency=connection_limit(open_files), **settings)
 
 
 def prepare_metrics() -> str:
@@ -105,8 +118,7 @@ def run_front_end(engine_config: EngineConfig, server_config: ServerConfig, core
                                      server_config.stream_interval) for core in cores]
     engine = clients[0] if len(clients) == 1 else DataParallelEngine(clients)
     app = build_app(engine, server_config, observe_steps=False)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
-                                           timeout_keep_alive=server_config.timeout_keep_alive, **listen))
+    server = uvicorn.Server(uvicorn_config(app, server_config, log_level, **listen))
     for client in clients:
         client.on_dead = lambda error: setattr(server, "should_exit", True)
     sock = listening_socket(server_config.host, server_config.port)
